@@ -1,0 +1,126 @@
+/* attn_native.c - exact attention on the CPU: tiled online-softmax forward, recomputing
+ * backward, both O(N) in memory.
+ *
+ * Forward (FlashAttention-2, Dao 2023): for a block of BR query rows, stream over blocks of BC
+ * keys, keep a running max m and sum l per row, rescale the output accumulator when m grows;
+ * lse = m + log l. Work items are (unit, query block), spread over the thread pool.
+ * Backward: for every query block, recompute P = exp(S - lse) block by block and use
+ * D = rowsum(dO * O): dV += P^T dO, dP = dO V^T, dS = P (dP - D), dQ += dS K, dK += dS^T Q.
+ * A work item is one kv unit (all query heads of a GQA group, in order), so every output
+ * element is summed by one thread in a fixed order: bit-identical for any thread count.
+ *
+ * Layouts: every operand is a view (orchard.h); rows are contiguous, units and rows strided.
+ * float16 is loaded into float tiles and rounded once on store.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "orchard.h"
+#include "philox.h"
+
+#define BR 64   /* query rows per block */
+#define BC 64   /* key rows per block */
+
+/* Vectorised instances for the build machine's family, chosen at load time, and a portable one. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define OR_CLONES "arch=skylake-avx512", "arch=haswell", "default"
+#else
+#define OR_CLONES "default"
+#endif
+
+typedef _Float16 or_half;
+
+typedef struct {
+    const or_problem *p;
+    char *scratch;          /* nworkers slices of per_worker bytes */
+    size_t per_worker;
+    or_ssize blocks;        /* forward: query blocks per unit */
+    or_ssize nk_max;        /* backward: longest key sequence */
+} or_job;
+
+/* Keys [lo, hi) that query rows [i0, i1) of a unit may see; the rest of the row is masked. */
+static void key_range(const or_problem *p, or_ssize nq, or_ssize nk, or_ssize i0, or_ssize i1,
+                      or_ssize *lo, or_ssize *hi)
+{
+    const or_ssize off = nk - nq;
+    *lo = 0;
+    *hi = nk;
+    if (p->left >= 0 && i0 + off - p->left > 0)
+        *lo = i0 + off - p->left;
+    if (p->right >= 0 && i1 + off + p->right < nk)
+        *hi = i1 + off + p->right;
+    if (*hi < *lo)
+        *hi = *lo;
+}
+
+#define CAT_(a, b) a##b
+#define CAT(a, b) CAT_(a, b)
+#define FN(name) CAT(name, SFX)
+
+#define REAL float
+#define SFX _f
+#define EXP expf
+#define LOG logf
+#define TANH tanhf
+#include "attn_native_impl.h"
+#undef REAL
+#undef SFX
+#undef EXP
+#undef LOG
+#undef TANH
+
+#define REAL double
+#define SFX _d
+#define EXP exp
+#define LOG log
+#define TANH tanh
+#include "attn_native_impl.h"
+
+static size_t round_up(size_t n) { return (n + 63) & ~(size_t)63; }
+
+/* Runs fn over n_items with per-worker scratch of `per_worker` bytes. */
+static int run_job(or_job *job, or_ssize n_items, or_task fn)
+{
+    if (n_items == 0)
+        return OR_OK;
+    int nworkers = or_pool_acquire(n_items);
+    job->scratch = aligned_alloc(64, job->per_worker * (size_t)nworkers);
+    if (job->scratch == NULL) {
+        or_pool_release(nworkers);
+        return OR_ENOMEM;
+    }
+    or_pool_run(nworkers, n_items, fn, job);
+    free(job->scratch);
+    or_pool_release(nworkers);
+    return OR_OK;
+}
+
+int or_native_fwd(const or_problem *p)
+{
+    const int dbl = p->view[OR_Q].dtype == OR_F64;
+    const size_t real = dbl ? sizeof(double) : sizeof(float);
+    or_job job = {.p = p, .blocks = 0};
+    for (or_ssize u = 0; u < p->n_units; u++) {
+        or_ssize b = (p->nq[u] + BR - 1) / BR;
+        job.blocks = b > job.blocks ? b : job.blocks;
+    }
+    job.per_worker = round_up(real * ((size_t)BR * p->d + (size_t)p->d * BC + (size_t)BC * p->dv
+                                      + (size_t)BR * BC + (size_t)BR * p->dv + 2 * BR) + BC);
+    return run_job(&job, p->n_units * job.blocks, dbl ? fwd_item_d : fwd_item_f);
+}
+
+int or_native_bwd(const or_problem *p)
+{
+    const int dbl = p->view[OR_Q].dtype == OR_F64;
+    const size_t real = dbl ? sizeof(double) : sizeof(float);
+    or_job job = {.p = p, .nk_max = 0};
+    for (or_ssize u = 0; u < p->n_units; u++)
+        job.nk_max = p->nk[u] > job.nk_max ? p->nk[u] : job.nk_max;
+    const size_t d = (size_t)p->d, dv = (size_t)p->dv;
+    if ((size_t)job.nk_max > (SIZE_MAX / 2) / (real * (d + dv)))
+        return OR_ENOMEM;
+    job.per_worker = round_up(real * ((size_t)job.nk_max * (d + dv) + BR * d * 2 + BR * dv * 2
+                                      + BC * d * 2 + dv * BC + 3 * BR * BC + 2 * BR) + BC);
+    return run_job(&job, p->n_units / p->group, dbl ? bwd_item_d : bwd_item_f);
+}

@@ -1,0 +1,62 @@
+/* cpu_info.c - the facts devices() reports for the native CPU path. */
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "pyorchard.h"
+
+/* The value of the first "key : value" line of /proc/cpuinfo, or `fallback`. */
+static void cpuinfo_field(const char *key, char *out, size_t size, const char *fallback)
+{
+    snprintf(out, size, "%s", fallback);
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    if (f == NULL)
+        return;
+    char line[512];
+    size_t klen = strlen(key);
+    while (fgets(line, sizeof(line), f) != NULL) {
+        char *colon = strchr(line, ':');
+        if (strncmp(line, key, klen) != 0 || colon == NULL)
+            continue;
+        char *v = colon + 1;
+        while (*v == ' ' || *v == '\t')
+            v++;
+        v[strcspn(v, "\n")] = '\0';
+        snprintf(out, size, "%s", v);
+        break;
+    }
+    fclose(f);
+}
+
+static const char *simd_level(void)
+{
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f"))
+        return "avx512";
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        return "avx2";
+    return "sse2";
+#else
+    return "portable";
+#endif
+}
+
+PyObject *or_cpu_device_info(void)
+{
+    char name[256], vendor[128];
+    cpuinfo_field("model name", name, sizeof(name), "CPU");
+    cpuinfo_field("vendor_id", vendor, sizeof(vendor), "unknown");
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    long l1d = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+    return Py_BuildValue(
+        "{s:s, s:s, s:s, s:s, s:s, s:s, s:s, s:i, s:L, s:L, s:i, s:O, s:O, s:O, s:s}",
+        "id", "cpu", "name", name, "vendor", vendor, "kind", "cpu", "backend", "native",
+        "platform", "orchard native", "driver_version", ORCHARD_VERSION,
+        "compute_units", or_cpu_count(),
+        "global_mem_bytes", (long long)(pages > 0 && page > 0 ? pages * page : 0),
+        "local_mem_bytes", (long long)(l1d > 0 ? l1d : 0),
+        "max_work_group_size", 1,
+        "fp16", Py_True, "fp64", Py_True, "unified_memory", Py_True,
+        "simd", simd_level());
+}

@@ -1,0 +1,32 @@
+/* log.c - the optional diagnostic logs (ORCHARD_DEBUG_FLASH_ATN, ORCHARD_TENSOR_PROFILE),
+ * written to the file named by ORCHARD_LOG, or to stderr. The environment is read on every
+ * call so that tests and notebooks can switch logging on and off at run time. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pyorchard.h"
+
+int or_log_enabled(const char *env_name)
+{
+    const char *v = getenv(env_name);
+    return v != NULL && v[0] != '\0' && strcmp(v, "0") != 0;
+}
+
+void or_log(const char *fmt, ...)
+{
+    const char *path = getenv("ORCHARD_LOG");
+    FILE *f = (path != NULL && path[0] != '\0') ? fopen(path, "a") : stderr;
+    if (f == NULL)
+        f = stderr;
+    va_list ap;
+    va_start(ap, fmt);
+    vfprintf(f, fmt, ap);
+    va_end(ap);
+    fputc('\n', f);
+    if (f != stderr)
+        fclose(f);
+    else
+        fflush(f);
+}

@@ -1,0 +1,188 @@
+/* threadpool.c - the persistent worker threads of the native path.
+ *
+ * One pool per process. A call acquires it (trylock), hands out work items through an atomic
+ * counter and joins in as worker 0. A call that finds the pool busy (another Python thread is
+ * computing) simply runs its items on its own thread: concurrent calls are safe and never
+ * wait for each other. Results never depend on which worker ran an item, so they are
+ * bit-identical for every thread count. After fork() the child starts with no workers.
+ */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "orchard.h"
+
+typedef struct {
+    pthread_mutex_t owner;      /* held by the call that uses the workers */
+    pthread_mutex_t mu;         /* guards everything below */
+    pthread_cond_t wake, done;
+    atomic_int nthreads;        /* configured, the calling thread included */
+    int started;                /* worker threads created (ids 1..started) */
+    unsigned long generation;   /* bumped for every job */
+    or_task fn;
+    void *ctx;
+    or_ssize n_items;
+    int nworkers;
+    int finished;
+    atomic_llong next;
+} pool_t;
+
+static pool_t pool = {
+    .owner = PTHREAD_MUTEX_INITIALIZER,
+    .mu = PTHREAD_MUTEX_INITIALIZER,
+    .wake = PTHREAD_COND_INITIALIZER,
+    .done = PTHREAD_COND_INITIALIZER,
+};
+static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+
+int or_cpu_count(void)
+{
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0)
+        return CPU_COUNT(&set);
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)n : 1;
+}
+
+static void drain(or_task fn, void *ctx, or_ssize n_items, int worker)
+{
+    for (;;) {
+        long long item = atomic_fetch_add(&pool.next, 1);
+        if (item >= n_items)
+            return;
+        fn(ctx, (or_ssize)item, worker);
+    }
+}
+
+typedef struct {
+    int id;
+    unsigned long seen;     /* the generation when it was created: only later jobs are its */
+} worker_arg;
+
+static void *worker_main(void *varg)
+{
+    worker_arg arg = *(worker_arg *)varg;
+    int id = arg.id;
+    unsigned long seen = arg.seen;
+    free(varg);
+    pthread_mutex_lock(&pool.mu);
+    for (;;) {
+        while (pool.generation == seen)
+            pthread_cond_wait(&pool.wake, &pool.mu);
+        seen = pool.generation;
+        if (id >= pool.nworkers)
+            continue;
+        or_task fn = pool.fn;
+        void *ctx = pool.ctx;
+        or_ssize n = pool.n_items;
+        pthread_mutex_unlock(&pool.mu);
+        drain(fn, ctx, n, id);
+        pthread_mutex_lock(&pool.mu);
+        if (++pool.finished == pool.nworkers - 1)
+            pthread_cond_signal(&pool.done);
+    }
+    return NULL;
+}
+
+/* The child of a fork has none of the parent's threads: start from scratch. */
+static void after_fork_child(void)
+{
+    pthread_mutex_init(&pool.owner, NULL);
+    pthread_mutex_init(&pool.mu, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    pthread_cond_init(&pool.done, NULL);
+    pool.started = 0;
+    pool.generation = 0;
+}
+
+static void pool_init(void)
+{
+    int n = 0;
+    const char *env = getenv("ORCHARD_NUM_THREADS");
+    if (env != NULL)
+        n = atoi(env);
+    atomic_store(&pool.nthreads, n >= 1 ? n : or_cpu_count());
+    pthread_atfork(NULL, NULL, after_fork_child);
+}
+
+int or_pool_acquire(or_ssize n_items)
+{
+    pthread_once(&pool_once, pool_init);
+    if (n_items <= 1 || pthread_mutex_trylock(&pool.owner) != 0)
+        return 1;
+    int nthreads = atomic_load(&pool.nthreads);
+    int want = nthreads < n_items ? nthreads : (int)n_items;
+    while (pool.started < want - 1) {
+        worker_arg *arg = malloc(sizeof(*arg));
+        if (arg == NULL)
+            break;      /* fewer threads is slower, not wrong */
+        arg->id = pool.started + 1;
+        arg->seen = pool.generation;    /* stable: only the owner changes it */
+        pthread_t tid;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int rc = pthread_create(&tid, &attr, worker_main, arg);
+        pthread_attr_destroy(&attr);
+        if (rc != 0) {
+            free(arg);
+            break;
+        }
+        pool.started++;
+    }
+    if (want > pool.started + 1)
+        want = pool.started + 1;
+    if (want <= 1) {
+        pthread_mutex_unlock(&pool.owner);
+        return 1;
+    }
+    return want;
+}
+
+void or_pool_run(int nworkers, or_ssize n_items, or_task fn, void *ctx)
+{
+    if (nworkers <= 1) {
+        for (or_ssize i = 0; i < n_items; i++)
+            fn(ctx, i, 0);
+        return;
+    }
+    pthread_mutex_lock(&pool.mu);
+    pool.fn = fn;
+    pool.ctx = ctx;
+    pool.n_items = n_items;
+    pool.nworkers = nworkers;
+    pool.finished = 0;
+    atomic_store(&pool.next, 0);
+    pool.generation++;
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.mu);
+
+    drain(fn, ctx, n_items, 0);
+
+    pthread_mutex_lock(&pool.mu);
+    while (pool.finished < nworkers - 1)
+        pthread_cond_wait(&pool.done, &pool.mu);
+    pthread_mutex_unlock(&pool.mu);
+}
+
+void or_pool_release(int nworkers)
+{
+    if (nworkers > 1)
+        pthread_mutex_unlock(&pool.owner);
+}
+
+/* Takes effect from the next call; a running call keeps its workers. */
+void or_set_num_threads(int n)
+{
+    pthread_once(&pool_once, pool_init);
+    atomic_store(&pool.nthreads, n);
+}
+
+int or_get_num_threads(void)
+{
+    pthread_once(&pool_once, pool_init);
+    return atomic_load(&pool.nthreads);
+}
