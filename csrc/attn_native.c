@@ -21,10 +21,12 @@
 
 #define BR 64   /* query rows per block */
 #define BC 64   /* key rows per block */
+#define MAX_D 256   /* largest head dim the module accepts */
+#define MR 4    /* rows of the matrix-product micro-kernel; BR and BC are multiples */
 
 /* Vectorised instances for the build machine's family, chosen at load time, and a portable one. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define OR_CLONES "arch=skylake-avx512", "arch=haswell", "default"
+#define OR_CLONES "arch=x86-64-v4", "arch=x86-64-v3", "default"
 #else
 #define OR_CLONES "default"
 #endif
@@ -58,9 +60,31 @@ static void key_range(const or_problem *p, or_ssize nq, or_ssize nk, or_ssize i0
 #define CAT(a, b) CAT_(a, b)
 #define FN(name) CAT(name, SFX)
 
+/* exp for the float kernels, inlined so that the row loops vectorise (libm's expf is a call).
+ * Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, then Cephes' degree-6 polynomial for e^r:
+ * about 1 ulp. Arguments below -87.33 (-inf included) give exactly 0, as masking needs. */
+static inline __attribute__((always_inline)) float or_expf(float x)
+{
+    const float xc = x < -87.33f ? -87.33f : (x > 88.37f ? 88.37f : x);
+    const float n = (xc * 1.44269504f + 12582912.0f) - 12582912.0f;    /* round to nearest */
+    float r = xc - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;   /* 2^n */
+    float two_n;
+    memcpy(&two_n, &bits, sizeof(two_n));
+    return x < -87.33f ? 0.0f : y * two_n;
+}
+
 #define REAL float
 #define SFX _f
-#define EXP expf
+#define EXP or_expf
 #define LOG logf
 #define TANH tanhf
 #include "attn_native_impl.h"
@@ -105,8 +129,11 @@ int or_native_fwd(const or_problem *p)
         or_ssize b = (p->nq[u] + BR - 1) / BR;
         job.blocks = b > job.blocks ? b : job.blocks;
     }
-    job.per_worker = round_up(real * ((size_t)BR * p->d + (size_t)p->d * BC + (size_t)BC * p->dv
-                                      + (size_t)BR * BC + (size_t)BR * p->dv + 2 * BR) + BC);
+    const size_t lanes = 64 / real, dp = (p->d + lanes - 1) / lanes * lanes,
+                 dvp = (p->dv + lanes - 1) / lanes * lanes;
+    /* q, kt, v, s, o, m, l tiles (attn_native_impl.h) and the dropout keep row */
+    job.per_worker = round_up(real * (BR * dp + (size_t)p->d * BC + BC * dvp + BR * BC
+                                      + BR * dvp + 2 * BR) + BC);
     return run_job(&job, p->n_units * job.blocks, dbl ? fwd_item_d : fwd_item_f);
 }
 
@@ -117,10 +144,9 @@ int or_native_bwd(const or_problem *p)
     or_job job = {.p = p, .nk_max = 0};
     for (or_ssize u = 0; u < p->n_units; u++)
         job.nk_max = p->nk[u] > job.nk_max ? p->nk[u] : job.nk_max;
-    const size_t d = (size_t)p->d, dv = (size_t)p->dv;
-    if ((size_t)job.nk_max > (SIZE_MAX / 2) / (real * (d + dv)))
+    if ((size_t)job.nk_max > (SIZE_MAX / 4) / (real * 2 * (MAX_D + 64)))
         return OR_ENOMEM;
-    job.per_worker = round_up(real * ((size_t)job.nk_max * (d + dv) + BR * d * 2 + BR * dv * 2
-                                      + BC * d * 2 + dv * BC + 3 * BR * BC + 2 * BR) + BC);
+    job.per_worker = round_up(real * (dbl ? bwd_scratch_d(p, job.nk_max)
+                                          : bwd_scratch_f(p, job.nk_max)) + BC);
     return run_job(&job, p->n_units / p->group, dbl ? bwd_item_d : bwd_item_f);
 }

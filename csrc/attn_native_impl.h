@@ -1,41 +1,56 @@
 /* attn_native_impl.h - the native forward and backward kernels, written once over REAL.
  *
  * attn_native.c includes this file twice: REAL = float (float16 and float32 inputs) and
- * REAL = double (float64 inputs). FN(x) names the instance, EXP/LOG/TANH are REAL's libm.
+ * REAL = double (float64 inputs). FN(x) names the instance, EXP/LOG/TANH are REAL's functions.
  *
- * Tiles (row-major, REAL):
- *   q   BR x d     query rows of one block, pre-multiplied by scale
- *   kt  d  x BC    key block transposed, so S = q kt is a sum of contiguous axpys
- *   k   BC x d     key block (backward: dQ += dS k)
- *   v   BC x dv    value block (forward: O += P v)
- *   vt  dv x BC    value block transposed (backward: dP = dO vt)
- *   s   BR x BC    scores, then probabilities
- * The inner loops all run over a contiguous last dimension, which the compiler vectorises.
+ * Tiles (row-major REAL; rows padded to a multiple of MR, columns of a matrix product's
+ * right-hand side and result padded to a multiple of W with zeros, so that the micro-kernel
+ * never needs a tail):
+ *   q    BR x dp     query rows of the block, pre-multiplied by scale     (dp  = d  rounded up to W)
+ *   kt   d  x BC     key block transposed
+ *   k    BC x dp     key block                                           (backward)
+ *   v    BC x dvp    value block                                         (dvp = dv rounded up to W)
+ *   vt   dv x BC     value block transposed                              (backward)
+ *   s    BR x BC     scores, then probabilities; padded columns are -inf, then 0
+ *   o    BR x dvp    output accumulator
  */
 
+#define W (64 / (int)sizeof(REAL))      /* one cache line of REALs: the micro-kernel's width */
+
+static inline int FN(pad)(int n) { return (n + W - 1) / W * W; }
+
+/* Rows of a strided operand into a tile of leading dimension ld: converts to REAL, multiplies
+ * by mul, zero-fills columns [cols, ld) and rows [rows, pad_rows). */
 static inline __attribute__((always_inline)) void
 FN(load_rows)(REAL *dst, int ld, const char *src, or_ssize stride, or_ssize rows, int cols,
-              or_dtype dt, REAL mul)
+              or_ssize pad_rows, or_dtype dt, REAL mul)
 {
     for (or_ssize r = 0; r < rows; r++, src += stride) {
-        REAL *out = dst + (or_ssize)r * ld;
+        REAL *out = dst + r * ld;
         switch (dt) {
         case OR_F16: for (int c = 0; c < cols; c++) out[c] = (REAL)((const or_half *)src)[c] * mul; break;
         case OR_F32: for (int c = 0; c < cols; c++) out[c] = (REAL)((const float *)src)[c] * mul; break;
         case OR_F64: for (int c = 0; c < cols; c++) out[c] = (REAL)((const double *)src)[c] * mul; break;
         }
+        for (int c = cols; c < ld; c++)
+            out[c] = 0;
     }
+    if (pad_rows > rows)
+        memset(dst + rows * ld, 0, sizeof(REAL) * (size_t)(pad_rows - rows) * (size_t)ld);
 }
 
-/* dst[c * ld + r] = src row r, column c */
+/* The same rows transposed: dst[c * BC + r] = row r, column c; columns [rows, BC) zeroed. */
 static inline __attribute__((always_inline)) void
-FN(load_cols)(REAL *dst, int ld, const char *src, or_ssize stride, int rows, int cols, or_dtype dt)
+FN(load_cols)(REAL *dst, const char *src, or_ssize stride, int rows, int cols, or_dtype dt)
 {
+    if (rows < BC)
+        for (int c = 0; c < cols; c++)
+            memset(dst + (or_ssize)c * BC + rows, 0, sizeof(REAL) * (size_t)(BC - rows));
     for (int r = 0; r < rows; r++, src += stride) {
         switch (dt) {
-        case OR_F16: for (int c = 0; c < cols; c++) dst[(or_ssize)c * ld + r] = (REAL)((const or_half *)src)[c]; break;
-        case OR_F32: for (int c = 0; c < cols; c++) dst[(or_ssize)c * ld + r] = (REAL)((const float *)src)[c]; break;
-        case OR_F64: for (int c = 0; c < cols; c++) dst[(or_ssize)c * ld + r] = (REAL)((const double *)src)[c]; break;
+        case OR_F16: for (int c = 0; c < cols; c++) dst[(or_ssize)c * BC + r] = (REAL)((const or_half *)src)[c]; break;
+        case OR_F32: for (int c = 0; c < cols; c++) dst[(or_ssize)c * BC + r] = (REAL)((const float *)src)[c]; break;
+        case OR_F64: for (int c = 0; c < cols; c++) dst[(or_ssize)c * BC + r] = (REAL)((const double *)src)[c]; break;
         }
     }
 }
@@ -45,7 +60,7 @@ FN(store_rows)(char *dst, or_ssize stride, const REAL *src, int ld, or_ssize row
                or_dtype dt)
 {
     for (or_ssize r = 0; r < rows; r++, dst += stride) {
-        const REAL *in = src + (or_ssize)r * ld;
+        const REAL *in = src + r * ld;
         switch (dt) {
         case OR_F16: for (int c = 0; c < cols; c++) ((or_half *)dst)[c] = (or_half)in[c]; break;
         case OR_F32: for (int c = 0; c < cols; c++) ((float *)dst)[c] = (float)in[c]; break;
@@ -61,23 +76,91 @@ static inline char *FN(row_ptr)(const or_problem *p, int slot, or_ssize unit, or
     return w->base + w->offs[unit] + row * w->row_stride;
 }
 
-/* Scores of rows i0.. and columns j0.. of a unit, in the spec's order: scale (already in q),
- * softcap, ALiBi, masks. dcap, when given, receives d(capped)/d(raw) = 1 - tanh^2. */
+/* C (m x n, ldc) = or += A (m x k, lda) B (k x n, ldb). m is a multiple of MR and n of W.
+ * An MR x W block of C stays in registers (GCC vector extensions: 8 vectors of 32 bytes) while
+ * k streams through; the compiler maps them to AVX/SSE for each clone. The order of the sums
+ * depends only on the shapes, never on threads. */
+typedef REAL FN(vec) __attribute__((vector_size(32)));
+#define VL (32 / (int)sizeof(REAL))     /* lanes per vector; W = 2 VL */
+
 static inline __attribute__((always_inline)) void
-FN(scores)(const or_problem *p, const REAL *q, const REAL *kt, int rows, int cols,
-           or_ssize i0, or_ssize j0, or_ssize off, REAL slope, REAL *s, REAL *dcap)
+FN(gemm)(REAL *c, int ldc, const REAL *a, int lda, const REAL *b, int ldb, int m, int n, int k,
+         int accumulate)
 {
-    const int d = p->d;
+    for (int i0 = 0; i0 < m; i0 += MR) {
+        for (int j0 = 0; j0 < n; j0 += W) {
+            FN(vec) acc[MR][2];
+            for (int i = 0; i < MR; i++)
+                for (int h = 0; h < 2; h++) {
+                    if (accumulate)
+                        memcpy(&acc[i][h], c + (or_ssize)(i0 + i) * ldc + j0 + h * VL, sizeof(acc[i][h]));
+                    else
+                        acc[i][h] = (FN(vec)){0};
+                }
+            for (int x = 0; x < k; x++) {
+                const REAL *brow = b + (or_ssize)x * ldb + j0;
+                FN(vec) b0, b1;
+                memcpy(&b0, brow, sizeof(b0));
+                memcpy(&b1, brow + VL, sizeof(b1));
+                for (int i = 0; i < MR; i++) {
+                    const REAL av = a[(or_ssize)(i0 + i) * lda + x];
+                    acc[i][0] += av * b0;
+                    acc[i][1] += av * b1;
+                }
+            }
+            for (int i = 0; i < MR; i++)
+                for (int h = 0; h < 2; h++)
+                    memcpy(c + (or_ssize)(i0 + i) * ldc + j0 + h * VL, &acc[i][h], sizeof(acc[i][h]));
+        }
+    }
+}
+#undef VL
+
+/* dst (BC x BR) = src (BR x BC) transposed, for the products with P^T and dS^T. */
+static inline __attribute__((always_inline)) void
+FN(transpose)(REAL *dst, const REAL *src, int rows)
+{
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < BC; c++)
+            dst[(or_ssize)c * BR + r] = src[(or_ssize)r * BC + c];
+}
+
+/* Row reductions over a whole BC-wide row, in W independent lanes so they vectorise. */
+static inline __attribute__((always_inline)) REAL FN(row_max)(const REAL *x)
+{
+    REAL lane[W];
+    for (int t = 0; t < W; t++)
+        lane[t] = -INFINITY;
+    for (int c0 = 0; c0 < BC; c0 += W)
+        for (int t = 0; t < W; t++)
+            lane[t] = x[c0 + t] > lane[t] ? x[c0 + t] : lane[t];
+    REAL m = -INFINITY;
+    for (int t = 0; t < W; t++)
+        m = lane[t] > m ? lane[t] : m;
+    return m;
+}
+
+static inline __attribute__((always_inline)) REAL FN(row_sum)(const REAL *x)
+{
+    REAL lane[W] = {0};
+    for (int c0 = 0; c0 < BC; c0 += W)
+        for (int t = 0; t < W; t++)
+            lane[t] += x[c0 + t];
+    REAL s = 0;
+    for (int t = 0; t < W; t++)
+        s += lane[t];
+    return s;
+}
+
+/* Transforms the raw products q.k (s, BR x BC) of rows i0.. and keys j0.. of a unit, in the
+ * spec's order: softcap, ALiBi, masks (columns >= cols are padding and masked too).
+ * dcap, when given, receives d(capped)/d(raw) = 1 - tanh^2. */
+static inline __attribute__((always_inline)) void
+FN(transform_scores)(const or_problem *p, int rows, int cols, or_ssize i0, or_ssize j0,
+                     or_ssize off, REAL slope, REAL *s, REAL *dcap)
+{
     for (int r = 0; r < rows; r++) {
         REAL *srow = s + (or_ssize)r * BC;
-        for (int c = 0; c < cols; c++)
-            srow[c] = 0;
-        for (int x = 0; x < d; x++) {
-            const REAL a = q[(or_ssize)r * d + x];
-            const REAL *krow = kt + (or_ssize)x * BC;
-            for (int c = 0; c < cols; c++)
-                srow[c] += a * krow[c];
-        }
         if (p->softcap > 0) {
             const REAL cap = (REAL)p->softcap, inv = 1 / cap;
             for (int c = 0; c < cols; c++) {
@@ -96,62 +179,61 @@ FN(scores)(const or_problem *p, const REAL *q, const REAL *kt, int rows, int col
         }
         or_ssize first = p->left >= 0 ? diag - p->left - j0 : 0;           /* visible c range */
         or_ssize last = p->right >= 0 ? diag + p->right - j0 : cols - 1;
-        for (int c = 0; c < cols; c++)
+        if (last > cols - 1)
+            last = cols - 1;
+        for (int c = 0; c < BC; c++)
             if (c < first || c > last)
                 srow[c] = -INFINITY;
     }
 }
 
+/* Forward of BR query rows starting at i0 of unit u. */
 static inline __attribute__((always_inline)) void
 FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, int worker)
 {
-    const int d = p->d, dv = p->dv;
+    const int d = p->d, dv = p->dv, dp = FN(pad)(d), dvp = FN(pad)(dv);
     const or_ssize nq = p->nq[u], nk = p->nk[u], off = nk - nq, kvu = u / p->group;
-    const int rows = (int)(nq - i0 < BR ? nq - i0 : BR);
+    const int rows = (int)(nq - i0 < BR ? nq - i0 : BR), rows_mr = (rows + MR - 1) / MR * MR;
     const REAL slope = p->slopes ? (REAL)p->slopes[u] : 0;
     const REAL drop_scale = (REAL)p->drop_scale;
 
     REAL *q = (REAL *)(job->scratch + (size_t)worker * job->per_worker);
-    REAL *kt = q + BR * d, *v = kt + d * BC, *s = v + BC * dv, *o = s + BR * BC;
-    REAL *m = o + BR * dv, *l = m + BR;
+    REAL *kt = q + BR * dp, *v = kt + d * BC, *s = v + BC * dvp, *o = s + BR * BC;
+    REAL *m = o + BR * dvp, *l = m + BR;
     unsigned char *keep = (unsigned char *)(l + BR);
 
     const or_view *w = p->view;
-    FN(load_rows)(q, d, FN(row_ptr)(p, OR_Q, u, i0), w[OR_Q].row_stride, rows, d, w[OR_Q].dtype,
-                  (REAL)p->scale);
+    FN(load_rows)(q, dp, FN(row_ptr)(p, OR_Q, u, i0), w[OR_Q].row_stride, rows, d, rows_mr,
+                  w[OR_Q].dtype, (REAL)p->scale);
     for (int r = 0; r < rows; r++) {
         m[r] = -INFINITY;
         l[r] = 0;
     }
-    memset(o, 0, sizeof(REAL) * rows * dv);
+    memset(o, 0, sizeof(REAL) * (size_t)rows_mr * dvp);
 
     or_ssize lo, hi;
     key_range(p, nq, nk, i0, i0 + rows, &lo, &hi);
     for (or_ssize j0 = lo; j0 < hi; j0 += BC) {
         const int cols = (int)(hi - j0 < BC ? hi - j0 : BC);
-        FN(load_cols)(kt, BC, FN(row_ptr)(p, OR_K, kvu, j0), w[OR_K].row_stride, cols, d, w[OR_K].dtype);
-        FN(load_rows)(v, dv, FN(row_ptr)(p, OR_V, kvu, j0), w[OR_V].row_stride, cols, dv, w[OR_V].dtype, 1);
-        FN(scores)(p, q, kt, rows, cols, i0, j0, off, slope, s, NULL);
+        FN(load_cols)(kt, FN(row_ptr)(p, OR_K, kvu, j0), w[OR_K].row_stride, cols, d, w[OR_K].dtype);
+        FN(load_rows)(v, dvp, FN(row_ptr)(p, OR_V, kvu, j0), w[OR_V].row_stride, cols, dv, cols,
+                      w[OR_V].dtype, 1);
+        FN(gemm)(s, BC, q, dp, kt, BC, rows_mr, BC, d, 0);
+        FN(transform_scores)(p, rows, cols, i0, j0, off, slope, s, NULL);
         for (int r = 0; r < rows; r++) {
-            REAL *srow = s + (or_ssize)r * BC;
-            REAL mx = -INFINITY;
-            for (int c = 0; c < cols; c++)
-                mx = srow[c] > mx ? srow[c] : mx;
-            const REAL mnew = mx > m[r] ? mx : m[r];
-            if (mnew == -INFINITY)
-                continue;                       /* nothing visible to this row yet */
+            REAL *srow = s + (or_ssize)r * BC, *orow = o + (or_ssize)r * dvp;
+            const REAL mx = FN(row_max)(srow), mnew = mx > m[r] ? mx : m[r];
+            if (mnew == -INFINITY) {            /* nothing visible to this row yet */
+                memset(srow, 0, sizeof(REAL) * BC);
+                continue;
+            }
             const REAL alpha = EXP(m[r] - mnew);
             m[r] = mnew;
-            REAL sum = 0;
-            for (int c = 0; c < cols; c++) {
-                REAL e = EXP(srow[c] - mnew);
-                srow[c] = e;
-                sum += e;
-            }
-            l[r] = l[r] * alpha + sum;
-            REAL *orow = o + (or_ssize)r * dv;
+            for (int c = 0; c < BC; c++)
+                srow[c] = EXP(srow[c] - mnew);
+            l[r] = l[r] * alpha + FN(row_sum)(srow);
             if (alpha != 1)
-                for (int x = 0; x < dv; x++)
+                for (int x = 0; x < dvp; x++)
                     orow[x] *= alpha;
             if (p->dropout) {
                 or_dropout_row(p->seed, (uint64_t)u, (uint32_t)(i0 + r), (uint32_t)j0, cols,
@@ -159,26 +241,20 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
                 for (int c = 0; c < cols; c++)
                     srow[c] = keep[c] ? srow[c] * drop_scale : 0;
             }
-            for (int c = 0; c < cols; c++) {
-                const REAL e = srow[c];
-                if (e == 0)
-                    continue;
-                const REAL *vrow = v + (or_ssize)c * dv;
-                for (int x = 0; x < dv; x++)
-                    orow[x] += e * vrow[x];
-            }
         }
+        FN(gemm)(o, dvp, s, BC, v, dvp, rows_mr, dvp, cols, 1);
     }
 
     for (int r = 0; r < rows; r++) {
         const REAL inv = l[r] > 0 ? 1 / l[r] : 0;
-        REAL *orow = o + (or_ssize)r * dv;
+        REAL *orow = o + (or_ssize)r * dvp;
         for (int x = 0; x < dv; x++)
             orow[x] *= inv;
         m[r] = l[r] > 0 ? m[r] + LOG(l[r]) : -INFINITY;     /* m now holds lse */
     }
-    FN(store_rows)(FN(row_ptr)(p, OR_O, u, i0), w[OR_O].row_stride, o, dv, rows, dv, w[OR_O].dtype);
-    FN(store_rows)(FN(row_ptr)(p, OR_LSE, u, i0), w[OR_LSE].row_stride, m, 1, rows, 1, w[OR_LSE].dtype);
+    FN(store_rows)(FN(row_ptr)(p, OR_O, u, i0), w[OR_O].row_stride, o, dvp, rows, dv, w[OR_O].dtype);
+    FN(store_rows)(FN(row_ptr)(p, OR_LSE, u, i0), w[OR_LSE].row_stride, m, 1, rows, 1,
+                   w[OR_LSE].dtype);
 }
 
 /* One work item: a block of BR query rows of one unit. */
@@ -191,6 +267,16 @@ static void FN(fwd_item)(void *vjob, or_ssize item, int worker)
         FN(fwd_block)(job->p, job, u, i0, worker);
 }
 
+/* Backward scratch sizes, in REALs: whole-unit dK and dV accumulators, then the tiles. */
+static size_t FN(bwd_scratch)(const or_problem *p, or_ssize nk_max)
+{
+    const size_t dp = (size_t)FN(pad)(p->d), dvp = (size_t)FN(pad)(p->dv);
+    return ((size_t)nk_max + MR) * (dp + dvp)       /* dk, dv accumulators */
+           + BR * dp * 2 + BR * dvp * 2             /* q, dq, dout, o */
+           + BC * dp + (size_t)p->d * BC + (size_t)p->dv * BC     /* k, kt, vt */
+           + 5 * (size_t)BR * BC + 2 * BR;          /* s, dp, dcap, pt, dst, lse, di */
+}
+
 /* One work item: a kv unit; it owns dK and dV of that unit and the dQ of its query heads,
  * so no two workers ever write the same element and no atomics are needed. */
 __attribute__((target_clones(OR_CLONES)))
@@ -198,115 +284,98 @@ static void FN(bwd_item)(void *vjob, or_ssize kvu, int worker)
 {
     const or_job *job = vjob;
     const or_problem *p = job->p;
-    const int d = p->d, dv = p->dv;
+    const int d = p->d, dv = p->dv, dp = FN(pad)(d), dvp = FN(pad)(dv);
     const or_ssize nk = p->nk[kvu * p->group];
     const REAL drop_scale = (REAL)p->drop_scale;
 
     REAL *dk = (REAL *)(job->scratch + (size_t)worker * job->per_worker);
-    REAL *dvacc = dk + job->nk_max * d;
-    REAL *q = dvacc + job->nk_max * dv, *dout = q + BR * d, *o = dout + BR * dv, *dq = o + BR * dv;
-    REAL *k = dq + BR * d, *kt = k + BC * d, *vt = kt + d * BC;
-    REAL *s = vt + dv * BC, *dp = s + BR * BC, *dcap = dp + BR * BC, *lse = dcap + BR * BC;
-    REAL *di = lse + BR;
+    REAL *dvacc = dk + (job->nk_max + MR) * dp;
+    REAL *q = dvacc + (job->nk_max + MR) * dvp, *dq = q + BR * dp, *dout = dq + BR * dp;
+    REAL *o = dout + BR * dvp, *k = o + BR * dvp, *kt = k + BC * dp, *vt = kt + d * BC;
+    REAL *s = vt + dv * BC, *dpm = s + BR * BC, *dcap = dpm + BR * BC, *pt = dcap + BR * BC;
+    REAL *dst = pt + BR * BC, *lse = dst + BR * BC, *di = lse + BR;
     unsigned char *keep = (unsigned char *)(di + BR);
     const or_view *w = p->view;
 
-    memset(dk, 0, sizeof(REAL) * nk * d);
-    memset(dvacc, 0, sizeof(REAL) * nk * dv);
+    memset(dk, 0, sizeof(REAL) * (size_t)(nk + MR) * dp);
+    memset(dvacc, 0, sizeof(REAL) * (size_t)(nk + MR) * dvp);
     for (or_ssize g = 0; g < p->group; g++) {
         const or_ssize u = kvu * p->group + g, nq = p->nq[u], off = nk - nq;
         const REAL slope = p->slopes ? (REAL)p->slopes[u] : 0;
         for (or_ssize i0 = 0; i0 < nq; i0 += BR) {
-            const int rows = (int)(nq - i0 < BR ? nq - i0 : BR);
-            FN(load_rows)(q, d, FN(row_ptr)(p, OR_Q, u, i0), w[OR_Q].row_stride, rows, d,
+            const int rows = (int)(nq - i0 < BR ? nq - i0 : BR), rows_mr = (rows + MR - 1) / MR * MR;
+            FN(load_rows)(q, dp, FN(row_ptr)(p, OR_Q, u, i0), w[OR_Q].row_stride, rows, d, rows_mr,
                           w[OR_Q].dtype, (REAL)p->scale);
-            FN(load_rows)(dout, dv, FN(row_ptr)(p, OR_DO, u, i0), w[OR_DO].row_stride, rows, dv,
-                          w[OR_DO].dtype, 1);
-            FN(load_rows)(o, dv, FN(row_ptr)(p, OR_O, u, i0), w[OR_O].row_stride, rows, dv,
+            FN(load_rows)(dout, dvp, FN(row_ptr)(p, OR_DO, u, i0), w[OR_DO].row_stride, rows, dv,
+                          rows_mr, w[OR_DO].dtype, 1);
+            FN(load_rows)(o, dvp, FN(row_ptr)(p, OR_O, u, i0), w[OR_O].row_stride, rows, dv, rows,
                           w[OR_O].dtype, 1);
-            FN(load_rows)(lse, 1, FN(row_ptr)(p, OR_LSE, u, i0), w[OR_LSE].row_stride, rows, 1,
+            FN(load_rows)(lse, 1, FN(row_ptr)(p, OR_LSE, u, i0), w[OR_LSE].row_stride, rows, 1, rows,
                           w[OR_LSE].dtype, 1);
             for (int r = 0; r < rows; r++) {        /* D_i = rowsum(dO * O) */
                 REAL acc = 0;
                 for (int x = 0; x < dv; x++)
-                    acc += dout[(or_ssize)r * dv + x] * o[(or_ssize)r * dv + x];
+                    acc += dout[(or_ssize)r * dvp + x] * o[(or_ssize)r * dvp + x];
                 di[r] = acc;
             }
-            memset(dq, 0, sizeof(REAL) * rows * d);
+            memset(dq, 0, sizeof(REAL) * (size_t)rows_mr * dp);
 
             or_ssize lo, hi;
             key_range(p, nq, nk, i0, i0 + rows, &lo, &hi);
             for (or_ssize j0 = lo; j0 < hi; j0 += BC) {
-                const int cols = (int)(hi - j0 < BC ? hi - j0 : BC);
+                const int cols = (int)(hi - j0 < BC ? hi - j0 : BC), cols_mr = (cols + MR - 1) / MR * MR;
                 const char *kp = FN(row_ptr)(p, OR_K, kvu, j0);
-                FN(load_rows)(k, d, kp, w[OR_K].row_stride, cols, d, w[OR_K].dtype, 1);
-                FN(load_cols)(kt, BC, kp, w[OR_K].row_stride, cols, d, w[OR_K].dtype);
-                FN(load_cols)(vt, BC, FN(row_ptr)(p, OR_V, kvu, j0), w[OR_V].row_stride, cols, dv,
+                FN(load_rows)(k, dp, kp, w[OR_K].row_stride, cols, d, cols, w[OR_K].dtype, 1);
+                FN(load_cols)(kt, kp, w[OR_K].row_stride, cols, d, w[OR_K].dtype);
+                FN(load_cols)(vt, FN(row_ptr)(p, OR_V, kvu, j0), w[OR_V].row_stride, cols, dv,
                               w[OR_V].dtype);
-                FN(scores)(p, q, kt, rows, cols, i0, j0, off, slope, s, dcap);
+                FN(gemm)(s, BC, q, dp, kt, BC, rows_mr, BC, d, 0);          /* S = q K^T */
+                FN(transform_scores)(p, rows, cols, i0, j0, off, slope, s, dcap);
+                FN(gemm)(dpm, BC, dout, dvp, vt, BC, rows_mr, BC, dv, 0);   /* dP = dO V^T */
 
-                for (int r = 0; r < rows; r++) {
-                    REAL *prow = s + (or_ssize)r * BC, *dprow = dp + (or_ssize)r * BC;
-                    const REAL lr = lse[r];
-                    for (int c = 0; c < cols; c++)      /* P, recomputed from lse */
-                        prow[c] = lr == -INFINITY ? 0 : EXP(prow[c] - lr);
-                    for (int c = 0; c < cols; c++)
-                        dprow[c] = 0;
-                    for (int x = 0; x < dv; x++) {      /* dP = dO V^T */
-                        const REAL a = dout[(or_ssize)r * dv + x];
-                        const REAL *vrow = vt + (or_ssize)x * BC;
-                        for (int c = 0; c < cols; c++)
-                            dprow[c] += a * vrow[c];
+                /* prow becomes the kept P (for dV), dprow becomes dS (for dQ, dK) */
+                for (int r = 0; r < rows_mr; r++) {
+                    REAL *prow = s + (or_ssize)r * BC, *dprow = dpm + (or_ssize)r * BC;
+                    const REAL lr = r < rows ? lse[r] : -INFINITY;
+                    if (lr == -INFINITY) {              /* padding, or a row that sees nothing */
+                        memset(prow, 0, sizeof(REAL) * BC);
+                        memset(dprow, 0, sizeof(REAL) * BC);
+                        continue;
                     }
-                    /* Afterwards prow holds the dropped P (for dV), dprow holds dS. */
+                    for (int c = 0; c < BC; c++)
+                        prow[c] = EXP(prow[c] - lr);
                     if (p->dropout) {
                         or_dropout_row(p->seed, (uint64_t)u, (uint32_t)(i0 + r), (uint32_t)j0,
                                        cols, p->drop_threshold, keep);
                         for (int c = 0; c < cols; c++) {
-                            const REAL pk = keep[c] ? prow[c] * drop_scale : 0;
-                            const REAL dpk = keep[c] ? dprow[c] * drop_scale : 0;
-                            dprow[c] = prow[c] * (dpk - di[r]);
-                            prow[c] = pk;
+                            const REAL kept = keep[c] ? drop_scale : 0;
+                            dprow[c] = prow[c] * (dprow[c] * kept - di[r]);
+                            prow[c] *= kept;
                         }
                     } else {
-                        for (int c = 0; c < cols; c++)
+                        for (int c = 0; c < BC; c++)
                             dprow[c] = prow[c] * (dprow[c] - di[r]);
                     }
                     if (p->softcap > 0)
                         for (int c = 0; c < cols; c++)
                             dprow[c] *= dcap[(or_ssize)r * BC + c];
                 }
-
-                for (int c = 0; c < cols; c++) {        /* dV += P^T dO,  dK += dS^T q */
-                    REAL *dvrow = dvacc + (j0 + c) * dv, *dkrow = dk + (j0 + c) * d;
-                    for (int r = 0; r < rows; r++) {
-                        const REAL pr = s[(or_ssize)r * BC + c], ds = dp[(or_ssize)r * BC + c];
-                        if (pr != 0)
-                            for (int x = 0; x < dv; x++)
-                                dvrow[x] += pr * dout[(or_ssize)r * dv + x];
-                        if (ds != 0)
-                            for (int x = 0; x < d; x++)
-                                dkrow[x] += ds * q[(or_ssize)r * d + x];
-                    }
-                }
-                for (int r = 0; r < rows; r++) {        /* dQ += dS k */
-                    REAL *dqrow = dq + (or_ssize)r * d;
-                    for (int c = 0; c < cols; c++) {
-                        const REAL ds = dp[(or_ssize)r * BC + c];
-                        if (ds != 0)
-                            for (int x = 0; x < d; x++)
-                                dqrow[x] += ds * k[(or_ssize)c * d + x];
-                    }
-                }
+                FN(transpose)(pt, s, rows_mr);
+                FN(transpose)(dst, dpm, rows_mr);
+                FN(gemm)(dvacc + j0 * dvp, dvp, pt, BR, dout, dvp, cols_mr, dvp, rows, 1);
+                FN(gemm)(dk + j0 * dp, dp, dst, BR, q, dp, cols_mr, dp, rows, 1);
+                FN(gemm)(dq, dp, dpm, BC, k, dp, rows_mr, dp, cols, 1);
             }
             const REAL scale = (REAL)p->scale;          /* s = scale * q.k */
-            for (or_ssize x = 0; x < (or_ssize)rows * d; x++)
+            for (or_ssize x = 0; x < (or_ssize)rows * dp; x++)
                 dq[x] *= scale;
-            FN(store_rows)(FN(row_ptr)(p, OR_DQ, u, i0), w[OR_DQ].row_stride, dq, d, rows, d,
+            FN(store_rows)(FN(row_ptr)(p, OR_DQ, u, i0), w[OR_DQ].row_stride, dq, dp, rows, d,
                            w[OR_DQ].dtype);
         }
     }
-    FN(store_rows)(FN(row_ptr)(p, OR_DK, kvu, 0), w[OR_DK].row_stride, dk, d, nk, d, w[OR_DK].dtype);
-    FN(store_rows)(FN(row_ptr)(p, OR_DV, kvu, 0), w[OR_DV].row_stride, dvacc, dv, nk, dv,
+    FN(store_rows)(FN(row_ptr)(p, OR_DK, kvu, 0), w[OR_DK].row_stride, dk, dp, nk, d, w[OR_DK].dtype);
+    FN(store_rows)(FN(row_ptr)(p, OR_DV, kvu, 0), w[OR_DV].row_stride, dvacc, dvp, nk, dv,
                    w[OR_DV].dtype);
 }
+
+#undef W

@@ -65,6 +65,24 @@ static void call_clear(call_t *c)
 
 static const char *slot_name[OR_NSLOTS] = {"q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv"};
 
+/* An integer argument (int, numpy integer, anything with __index__) as a long long; returns
+ * 0, or -1 with no exception set when it is not an integer or does not fit. */
+static int as_integer(PyObject *obj, long long *out)
+{
+    PyObject *i = PyNumber_Index(obj);
+    if (i == NULL) {
+        PyErr_Clear();
+        return -1;
+    }
+    *out = PyLong_AsLongLong(i);
+    Py_DECREF(i);
+    if (*out == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return -1;
+    }
+    return 0;
+}
+
 /* Parses `device`; today only the native CPU path exists. */
 static int resolve_device(const char *func, PyObject *device)
 {
@@ -124,11 +142,9 @@ static int check_options(call_t *c, const opts_t *o)
         PyObject *item = PySequence_GetItem(o->window, i);
         if (item == NULL)
             return -1;
-        lr[i] = PyLong_Check(item) ? PyLong_AsLongLong(item) : -2;
+        int bad = as_integer(item, &lr[i]) < 0;
         Py_DECREF(item);
-        if (lr[i] == -1 && PyErr_Occurred())
-            PyErr_Clear(), lr[i] = -2;
-        if (lr[i] < -1) {
+        if (bad || lr[i] < -1) {
             PyErr_Format(PyExc_ValueError,
                          "%s(): 'window' entries must be ints >= -1 (-1 = unbounded), got %R",
                          c->func, o->window);
@@ -142,12 +158,15 @@ static int check_options(call_t *c, const opts_t *o)
 
     if (o->seed == NULL)
         return 0;       /* seed 0 */
-    if (!PyLong_Check(o->seed)) {
+    PyObject *seed_int = PyNumber_Index(o->seed);
+    if (seed_int == NULL) {
+        PyErr_Clear();
         PyErr_Format(PyExc_TypeError, "%s(): 'seed' must be an int, not %.100s", c->func,
                      Py_TYPE(o->seed)->tp_name);
         return -1;
     }
-    unsigned long long seed = PyLong_AsUnsignedLongLong(o->seed);
+    unsigned long long seed = PyLong_AsUnsignedLongLong(seed_int);
+    Py_DECREF(seed_int);
     if (seed == (unsigned long long)-1 && PyErr_Occurred()) {
         PyErr_Clear();
         PyErr_Format(PyExc_ValueError, "%s(): 'seed' must be in [0, 2**64), got %R", c->func,
@@ -388,10 +407,8 @@ static int check_max_seqlen(call_t *c, PyObject *given, const char *name, npy_in
 {
     if (given == Py_None)
         return 0;
-    long long m = PyLong_Check(given) ? PyLong_AsLongLong(given) : -1;
-    if (m == -1 && PyErr_Occurred())
-        PyErr_Clear();
-    if (m < actual) {
+    long long m;
+    if (as_integer(given, &m) < 0 || m < actual) {
         PyErr_Format(PyExc_ValueError, "%s(): '%s' must be an int >= %zd, the longest sequence",
                      c->func, name, actual);
         return -1;
@@ -664,11 +681,9 @@ static int parse_shape(PyObject *obj, const char *name, npy_intp *dims)
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     int ok = n >= 2 && n <= NPY_MAXDIMS;
     for (Py_ssize_t i = 0; ok && i < n; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
-        dims[i] = PyLong_Check(item) ? PyLong_AsSsize_t(item) : -1;
-        if (dims[i] == -1 && PyErr_Occurred())
-            PyErr_Clear();
-        ok = dims[i] >= 0;
+        long long v;
+        ok = as_integer(PySequence_Fast_GET_ITEM(seq, i), &v) == 0 && v >= 0 && v <= NPY_MAX_INTP;
+        dims[i] = ok ? (npy_intp)v : 0;
     }
     Py_DECREF(seq);
     if (!ok) {
@@ -778,10 +793,8 @@ static PyObject *reset_stats(PyObject *module, PyObject *unused)
 
 static PyObject *set_num_threads(PyObject *module, PyObject *arg)
 {
-    long n = PyLong_Check(arg) ? PyLong_AsLong(arg) : -1;
-    if (n == -1 && PyErr_Occurred())
-        PyErr_Clear();
-    if (n < 1 || n > 4096) {
+    long long n;
+    if (as_integer(arg, &n) < 0 || n < 1 || n > 4096) {
         PyErr_SetString(PyExc_ValueError, "set_num_threads(): 'n' must be an int in 1..4096");
         return NULL;
     }

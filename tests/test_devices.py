@@ -1,0 +1,79 @@
+"""devices(), default_device() and ORCHARD_DEVICE."""
+
+import numpy as np
+
+from conftest import assert_close, randn, run_python
+from reference import ref_fwd
+
+FIELDS = {
+    "id": str, "name": str, "vendor": str, "kind": str, "backend": str, "platform": str,
+    "driver_version": str, "compute_units": int, "global_mem_bytes": int, "local_mem_bytes": int,
+    "max_work_group_size": int, "fp16": bool, "fp64": bool, "unified_memory": bool,
+}
+
+
+def test_devices_entries(ops):
+    devs = ops.devices()
+    assert isinstance(devs, list) and devs
+    ids = [d["id"] for d in devs]
+    assert len(set(ids)) == len(ids), "duplicate device ids %s" % ids
+    assert "cpu" in ids
+    for d in devs:
+        for key, typ in FIELDS.items():
+            assert key in d, "device %s lacks %r" % (d.get("id"), key)
+            assert isinstance(d[key], typ), "device %s: %r is %r" % (d["id"], key, d[key])
+        assert d["kind"] in ("cpu", "gpu", "accelerator"), d
+        assert d["backend"] in ("native", "opencl"), d
+        assert d["compute_units"] >= 1 and d["global_mem_bytes"] > 0, d
+        if d["backend"] == "opencl":
+            assert d["id"].startswith("opencl:"), d
+    cpu = devs[ids.index("cpu")]
+    assert cpu["backend"] == "native" and cpu["kind"] == "cpu"
+    assert "simd" in cpu and isinstance(cpu["simd"], str)
+    assert cpu["fp64"] and cpu["fp16"]
+
+
+def test_devices_returns_fresh_list(ops):
+    a = ops.devices()
+    a[0]["id"] = "mutated"
+    a.append({})
+    b = ops.devices()
+    assert b[0]["id"] != "mutated" and {} not in b
+
+
+def test_default_device_is_listed(ops):
+    dev = ops.default_device()
+    assert dev in [d["id"] for d in ops.devices()]
+
+
+def test_default_device_honours_env():
+    r = run_python("import orchard_ops; print(orchard_ops.default_device())", ORCHARD_DEVICE="cpu")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "cpu", r.stdout
+
+
+def test_default_device_env_does_not_change_environment():
+    code = ("import os, orchard_ops; orchard_ops.default_device(); orchard_ops.devices(); "
+            "print(os.environ.get('ORCHARD_DEVICE'), os.environ.get('PYOPENCL_CTX'))")
+    r = run_python(code, ORCHARD_DEVICE="cpu", PYOPENCL_CTX=None)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "cpu None"
+
+
+def test_default_device_used_for_none(ops, rng):
+    """device=None runs on default_device(): its per-device counters move."""
+    q, k, v = (randn(rng, (1, 2, 5, 8), np.float32) for _ in range(3))
+    ops.reset_stats()
+    out, _ = ops.flash_attn_fwd(q, k, v)
+    st = ops.stats()
+    assert st["per_device"][ops.default_device()]["fwd_calls"] == 1, st
+    assert_close(out, ref_fwd(q, k, v)[0], np.float32, "out")
+
+
+def test_explicit_device_counts_there(ops, device, rng):
+    q, k, v = (randn(rng, (1, 2, 5, 8), np.float32) for _ in range(3))
+    ops.reset_stats()
+    ops.flash_attn_fwd(q, k, v, device=device)
+    st = ops.stats()
+    assert st["per_device"][device]["fwd_calls"] == 1, st
+    assert st["fwd_calls"] == 1

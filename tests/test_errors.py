@@ -1,0 +1,165 @@
+"""Bad inputs: each case runs in a fresh interpreter, so a segfault or abort is a test failure
+and not a crash of pytest.  Checks the exception type and that the message names the
+argument in quotes (API_CONTRACT: "The message always contains the argument's name in
+quotes, e.g. 'k'")."""
+
+import json
+
+import pytest
+
+from conftest import run_python
+
+PRELUDE = r"""
+import json, sys
+import numpy as np
+import orchard_ops as ops
+rng = np.random.default_rng(0)
+def a(*shape, dtype=np.float32):
+    return rng.standard_normal(shape).astype(dtype)
+q, k, v, do = a(1, 2, 5, 8), a(1, 2, 6, 8), a(1, 2, 6, 8), a(1, 2, 5, 8)
+out, lse = ops.flash_attn_fwd(q, k, v)
+qp, kp, vp, dop = a(5, 2, 8), a(6, 2, 8), a(6, 2, 8), a(5, 2, 8)
+cq, ck = np.array([0, 3, 5], np.int32), np.array([0, 2, 6], np.int32)
+vout, vlse = ops.flash_attn_varlen_fwd(qp, kp, vp, cq, ck)
+fwd, bwd = ops.flash_attn_fwd, ops.flash_attn_bwd
+vfwd, vbwd = ops.flash_attn_varlen_fwd, ops.flash_attn_varlen_bwd
+"""
+
+EPILOGUE = r"""
+res = {"raised": None}
+try:
+    CALL()
+except BaseException as exc:
+    res = {"raised": type(exc).__name__, "mro": [c.__name__ for c in type(exc).__mro__],
+           "msg": str(exc)}
+print("RESULT " + json.dumps(res))
+"""
+
+TE, VE, ME, OE = "TypeError", "ValueError", "MemoryError", "OverflowError"
+
+# (id, setup statements, call expression, accepted exception types, names: any one must be
+#  quoted in the message)
+CASES = [
+    ("q_int32", "q = q.astype(np.int32)", "fwd(q, k, v)", [TE], ["q"]),
+    ("all_int32", "q, k, v = (x.astype(np.int32) for x in (q, k, v))", "fwd(q, k, v)", [TE], ["q"]),
+    ("q_complex", "q = q.astype(np.complex64)", "fwd(q, k, v)", [TE], ["q"]),
+    ("k_dtype_mismatch", "k = k.astype(np.float64)", "fwd(q, k, v)", [TE], ["k"]),
+    ("v_dtype_mismatch", "v = v.astype(np.float16)", "fwd(q, k, v)", [TE], ["v"]),
+    ("dout_dtype_mismatch", "do = do.astype(np.float64)", "bwd(do, q, k, v, out, lse)", [TE],
+     ["dout"]),
+    ("out_dtype_mismatch", "out = out.astype(np.float64)", "bwd(do, q, k, v, out, lse)", [TE],
+     ["out"]),
+    ("q_object", "q = object()", "fwd(q, k, v)", [TE], ["q"]),
+    ("q_none", "q = None", "fwd(q, k, v)", [TE], ["q"]),
+    ("q_string", "q = 'hello'", "fwd(q, k, v)", [TE], ["q"]),
+    ("v_dict", "v = {'a': 1}", "fwd(q, k, v)", [TE], ["v"]),
+    ("q_1d", "q, k, v = a(8), a(8), a(8)", "fwd(q, k, v)", [VE], ["q"]),
+    ("q_0d", "q = np.float32(1.0)", "fwd(q, k, v)", [VE, TE], ["q"]),
+    ("D_0", "q, k = a(1, 2, 5, 0), a(1, 2, 6, 0)", "fwd(q, k, v)", [VE], ["q"]),
+    ("D_257", "q, k = a(1, 2, 5, 257), a(1, 2, 6, 257)", "fwd(q, k, v)", [VE], ["q"]),
+    ("Dv_0", "v = a(1, 2, 6, 0)", "fwd(q, k, v)", [VE], ["v"]),
+    ("Dv_257", "v = a(1, 2, 6, 257)", "fwd(q, k, v)", [VE], ["v"]),
+    ("D_mismatch", "k = a(1, 2, 6, 7)", "fwd(q, k, v)", [VE], ["k"]),
+    ("Nk_mismatch", "v = a(1, 2, 7, 8)", "fwd(q, k, v)", [VE], ["v", "k"]),
+    ("batch_mismatch", "k, v = a(2, 2, 6, 8), a(2, 2, 6, 8)", "fwd(q, k, v)", [VE], ["k"]),
+    ("batch_mismatch_v", "v = a(2, 2, 6, 8)", "fwd(q, k, v)", [VE], ["v"]),
+    ("heads_3d_mismatch", "q, k, v = a(4, 5, 8), a(2, 6, 8), a(2, 6, 8)", "fwd(q, k, v)", [VE],
+     ["k"]),
+    ("gqa_5d_not_allowed", "q, k, v = a(1, 1, 4, 5, 8), a(1, 1, 2, 6, 8), a(1, 1, 2, 6, 8)",
+     "fwd(q, k, v)", [VE], ["k"]),
+    ("H_not_multiple_Hkv", "q, k, v = a(1, 3, 5, 8), a(1, 2, 6, 8), a(1, 2, 6, 8)",
+     "fwd(q, k, v)", [VE], ["k"]),
+    ("kv_heads_differ", "k, v = a(1, 1, 6, 8), a(1, 2, 6, 8)", "fwd(q, k, v)", [VE], ["v", "k"]),
+    ("ndim_mismatch", "k, v = a(2, 6, 8), a(2, 6, 8)", "fwd(q, k, v)", [VE], ["k"]),
+    ("dropout_neg", "", "fwd(q, k, v, dropout_p=-0.1)", [VE], ["dropout_p"]),
+    ("dropout_one", "", "fwd(q, k, v, dropout_p=1.0)", [VE], ["dropout_p"]),
+    ("dropout_nan", "", "fwd(q, k, v, dropout_p=float('nan'))", [VE], ["dropout_p"]),
+    ("dropout_bwd", "", "bwd(do, q, k, v, out, lse, dropout_p=1.0)", [VE], ["dropout_p"]),
+    ("softcap_neg", "", "fwd(q, k, v, softcap=-1.0)", [VE], ["softcap"]),
+    ("softcap_nan", "", "fwd(q, k, v, softcap=float('nan'))", [VE], ["softcap"]),
+    ("window_neg2", "", "fwd(q, k, v, window=(-2, 0))", [VE], ["window"]),
+    ("window_right_neg2", "", "fwd(q, k, v, window=(0, -5))", [VE], ["window"]),
+    ("window_int", "", "fwd(q, k, v, window=5)", [TE, VE], ["window"]),
+    ("window_3", "", "fwd(q, k, v, window=(1, 2, 3))", [TE, VE], ["window"]),
+    ("window_str", "", "fwd(q, k, v, window='ab')", [TE, VE], ["window"]),
+    ("window_float", "", "fwd(q, k, v, window=(1.5, 2))", [TE, VE], ["window"]),
+    ("alibi_wrong_H", "", "fwd(q, k, v, alibi_slopes=np.ones(3))", [VE], ["alibi_slopes"]),
+    ("alibi_wrong_BH", "", "fwd(q, k, v, alibi_slopes=np.ones((2, 2)))", [VE], ["alibi_slopes"]),
+    ("alibi_3d", "", "fwd(q, k, v, alibi_slopes=np.ones((1, 2, 1)))", [VE], ["alibi_slopes"]),
+    ("alibi_int_dtype_or_str", "", "fwd(q, k, v, alibi_slopes='x')", [TE, VE], ["alibi_slopes"]),
+    ("alibi_varlen_wrong", "", "vfwd(qp, kp, vp, cq, ck, alibi_slopes=np.ones((3, 2)))", [VE],
+     ["alibi_slopes"]),
+    ("seed_neg", "", "fwd(q, k, v, dropout_p=0.1, seed=-1)", [VE], ["seed"]),
+    ("seed_2_64", "", "fwd(q, k, v, dropout_p=0.1, seed=2**64)", [VE, OE], ["seed"]),
+    ("seed_float", "", "fwd(q, k, v, dropout_p=0.1, seed=1.5)", [TE, VE], ["seed"]),
+    ("device_tpu", "", "fwd(q, k, v, device='tpu:0')", [VE], ["device"]),
+    ("device_bwd_tpu", "", "bwd(do, q, k, v, out, lse, device='tpu:0')", [VE], ["device"]),
+    ("device_opencl_missing", "", "fwd(q, k, v, device='opencl:999')", [VE], ["device"]),
+    ("unknown_keyword", "", "fwd(q, k, v, bogus=1)", [TE], ["bogus"]),
+    ("cu_decreasing", "cq = np.array([0, 4, 3, 5], np.int32); ck = np.array([0, 2, 4, 6], np.int32)",
+     "vfwd(qp, kp, vp, cq, ck)", [VE], ["cu_seqlens_q"]),
+    ("cu_wrong_last", "cq = np.array([0, 3, 4], np.int32)", "vfwd(qp, kp, vp, cq, ck)", [VE],
+     ["cu_seqlens_q"]),
+    ("cu_k_wrong_last", "ck = np.array([0, 2, 7], np.int32)", "vfwd(qp, kp, vp, cq, ck)", [VE],
+     ["cu_seqlens_k"]),
+    ("cu_not_zero_start", "cq = np.array([1, 3, 5], np.int32)", "vfwd(qp, kp, vp, cq, ck)", [VE],
+     ["cu_seqlens_q"]),
+    ("cu_not_1d", "cq = cq.reshape(1, 3)", "vfwd(qp, kp, vp, cq, ck)", [VE], ["cu_seqlens_q"]),
+    ("cu_float", "cq = cq.astype(np.float64)", "vfwd(qp, kp, vp, cq, ck)", [TE, VE],
+     ["cu_seqlens_q"]),
+    ("cu_empty", "cq = np.zeros(0, np.int32)", "vfwd(qp, kp, vp, cq, ck)", [VE], ["cu_seqlens_q"]),
+    ("cu_length_mismatch", "ck = np.array([0, 2, 4, 6], np.int32)", "vfwd(qp, kp, vp, cq, ck)",
+     [VE], ["cu_seqlens_k", "cu_seqlens_q"]),
+    ("cu_bwd_decreasing", "cq2 = np.array([0, 4, 3, 5], np.int32); ck2 = np.array([0, 2, 4, 6], np.int32)",
+     "vbwd(dop, qp, kp, vp, vout, vlse, cq2, ck2)", [VE], ["cu_seqlens_q"]),
+    ("max_seqlen_q_small", "", "vfwd(qp, kp, vp, cq, ck, max_seqlen_q=2)", [VE], ["max_seqlen_q"]),
+    ("max_seqlen_k_small", "", "vfwd(qp, kp, vp, cq, ck, None, 3)", [VE], ["max_seqlen_k"]),
+    ("varlen_q_4d", "qp = a(5, 2, 1, 8)", "vfwd(qp, kp, vp, cq, ck)", [VE], ["q"]),
+    ("varlen_H_not_multiple", "qp = a(5, 3, 8)", "vfwd(qp, kp, vp, cq, ck)", [VE], ["k"]),
+    ("lse_wrong_shape", "lse = lse[..., :-1]", "bwd(do, q, k, v, out, lse)", [VE], ["lse"]),
+    ("lse_wrong_rank", "lse = lse[..., None]", "bwd(do, q, k, v, out, lse)", [VE], ["lse"]),
+    ("out_wrong_shape", "out = out[..., :-1]", "bwd(do, q, k, v, out, lse)", [VE], ["out"]),
+    ("dout_wrong_shape", "do = a(1, 2, 4, 8)", "bwd(do, q, k, v, out, lse)", [VE], ["dout"]),
+    ("varlen_lse_transposed", "vlse = np.ascontiguousarray(vlse.T)",
+     "vbwd(dop, qp, kp, vp, vout, vlse, cq, ck)", [VE], ["lse"]),
+    ("mask_bad_p", "", "ops.dropout_mask((2, 5, 8), (2, 6, 8), 1.5)", [VE], ["dropout_p"]),
+    ("mask_bad_seed", "", "ops.dropout_mask((2, 5, 8), (2, 6, 8), 0.5, -3)", [VE], ["seed"]),
+    ("mask_q_shape_1d", "", "ops.dropout_mask((5,), (6, 8), 0.5)", [VE], ["q_shape"]),
+    ("huge_broadcast_zero_copy",
+     "q, k, v = (np.broadcast_to(np.zeros((1, 1, 1, 64), np.float32), (2**16, 2**10, 1024, 64))"
+     " for _ in range(3))", "fwd(q, k, v)", [ME], []),
+    ("huge_broadcast_staged",
+     "q, k, v = (np.broadcast_to(np.zeros((1,), np.float32), (2**16, 2**10, 1024, 64))"
+     " for _ in range(3))", "fwd(q, k, v)", [ME], []),
+    ("huge_dropout_mask", "", "ops.dropout_mask((2**20, 2**20, 8), (2**20, 2**20, 8), 0.5)", [ME],
+     []),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(ops, case):
+    name, setup, call, types, names = case
+    code = PRELUDE + setup + "\nCALL = lambda: " + call + "\n" + EPILOGUE
+    try:
+        r = run_python(code, timeout=90)
+    except Exception as exc:  # subprocess.TimeoutExpired
+        pytest.fail("%s: child did not finish: %r" % (name, exc))
+    assert r.returncode == 0, "%s: child crashed with return code %s\nstderr: %s" % (
+        name, r.returncode, r.stderr[-2000:])
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert line, "%s: no result; stdout=%r stderr=%r" % (name, r.stdout, r.stderr[-2000:])
+    res = json.loads(line[-1][len("RESULT "):])
+    assert res["raised"] is not None, "%s: `%s` raised nothing, expected %s" % (name, call, types)
+    assert any(t in res["mro"] for t in types), "%s: `%s` raised %s(%r), expected %s" % (
+        name, call, res["raised"], res["msg"], types)
+    if names:
+        quoted = ["'%s'" % n for n in names] + ['"%s"' % n for n in names]
+        assert any(qn in res["msg"] for qn in quoted), (
+            "%s: message %r does not name %s in quotes" % (name, res["msg"], " or ".join(names)))
+
+
+def test_error_classes(ops):
+    assert issubclass(ops.OrchardError, RuntimeError)
+    assert issubclass(ops.OrchardOutOfMemory, ops.OrchardError)
+    assert issubclass(ops.OrchardOutOfMemory, MemoryError)
+    assert isinstance(ops.__version__, str) and ops.__version__

@@ -1,0 +1,245 @@
+"""Forward pass features vs the float64 reference, on every device."""
+
+import numpy as np
+import pytest
+
+from conftest import assert_close, check_forward, lse_dtype, randn
+from reference import ref_fwd
+
+DTYPES = [np.float16, np.float32, np.float64]
+DT_IDS = ["f16", "f32", "f64"]
+
+
+def qkv(rng, dtype, b=1, h=2, nq=9, nk=13, d=16, dv=None, hkv=None, amp=1.0):
+    dv = d if dv is None else dv
+    hkv = h if hkv is None else hkv
+    return (randn(rng, (b, h, nq, d), dtype, amp), randn(rng, (b, hkv, nk, d), dtype, amp),
+            randn(rng, (b, hkv, nk, dv), dtype, amp))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("d", [1, 3, 16, 64, 100, 128, 256])
+def test_dtypes_and_head_dims(ops, device, rng, dtype, d):
+    q, k, v = qkv(rng, dtype, d=d)
+    check_forward(ops, device, q, k, v, what="D=%d" % d)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("d,dv", [(16, 1), (16, 5), (3, 64), (64, 256), (256, 7), (100, 33)])
+def test_value_dim_differs(ops, device, rng, dtype, d, dv):
+    q, k, v = qkv(rng, dtype, d=d, dv=dv)
+    check_forward(ops, device, q, k, v, what="D=%d Dv=%d" % (d, dv))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("nq,nk", [(1, 1), (1, 37), (37, 1), (17, 33), (33, 17), (65, 65),
+                                   (128, 3), (3, 129)])
+def test_seq_lengths(ops, device, rng, dtype, nq, nk):
+    q, k, v = qkv(rng, dtype, nq=nq, nk=nk, d=32)
+    check_forward(ops, device, q, k, v, what="Nq=%d Nk=%d" % (nq, nk))
+    check_forward(ops, device, q, k, v, what="causal Nq=%d Nk=%d" % (nq, nk), causal=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_nq_zero(ops, device, rng, dtype):
+    q, k, v = qkv(rng, dtype, nq=0, nk=5, d=8, dv=3)
+    out, lse = ops.flash_attn_fwd(q, k, v, device=device)
+    assert out.shape == (1, 2, 0, 3) and out.dtype == dtype
+    assert lse.shape == (1, 2, 0) and lse.dtype == lse_dtype(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_nk_zero(ops, device, rng, dtype, causal):
+    q, k, v = qkv(rng, dtype, nq=4, nk=0, d=8, dv=3)
+    out, lse = ops.flash_attn_fwd(q, k, v, causal=causal, device=device)
+    assert out.shape == (1, 2, 4, 3) and out.dtype == dtype
+    assert np.all(out == 0), "Nk=0: out must be 0, got %s" % out
+    assert lse.shape == (1, 2, 4) and np.all(np.isneginf(lse)), "Nk=0: lse must be -inf, got %s" % lse
+
+
+@pytest.mark.parametrize("shape_q,shape_k", [((0, 2, 5, 8), (0, 2, 6, 8)),
+                                             ((3, 0, 5, 8), (3, 0, 6, 8)),
+                                             ((0, 5, 8), (0, 6, 8)),
+                                             ((2, 0, 3, 5, 8), (2, 0, 3, 6, 8))])
+def test_zero_batch_dims(ops, device, rng, shape_q, shape_k):
+    q = randn(rng, shape_q, np.float32)
+    k = randn(rng, shape_k, np.float32)
+    v = randn(rng, shape_k[:-1] + (4,), np.float32)
+    out, lse = ops.flash_attn_fwd(q, k, v, device=device)
+    assert out.shape == shape_q[:-1] + (4,)
+    assert lse.shape == shape_q[:-1]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("batch", [(), (3,), (2, 3), (2, 1, 3)], ids=["2d", "3d", "4d", "5d"])
+def test_input_ranks(ops, device, rng, dtype, batch):
+    q = randn(rng, batch + (7, 16), dtype)
+    k = randn(rng, batch + (11, 16), dtype)
+    v = randn(rng, batch + (11, 8), dtype)
+    check_forward(ops, device, q, k, v, what="batch=%s" % (batch,))
+    check_forward(ops, device, q, k, v, what="causal batch=%s" % (batch,), causal=True)
+
+
+def test_short_positional_call(ops, rng):
+    """The spec's `flash_attn_fwd(q, k, v, 1.0, 0.0, False)` on 3-D arrays works as is."""
+    q, k, v = (randn(rng, (4, 6, 16), np.float32) for _ in range(3))
+    out, lse = ops.flash_attn_fwd(q, k, v, 1.0, 0.0, False)
+    ro, rl = ref_fwd(q, k, v, 1.0)
+    assert_close(out, ro, np.float32, "out")
+    assert_close(lse, rl, np.float32, "lse")
+    out2, _ = ops.flash_attn_fwd(q, k, v, 1.0, 0.0, True)
+    assert_close(out2, ref_fwd(q, k, v, 1.0, causal=True)[0], np.float32, "out")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("h,hkv", [(6, 1), (6, 2), (6, 3), (6, 6), (4, 1)])
+def test_gqa_mqa(ops, device, rng, dtype, h, hkv):
+    q, k, v = qkv(rng, dtype, b=2, h=h, hkv=hkv, nq=5, nk=7, d=16, dv=8)
+    check_forward(ops, device, q, k, v, what="H=%d Hkv=%d" % (h, hkv))
+    check_forward(ops, device, q, k, v, what="causal H=%d Hkv=%d" % (h, hkv), causal=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("nq,nk", [(5, 9), (9, 5), (8, 8), (1, 9), (9, 1), (40, 70), (70, 40)])
+def test_causal_bottom_right(ops, device, rng, dtype, nq, nk):
+    q, k, v = qkv(rng, dtype, nq=nq, nk=nk, d=16)
+    out, lse = check_forward(ops, device, q, k, v, what="causal", causal=True)
+    if nq > nk:  # rows i < Nq - Nk see no key
+        n = nq - nk
+        assert np.all(out[:, :, :n] == 0) and np.all(np.isneginf(lse[:, :, :n]))
+        assert np.all(np.isfinite(lse[:, :, n:]))
+
+
+WINDOWS = [(0, 0), (2, 0), (0, 3), (3, 2), (-1, 2), (4, -1), (0, -1), (-1, 0), (-1, -1), (100, 100)]
+
+
+@pytest.mark.parametrize("window", WINDOWS, ids=[str(w) for w in WINDOWS])
+@pytest.mark.parametrize("nq,nk", [(7, 7), (5, 11), (11, 5)])
+def test_window(ops, device, rng, window, nq, nk):
+    q, k, v = qkv(rng, np.float32, nq=nq, nk=nk, d=8)
+    check_forward(ops, device, q, k, v, what="window", window=window)
+    check_forward(ops, device, q, k, v, what="window+causal", window=window, causal=True)
+
+
+def test_window_tuple_types(ops, device, rng):
+    """window given as a list or with numpy integers behaves like the tuple."""
+    q, k, v = qkv(rng, np.float64, nq=6, nk=6, d=8)
+    o1, _ = ops.flash_attn_fwd(q, k, v, window=(2, 1), device=device)
+    o2, _ = ops.flash_attn_fwd(q, k, v, window=[2, 1], device=device)
+    o3, _ = ops.flash_attn_fwd(q, k, v, window=(np.int64(2), np.int32(1)), device=device)
+    assert np.array_equal(o1, o2) and np.array_equal(o1, o3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("form", ["H", "BH", "H_f32", "BH_f16", "H_list"])
+def test_alibi(ops, device, rng, dtype, form):
+    b, h = 2, 3
+    q, k, v = qkv(rng, dtype, b=b, h=h, nq=6, nk=10, d=16)
+    if form.startswith("BH"):
+        slopes = rng.uniform(0.05, 1.0, size=(b, h))
+    else:
+        slopes = 0.5 ** np.arange(1, h + 1)
+    if form.endswith("f32"):
+        slopes = slopes.astype(np.float32)
+    elif form.endswith("f16"):
+        slopes = slopes.astype(np.float16)
+    elif form.endswith("list"):
+        slopes = [float(s) for s in slopes]
+    check_forward(ops, device, q, k, v, what="alibi " + form, alibi_slopes=slopes)
+    check_forward(ops, device, q, k, v, what="alibi causal " + form, alibi_slopes=slopes,
+                  causal=True)
+
+
+def test_alibi_3d_and_5d(ops, device, rng):
+    q, k, v = (randn(rng, (3, 5, 8), np.float32) for _ in range(3))
+    check_forward(ops, device, q, k, v, what="3-D alibi (H,)", alibi_slopes=np.array([0.1, 0.2, 0.3]))
+    q, k, v = (randn(rng, (2, 2, 3, 5, 8), np.float32) for _ in range(3))
+    check_forward(ops, device, q, k, v, what="5-D alibi (H,)", alibi_slopes=np.array([0.1, 0.2, 0.3]))
+    check_forward(ops, device, q, k, v, what="5-D alibi full", alibi_slopes=rng.uniform(0, 1, (2, 2, 3)))
+
+
+def test_alibi_gqa(ops, device, rng):
+    q, k, v = qkv(rng, np.float32, b=2, h=4, hkv=2, nq=5, nk=8, d=8)
+    check_forward(ops, device, q, k, v, what="alibi gqa", alibi_slopes=rng.uniform(0, 1, (2, 4)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("softcap", [0.5, 5.0, 30.0])
+def test_softcap(ops, device, rng, dtype, softcap):
+    q, k, v = qkv(rng, dtype, nq=7, nk=9, d=16, amp=3.0)
+    check_forward(ops, device, q, k, v, what="softcap", softcap=softcap)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("scale", [0.1, 1.0, 2.5, 1e-3])
+def test_scale(ops, device, rng, dtype, scale):
+    q, k, v = qkv(rng, dtype, nq=7, nk=9, d=16)
+    check_forward(ops, device, q, k, v, what="scale", scale=scale)
+
+
+def test_large_scores_no_overflow(ops, device, rng):
+    """Scores in the hundreds: the online softmax must track the running max."""
+    for dtype in (np.float32, np.float64):
+        q, k, v = qkv(rng, dtype, nq=17, nk=70, d=32, amp=6.0)
+        check_forward(ops, device, q, k, v, what="large scores")
+        check_forward(ops, device, q, k, v, what="large scores scale 5", scale=5.0)
+
+
+COMBOS = [
+    dict(causal=True, window=(3, -1), softcap=2.0),
+    dict(causal=True, alibi=True, softcap=10.0, scale=0.5),
+    dict(window=(2, 2), alibi=True),
+    dict(window=(0, 4), softcap=1.0, gqa=True),
+    dict(causal=True, window=(1, 1), alibi=True, softcap=3.0, gqa=True, scale=0.3),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("combo", COMBOS, ids=[str(c) for c in COMBOS])
+@pytest.mark.parametrize("nq,nk", [(6, 10), (10, 6)])
+def test_combinations(ops, device, rng, dtype, combo, nq, nk):
+    kw = dict(combo)
+    hkv = 1 if kw.pop("gqa", False) else 4
+    q, k, v = qkv(rng, dtype, b=2, h=4, hkv=hkv, nq=nq, nk=nk, d=24, dv=12, amp=2.0)
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = rng.uniform(0.01, 0.5, (4,))
+    check_forward(ops, device, q, k, v, what=str(combo), **kw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("kw,nq,nk", [
+    (dict(causal=True), 9, 3),
+    (dict(window=(-1, 1)), 9, 3),
+    (dict(window=(2, 0), alibi_slopes=np.array([0.5, 0.25])), 12, 4),
+    (dict(causal=True, softcap=1.0), 6, 1),
+])
+def test_fully_masked_rows(ops, device, rng, dtype, kw, nq, nk):
+    q, k, v = qkv(rng, dtype, nq=nq, nk=nk, d=8)
+    out, lse = ops.flash_attn_fwd(q, k, v, device=device, **kw)
+    ro, rl = ref_fwd(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), **kw)
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    dead = np.isneginf(rl)
+    assert dead.any()
+    assert np.all(out[dead] == 0), "masked rows must be 0, got %s" % out[dead]
+    assert np.all(np.isneginf(lse[dead])), "masked rows must have lse -inf, got %s" % lse[dead]
+    assert_close(out, ro, dtype, "out")
+    assert_close(lse, rl, dtype, "lse")
+
+
+def test_outputs_are_fresh_arrays(ops, device, rng):
+    q, k, v = qkv(rng, np.float32)
+    out, lse = ops.flash_attn_fwd(q, k, v, device=device)
+    assert isinstance(out, np.ndarray) and isinstance(lse, np.ndarray)
+    assert out.flags.c_contiguous and out.flags.writeable and out.flags.aligned
+    assert lse.flags.c_contiguous and lse.flags.writeable
+    assert not np.shares_memory(out, q) and not np.shares_memory(out, v)
+
+
+@pytest.mark.parametrize("dev", [None, "auto", "cpu"])
+def test_device_spellings(ops, rng, dev):
+    q, k, v = qkv(rng, np.float32)
+    out, lse = ops.flash_attn_fwd(q, k, v, device=dev)
+    ro, rl = ref_fwd(q, k, v)
+    assert_close(out, ro, np.float32, "out")
+    assert_close(lse, rl, np.float32, "lse")

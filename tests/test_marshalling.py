@@ -1,0 +1,252 @@
+"""Marshalling of inputs: strides, byte order, alignment, read-only, lists, torch tensors,
+and the zero-copy / staged counters of stats()."""
+
+import numpy as np
+import pytest
+
+from conftest import assert_close, check_backward, check_forward, randn
+from reference import ref_fwd
+
+COUNTERS = ["fwd_calls", "bwd_calls", "zero_copy_buffers", "staged_buffers", "bytes_staged",
+            "kernel_builds", "cache_hits"]
+
+
+def delta(ops, fn, device):
+    """Run fn() between reset_stats() and stats(); return (result, totals, per-device)."""
+    ops.reset_stats()
+    res = fn()
+    st = ops.stats()
+    return res, st, st["per_device"].get(device, {})
+
+
+def misaligned(x):
+    """A copy of x whose data pointer is offset by 1 byte from an aligned buffer."""
+    buf = np.zeros(x.nbytes + 1, dtype=np.uint8)
+    y = np.frombuffer(buf.data[1:1 + x.nbytes], dtype=x.dtype).reshape(x.shape)
+    y[...] = x
+    assert not y.flags.aligned
+    return y
+
+
+# ------------------------------------------------------------------------------- stats
+
+
+def test_stats_keys_and_reset(ops, device, rng):
+    q, k, v, do = (randn(rng, (1, 2, 5, 8), np.float32) for _ in range(4))
+    out, lse = ops.flash_attn_fwd(q, k, v, device=device)
+    ops.flash_attn_bwd(do, q, k, v, out, lse, device=device)
+    st = ops.stats()
+    for c in COUNTERS:
+        assert c in st, "stats() lacks %r" % c
+        assert isinstance(st[c], int)
+    assert isinstance(st["per_device"], dict) and device in st["per_device"]
+    for c in COUNTERS:
+        assert c in st["per_device"][device]
+    assert st["fwd_calls"] >= 1 and st["bwd_calls"] >= 1
+    ops.reset_stats()
+    st = ops.stats()
+    for c in COUNTERS:
+        assert st[c] == 0, "%s not reset: %s" % (c, st[c])
+        for dev, counters in st["per_device"].items():
+            assert counters.get(c, 0) == 0, "per_device[%s][%s] not reset" % (dev, c)
+
+
+def test_stats_counts_calls(ops, device, rng):
+    q, k, v, do = (randn(rng, (1, 2, 5, 8), np.float32) for _ in range(4))
+
+    def run():
+        for _ in range(3):
+            out, lse = ops.flash_attn_fwd(q, k, v, device=device)
+        for _ in range(2):
+            ops.flash_attn_bwd(do, q, k, v, out, lse, device=device)
+
+    _, st, dev = delta(ops, run, device)
+    assert st["fwd_calls"] == 3 and st["bwd_calls"] == 2, st
+    assert dev["fwd_calls"] == 3 and dev["bwd_calls"] == 2, dev
+
+
+def test_stats_returns_snapshot(ops, device, rng):
+    ops.reset_stats()
+    st = ops.stats()
+    st["fwd_calls"] = 12345
+    st["per_device"].clear()
+    st2 = ops.stats()
+    assert st2["fwd_calls"] == 0 and st2["per_device"] != {}
+
+
+def test_contiguous_is_zero_copy(ops, device, rng):
+    q, k, v, do = (randn(rng, (2, 3, 6, 8), np.float32) for _ in range(4))
+    (out, lse), st, dev = delta(ops, lambda: ops.flash_attn_fwd(q, k, v, device=device), device)
+    assert st["zero_copy_buffers"] == 3, st    # q, k, v; outputs are not counted
+    assert st["staged_buffers"] == 0 and st["bytes_staged"] == 0, st
+    assert dev["zero_copy_buffers"] == 3, dev
+    _, st, _ = delta(ops, lambda: ops.flash_attn_bwd(do, q, k, v, out, lse, device=device), device)
+    assert st["zero_copy_buffers"] == 6, st    # dout, q, k, v, out, lse
+    assert st["staged_buffers"] == 0 and st["bytes_staged"] == 0, st
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=["f16", "f32", "f64"])
+def test_bnhd_transposed_is_zero_copy(ops, device, rng, dtype):
+    """A (B, N, H, D) array transposed to (B, H, N, D) has a contiguous last dim: in place."""
+    qs, ks, vs, dos = (randn(rng, (2, 7, 3, 16), dtype) for _ in range(4))
+    q, k, v, do = (x.transpose(0, 2, 1, 3) for x in (qs, ks, vs, dos))
+    assert not q.flags.c_contiguous
+    (out, lse), st, dev = delta(ops, lambda: check_forward(ops, device, q, k, v, causal=True),
+                                device)
+    assert st["zero_copy_buffers"] == 3 and st["staged_buffers"] == 0, st
+    assert st["bytes_staged"] == 0, st
+    assert dev["zero_copy_buffers"] == 3 and dev["staged_buffers"] == 0, dev
+    _, st, _ = delta(ops, lambda: check_backward(ops, device, q, k, v, do, causal=True), device)
+    assert st["staged_buffers"] == 0, st
+
+
+def test_broadcast_batch_strides_zero_copy(ops, device, rng):
+    """Stride-0 batch dims (np.broadcast_to) with a contiguous last dim are used in place."""
+    q = randn(rng, (2, 3, 5, 8), np.float32)
+    k = np.broadcast_to(randn(rng, (1, 1, 6, 8), np.float32), (2, 3, 6, 8))
+    v = np.broadcast_to(randn(rng, (2, 1, 6, 4), np.float32), (2, 3, 6, 4))
+    _, st, _ = delta(ops, lambda: check_forward(ops, device, q, k, v), device)
+    assert st["zero_copy_buffers"] == 3 and st["staged_buffers"] == 0, st
+    do = randn(rng, (2, 3, 5, 4), np.float32)
+    check_backward(ops, device, q, k, v, do)
+
+
+def test_size1_last_dim_any_stride_zero_copy(ops, device, rng):
+    base = randn(rng, (1, 2, 5, 3), np.float32)
+    q = base[..., 1:2]  # D = 1, last stride 4 but also non-contiguous rows
+    k = np.lib.stride_tricks.as_strided(base, shape=(1, 2, 5, 1), strides=base.strides[:3] + (40,))
+    v = randn(rng, (1, 2, 5, 2), np.float32)
+    _, st, _ = delta(ops, lambda: check_forward(ops, device, q, k, v), device)
+    assert st["zero_copy_buffers"] == 3 and st["staged_buffers"] == 0, st
+
+
+def _staged_case(ops, device, q, k, v, nbytes):
+    _, st, dev = delta(ops, lambda: check_forward(ops, device, q, k, v), device)
+    assert st["staged_buffers"] == 1 and st["zero_copy_buffers"] == 2, st
+    assert st["bytes_staged"] == nbytes, (st, nbytes)
+    assert dev["staged_buffers"] == 1 and dev["bytes_staged"] == nbytes, dev
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=["f16", "f32", "f64"])
+def test_reversed_last_dim_is_staged(ops, device, rng, dtype):
+    q0, k, v = (randn(rng, (2, 3, 6, 8), dtype) for _ in range(3))
+    q = q0[..., ::-1]
+    _staged_case(ops, device, q, k, v, q.size * q.itemsize)
+
+
+def test_strided_last_dim_is_staged(ops, device, rng):
+    big = randn(rng, (2, 3, 6, 16), np.float32)
+    q = big[..., ::2]
+    k, v = (randn(rng, (2, 3, 6, 8), np.float32) for _ in range(2))
+    _staged_case(ops, device, q, k, v, q.size * 4)
+    _staged_case(ops, device, k, q, v, q.size * 4)
+
+
+@pytest.mark.parametrize("dtype", ["f4", "f8", "f2"])
+def test_big_endian_is_staged(ops, device, rng, dtype):
+    k, v = (randn(rng, (2, 3, 6, 8), np.dtype(dtype)) for _ in range(2))
+    q = randn(rng, (2, 3, 6, 8), np.dtype(">" + dtype))
+    assert q.dtype.byteorder == ">"
+    _staged_case(ops, device, q, k, v, q.nbytes)
+    out, _ = ops.flash_attn_fwd(q, k, v, device=device)
+    assert out.dtype == np.dtype(dtype) and out.dtype.isnative
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+def test_misaligned_is_staged(ops, device, rng, dtype):
+    q0, k, v = (randn(rng, (2, 3, 6, 8), dtype) for _ in range(3))
+    q = misaligned(q0)
+    _staged_case(ops, device, q, k, v, q.nbytes)
+
+
+def test_read_only_inputs(ops, device, rng):
+    q, k, v, do = (randn(rng, (2, 3, 6, 8), np.float32) for _ in range(4))
+    for x in (q, k, v, do):
+        x.setflags(write=False)
+    _, st, _ = delta(ops, lambda: check_forward(ops, device, q, k, v, causal=True), device)
+    assert st["zero_copy_buffers"] == 3 and st["staged_buffers"] == 0, st
+    out, lse = ops.flash_attn_fwd(q, k, v, device=device)
+    out.setflags(write=False)
+    lse.setflags(write=False)
+    ops.flash_attn_bwd(do, q, k, v, out, lse, device=device)
+    check_backward(ops, device, q, k, v, do, causal=True)
+
+
+def test_all_odd_layouts_at_once(ops, device, rng):
+    """Every operand of fwd and bwd in a different odd layout; results still correct."""
+    d = 8
+    q = randn(rng, (2, 5, 3, d), np.float32).transpose(0, 2, 1, 3)          # zero-copy view
+    k = randn(rng, (2, 3, 6, d), np.float32)[..., ::-1]                      # reversed
+    v = misaligned(randn(rng, (2, 3, 6, d), np.float32))                     # misaligned
+    do = randn(rng, (2, 3, 5, d), np.dtype(">f4"))                           # big endian
+    check_forward(ops, device, q, k, v, causal=True)
+    check_backward(ops, device, q, k, v, do, causal=True)
+
+
+def test_non_contiguous_views(ops, device, rng):
+    base = randn(rng, (4, 6, 20, 24), np.float64)
+    q = base[::2, 1::2, ::3, :16]
+    k = base[1::2, ::2, 1:19:2, 4:20]
+    v = np.asfortranarray(base[:2, :3, :9, :5])
+    do = base[2:, 3:, :7, 10:15]
+    check_forward(ops, device, q, k, v)
+    check_backward(ops, device, q, k, v, do, window=(2, 2))
+
+
+def test_python_lists(ops, device, rng):
+    q, k, v = (randn(rng, (2, 4, 3), np.float64) for _ in range(3))
+    out, lse = ops.flash_attn_fwd(q.tolist(), k.tolist(), v.tolist(), device=device)
+    ro, rl = ref_fwd(q, k, v)
+    assert np.asarray(out).dtype == np.float64
+    assert_close(out, ro, np.float64, "out")
+    assert_close(lse, rl, np.float64, "lse")
+    do = randn(rng, (2, 4, 3), np.float64)
+    grads = ops.flash_attn_bwd(do.tolist(), q.tolist(), k.tolist(), v.tolist(),
+                               np.asarray(out).tolist(), np.asarray(lse).tolist(), device=device)
+    ref = ops.flash_attn_bwd(do, q, k, v, out, lse, device=device)
+    for g, r in zip(grads, ref):
+        np.testing.assert_array_equal(g, r)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+def test_torch_cpu_tensors(ops, device, rng, dtype):
+    torch = pytest.importorskip("torch")
+    tdt = getattr(torch, dtype)
+    qn, kn, vn, don = (randn(rng, (2, 3, 6, 8), np.dtype(dtype)) for _ in range(4))
+    q, k, v, do = (torch.from_numpy(x) for x in (qn, kn, vn, don))
+    assert q.dtype == tdt
+    out, lse = check_forward(ops, device, q, k, v, causal=True)
+    check_backward(ops, device, q, k, v, do, causal=True)
+    # a non-contiguous torch view (B, N, H, D) -> (B, H, N, D)
+    qt = torch.from_numpy(randn(rng, (2, 6, 3, 8), np.dtype(dtype))).transpose(1, 2)
+    assert not qt.is_contiguous()
+    _, st, _ = delta(ops, lambda: check_forward(ops, device, qt, k, v), device)
+    assert st["zero_copy_buffers"] == 3 and st["staged_buffers"] == 0, st
+    # torch tensors for bwd's out/lse as well
+    ops.flash_attn_bwd(do, q, k, v, torch.from_numpy(np.asarray(out)),
+                       torch.from_numpy(np.asarray(lse)), causal=True, device=device)
+
+
+def test_torch_flipped_tensor(ops, device, rng):
+    torch = pytest.importorskip("torch")
+    q = torch.from_numpy(randn(rng, (1, 2, 5, 8), np.float32))
+    k = torch.from_numpy(randn(rng, (1, 2, 5, 8), np.float32))
+    v = torch.from_numpy(randn(rng, (1, 2, 8, 5), np.float32)).transpose(-1, -2)  # (1,2,5,8)
+    assert v.stride(-1) != 1
+    _, st, _ = delta(ops, lambda: check_forward(ops, device, q, k, v), device)
+    assert st["staged_buffers"] == 1 and st["bytes_staged"] == v.numel() * 4, st
+    q = torch.from_numpy(randn(rng, (1, 2, 5, 8), np.float32)).flip(-1)  # torch copies on flip
+    check_forward(ops, device, q, k, v)
+
+
+def test_inputs_not_modified(ops, device, rng):
+    q, k, v, do = (randn(rng, (2, 3, 6, 8), np.float32) for _ in range(4))
+    q2 = q[..., ::-1]
+    copies = [x.copy() for x in (q, k, v, do)]
+    out, lse = ops.flash_attn_fwd(q2, k, v, causal=True, device=device)
+    out_c, lse_c = out.copy(), lse.copy()
+    ops.flash_attn_bwd(do, q2, k, v, out, lse, causal=True, device=device)
+    for a, b in zip((q, k, v, do), copies):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(out, out_c)
+    np.testing.assert_array_equal(lse, lse_c)

@@ -1,0 +1,182 @@
+"""Threading: set/get_num_threads, ORCHARD_NUM_THREADS, bit-identical results for any thread
+count, concurrent calls from Python threads, the GIL released during kernels."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import randn, run_python
+
+
+@pytest.fixture
+def restore_threads(ops):
+    n = ops.get_num_threads()
+    yield
+    ops.set_num_threads(n)
+
+
+def test_set_get_num_threads(ops, restore_threads):
+    for n in (1, 2, 3, 7):
+        ops.set_num_threads(n)
+        assert ops.get_num_threads() == n
+    assert isinstance(ops.get_num_threads(), int)
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_set_num_threads_rejects_bad(ops, restore_threads, bad):
+    ops.set_num_threads(2)
+    with pytest.raises(ValueError):
+        ops.set_num_threads(bad)
+    assert ops.get_num_threads() == 2
+
+
+def test_set_num_threads_rejects_non_int(ops, restore_threads):
+    # the contract does not say which; a non-int is rejected either way
+    with pytest.raises((TypeError, ValueError)):
+        ops.set_num_threads("2")
+    with pytest.raises((TypeError, ValueError)):
+        ops.set_num_threads(2.5)
+
+
+def test_env_num_threads():
+    for n in (1, 3, 5):
+        r = run_python("import orchard_ops; print(orchard_ops.get_num_threads())",
+                       ORCHARD_NUM_THREADS=n)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == str(n), (n, r.stdout, r.stderr)
+    r = run_python("import orchard_ops; print(orchard_ops.get_num_threads())",
+                   ORCHARD_NUM_THREADS=None)
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout.strip()) >= 1
+
+
+def _workload(rng, dtype=np.float32):
+    b, h, hkv, nq, nk = 2, 4, 2, 70, 90
+    q = randn(rng, (b, h, nq, 40), dtype)
+    k = randn(rng, (b, hkv, nk, 40), dtype)
+    v = randn(rng, (b, hkv, nk, 24), dtype)
+    do = randn(rng, (b, h, nq, 24), dtype)
+    return q, k, v, do
+
+
+def _run_all(ops, device, q, k, v, do, kw):
+    out, lse = ops.flash_attn_fwd(q, k, v, device=device, **kw)
+    grads = ops.flash_attn_bwd(do, q, k, v, out, lse, device=device, **kw)
+    # varlen on the same data: 2 sequences of the batch packed
+    qp = np.ascontiguousarray(q.transpose(0, 2, 1, 3).reshape(-1, q.shape[1], q.shape[3]))
+    kp = np.ascontiguousarray(k.transpose(0, 2, 1, 3).reshape(-1, k.shape[1], k.shape[3]))
+    vp = np.ascontiguousarray(v.transpose(0, 2, 1, 3).reshape(-1, v.shape[1], v.shape[3]))
+    dop = np.ascontiguousarray(do.transpose(0, 2, 1, 3).reshape(-1, do.shape[1], do.shape[3]))
+    cq = np.array([0, q.shape[2], 2 * q.shape[2]], np.int32)
+    ck = np.array([0, k.shape[2], 2 * k.shape[2]], np.int32)
+    vo, vl = ops.flash_attn_varlen_fwd(qp, kp, vp, cq, ck, device=device, **kw)
+    vg = ops.flash_attn_varlen_bwd(dop, qp, kp, vp, vo, vl, cq, ck, device=device, **kw)
+    return [out, lse, *grads, vo, vl, *vg]
+
+
+KW = [dict(), dict(causal=True, dropout_p=0.2, seed=3, softcap=2.0,
+                   alibi_slopes=np.array([0.1, 0.2, 0.3, 0.4]))]
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=["f16", "f32", "f64"])
+@pytest.mark.parametrize("kw", KW, ids=["plain", "features"])
+def test_bit_identical_across_thread_counts(ops, device, rng, restore_threads, dtype, kw):
+    q, k, v, do = _workload(rng, dtype)
+    results = {}
+    for n in (1, 2, 3, 4, 1):
+        ops.set_num_threads(n)
+        for _ in range(2):  # repeated runs too
+            res = _run_all(ops, device, q, k, v, do, kw)
+            if not results:
+                results["ref"] = res
+            for i, (a, b) in enumerate(zip(res, results["ref"])):
+                assert a.tobytes() == b.tobytes(), (
+                    "result %d differs with %d threads: max |diff| %g" % (
+                        i, n, np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))))
+
+
+def test_concurrent_python_threads(ops, device, restore_threads):
+    ops.set_num_threads(2)
+    rngs = [np.random.default_rng(100 + i) for i in range(8)]
+    inputs = [_workload(r) for r in rngs]
+    kw = dict(causal=True, dropout_p=0.1, seed=9)
+    serial = [_run_all(ops, device, *inp, kw) for inp in inputs]
+    results = [None] * 8
+    errors = []
+    barrier = threading.Barrier(8)
+
+    def worker(i):
+        try:
+            barrier.wait()
+            for _ in range(3):
+                res = _run_all(ops, device, *inputs[i], kw)
+                for a, b in zip(res, serial[i]):
+                    if a.tobytes() != b.tobytes():
+                        raise AssertionError("thread %d got a different result" % i)
+            results[i] = True
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append((i, repr(exc)))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "deadlock: a worker thread did not finish"
+    assert not errors, errors
+    assert all(results)
+
+
+def test_concurrent_stats_consistent(ops, device, rng):
+    q, k, v, _ = _workload(rng)
+    ops.reset_stats()
+    n_threads, n_calls = 8, 5
+
+    def worker():
+        for _ in range(n_calls):
+            ops.flash_attn_fwd(q[:, :, :8], k[:, :, :8], v[:, :, :8], device=device)
+
+    threads = [threading.Thread(target=worker) for _ in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    st = ops.stats()
+    assert st["fwd_calls"] == n_threads * n_calls, st
+    assert st["zero_copy_buffers"] == 3 * n_threads * n_calls, st
+
+
+def test_gil_released_during_kernel(ops, device, restore_threads):
+    """While one thread is inside a long forward call, another Python thread keeps running."""
+    ops.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    n = 1024
+    q, k, v = (randn(rng, (1, 2, n, 64), np.float32) for _ in range(3))
+    t0 = time.perf_counter()
+    ops.flash_attn_fwd(q, k, v, device=device)
+    call = time.perf_counter() - t0
+    if call < 0.05:  # too fast to measure: make it longer
+        reps = int(0.05 / max(call, 1e-4)) + 1
+        q, k, v = (np.concatenate([x] * reps, axis=0) for x in (q, k, v))
+        t0 = time.perf_counter()
+        ops.flash_attn_fwd(q, k, v, device=device)
+        call = time.perf_counter() - t0
+    done = threading.Event()
+
+    def worker():
+        ops.flash_attn_fwd(q, k, v, device=device)
+        done.set()
+
+    th = threading.Thread(target=worker)
+    stamps = []
+    th.start()
+    while not done.is_set():
+        stamps.append(time.perf_counter())
+        time.sleep(0.001)
+    th.join()
+    gaps = np.diff(stamps) if len(stamps) > 1 else np.array([call])
+    # with the GIL held for the whole call the main loop would stall for ~`call` seconds
+    assert gaps.max() < 0.5 * call, "main thread stalled %.3fs during a %.3fs call" % (
+        gaps.max(), call)
