@@ -38,6 +38,8 @@ typedef struct {
     char *scratch;          /* nworkers slices of per_worker bytes */
     size_t per_worker;
     or_ssize blocks;        /* forward: query blocks per unit */
+    char *kt;               /* forward: every kv unit's keys transposed (see transpose_keys) */
+    or_ssize *kt_off;       /* forward: offset of each kv unit in kt, in REALs */
     or_ssize nk_max;        /* backward: longest key sequence */
 } or_job;
 
@@ -124,17 +126,33 @@ int or_native_fwd(const or_problem *p)
 {
     const int dbl = p->view[OR_Q].dtype == OR_F64;
     const size_t real = dbl ? sizeof(double) : sizeof(float);
+    const or_ssize n_kv = p->n_units / p->group;
     or_job job = {.p = p, .blocks = 0};
+    job.kt_off = malloc(sizeof(or_ssize) * (size_t)(n_kv + 1));
+    if (job.kt_off == NULL)
+        return OR_ENOMEM;
+    job.kt_off[0] = 0;
+    for (or_ssize w = 0; w < n_kv; w++)
+        job.kt_off[w + 1] = job.kt_off[w] + (p->nk[w * p->group] + BC) * p->d;
+    job.kt = malloc(real * (size_t)job.kt_off[n_kv] + 64);
     for (or_ssize u = 0; u < p->n_units; u++) {
         or_ssize b = (p->nq[u] + BR - 1) / BR;
         job.blocks = b > job.blocks ? b : job.blocks;
     }
     const size_t lanes = 64 / real, dp = (p->d + lanes - 1) / lanes * lanes,
                  dvp = (p->dv + lanes - 1) / lanes * lanes;
-    /* q, kt, v, s, o, m, l tiles (attn_native_impl.h) and the dropout keep row */
-    job.per_worker = round_up(real * (BR * dp + (size_t)p->d * BC + BC * dvp + BR * BC
-                                      + BR * dvp + 2 * BR) + BC);
-    return run_job(&job, p->n_units * job.blocks, dbl ? fwd_item_d : fwd_item_f);
+    /* q, v, s, o, m, l tiles (attn_native_impl.h) and the dropout keep row */
+    job.per_worker = round_up(real * (BR * dp + BC * dvp + BR * BC + BR * dvp + 2 * BR) + BC);
+    int rc = OR_ENOMEM;
+    if (job.kt != NULL) {
+        /* the pre-pass needs no scratch, but run_job hands every worker a slice of its size */
+        rc = run_job(&job, n_kv, dbl ? transpose_keys_item_d : transpose_keys_item_f);
+        if (rc == OR_OK)
+            rc = run_job(&job, p->n_units * job.blocks, dbl ? fwd_item_d : fwd_item_f);
+    }
+    free(job.kt);
+    free(job.kt_off);
+    return rc;
 }
 
 int or_native_bwd(const or_problem *p)

@@ -39,18 +39,19 @@ FN(load_rows)(REAL *dst, int ld, const char *src, or_ssize stride, or_ssize rows
         memset(dst + rows * ld, 0, sizeof(REAL) * (size_t)(pad_rows - rows) * (size_t)ld);
 }
 
-/* The same rows transposed: dst[c * BC + r] = row r, column c; columns [rows, BC) zeroed. */
-static inline __attribute__((always_inline)) void
-FN(load_cols)(REAL *dst, const char *src, or_ssize stride, int rows, int cols, or_dtype dt)
+/* The same rows transposed: dst[c * ld + r] = row r, column c; columns [rows, ld) zeroed.
+ * Strided stores are slow, so each key is transposed once per call (forward) or per work
+ * item (backward), never per block pair. */
+static void FN(load_cols)(REAL *dst, or_ssize ld, const char *src, or_ssize stride, or_ssize rows,
+                          int cols, or_dtype dt)
 {
-    if (rows < BC)
-        for (int c = 0; c < cols; c++)
-            memset(dst + (or_ssize)c * BC + rows, 0, sizeof(REAL) * (size_t)(BC - rows));
-    for (int r = 0; r < rows; r++, src += stride) {
+    for (int c = 0; c < cols; c++)
+        memset(dst + c * ld + rows, 0, sizeof(REAL) * (size_t)(ld - rows));
+    for (or_ssize r = 0; r < rows; r++, src += stride) {
         switch (dt) {
-        case OR_F16: for (int c = 0; c < cols; c++) dst[(or_ssize)c * BC + r] = (REAL)((const or_half *)src)[c]; break;
-        case OR_F32: for (int c = 0; c < cols; c++) dst[(or_ssize)c * BC + r] = (REAL)((const float *)src)[c]; break;
-        case OR_F64: for (int c = 0; c < cols; c++) dst[(or_ssize)c * BC + r] = (REAL)((const double *)src)[c]; break;
+        case OR_F16: for (int c = 0; c < cols; c++) dst[c * ld + r] = (REAL)((const or_half *)src)[c]; break;
+        case OR_F32: for (int c = 0; c < cols; c++) dst[c * ld + r] = (REAL)((const float *)src)[c]; break;
+        case OR_F64: for (int c = 0; c < cols; c++) dst[c * ld + r] = (REAL)((const double *)src)[c]; break;
         }
     }
 }
@@ -76,7 +77,8 @@ static inline char *FN(row_ptr)(const or_problem *p, int slot, or_ssize unit, or
     return w->base + w->offs[unit] + row * w->row_stride;
 }
 
-/* C (m x n, ldc) = or += A (m x k, lda) B (k x n, ldb). m is a multiple of MR and n of W.
+/* C (m x n, ldc) = or += A (m x k) B (k x n, ldb). A's element (i, x) is a[i * ars + x * acs],
+ * so A may be read transposed (P^T, dS^T) at no cost. m is a multiple of MR and n of W.
  * An MR x W block of C stays in registers (GCC vector extensions: 8 vectors of 32 bytes) while
  * k streams through; the compiler maps them to AVX/SSE for each clone. The order of the sums
  * depends only on the shapes, never on threads. */
@@ -84,8 +86,8 @@ typedef REAL FN(vec) __attribute__((vector_size(32)));
 #define VL (32 / (int)sizeof(REAL))     /* lanes per vector; W = 2 VL */
 
 static inline __attribute__((always_inline)) void
-FN(gemm)(REAL *c, int ldc, const REAL *a, int lda, const REAL *b, int ldb, int m, int n, int k,
-         int accumulate)
+FN(gemm)(REAL *c, int ldc, const REAL *a, int ars, int acs, const REAL *b, or_ssize ldb, int m,
+         int n, int k, int accumulate)
 {
     for (int i0 = 0; i0 < m; i0 += MR) {
         for (int j0 = 0; j0 < n; j0 += W) {
@@ -103,7 +105,7 @@ FN(gemm)(REAL *c, int ldc, const REAL *a, int lda, const REAL *b, int ldb, int m
                 memcpy(&b0, brow, sizeof(b0));
                 memcpy(&b1, brow + VL, sizeof(b1));
                 for (int i = 0; i < MR; i++) {
-                    const REAL av = a[(or_ssize)(i0 + i) * lda + x];
+                    const REAL av = a[(or_ssize)(i0 + i) * ars + (or_ssize)x * acs];
                     acc[i][0] += av * b0;
                     acc[i][1] += av * b1;
                 }
@@ -115,15 +117,6 @@ FN(gemm)(REAL *c, int ldc, const REAL *a, int lda, const REAL *b, int ldb, int m
     }
 }
 #undef VL
-
-/* dst (BC x BR) = src (BR x BC) transposed, for the products with P^T and dS^T. */
-static inline __attribute__((always_inline)) void
-FN(transpose)(REAL *dst, const REAL *src, int rows)
-{
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < BC; c++)
-            dst[(or_ssize)c * BR + r] = src[(or_ssize)r * BC + c];
-}
 
 /* Row reductions over a whole BC-wide row, in W independent lanes so they vectorise. */
 static inline __attribute__((always_inline)) REAL FN(row_max)(const REAL *x)
@@ -198,8 +191,9 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
     const REAL drop_scale = (REAL)p->drop_scale;
 
     REAL *q = (REAL *)(job->scratch + (size_t)worker * job->per_worker);
-    REAL *kt = q + BR * dp, *v = kt + d * BC, *s = v + BC * dvp, *o = s + BR * BC;
-    REAL *m = o + BR * dvp, *l = m + BR;
+    REAL *v = q + BR * dp, *s = v + BC * dvp, *o = s + BR * BC, *m = o + BR * dvp, *l = m + BR;
+    const REAL *kt = (const REAL *)job->kt + job->kt_off[kvu];     /* d x (nk + BC) */
+    const or_ssize ldk = nk + BC;
     unsigned char *keep = (unsigned char *)(l + BR);
 
     const or_view *w = p->view;
@@ -215,10 +209,9 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
     key_range(p, nq, nk, i0, i0 + rows, &lo, &hi);
     for (or_ssize j0 = lo; j0 < hi; j0 += BC) {
         const int cols = (int)(hi - j0 < BC ? hi - j0 : BC);
-        FN(load_cols)(kt, FN(row_ptr)(p, OR_K, kvu, j0), w[OR_K].row_stride, cols, d, w[OR_K].dtype);
         FN(load_rows)(v, dvp, FN(row_ptr)(p, OR_V, kvu, j0), w[OR_V].row_stride, cols, dv, cols,
                       w[OR_V].dtype, 1);
-        FN(gemm)(s, BC, q, dp, kt, BC, rows_mr, BC, d, 0);
+        FN(gemm)(s, BC, q, dp, 1, kt + j0, ldk, rows_mr, BC, d, 0);
         FN(transform_scores)(p, rows, cols, i0, j0, off, slope, s, NULL);
         for (int r = 0; r < rows; r++) {
             REAL *srow = s + (or_ssize)r * BC, *orow = o + (or_ssize)r * dvp;
@@ -242,7 +235,7 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
                     srow[c] = keep[c] ? srow[c] * drop_scale : 0;
             }
         }
-        FN(gemm)(o, dvp, s, BC, v, dvp, rows_mr, dvp, cols, 1);
+        FN(gemm)(o, dvp, s, BC, 1, v, dvp, rows_mr, dvp, cols, 1);
     }
 
     for (int r = 0; r < rows; r++) {
@@ -255,6 +248,17 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
     FN(store_rows)(FN(row_ptr)(p, OR_O, u, i0), w[OR_O].row_stride, o, dvp, rows, dv, w[OR_O].dtype);
     FN(store_rows)(FN(row_ptr)(p, OR_LSE, u, i0), w[OR_LSE].row_stride, m, 1, rows, 1,
                    w[OR_LSE].dtype);
+}
+
+/* Forward pre-pass, one item per kv unit: its keys transposed, d x (nk + BC), zero-padded so
+ * that a block starting anywhere below nk can be read whole. */
+static void FN(transpose_keys_item)(void *vjob, or_ssize kvu, int worker)
+{
+    const or_job *job = vjob;
+    const or_problem *p = job->p;
+    const or_ssize nk = p->nk[kvu * p->group];
+    FN(load_cols)((REAL *)job->kt + job->kt_off[kvu], nk + BC, FN(row_ptr)(p, OR_K, kvu, 0),
+                  p->view[OR_K].row_stride, nk, p->d, p->view[OR_K].dtype);
 }
 
 /* One work item: a block of BR query rows of one unit. */
@@ -270,11 +274,11 @@ static void FN(fwd_item)(void *vjob, or_ssize item, int worker)
 /* Backward scratch sizes, in REALs: whole-unit dK and dV accumulators, then the tiles. */
 static size_t FN(bwd_scratch)(const or_problem *p, or_ssize nk_max)
 {
-    const size_t dp = (size_t)FN(pad)(p->d), dvp = (size_t)FN(pad)(p->dv);
-    return ((size_t)nk_max + MR) * (dp + dvp)       /* dk, dv accumulators */
+    const size_t dp = (size_t)FN(pad)(p->d), dvp = (size_t)FN(pad)(p->dv), n = (size_t)nk_max;
+    return (n + MR) * (dp + dvp)                    /* dk, dv accumulators */
+           + n * dp + (n + BC) * (size_t)(p->d + p->dv)   /* k, kt, vt of the whole unit */
            + BR * dp * 2 + BR * dvp * 2             /* q, dq, dout, o */
-           + BC * dp + (size_t)p->d * BC + (size_t)p->dv * BC     /* k, kt, vt */
-           + 5 * (size_t)BR * BC + 2 * BR;          /* s, dp, dcap, pt, dst, lse, di */
+           + 3 * (size_t)BR * BC + 2 * BR;          /* s, dp, dcap, lse, di */
 }
 
 /* One work item: a kv unit; it owns dK and dV of that unit and the dQ of its query heads,
@@ -290,13 +294,18 @@ static void FN(bwd_item)(void *vjob, or_ssize kvu, int worker)
 
     REAL *dk = (REAL *)(job->scratch + (size_t)worker * job->per_worker);
     REAL *dvacc = dk + (job->nk_max + MR) * dp;
-    REAL *q = dvacc + (job->nk_max + MR) * dvp, *dq = q + BR * dp, *dout = dq + BR * dp;
-    REAL *o = dout + BR * dvp, *k = o + BR * dvp, *kt = k + BC * dp, *vt = kt + d * BC;
-    REAL *s = vt + dv * BC, *dpm = s + BR * BC, *dcap = dpm + BR * BC, *pt = dcap + BR * BC;
-    REAL *dst = pt + BR * BC, *lse = dst + BR * BC, *di = lse + BR;
+    REAL *k = dvacc + (job->nk_max + MR) * dvp, *kt = k + job->nk_max * dp;
+    REAL *vt = kt + (job->nk_max + BC) * d, *q = vt + (job->nk_max + BC) * dv;
+    REAL *dq = q + BR * dp, *dout = dq + BR * dp, *o = dout + BR * dvp;
+    REAL *s = o + BR * dvp, *dpm = s + BR * BC, *dcap = dpm + BR * BC, *lse = dcap + BR * BC;
+    REAL *di = lse + BR;
     unsigned char *keep = (unsigned char *)(di + BR);
     const or_view *w = p->view;
 
+    const or_ssize ldk = nk + BC;       /* kt, vt: d x (nk + BC), dv x (nk + BC) */
+    FN(load_rows)(k, dp, FN(row_ptr)(p, OR_K, kvu, 0), w[OR_K].row_stride, nk, d, nk, w[OR_K].dtype, 1);
+    FN(load_cols)(kt, ldk, FN(row_ptr)(p, OR_K, kvu, 0), w[OR_K].row_stride, nk, d, w[OR_K].dtype);
+    FN(load_cols)(vt, ldk, FN(row_ptr)(p, OR_V, kvu, 0), w[OR_V].row_stride, nk, dv, w[OR_V].dtype);
     memset(dk, 0, sizeof(REAL) * (size_t)(nk + MR) * dp);
     memset(dvacc, 0, sizeof(REAL) * (size_t)(nk + MR) * dvp);
     for (or_ssize g = 0; g < p->group; g++) {
@@ -324,14 +333,9 @@ static void FN(bwd_item)(void *vjob, or_ssize kvu, int worker)
             key_range(p, nq, nk, i0, i0 + rows, &lo, &hi);
             for (or_ssize j0 = lo; j0 < hi; j0 += BC) {
                 const int cols = (int)(hi - j0 < BC ? hi - j0 : BC), cols_mr = (cols + MR - 1) / MR * MR;
-                const char *kp = FN(row_ptr)(p, OR_K, kvu, j0);
-                FN(load_rows)(k, dp, kp, w[OR_K].row_stride, cols, d, cols, w[OR_K].dtype, 1);
-                FN(load_cols)(kt, kp, w[OR_K].row_stride, cols, d, w[OR_K].dtype);
-                FN(load_cols)(vt, FN(row_ptr)(p, OR_V, kvu, j0), w[OR_V].row_stride, cols, dv,
-                              w[OR_V].dtype);
-                FN(gemm)(s, BC, q, dp, kt, BC, rows_mr, BC, d, 0);          /* S = q K^T */
+                FN(gemm)(s, BC, q, dp, 1, kt + j0, ldk, rows_mr, BC, d, 0);      /* S = q K^T */
                 FN(transform_scores)(p, rows, cols, i0, j0, off, slope, s, dcap);
-                FN(gemm)(dpm, BC, dout, dvp, vt, BC, rows_mr, BC, dv, 0);   /* dP = dO V^T */
+                FN(gemm)(dpm, BC, dout, dvp, 1, vt + j0, ldk, rows_mr, BC, dv, 0); /* dP = dO V^T */
 
                 /* prow becomes the kept P (for dV), dprow becomes dS (for dQ, dK) */
                 for (int r = 0; r < rows_mr; r++) {
@@ -352,6 +356,8 @@ static void FN(bwd_item)(void *vjob, or_ssize kvu, int worker)
                             dprow[c] = prow[c] * (dprow[c] * kept - di[r]);
                             prow[c] *= kept;
                         }
+                        for (int c = cols; c < BC; c++)     /* dS^T q reads up to cols_mr */
+                            dprow[c] = 0;
                     } else {
                         for (int c = 0; c < BC; c++)
                             dprow[c] = prow[c] * (dprow[c] - di[r]);
@@ -360,11 +366,9 @@ static void FN(bwd_item)(void *vjob, or_ssize kvu, int worker)
                         for (int c = 0; c < cols; c++)
                             dprow[c] *= dcap[(or_ssize)r * BC + c];
                 }
-                FN(transpose)(pt, s, rows_mr);
-                FN(transpose)(dst, dpm, rows_mr);
-                FN(gemm)(dvacc + j0 * dvp, dvp, pt, BR, dout, dvp, cols_mr, dvp, rows, 1);
-                FN(gemm)(dk + j0 * dp, dp, dst, BR, q, dp, cols_mr, dp, rows, 1);
-                FN(gemm)(dq, dp, dpm, BC, k, dp, rows_mr, dp, cols, 1);
+                FN(gemm)(dvacc + j0 * dvp, dvp, s, 1, BC, dout, dvp, cols_mr, dvp, rows, 1);  /* P^T dO */
+                FN(gemm)(dk + j0 * dp, dp, dpm, 1, BC, q, dp, cols_mr, dp, rows, 1);        /* dS^T q */
+                FN(gemm)(dq, dp, dpm, BC, 1, k + j0 * dp, dp, rows_mr, dp, cols, 1);        /* dS K */
             }
             const REAL scale = (REAL)p->scale;          /* s = scale * q.k */
             for (or_ssize x = 0; x < (or_ssize)rows * dp; x++)

@@ -186,3 +186,25 @@ def test_bwd_finite_differences_f64(ops, device, rng, feat, nq, nk):
 def test_bwd_finite_differences_gqa_f64(ops, device, rng):
     q, k, v, do = qkvo(rng, np.float64, b=1, h=4, hkv=2, nq=3, nk=4, d=3, dv=2)
     _fd_check(ops, device, q, k, v, do, causal=True)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("n", [63, 65, 129, 200])
+def test_bwd_tile_boundaries(ops, device, rng, dtype, n):
+    q, k, v, do = qkvo(rng, dtype, b=1, h=2, hkv=1, nq=n, nk=n + 21, d=64, dv=40)
+    check_backward(ops, device, q, k, v, do, what="n=%d" % n)
+    check_backward(ops, device, q, k, v, do, what="causal n=%d" % n, causal=True,
+                   dropout_p=0.1, seed=4)
+
+
+def test_bwd_broadcast_dout(ops, device, rng):
+    """dout with all strides 0 (np.broadcast_to of a scalar): staged, still correct."""
+    q, k, v, _ = qkvo(rng, np.float32, nq=6, nk=9, d=8)
+    do = np.broadcast_to(np.float32(0.5), (1, 2, 6, 8))
+    check_backward(ops, device, q, k, v, do, causal=True)
+
+
+def test_bwd_many_heads_gqa(ops, device, rng):
+    """dk/dv of one kv head accumulate over many query heads (no lost updates)."""
+    q, k, v, do = qkvo(rng, np.float32, b=3, h=32, hkv=2, nq=9, nk=11, d=16)
+    check_backward(ops, device, q, k, v, do, what="32 heads on 2 kv heads")

@@ -91,7 +91,7 @@ DROP_CASES = [
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=["f16", "f32", "f64"])
 @pytest.mark.parametrize("case", DROP_CASES, ids=[str(c) for c in DROP_CASES])
 @pytest.mark.parametrize("p", [0.1, 0.6])
-@pytest.mark.parametrize("nq,nk", [(7, 12), (12, 7)])
+@pytest.mark.parametrize("nq,nk", [(7, 12), (12, 7), (70, 90), (130, 67)])
 def test_dropout_fwd_bwd(ops, device, rng, dtype, case, p, nq, nk):
     kw = dict(case)
     b, h = 2, 4
@@ -146,4 +146,28 @@ def test_dropout_reference_keying_direct(ops, device, rng):
     q, k, v = (randn(rng, (2, 3, 2, 5, 8), np.float64) for _ in range(3))
     out, _ = ops.flash_attn_fwd(q, k, v, dropout_p=0.25, seed=31337, device=device)
     ro, _ = ref_fwd(q, k, v, dropout_p=0.25, seed=31337)
+    assert_close(out, ro, np.float64, "out")
+
+
+def test_dropout_numpy_integer_seed(ops, device, rng):
+    q, k, v = (randn(rng, (1, 2, 5, 8), np.float64) for _ in range(3))
+    ref, _ = ops.flash_attn_fwd(q, k, v, dropout_p=0.5, seed=2**63 + 5, device=device)
+    for seed in (np.uint64(2**63 + 5),):
+        out, _ = ops.flash_attn_fwd(q, k, v, dropout_p=0.5, seed=seed, device=device)
+        np.testing.assert_array_equal(out, ref)
+    ref, _ = ops.flash_attn_fwd(q, k, v, dropout_p=0.5, seed=12, device=device)
+    for seed in (np.int64(12), np.int32(12), np.uint8(12)):
+        out, _ = ops.flash_attn_fwd(q, k, v, dropout_p=0.5, seed=seed, device=device)
+        np.testing.assert_array_equal(out, ref)
+    np.testing.assert_array_equal(ops.dropout_mask((2, 5, 8), (2, 6, 8), 0.5, np.uint64(2**64 - 1)),
+                                  ref_dropout_mask((2, 5, 8), (2, 6, 8), 0.5, 2**64 - 1))
+
+
+def test_dropout_tiny_p(ops, device, rng):
+    """p below 2**-32: threshold 0, everything kept; output equals p=0 scaled by 1/(1-p)."""
+    q, k, v = (randn(rng, (1, 2, 5, 8), np.float64) for _ in range(3))
+    p = 1e-12
+    assert np.all(ops.dropout_mask(q.shape, k.shape, p, 1))
+    out, _ = ops.flash_attn_fwd(q, k, v, dropout_p=p, seed=1, device=device)
+    ro, _ = ref_fwd(q, k, v, dropout_p=p, seed=1)
     assert_close(out, ro, np.float64, "out")

@@ -131,6 +131,9 @@ CASES = [
     ("huge_broadcast_staged",
      "q, k, v = (np.broadcast_to(np.zeros((1,), np.float32), (2**16, 2**10, 1024, 64))"
      " for _ in range(3))", "fwd(q, k, v)", [ME], []),
+    ("huge_staged_k_small_out",
+     "k = np.broadcast_to(np.zeros((1,), np.float32), (1, 2, 2**36, 8)); v = k",
+     "fwd(q, k, v)", [ME], []),
     ("huge_dropout_mask", "", "ops.dropout_mask((2**20, 2**20, 8), (2**20, 2**20, 8), 0.5)", [ME],
      []),
 ]

@@ -243,3 +243,55 @@ def test_device_spellings(ops, rng, dev):
     ro, rl = ref_fwd(q, k, v)
     assert_close(out, ro, np.float32, "out")
     assert_close(lse, rl, np.float32, "lse")
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=DT_IDS)
+@pytest.mark.parametrize("n", [63, 64, 65, 127, 129, 191, 300])
+def test_tile_boundaries(ops, device, rng, dtype, n):
+    """Sequence lengths around typical block sizes, Nq != Nk, causal and not."""
+    q, k, v = qkv(rng, dtype, b=1, h=1, nq=n, nk=n + 37, d=64, dv=48)
+    check_forward(ops, device, q, k, v, what="n=%d" % n)
+    check_forward(ops, device, q, k, v, what="causal n=%d" % n, causal=True)
+    q, k, v = qkv(rng, dtype, b=1, h=1, nq=n + 37, nk=n, d=64, dv=48)
+    check_forward(ops, device, q, k, v, what="causal Nq>Nk n=%d" % n, causal=True)
+
+
+def test_many_heads_small_n(ops, device, rng):
+    """Many batch-heads with tiny sequences (work split over batch-heads)."""
+    q, k, v = qkv(rng, np.float32, b=25, h=40, nq=3, nk=2, d=8)
+    check_forward(ops, device, q, k, v, what="1000 heads")
+    check_forward(ops, device, q, k, v, what="1000 heads causal", causal=True)
+
+
+@pytest.mark.parametrize("window", [(2**31 - 1, 0), (2**40, 2**40), (0, 2**33), (2**31, 2**31)])
+def test_window_huge_values(ops, device, rng, window):
+    """Window sizes beyond int32 behave as unbounded on that side (no overflow)."""
+    q, k, v = qkv(rng, np.float64, nq=6, nk=9, d=8)
+    check_forward(ops, device, q, k, v, what="window=%s" % (window,), window=window)
+    check_forward(ops, device, q, k, v, what="window=%s causal" % (window,), window=window,
+                  causal=True)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.5, np.float32(0.25), np.float64(1.5)])
+def test_scale_unusual(ops, device, rng, scale):
+    """Any real scale is valid (as in SDPA / FlashAttention): 0 gives uniform attention,
+    negative flips the scores; numpy scalars are accepted."""
+    q, k, v = qkv(rng, np.float64, nq=5, nk=7, d=8)
+    check_forward(ops, device, q, k, v, what="scale=%r" % scale, scale=float(scale))
+    out, _ = ops.flash_attn_fwd(q, k, v, scale=scale, device=device)
+    assert_close(out, ref_fwd(q, k, v, scale=float(scale))[0], np.float64, "out")
+
+
+def test_alibi_negative_slopes(ops, device, rng):
+    q, k, v = qkv(rng, np.float32, nq=6, nk=8, d=8)
+    check_forward(ops, device, q, k, v, what="negative slopes",
+                  alibi_slopes=np.array([-0.3, 0.2]), causal=True)
+
+
+def test_float16_large_magnitudes(ops, device, rng):
+    """float16 inputs whose scores overflow float16 (computed in float32 they do not)."""
+    q, k, v = qkv(rng, np.float16, nq=8, nk=12, d=64, amp=30.0)
+    check_forward(ops, device, q, k, v, what="f16 large")
+    v = (rng.uniform(-6e4, 6e4, v.shape)).astype(np.float16)
+    out, _ = check_forward(ops, device, q, k, v, what="f16 large values")
+    assert np.all(np.isfinite(out))

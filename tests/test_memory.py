@@ -110,7 +110,7 @@ BIG_SCRIPT = r"""
 import json, resource, numpy as np, orchard_ops as ops
 n, d = 16384, 64
 rng = np.random.default_rng(0)
-q, k, v = (rng.standard_normal((1, 1, n, d)).astype(np.float32) for _ in range(3))
+q, k, v = (rng.standard_normal((1, 1, n, d), dtype=np.float32) for _ in range(3))
 # warm up the thread pool and code paths on a small problem
 ops.flash_attn_fwd(q[:, :, :64], k[:, :, :64], v[:, :, :64])
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -139,3 +139,30 @@ def test_big_n_forward_peak_memory(ops):
     extra = res["after"] - res["before"] - res["outputs"]
     assert extra <= 96 * 2**20, "peak RSS rose by %.1f MiB beyond the outputs" % (extra / 2**20)
     assert res["err_out"] < 1e-4 and res["err_lse"] < 1e-4, res
+
+
+BIG_BWD_SCRIPT = r"""
+import json, resource, numpy as np, orchard_ops as ops
+n, d = 16384, 64
+rng = np.random.default_rng(0)
+q, k, v, do = (rng.standard_normal((1, 1, n, d), dtype=np.float32) for _ in range(4))
+out, lse = ops.flash_attn_fwd(q, k, v, causal=True)
+ops.flash_attn_bwd(do[:, :, :64], q[:, :, :64], k[:, :, :64], v[:, :, :64],
+                   out[:, :, :64], lse[:, :, :64], causal=True)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+dq, dk, dv = ops.flash_attn_bwd(do, q, k, v, out, lse, causal=True)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"before": before, "after": after,
+                  "outputs": dq.nbytes + dk.nbytes + dv.nbytes,
+                  "finite": bool(np.isfinite(dq).all() and np.isfinite(dk).all())}))
+"""
+
+
+def test_big_n_backward_peak_memory(ops):
+    """The backward is O(N) in memory too (it regenerates P from lse, never stores N x N)."""
+    r = run_python(BIG_BWD_SCRIPT, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    extra = res["after"] - res["before"] - res["outputs"]
+    assert extra <= 96 * 2**20, "peak RSS rose by %.1f MiB beyond the outputs" % (extra / 2**20)
+    assert res["finite"]

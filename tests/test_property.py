@@ -66,8 +66,15 @@ def problems(draw):
     if rank == "gqa":
         h = draw(st.sampled_from([2, 4, 6]))
         hkv = draw(st.sampled_from([x for x in (1, 2, 3) if h % x == 0]))
-    nq = draw(st.integers(0, 20))
-    nk = draw(st.integers(0, 20))
+    if draw(st.integers(0, 4)) == 0:  # now and then past one 64-row/column tile
+        nq, nk = draw(st.integers(0, 150)), draw(st.integers(0, 150))
+        b = min(b, 1)
+        if rank == "gqa":
+            h, hkv = 2, draw(st.sampled_from([1, 2]))
+        else:
+            h = hkv = min(h, 2)
+    else:
+        nq, nk = draw(st.integers(0, 20)), draw(st.integers(0, 20))
     d = draw(st.one_of(st.integers(1, 40), st.sampled_from([64, 128, 256])))
     dv = d if draw(st.booleans()) else draw(st.integers(1, 40))
     if rank == "2d":

@@ -180,3 +180,61 @@ def test_gil_released_during_kernel(ops, device, restore_threads):
     # with the GIL held for the whole call the main loop would stall for ~`call` seconds
     assert gaps.max() < 0.5 * call, "main thread stalled %.3fs during a %.3fs call" % (
         gaps.max(), call)
+
+
+def test_set_num_threads_while_running(ops, device, restore_threads):
+    """Changing the thread count while other Python threads are inside kernels: no deadlock,
+    results unchanged."""
+    rngs = [np.random.default_rng(200 + i) for i in range(4)]
+    inputs = [_workload(r) for r in rngs]
+    serial = [_run_all(ops, device, *inp, {}) for inp in inputs]
+    stop = threading.Event()
+    errors = []
+
+    def worker(i):
+        try:
+            while not stop.is_set():
+                res = _run_all(ops, device, *inputs[i], {})
+                for a, b in zip(res, serial[i]):
+                    if a.tobytes() != b.tobytes():
+                        raise AssertionError("thread %d got a different result" % i)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for n in [1, 3, 2, 4, 1, 2] * 5:
+        ops.set_num_threads(n)
+        time.sleep(0.01)
+    stop.set()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "deadlock after set_num_threads"
+    assert not errors, errors
+
+
+FORK_SCRIPT = r"""
+import os, sys, numpy as np, orchard_ops as ops
+ops.set_num_threads(2)
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal((2, 4, 200, 32)).astype(np.float32) for _ in range(3))
+ref, _ = ops.flash_attn_fwd(q, k, v)          # thread pool is running now
+pid = os.fork()
+if pid == 0:
+    out, _ = ops.flash_attn_fwd(q, k, v)      # must not hang on the parent's pool
+    os._exit(0 if out.tobytes() == ref.tobytes() else 3)
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_fork_after_use(ops):
+    """A forked child (multiprocessing / DataLoader workers) can still call the kernels."""
+    import subprocess
+    try:
+        r = run_python(FORK_SCRIPT, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("forked child hung calling flash_attn_fwd after the parent used the pool")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "child 0", (r.stdout, r.stderr[-2000:])
