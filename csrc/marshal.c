@@ -5,6 +5,8 @@
  * (zero-copy); anything else is copied once into an aligned, C-contiguous staging array.
  * Both decisions are counted, and logged under ORCHARD_TENSOR_PROFILE=1.
  */
+#include <string.h>
+
 #include "pyorchard.h"
 
 int or_dtype_of(PyArrayObject *a, or_dtype *dt)
@@ -20,16 +22,101 @@ int or_dtype_of(PyArrayObject *a, or_dtype *dt)
     }
 }
 
-static int readable_in_place(PyArrayObject *a)
+/* The memory an array touches: its lowest address and the bytes from there to its end. */
+void or_extent(PyArrayObject *a, char **lo, size_t *nbytes)
+{
+    char *low = PyArray_BYTES(a), *high = low;
+    *lo = low;
+    *nbytes = 0;
+    if (PyArray_SIZE(a) == 0)
+        return;
+    for (int i = 0; i < PyArray_NDIM(a); i++) {
+        npy_intp span = (PyArray_DIM(a, i) - 1) * PyArray_STRIDE(a, i);
+        if (span < 0)
+            low += span;
+        else
+            high += span;
+    }
+    *lo = low;
+    *nbytes = (size_t)(high - low) + (size_t)PyArray_ITEMSIZE(a);
+}
+
+static int readable_in_place(PyArrayObject *a, size_t align)
 {
     int nd = PyArray_NDIM(a);
+    char *lo;
+    size_t nbytes;
     if (!PyArray_ISNOTSWAPPED(a) || !PyArray_ISALIGNED(a))
+        return 0;
+    or_extent(a, &lo, &nbytes);
+    if ((uintptr_t)lo % align != 0)
         return 0;
     return nd == 0 || PyArray_DIM(a, nd - 1) <= 1
            || PyArray_STRIDE(a, nd - 1) == PyArray_ITEMSIZE(a);
 }
 
-PyArrayObject *or_operand(PyObject *obj, const char *func, const char *name, or_counters *ct)
+static void free_staging(PyObject *capsule)
+{
+    free(PyCapsule_GetPointer(capsule, "orchard.staging"));
+}
+
+/* A new C-contiguous array of zeros in memory aligned to `align` bytes (a power of two), as
+ * devices sharing host memory want it; a capsule frees the memory with the array. */
+PyArrayObject *or_new_aligned(int nd, const npy_intp *dims, int typenum, size_t align)
+{
+    PyArray_Descr *descr = PyArray_DescrFromType(typenum);
+    if (descr == NULL)
+        return NULL;
+    size_t size = 1, limit = (size_t)NPY_MAX_INTP / 2;
+    for (int i = 0; i < nd; i++) {
+        if (dims[i] != 0 && size > limit / (size_t)dims[i]) {
+            Py_DECREF(descr);
+            return (PyArrayObject *)PyErr_NoMemory();
+        }
+        size *= (size_t)dims[i];
+    }
+    align = align < 64 ? 64 : align;
+    if (size > (limit - align) / (size_t)PyDataType_ELSIZE(descr)) {
+        Py_DECREF(descr);
+        return (PyArrayObject *)PyErr_NoMemory();
+    }
+    size_t nbytes = (size * (size_t)PyDataType_ELSIZE(descr) + align - 1) / align * align;
+    void *mem = aligned_alloc(align, nbytes ? nbytes : align);
+    if (mem == NULL) {
+        Py_DECREF(descr);
+        return (PyArrayObject *)PyErr_NoMemory();
+    }
+    memset(mem, 0, nbytes);
+    PyObject *capsule = PyCapsule_New(mem, "orchard.staging", free_staging);
+    if (capsule == NULL) {
+        free(mem);
+        Py_DECREF(descr);
+        return NULL;
+    }
+    PyArrayObject *a = (PyArrayObject *)PyArray_NewFromDescr(
+        &PyArray_Type, descr, nd, (npy_intp *)dims, NULL, mem, NPY_ARRAY_CARRAY, NULL);
+    if (a == NULL) {                    /* descr was stolen either way */
+        Py_DECREF(capsule);
+        return NULL;
+    }
+    if (PyArray_SetBaseObject(a, capsule) < 0) {   /* steals capsule */
+        Py_DECREF(a);
+        return NULL;
+    }
+    return a;
+}
+
+/* A C-contiguous, aligned copy of `a` as `typenum`. */
+PyArrayObject *or_staged_copy(PyArrayObject *a, int typenum, size_t align)
+{
+    PyArrayObject *c = or_new_aligned(PyArray_NDIM(a), PyArray_DIMS(a), typenum, align);
+    if (c != NULL && PyArray_CopyInto(c, a) < 0)
+        Py_CLEAR(c);
+    return c;
+}
+
+PyArrayObject *or_operand(PyObject *obj, const char *func, const char *name, or_counters *ct,
+                          size_t align)
 {
     PyArrayObject *a = (PyArrayObject *)PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
     if (a == NULL) {
@@ -52,20 +139,18 @@ PyArrayObject *or_operand(PyObject *obj, const char *func, const char *name, or_
         Py_DECREF(a);
         return NULL;
     }
-    if (readable_in_place(a)) {
-        ct->zero_copy_buffers++;
+    if (readable_in_place(a, align)) {
+        OR_COUNT(ct, zero_copy_buffers, 1);
         if (or_log_enabled("ORCHARD_TENSOR_PROFILE"))
             or_log("orchard: %s %s: zero-copy, %zd bytes in place", func, name, PyArray_NBYTES(a));
         return a;
     }
-    PyArray_Descr *native = PyArray_DescrFromType(PyArray_TYPE(a));  /* native byte order */
-    PyArrayObject *staged = (PyArrayObject *)PyArray_FromArray(
-        a, native, NPY_ARRAY_CARRAY | NPY_ARRAY_ENSURECOPY);
+    PyArrayObject *staged = or_staged_copy(a, PyArray_TYPE(a), align);   /* native byte order */
     Py_DECREF(a);
     if (staged == NULL)
         return NULL;
-    ct->staged_buffers++;
-    ct->bytes_staged += PyArray_NBYTES(staged);
+    OR_COUNT(ct, staged_buffers, 1);
+    OR_COUNT(ct, bytes_staged, PyArray_NBYTES(staged));
     if (or_log_enabled("ORCHARD_TENSOR_PROFILE"))
         or_log("orchard: %s %s: staged, %zd bytes copied", func, name, PyArray_NBYTES(staged));
     return staged;

@@ -18,7 +18,6 @@
 typedef struct {
     PyObject *error;        /* OrchardError(RuntimeError) */
     PyObject *oom;          /* OrchardOutOfMemory(OrchardError, MemoryError) */
-    or_counters cpu;
 } module_state;
 
 static module_state *get_state(PyObject *module)
@@ -44,6 +43,8 @@ typedef struct {
     or_ssize *nq, *nk;
     double *slopes;
     or_ssize heads;                 /* query heads H (dense: size of dim -3, or 1) */
+    or_device_choice device;
+    or_counters *ct;                /* the chosen device's counters */
     or_problem p;
 } call_t;
 
@@ -81,36 +82,6 @@ static int as_integer(PyObject *obj, long long *out)
         return -1;
     }
     return 0;
-}
-
-/* Parses `device`; today only the native CPU path exists. */
-static int resolve_device(const char *func, PyObject *device)
-{
-    PyObject *chosen = device;
-    const char *env = getenv("ORCHARD_DEVICE");
-    int from_env = 0;
-    if (device == Py_None || (PyUnicode_Check(device)
-                              && PyUnicode_CompareWithASCIIString(device, "auto") == 0)) {
-        if (env == NULL || env[0] == '\0' || strcmp(env, "auto") == 0)
-            return 0;
-        chosen = NULL;
-        from_env = 1;
-    } else if (!PyUnicode_Check(device)) {
-        PyErr_Format(PyExc_TypeError, "%s(): 'device' must be a str or None, not %.100s", func,
-                     Py_TYPE(device)->tp_name);
-        return -1;
-    }
-    if (from_env ? strcmp(env, "cpu") == 0 : PyUnicode_CompareWithASCIIString(chosen, "cpu") == 0)
-        return 0;
-    if (from_env)
-        PyErr_Format(PyExc_ValueError,
-                     "%s(): ORCHARD_DEVICE='%s' is not an available device (available: 'cpu')",
-                     func, env);
-    else
-        PyErr_Format(PyExc_ValueError,
-                     "%s(): 'device' %R is not an available device (available: 'cpu', 'auto')",
-                     func, chosen);
-    return -1;
 }
 
 /* Checks the options that do not depend on shapes and stores them in c->p. */
@@ -210,26 +181,46 @@ static int shape_error(call_t *c, const char *name, const char *what)
 }
 
 /* Converts the input operands named in `slots` and checks that they share q's dtype. */
-static int load_operands(call_t *c, module_state *st, PyObject **objs, const int *slots, int n)
+static int load_operands(call_t *c, PyObject **objs, const int *slots, int n)
 {
+    const size_t align = or_device_align(c->device.index);
     for (int i = 0; i < n; i++) {
         int s = slots[i];
-        c->arr[s] = or_operand(objs[i], c->func, slot_name[s], &st->cpu);
+        c->arr[s] = or_operand(objs[i], c->func, slot_name[s], c->ct, align);
         if (c->arr[s] == NULL)
             return -1;
     }
-    if (or_dtype_of(c->arr[OR_Q], &c->p.view[OR_Q].dtype) < 0)
-        return -1;  /* unreachable: or_operand checked */
+    or_dtype dt = OR_F32;
+    or_dtype_of(c->arr[OR_Q], &dt);     /* or_operand checked it */
+    c->p.view[OR_Q].dtype = dt;
     for (int i = 0; i < n; i++) {
         int s = slots[i];
-        or_dtype dt;
-        or_dtype_of(c->arr[s], &dt);
-        if (s != OR_LSE && dt != c->p.view[OR_Q].dtype) {
+        or_dtype got = OR_F32;
+        or_dtype_of(c->arr[s], &got);
+        if (s == OR_LSE && got != (dt == OR_F64 ? OR_F64 : OR_F32)) {
+            /* lse of another float type is accepted and converted to the kernels' own */
+            PyArrayObject *cast = or_staged_copy(c->arr[s], dt == OR_F64 ? NPY_FLOAT64 : NPY_FLOAT32,
+                                                 align);
+            if (cast == NULL)
+                return -1;
+            OR_COUNT(c->ct, staged_buffers, 1);
+            OR_COUNT(c->ct, bytes_staged, PyArray_NBYTES(cast));
+            Py_SETREF(c->arr[s], cast);
+        } else if (s != OR_LSE && got != dt) {
             PyErr_Format(PyExc_TypeError, "%s(): argument '%s' has dtype %S but 'q' has %S",
                          c->func, slot_name[s], (PyObject *)PyArray_DESCR(c->arr[s]),
                          (PyObject *)PyArray_DESCR(c->arr[OR_Q]));
             return -1;
         }
+    }
+    if (dt == OR_F64 && !or_device_fp64(c->device.index)) {
+        PyObject *id = or_device_id(c->device.index);
+        if (id != NULL)
+            PyErr_Format(PyExc_TypeError,
+                         "%s(): float64 needs cl_khr_fp64, which device %S lacks; use float32 "
+                         "or device='cpu'", c->func, id);
+        Py_XDECREF(id);
+        return -1;
     }
     return 0;
 }
@@ -322,10 +313,11 @@ static void out_shapes(call_t *c, npy_intp *oshape, npy_intp *lshape, int *ond, 
     }
 }
 
+/* Outputs are aligned for the device, so that kernels can write them in place. */
 static int new_output(call_t *c, int slot, int nd, const npy_intp *shape, or_dtype dt)
 {
     static const int typenum[] = {NPY_FLOAT16, NPY_FLOAT32, NPY_FLOAT64};
-    c->arr[slot] = (PyArrayObject *)PyArray_ZEROS(nd, (npy_intp *)shape, typenum[dt], 0);
+    c->arr[slot] = or_new_aligned(nd, shape, typenum[dt], or_device_align(c->device.index));
     return c->arr[slot] ? 0 : -1;
 }
 
@@ -513,14 +505,45 @@ static int alibi_table(call_t *c, PyObject *obj)
 
 /* ------------------------------------------------------------------ running */
 
+/* Raises the exception a failed device call deserves: OrchardOutOfMemory for the
+ * out-of-memory codes, OrchardError otherwise, with the build log when there is one. */
+static PyObject *device_error(module_state *st, call_t *c, const or_error *err)
+{
+    int oom = err->cl_code == -4 || err->cl_code == -5 || err->cl_code == -6;
+    PyObject *id = or_device_id(c->device.index);
+    if (id == NULL)
+        return NULL;
+    PyErr_Format(oom ? st->oom : st->error, "%s() on %S: %s%s%s", c->func, id, err->msg,
+                 err->log ? "\nbuild log:\n" : "", err->log ? err->log : "");
+    Py_DECREF(id);
+    return NULL;
+}
+
+static int compute(call_t *c, int backward, or_error *err)
+{
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    if (c->device.index == 0)
+        rc = backward ? or_native_bwd(&c->p) : or_native_fwd(&c->p);
+    else if (backward)
+        rc = or_cl_bwd(c->device.index - 1, &c->p, c->ct, err);
+    else
+        rc = or_cl_fwd(c->device.index - 1, &c->p, c->ct, err);
+    Py_END_ALLOW_THREADS
+    return rc;
+}
+
 static PyObject *run(call_t *c, module_state *st, int backward)
 {
     for (int s = 0; s < OR_NSLOTS; s++) {
         if (c->arr[s] == NULL)
             continue;
-        c->p.view[s].base = PyArray_BYTES(c->arr[s]);
-        c->p.view[s].offs = c->offs[s];
-        or_dtype_of(c->arr[s], &c->p.view[s].dtype);
+        or_view *w = &c->p.view[s];
+        w->base = PyArray_BYTES(c->arr[s]);
+        w->offs = c->offs[s];
+        w->itemsize = (int)PyArray_ITEMSIZE(c->arr[s]);
+        or_extent(c->arr[s], &w->lo, &w->nbytes);
+        or_dtype_of(c->arr[s], &w->dtype);
     }
     c->p.nq = c->nq;
     c->p.nk = c->nk;
@@ -528,32 +551,48 @@ static PyObject *run(call_t *c, module_state *st, int backward)
 
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = backward ? or_native_bwd(&c->p) : or_native_fwd(&c->p);
-    Py_END_ALLOW_THREADS
+    or_error err = {0};
+    int rc = compute(c, backward, &err);
+    if (rc == OR_EDEVICE && c->device.automatic) {
+        /* auto choice: a device that cannot run falls back to the native path, said once */
+        static int warned;
+        if (!warned) {
+            warned = 1;
+            or_log("orchard: %s failed on the automatically chosen OpenCL device (%s); "
+                   "using the native CPU path", c->func, err.msg);
+        }
+        free(err.log);
+        err.log = NULL;
+        c->device.index = 0;
+        c->ct = or_device_counters(0);
+        rc = compute(c, backward, &err);
+    }
     clock_gettime(CLOCK_MONOTONIC, &t1);
-    if (rc == OR_ENOMEM)
-        return PyErr_NoMemory();
-    if (backward)
-        st->cpu.bwd_calls++;
-    else
-        st->cpu.fwd_calls++;
+    if (rc != OR_OK) {
+        PyObject *none = rc == OR_ENOMEM ? PyErr_NoMemory() : device_error(st, c, &err);
+        free(err.log);
+        return none;
+    }
+    OR_COUNT(c->ct, fwd_calls, !backward);
+    OR_COUNT(c->ct, bwd_calls, backward);
 
     if (or_log_enabled("ORCHARD_DEBUG_FLASH_ATN")) {
         PyObject *qs = or_shape_str(c->arr[OR_Q]), *ks = or_shape_str(c->arr[OR_K]);
-        if (qs == NULL || ks == NULL) {
+        PyObject *id = or_device_id(c->device.index);
+        if (qs == NULL || ks == NULL || id == NULL) {
             Py_XDECREF(qs);
             Py_XDECREF(ks);
+            Py_XDECREF(id);
             return NULL;
         }
-        or_log("orchard: %s device=cpu q=%s k=%s dv=%d dtype=%s time=%.3f ms", c->func,
-               PyUnicode_AsUTF8(qs), PyUnicode_AsUTF8(ks), c->p.dv,
+        or_log("orchard: %s device=%s q=%s k=%s dv=%d dtype=%s time=%.3f ms", c->func,
+               PyUnicode_AsUTF8(id), PyUnicode_AsUTF8(qs), PyUnicode_AsUTF8(ks), c->p.dv,
                c->p.view[OR_Q].dtype == OR_F16 ? "float16"
                : c->p.view[OR_Q].dtype == OR_F32 ? "float32" : "float64",
                (t1.tv_sec - t0.tv_sec) * 1e3 + (t1.tv_nsec - t0.tv_nsec) * 1e-6);
         Py_DECREF(qs);
         Py_DECREF(ks);
+        Py_DECREF(id);
     }
     if (backward)
         return PyTuple_Pack(3, c->arr[OR_DQ], c->arr[OR_DK], c->arr[OR_DV]);
@@ -571,8 +610,10 @@ static PyObject *attention(PyObject *module, call_t *c, opts_t *o, PyObject **ob
     npy_intp oshape[NPY_MAXDIMS], lshape[NPY_MAXDIMS];
     int ond, lnd;
 
-    if (check_options(c, o) < 0 || resolve_device(c->func, o->device) < 0
-        || load_operands(c, st, objs, slots, nobj) < 0
+    if (check_options(c, o) < 0 || or_resolve_device(c->func, o->device, &c->device) < 0)
+        goto done;
+    c->ct = or_device_counters(c->device.index);
+    if (load_operands(c, objs, slots, nobj) < 0
         || check_qkv(c) < 0 || check_scale(c, o) < 0)
         goto done;
     or_dtype dt = c->p.view[OR_Q].dtype;
@@ -737,32 +778,31 @@ static PyObject *dropout_mask(PyObject *module, PyObject *args, PyObject *kw)
 
 static PyObject *devices(PyObject *module, PyObject *unused)
 {
-    PyObject *cpu = or_cpu_device_info();
-    if (cpu == NULL)
-        return NULL;
-    PyObject *list = PyList_New(1);
-    if (list == NULL) {
-        Py_DECREF(cpu);
-        return NULL;
-    }
-    PyList_SET_ITEM(list, 0, cpu);
-    return list;
+    return or_devices_list();
 }
 
 static PyObject *default_device(PyObject *module, PyObject *unused)
 {
-    if (resolve_device("default_device", Py_None) < 0)
+    or_device_choice choice;
+    if (or_resolve_device("default_device", Py_None, &choice) < 0)
         return NULL;
-    return PyUnicode_FromString("cpu");
+    return or_device_id(choice.index);
 }
+
+#define OR_COUNTER_FIELDS(X) X(fwd_calls) X(bwd_calls) X(zero_copy_buffers) X(staged_buffers) \
+    X(bytes_staged) X(kernel_builds) X(cache_hits)
 
 static PyObject *counters_dict(const or_counters *ct)
 {
-    return Py_BuildValue("{s:L, s:L, s:L, s:L, s:L, s:L, s:L}",
-                         "fwd_calls", ct->fwd_calls, "bwd_calls", ct->bwd_calls,
-                         "zero_copy_buffers", ct->zero_copy_buffers,
-                         "staged_buffers", ct->staged_buffers, "bytes_staged", ct->bytes_staged,
-                         "kernel_builds", ct->kernel_builds, "cache_hits", ct->cache_hits);
+    PyObject *d = PyDict_New(), *v;
+#define OR_PUT(field)                                                                        \
+    v = d ? PyLong_FromLongLong(__atomic_load_n(&ct->field, __ATOMIC_RELAXED)) : NULL;       \
+    if (v == NULL || PyDict_SetItemString(d, #field, v) < 0)                                 \
+        Py_CLEAR(d);                                                                         \
+    Py_XDECREF(v);
+    OR_COUNTER_FIELDS(OR_PUT)
+#undef OR_PUT
+    return d;
 }
 
 PyDoc_STRVAR(stats_doc,
@@ -772,22 +812,34 @@ PyDoc_STRVAR(stats_doc,
 
 static PyObject *stats(PyObject *module, PyObject *unused)
 {
-    module_state *st = get_state(module);
-    PyObject *total = counters_dict(&st->cpu), *cpu = counters_dict(&st->cpu);
-    PyObject *per = (total && cpu) ? Py_BuildValue("{s:O}", "cpu", cpu) : NULL;
-    int rc = per ? PyDict_SetItemString(total, "per_device", per) : -1;
-    Py_XDECREF(cpu);
-    Py_XDECREF(per);
-    if (rc < 0) {
-        Py_XDECREF(total);
-        return NULL;
+    or_counters sum = {0};
+    PyObject *per = PyDict_New(), *total = NULL;
+    for (int d = 0; per != NULL && d < or_device_count(); d++) {
+        const or_counters *ct = or_device_counters(d);
+#define OR_ADD(field) sum.field += __atomic_load_n(&ct->field, __ATOMIC_RELAXED);
+        OR_COUNTER_FIELDS(OR_ADD)
+#undef OR_ADD
+        PyObject *id = or_device_id(d), *one = counters_dict(ct);
+        if (id == NULL || one == NULL || PyDict_SetItem(per, id, one) < 0)
+            Py_CLEAR(per);
+        Py_XDECREF(id);
+        Py_XDECREF(one);
     }
+    if (per != NULL && (total = counters_dict(&sum)) != NULL
+        && PyDict_SetItemString(total, "per_device", per) < 0)
+        Py_CLEAR(total);
+    Py_XDECREF(per);
     return total;
 }
 
 static PyObject *reset_stats(PyObject *module, PyObject *unused)
 {
-    memset(&get_state(module)->cpu, 0, sizeof(or_counters));
+    for (int d = 0; d < or_device_count(); d++) {
+        or_counters *ct = or_device_counters(d);
+#define OR_ZERO(field) __atomic_store_n(&ct->field, 0, __ATOMIC_RELAXED);
+        OR_COUNTER_FIELDS(OR_ZERO)
+#undef OR_ZERO
+    }
     Py_RETURN_NONE;
 }
 
@@ -852,7 +904,6 @@ static int module_exec(PyObject *module)
     if (PyArray_ImportNumPyAPI() < 0)
         return -1;
     module_state *st = get_state(module);
-    memset(&st->cpu, 0, sizeof(st->cpu));
     st->error = PyErr_NewExceptionWithDoc(
         "orchard_ops.OrchardError",
         "A device (OpenCL) failure; the message names the failing call and the CL error.",

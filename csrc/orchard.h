@@ -20,6 +20,9 @@ enum { OR_Q, OR_K, OR_V, OR_O, OR_LSE, OR_DO, OR_DQ, OR_DK, OR_DV, OR_NSLOTS };
 
 typedef struct {
     char *base;             /* data pointer of the array */
+    char *lo;               /* lowest address of the array's memory, and its extent: */
+    size_t nbytes;          /*   what a device buffer must cover */
+    int itemsize;
     or_dtype dtype;
     or_ssize row_stride;    /* bytes between rows (between elements, for lse) */
     const or_ssize *offs;   /* byte offset of each unit's row 0; q-side slots are indexed
@@ -45,7 +48,30 @@ typedef struct {
 } or_problem;
 
 /* Status codes of the compute functions (they run without the GIL). */
-enum { OR_OK = 0, OR_ENOMEM = 1 };
+enum { OR_OK = 0, OR_ENOMEM = 1, OR_EDEVICE = 2 };
+
+/* A device failure, filled without the GIL and raised by module.c as OrchardError (or
+ * OrchardOutOfMemory for the out-of-memory codes). */
+typedef struct {
+    int cl_code;            /* the OpenCL error code, 0 if none */
+    char msg[512];          /* "clBuildProgram failed: CL_BUILD_PROGRAM_FAILURE (-11)" */
+    char *log;              /* build log, malloc'd, or NULL */
+} or_error;
+
+/* Counters of stats(), one set per device; updated with atomics, from any thread. */
+typedef struct {
+    long long fwd_calls, bwd_calls, zero_copy_buffers, staged_buffers, bytes_staged,
+        kernel_builds, cache_hits;
+} or_counters;
+#define OR_COUNT(ct, field, n) __atomic_fetch_add(&(ct)->field, (long long)(n), __ATOMIC_RELAXED)
+
+/* devices.c: index 0 is the native CPU, 1 + i the i-th OpenCL device */
+int or_device_count(void);
+or_counters *or_device_counters(int device);
+
+/* attn_opencl.c: the OpenCL backend (OR_EDEVICE when built without it) */
+int or_cl_fwd(int cl_index, const or_problem *p, or_counters *ct, or_error *err);
+int or_cl_bwd(int cl_index, const or_problem *p, or_counters *ct, or_error *err);
 
 /* attn_native.c */
 int or_native_fwd(const or_problem *p);

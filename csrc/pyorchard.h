@@ -14,14 +14,12 @@
 
 #include "orchard.h"
 
-/* Counters reported by stats(); only touched with the GIL held. */
-typedef struct {
-    long long fwd_calls, bwd_calls, zero_copy_buffers, staged_buffers, bytes_staged,
-        kernel_builds, cache_hits;
-} or_counters;
-
 /* marshal.c */
-PyArrayObject *or_operand(PyObject *obj, const char *func, const char *name, or_counters *ct);
+PyArrayObject *or_operand(PyObject *obj, const char *func, const char *name, or_counters *ct,
+                          size_t align);
+void or_extent(PyArrayObject *a, char **lo, size_t *nbytes);
+PyArrayObject *or_staged_copy(PyArrayObject *a, int typenum, size_t align);
+PyArrayObject *or_new_aligned(int nd, const npy_intp *dims, int typenum, size_t align);
 int or_dtype_of(PyArrayObject *a, or_dtype *dt);
 or_ssize *or_lead_offsets(PyArrayObject *a, int nlead);
 or_ssize *or_varlen_offsets(PyArrayObject *a, const int64_t *cu, or_ssize nseq, or_ssize heads,
@@ -30,6 +28,17 @@ PyObject *or_shape_str(PyArrayObject *a);
 
 /* cpu_info.c */
 PyObject *or_cpu_device_info(void);
+
+/* devices.c */
+typedef struct {
+    int index;              /* 0 = native cpu, 1 + i = OpenCL device i */
+    int automatic;          /* chosen by device=None/"auto" without ORCHARD_DEVICE: may fall back */
+} or_device_choice;
+int or_resolve_device(const char *func, PyObject *device, or_device_choice *out);
+PyObject *or_device_id(int index);
+PyObject *or_devices_list(void);
+size_t or_device_align(int index);
+int or_device_fp64(int index);
 
 /* log.c */
 int or_log_enabled(const char *env_name);

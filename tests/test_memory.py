@@ -53,7 +53,9 @@ def test_refcounts_stable_on_errors(ops, device, rng):
 
 
 RSS_SCRIPT = r"""
-import json, numpy as np, orchard_ops as ops
+import json, functools, numpy as np, orchard_ops as ops
+for _name in ("flash_attn_fwd", "flash_attn_bwd", "flash_attn_varlen_fwd", "flash_attn_varlen_bwd"):
+    setattr(ops, _name, functools.partial(getattr(ops, _name), device=%(device)r))
 
 def rss():
     with open("/proc/self/statm") as f:
@@ -96,10 +98,10 @@ print(json.dumps({"before": r0, "after": r1}))
 """
 
 
-def test_rss_does_not_grow():
+def test_rss_does_not_grow(device):
     """1000 iterations of every entry point (each allocating >= 64 KiB per output and
     staging copy); leaking a single output per iteration would add >= 64 MiB."""
-    r = run_python(RSS_SCRIPT % {"n": 1000}, timeout=300)
+    r = run_python(RSS_SCRIPT % {"n": 1000, "device": device}, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     growth = res["after"] - res["before"]
@@ -107,7 +109,9 @@ def test_rss_does_not_grow():
 
 
 BIG_SCRIPT = r"""
-import json, resource, numpy as np, orchard_ops as ops
+import json, resource, functools, numpy as np, orchard_ops as ops
+for _name in ("flash_attn_fwd", "flash_attn_bwd"):
+    setattr(ops, _name, functools.partial(getattr(ops, _name), device=%(device)r))
 n, d = 16384, 64
 rng = np.random.default_rng(0)
 q, k, v = (rng.standard_normal((1, 1, n, d), dtype=np.float32) for _ in range(3))
@@ -130,10 +134,10 @@ print(json.dumps({"before": before, "after": after, "outputs": out.nbytes + lse.
 """
 
 
-def test_big_n_forward_peak_memory(ops):
+def test_big_n_forward_peak_memory(ops, device):
     """N = 16384, D = 64, float32: an N x N score matrix would be 1 GiB.  The forward must
     not raise peak RSS by more than ~96 MiB over its outputs (inputs are already resident)."""
-    r = run_python(BIG_SCRIPT, timeout=600)
+    r = run_python(BIG_SCRIPT % {"device": device}, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     extra = res["after"] - res["before"] - res["outputs"]
@@ -142,7 +146,9 @@ def test_big_n_forward_peak_memory(ops):
 
 
 BIG_BWD_SCRIPT = r"""
-import json, resource, numpy as np, orchard_ops as ops
+import json, resource, functools, numpy as np, orchard_ops as ops
+for _name in ("flash_attn_fwd", "flash_attn_bwd"):
+    setattr(ops, _name, functools.partial(getattr(ops, _name), device=%(device)r))
 n, d = 16384, 64
 rng = np.random.default_rng(0)
 q, k, v, do = (rng.standard_normal((1, 1, n, d), dtype=np.float32) for _ in range(4))
@@ -158,9 +164,9 @@ print(json.dumps({"before": before, "after": after,
 """
 
 
-def test_big_n_backward_peak_memory(ops):
+def test_big_n_backward_peak_memory(ops, device):
     """The backward is O(N) in memory too (it regenerates P from lse, never stores N x N)."""
-    r = run_python(BIG_BWD_SCRIPT, timeout=600)
+    r = run_python(BIG_BWD_SCRIPT % {"device": device}, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     extra = res["after"] - res["before"] - res["outputs"]

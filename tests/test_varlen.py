@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_close, grad_floor, lse_dtype, randn, rounded
-from reference import ref_varlen_bwd, ref_varlen_fwd
+from reference import ref_fwd, ref_varlen_bwd, ref_varlen_fwd
 
 DTYPES = [np.float16, np.float32, np.float64]
 DT_IDS = ["f16", "f32", "f64"]
@@ -107,7 +107,6 @@ def test_varlen_dropout_keyed_by_b_times_h(ops, device, rng):
     mask = np.asarray(ops.dropout_mask((len(lens), h, 6, 16), (len(lens), h, 6, 16), p, seed))
     for b, n in enumerate(lens):
         qb, kb, vb = (x[cq[b]:cq[b + 1]].transpose(1, 0, 2)[None] for x in (q, k, v))
-        from reference import ref_fwd
         ro, _ = ref_fwd(qb, kb, vb, dropout_p=p, keep=mask[b:b + 1, :, :n, :n])
         assert_close(out[cq[b]:cq[b + 1]], ro[0].transpose(1, 0, 2), np.float64, "out", "seq %d" % b)
 

@@ -1,0 +1,350 @@
+/* attn_opencl.c - runs an attention problem (orchard.h) on an OpenCL device.
+ *
+ * Each operand becomes one buffer over the array's own memory: on a device that shares host
+ * memory (CPUs through PoCL, integrated GPUs) with CL_MEM_USE_HOST_PTR, so inputs are read in
+ * place and outputs land directly in the returned NumPy arrays; on a discrete GPU with an
+ * explicit copy in and out. The per-unit offsets and lengths travel in one "meta" buffer
+ * (kernels/common.cl), so dense, strided, GQA and varlen inputs run the same kernels.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cl_runtime.h"
+#include "orchard.h"
+
+#ifndef ORCHARD_HAVE_OPENCL
+
+static int no_opencl(or_error *err)
+{
+    snprintf(err->msg, sizeof(err->msg), "orchard_ops was built without OpenCL headers");
+    return OR_EDEVICE;
+}
+int or_cl_fwd(int i, const or_problem *p, or_counters *ct, or_error *err) { return no_opencl(err); }
+int or_cl_bwd(int i, const or_problem *p, or_counters *ct, or_error *err) { return no_opencl(err); }
+
+#else
+
+#define UNIT_WORDS (OR_NSLOTS + 2)
+
+typedef struct {
+    const or_problem *p;
+    const or_cl_info *info;
+    or_cl_program prog;
+    or_error *err;
+    cl_mem mem[OR_NSLOTS];
+    cl_mem meta, slopes, di, dummy;
+    cl_kernel kernel[3];
+    unsigned outputs;           /* bit per slot written by the kernels */
+} launch_t;
+
+#define TRY(L, expr, name)                                                                   \
+    do {                                                                                     \
+        cl_int rc_ = (expr);                                                                 \
+        if (rc_ != CL_SUCCESS)                                                               \
+            return or_cl_fail((L)->err, rc_, name);                                          \
+    } while (0)
+
+static int new_buffer(launch_t *L, cl_mem_flags flags, size_t size, void *host, cl_mem *out)
+{
+    cl_int rc;
+    *out = L->prog.api->clCreateBuffer(L->prog.ctx, flags, size, host, &rc);
+    return *out ? OR_OK : or_cl_fail(L->err, rc, "clCreateBuffer");
+}
+
+/* One buffer per operand, over the whole extent of its array. */
+static int operand_buffers(launch_t *L)
+{
+    int rc = new_buffer(L, CL_MEM_READ_WRITE, 64, NULL, &L->dummy);
+    for (int s = 0; rc == OR_OK && s < OR_NSLOTS; s++) {
+        const or_view *w = &L->p->view[s];
+        int out = (L->outputs >> s) & 1;
+        if (w->offs == NULL)
+            continue;
+        if (w->nbytes == 0) {           /* nothing to read or write: any buffer will do */
+            L->mem[s] = L->dummy;
+            continue;
+        }
+        cl_mem_flags flags = out ? CL_MEM_READ_WRITE : CL_MEM_READ_ONLY;
+        if (L->info->unified)
+            flags |= CL_MEM_USE_HOST_PTR;
+        else if (!out)
+            flags |= CL_MEM_COPY_HOST_PTR;
+        rc = new_buffer(L, flags, w->nbytes, (L->info->unified || !out) ? w->lo : NULL, &L->mem[s]);
+    }
+    return rc;
+}
+
+/* The meta table: row strides, then per unit its element offsets, nq and nk. */
+static int meta_buffer(launch_t *L)
+{
+    const or_problem *p = L->p;
+    size_t words = OR_NSLOTS + (size_t)p->n_units * UNIT_WORDS;
+    cl_long *meta = calloc(words, sizeof(cl_long));
+    if (meta == NULL)
+        return OR_ENOMEM;
+    for (int s = 0; s < OR_NSLOTS; s++) {
+        const or_view *w = &p->view[s];
+        if (w->offs != NULL)
+            meta[s] = w->row_stride / w->itemsize;
+    }
+    for (or_ssize u = 0; u < p->n_units; u++) {
+        cl_long *row = meta + OR_NSLOTS + u * UNIT_WORDS;
+        for (int s = 0; s < OR_NSLOTS; s++) {
+            const or_view *w = &p->view[s];
+            int kv_side = s == OR_K || s == OR_V || s == OR_DK || s == OR_DV;
+            if (w->offs != NULL && w->nbytes > 0)
+                row[s] = (w->base + w->offs[kv_side ? u / p->group : u] - w->lo) / w->itemsize;
+        }
+        row[OR_NSLOTS] = p->nq[u];
+        row[OR_NSLOTS + 1] = p->nk[u];
+    }
+    int rc = new_buffer(L, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR, words * sizeof(cl_long), meta,
+                        &L->meta);
+    free(meta);
+    return rc;
+}
+
+static int dbl(const launch_t *L) { return L->p->view[OR_Q].dtype == OR_F64; }
+
+static int slopes_buffer(launch_t *L)
+{
+    const or_problem *p = L->p;
+    if (p->slopes == NULL || p->n_units == 0) {
+        L->slopes = L->dummy;
+        return OR_OK;
+    }
+    size_t real = dbl(L) ? sizeof(double) : sizeof(float);
+    void *host = malloc(real * (size_t)p->n_units);
+    if (host == NULL)
+        return OR_ENOMEM;
+    for (or_ssize u = 0; u < p->n_units; u++) {
+        if (dbl(L))
+            ((double *)host)[u] = p->slopes[u];
+        else
+            ((float *)host)[u] = (float)p->slopes[u];
+    }
+    int rc = new_buffer(L, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR, real * (size_t)p->n_units,
+                        host, &L->slopes);
+    free(host);
+    return rc;
+}
+
+static int set_mem(launch_t *L, cl_kernel k, int *idx, cl_mem m)
+{
+    TRY(L, L->prog.api->clSetKernelArg(k, (*idx)++, sizeof(cl_mem), &m), "clSetKernelArg");
+    return OR_OK;
+}
+
+static int set_real(launch_t *L, cl_kernel k, int *idx, double v)
+{
+    float f = (float)v;
+    TRY(L, L->prog.api->clSetKernelArg(k, (*idx)++, dbl(L) ? sizeof(double) : sizeof(float),
+                                       dbl(L) ? (void *)&v : (void *)&f), "clSetKernelArg");
+    return OR_OK;
+}
+
+static int set_long(launch_t *L, cl_kernel k, int *idx, cl_long v)
+{
+    TRY(L, L->prog.api->clSetKernelArg(k, (*idx)++, sizeof(v), &v), "clSetKernelArg");
+    return OR_OK;
+}
+
+#define SET_SCALAR(L, k, idx, type, value)                                                   \
+    do {                                                                                     \
+        type v_ = (value);                                                                   \
+        TRY(L, (L)->prog.api->clSetKernelArg(k, (*(idx))++, sizeof(v_), &v_),                \
+            "clSetKernelArg");                                                               \
+    } while (0)
+
+/* The arguments after the buffers: `meta, slopes, PARAMS_ARGS` of kernels/common.cl. */
+static int set_params(launch_t *L, cl_kernel k, int *idx)
+{
+    const or_problem *p = L->p;
+    int rc = set_mem(L, k, idx, L->meta);
+    if (rc == OR_OK)
+        rc = set_mem(L, k, idx, L->slopes);
+    if (rc == OR_OK)
+        rc = set_real(L, k, idx, p->scale);
+    if (rc == OR_OK)
+        rc = set_real(L, k, idx, p->softcap);
+    if (rc == OR_OK)
+        rc = set_real(L, k, idx, p->drop_scale);
+    if (rc != OR_OK)
+        return rc;
+    if ((rc = set_long(L, k, idx, p->left)) != OR_OK || (rc = set_long(L, k, idx, p->right)) != OR_OK)
+        return rc;
+    SET_SCALAR(L, k, idx, cl_int, p->slopes != NULL);
+    SET_SCALAR(L, k, idx, cl_int, p->dropout);
+    SET_SCALAR(L, k, idx, cl_int, (cl_int)p->group);
+    SET_SCALAR(L, k, idx, cl_uint, p->drop_threshold);
+    SET_SCALAR(L, k, idx, cl_ulong, p->seed);
+    return OR_OK;
+}
+
+/* Creates kernel `slot` named `name` and sets its leading buffer arguments. */
+static int kernel_with(launch_t *L, int slot, const char *name, const int *slots, int n, int *idx)
+{
+    cl_int rc;
+    L->kernel[slot] = L->prog.api->clCreateKernel(L->prog.program, name, &rc);
+    if (L->kernel[slot] == NULL)
+        return or_cl_fail(L->err, rc, "clCreateKernel");
+    *idx = 0;
+    for (int i = 0; i < n; i++) {
+        int st = set_mem(L, L->kernel[slot], idx, slots[i] < 0 ? L->di : L->mem[slots[i]]);
+        if (st != OR_OK)
+            return st;
+    }
+    return OR_OK;
+}
+
+/* Enqueues a kernel over (ceil(rows / bq) * bq, units) work-items in work-groups of bq. */
+static int enqueue(launch_t *L, cl_kernel k, or_ssize rows, or_ssize units)
+{
+    if (rows <= 0 || units <= 0)
+        return OR_OK;
+    size_t bq = (size_t)L->prog.bq;
+    size_t global[2] = {((size_t)rows + bq - 1) / bq * bq, (size_t)units}, local[2] = {bq, 1};
+    TRY(L, L->prog.api->clEnqueueNDRangeKernel(L->prog.queue, k, 2, NULL, global, local, 0, NULL,
+                                               NULL), "clEnqueueNDRangeKernel");
+    return OR_OK;
+}
+
+/* Waits for the kernels and brings the outputs to the host arrays. */
+static int finish_outputs(launch_t *L)
+{
+    const or_cl_api *api = L->prog.api;
+    for (int s = 0; s < OR_NSLOTS; s++) {
+        const or_view *w = &L->p->view[s];
+        if (!((L->outputs >> s) & 1) || w->offs == NULL || w->nbytes == 0)
+            continue;
+        if (!L->info->unified) {
+            TRY(L, api->clEnqueueReadBuffer(L->prog.queue, L->mem[s], CL_TRUE, 0, w->nbytes, w->lo,
+                                            0, NULL, NULL), "clEnqueueReadBuffer");
+            continue;
+        }
+        cl_int rc;      /* mapping makes the device's writes visible in the host memory */
+        void *ptr = api->clEnqueueMapBuffer(L->prog.queue, L->mem[s], CL_TRUE, CL_MAP_READ, 0,
+                                            w->nbytes, 0, NULL, NULL, &rc);
+        if (ptr == NULL)
+            return or_cl_fail(L->err, rc, "clEnqueueMapBuffer");
+        TRY(L, api->clEnqueueUnmapMemObject(L->prog.queue, L->mem[s], ptr, 0, NULL, NULL),
+            "clEnqueueUnmapMemObject");
+    }
+    TRY(L, api->clFinish(L->prog.queue), "clFinish");
+    return OR_OK;
+}
+
+static void release(launch_t *L)
+{
+    const or_cl_api *api = L->prog.api;
+    if (api == NULL)
+        return;
+    for (int i = 0; i < 3; i++)
+        if (L->kernel[i])
+            api->clReleaseKernel(L->kernel[i]);
+    for (int s = 0; s < OR_NSLOTS; s++)
+        if (L->mem[s] && L->mem[s] != L->dummy)
+            api->clReleaseMemObject(L->mem[s]);
+    if (L->meta)
+        api->clReleaseMemObject(L->meta);
+    if (L->slopes && L->slopes != L->dummy)
+        api->clReleaseMemObject(L->slopes);
+    if (L->di)
+        api->clReleaseMemObject(L->di);
+    if (L->dummy)
+        api->clReleaseMemObject(L->dummy);
+}
+
+static or_ssize longest(const or_ssize *n, or_ssize count)
+{
+    or_ssize m = 0;
+    for (or_ssize i = 0; i < count; i++)
+        m = n[i] > m ? n[i] : m;
+    return m;
+}
+
+/* Program, operand buffers, meta table and slopes: what every launch needs. */
+static int prepare(launch_t *L, int i, const or_problem *p, unsigned outputs, or_counters *ct,
+                   or_error *err)
+{
+    memset(L, 0, sizeof(*L));
+    L->p = p;
+    L->err = err;
+    L->outputs = outputs;
+    L->info = or_cl_info_get(i);
+    int rc = or_cl_get_program(i, p->view[OR_Q].dtype, p->d, p->dv, ct, &L->prog, err);
+    if (rc == OR_OK)
+        rc = operand_buffers(L);
+    if (rc == OR_OK)
+        rc = meta_buffer(L);
+    if (rc == OR_OK)
+        rc = slopes_buffer(L);
+    return rc;
+}
+
+int or_cl_fwd(int i, const or_problem *p, or_counters *ct, or_error *err)
+{
+    launch_t L;
+    int idx, rc = prepare(&L, i, p, 1u << OR_O | 1u << OR_LSE, ct, err);
+    static const int args[] = {OR_Q, OR_K, OR_V, OR_O, OR_LSE};
+    if (rc == OR_OK)
+        rc = kernel_with(&L, 0, "flash_fwd", args, 5, &idx);
+    if (rc == OR_OK)
+        rc = set_params(&L, L.kernel[0], &idx);
+    if (rc == OR_OK)
+        rc = enqueue(&L, L.kernel[0], longest(p->nq, p->n_units), p->n_units);
+    if (rc == OR_OK)
+        rc = finish_outputs(&L);
+    release(&L);
+    return rc;
+}
+
+int or_cl_bwd(int i, const or_problem *p, or_counters *ct, or_error *err)
+{
+    launch_t L;
+    int idx, rc = prepare(&L, i, p, 1u << OR_DQ | 1u << OR_DK | 1u << OR_DV, ct, err);
+    const or_ssize nq_max = longest(p->nq, p->n_units), nk_max = longest(p->nk, p->n_units);
+    const size_t real = p->view[OR_Q].dtype == OR_F64 ? sizeof(double) : sizeof(float);
+    /* D_i = rowsum(dO * O), (unit, nq_max); -1 in an argument list means this buffer */
+    if (rc == OR_OK)
+        rc = new_buffer(&L, CL_MEM_READ_WRITE, real * (size_t)(p->n_units * nq_max + 1), NULL,
+                        &L.di);
+    static const int prep_args[] = {OR_DO, OR_O};
+    static const int dq_args[] = {OR_Q, OR_K, OR_V, OR_DO, OR_LSE, -1};
+    static const int dkdv_args[] = {OR_Q, OR_K, OR_V, OR_DO, OR_LSE, -1};
+    if (rc == OR_OK && (rc = kernel_with(&L, 0, "flash_bwd_prep", prep_args, 2, &idx)) == OR_OK) {
+        rc = set_mem(&L, L.kernel[0], &idx, L.meta);
+        if (rc == OR_OK)
+            rc = set_mem(&L, L.kernel[0], &idx, L.di);
+        if (rc == OR_OK)
+            rc = set_long(&L, L.kernel[0], &idx, nq_max);
+    }
+    if (rc == OR_OK && (rc = kernel_with(&L, 1, "flash_bwd_dq", dq_args, 6, &idx)) == OR_OK) {
+        rc = set_long(&L, L.kernel[1], &idx, nq_max);
+        if (rc == OR_OK)
+            rc = set_mem(&L, L.kernel[1], &idx, L.mem[OR_DQ]);
+        if (rc == OR_OK)
+            rc = set_params(&L, L.kernel[1], &idx);
+    }
+    if (rc == OR_OK && (rc = kernel_with(&L, 2, "flash_bwd_dkdv", dkdv_args, 6, &idx)) == OR_OK) {
+        rc = set_long(&L, L.kernel[2], &idx, nq_max);
+        if (rc == OR_OK)
+            rc = set_mem(&L, L.kernel[2], &idx, L.mem[OR_DK]);
+        if (rc == OR_OK)
+            rc = set_mem(&L, L.kernel[2], &idx, L.mem[OR_DV]);
+        if (rc == OR_OK)
+            rc = set_params(&L, L.kernel[2], &idx);
+    }
+    if (rc == OR_OK)
+        rc = enqueue(&L, L.kernel[0], nq_max, p->n_units);
+    if (rc == OR_OK)
+        rc = enqueue(&L, L.kernel[1], nq_max, p->n_units);
+    if (rc == OR_OK)
+        rc = enqueue(&L, L.kernel[2], nk_max, p->n_units / p->group);
+    if (rc == OR_OK)
+        rc = finish_outputs(&L);
+    release(&L);
+    return rc;
+}
+#endif

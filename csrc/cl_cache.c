@@ -1,0 +1,125 @@
+/* cl_cache.c - built OpenCL program binaries on disk, so that a second process skips the
+ * compiler.
+ *
+ * Directory: ORCHARD_CACHE_DIR, else $XDG_CACHE_HOME/orchard, else ~/.cache/orchard (made
+ * 0700; files 0600). ORCHARD_NO_CACHE=1 turns the cache off. A file is
+ *   "ORCHARD-CL-BIN-1\n", u64 size, u64 checksum (FNV-1a of the binary), the binary
+ * named by a 128-bit hash of the kernel source, build options, device, driver and platform.
+ * Anything that does not check out (truncated, corrupt, foreign) is ignored and rebuilt;
+ * files are written to a temporary name, synced and renamed, so readers never see half a file.
+ */
+#ifdef ORCHARD_HAVE_OPENCL
+#include <errno.h>
+#include <fcntl.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "cl_runtime.h"
+
+static const char MAGIC[16] = "ORCHARD-CL-BIN-1";
+
+static uint64_t fnv1a(uint64_t h, const void *data, size_t n)
+{
+    const unsigned char *p = data;
+    for (size_t i = 0; i < n; i++) {
+        h ^= p[i];
+        h *= 0x100000001b3ULL;
+    }
+    return h;
+}
+
+void or_cache_key(char out[33], const char *const *parts, int nparts)
+{
+    uint64_t a = 0xcbf29ce484222325ULL, b = 0x84222325cbf29ce4ULL;
+    for (int i = 0; i < nparts; i++) {
+        size_t n = strlen(parts[i]) + 1;        /* the NUL separates the parts */
+        a = fnv1a(a, parts[i], n);
+        b = fnv1a(b ^ (uint64_t)i, parts[i], n);
+    }
+    snprintf(out, 33, "%016llx%016llx", (unsigned long long)a, (unsigned long long)b);
+}
+
+/* The cache directory (created), or 0 when caching is off or impossible. */
+static int cache_dir(char *out, size_t size)
+{
+    const char *off = getenv("ORCHARD_NO_CACHE");
+    if (off != NULL && off[0] != '\0' && strcmp(off, "0") != 0)
+        return 0;
+    const char *dir = getenv("ORCHARD_CACHE_DIR"), *xdg = getenv("XDG_CACHE_HOME"),
+               *home = getenv("HOME");
+    int n;
+    if (dir != NULL && dir[0] != '\0')
+        n = snprintf(out, size, "%s", dir);
+    else if (xdg != NULL && xdg[0] != '\0')
+        n = snprintf(out, size, "%s/orchard", xdg);
+    else if (home != NULL && home[0] != '\0')
+        n = snprintf(out, size, "%s/.cache/orchard", home);
+    else
+        return 0;
+    if (n <= 0 || (size_t)n >= size)
+        return 0;
+    for (char *p = out + 1; *p; p++) {          /* mkdir -p, private to the user */
+        if (*p != '/')
+            continue;
+        *p = '\0';
+        int rc = mkdir(out, 0700);
+        *p = '/';
+        if (rc != 0 && errno != EEXIST)
+            return 0;
+    }
+    return mkdir(out, 0700) == 0 || errno == EEXIST;
+}
+
+unsigned char *or_cache_load(const char *key, size_t *size)
+{
+    char dir[4096], path[4200];
+    if (!cache_dir(dir, sizeof(dir)))
+        return NULL;
+    snprintf(path, sizeof(path), "%s/%s.clbin", dir, key);
+    FILE *f = fopen(path, "rb");
+    if (f == NULL)
+        return NULL;
+    char magic[16];
+    uint64_t n = 0, sum = 0;
+    unsigned char *bin = NULL;
+    if (fread(magic, 1, 16, f) == 16 && memcmp(magic, MAGIC, 16) == 0
+        && fread(&n, sizeof(n), 1, f) == 1 && fread(&sum, sizeof(sum), 1, f) == 1
+        && n > 0 && n < ((uint64_t)1 << 31) && (bin = malloc(n)) != NULL) {
+        if (fread(bin, 1, n, f) != n || fgetc(f) != EOF
+            || fnv1a(0xcbf29ce484222325ULL, bin, n) != sum) {
+            free(bin);
+            bin = NULL;
+        }
+    }
+    fclose(f);
+    *size = bin ? (size_t)n : 0;
+    return bin;
+}
+
+void or_cache_store(const char *key, const unsigned char *binary, size_t size)
+{
+    char dir[4096], path[4200], tmp[4300];
+    if (!cache_dir(dir, sizeof(dir)))
+        return;
+    snprintf(path, sizeof(path), "%s/%s.clbin", dir, key);
+    snprintf(tmp, sizeof(tmp), "%s.XXXXXX", path);
+    int fd = mkstemp(tmp);                      /* created 0600 */
+    if (fd < 0)
+        return;
+    uint64_t n = size, sum = fnv1a(0xcbf29ce484222325ULL, binary, size);
+    FILE *f = fdopen(fd, "wb");
+    int ok = f != NULL && fwrite(MAGIC, 1, 16, f) == 16 && fwrite(&n, sizeof(n), 1, f) == 1
+             && fwrite(&sum, sizeof(sum), 1, f) == 1 && fwrite(binary, 1, size, f) == size
+             && fflush(f) == 0 && fsync(fd) == 0;
+    if (f != NULL)
+        ok = (fclose(f) == 0) && ok;
+    else
+        close(fd);
+    if (!ok || rename(tmp, path) != 0)
+        unlink(tmp);        /* the cache is an optimisation: failing to write it is not an error */
+}
+#endif

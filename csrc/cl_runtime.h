@@ -1,0 +1,46 @@
+/* cl_runtime.h - OpenCL devices, their contexts and queues, and the attention programs built
+ * for them (cl_runtime.c); program binaries are cached on disk (cl_cache.c). */
+#ifndef ORCHARD_CL_RUNTIME_H
+#define ORCHARD_CL_RUNTIME_H
+#ifdef ORCHARD_HAVE_OPENCL
+
+#include "cl_api.h"
+#include "orchard.h"
+
+typedef struct {
+    char name[256], vendor[256], platform[256], platform_version[256], driver[256], version[256];
+    const char *kind;               /* "cpu", "gpu" or "accelerator" */
+    unsigned compute_units;
+    unsigned long long global_mem, local_mem;
+    size_t max_work_group;
+    int fp16, fp64, unified;
+    size_t base_align;              /* CL_DEVICE_MEM_BASE_ADDR_ALIGN, in bytes */
+} or_cl_info;
+
+/* Everything a call needs to run on a device; owned by the runtime, valid until exit. */
+typedef struct {
+    const or_cl_api *api;
+    cl_context ctx;
+    cl_command_queue queue;
+    cl_program program;
+    int bq, bk;                     /* work-group rows, local tile rows */
+} or_cl_program;
+
+int or_cl_count(void);                              /* discovers devices on first use */
+const or_cl_info *or_cl_info_get(int i);
+const char *or_cl_unavailable_reason(void);         /* why there are none, or NULL */
+
+/* The program for (dtype, d, dv) on device i: built or loaded from the cache once. */
+int or_cl_get_program(int i, or_dtype dt, int d, int dv, or_counters *ct, or_cl_program *out,
+                      or_error *err);
+
+/* Fills err for a failed call; returns OR_EDEVICE. */
+int or_cl_fail(or_error *err, cl_int code, const char *call);
+
+/* cl_cache.c: program binaries on disk, keyed by a hash of everything that shapes them. */
+unsigned char *or_cache_load(const char *key, size_t *size);
+void or_cache_store(const char *key, const unsigned char *binary, size_t size);
+void or_cache_key(char out[33], const char *const *parts, int nparts);
+
+#endif
+#endif

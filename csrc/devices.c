@@ -1,0 +1,202 @@
+/* devices.c - the device registry: what devices() lists, what a `device=` string means, which
+ * device "auto" picks, and the stats() counters of each.
+ *
+ * Index 0 is the native CPU path, index 1 + i the i-th OpenCL device (id "opencl:i").
+ * Auto choice: ORCHARD_DEVICE when set, else the OpenCL GPU with the most compute units, else
+ * the native path. CPUs through OpenCL (PoCL) are never chosen automatically: on the machines
+ * measured (README, Performance) the native path is faster on the same cores.
+ */
+#include <ctype.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cl_runtime.h"
+#include "pyorchard.h"
+
+static or_counters *counters;   /* one per device, for the life of the process */
+static int ndevices = 1;
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+
+static void init(void)
+{
+#ifdef ORCHARD_HAVE_OPENCL
+    ndevices = 1 + or_cl_count();
+#endif
+    counters = calloc((size_t)ndevices, sizeof(or_counters));
+    if (counters == NULL)
+        abort();    /* a few dozen bytes at import time: nothing sensible is left to do */
+}
+
+int or_device_count(void)
+{
+    pthread_once(&once, init);
+    return ndevices;
+}
+
+or_counters *or_device_counters(int device)
+{
+    or_device_count();
+    return &counters[device];
+}
+
+#ifdef ORCHARD_HAVE_OPENCL
+static const or_cl_info *cl_info(int index) { return or_cl_info_get(index - 1); }
+#endif
+
+size_t or_device_align(int index)
+{
+#ifdef ORCHARD_HAVE_OPENCL
+    if (index > 0)
+        return cl_info(index)->base_align;
+#endif
+    return 1;       /* the native path only needs aligned elements, which NumPy reports */
+}
+
+int or_device_fp64(int index)
+{
+#ifdef ORCHARD_HAVE_OPENCL
+    if (index > 0)
+        return cl_info(index)->fp64;
+#endif
+    return 1;
+}
+
+PyObject *or_device_id(int index)
+{
+    return index == 0 ? PyUnicode_FromString("cpu") : PyUnicode_FromFormat("opencl:%d", index - 1);
+}
+
+/* The best OpenCL device for "opencl": GPUs first, then the most compute units. */
+static int best_opencl(int gpus_only)
+{
+    int best = -1;
+#ifdef ORCHARD_HAVE_OPENCL
+    for (int d = 1; d < or_device_count(); d++) {
+        const or_cl_info *in = cl_info(d), *b = best > 0 ? cl_info(best) : NULL;
+        int gpu = strcmp(in->kind, "gpu") == 0;
+        if (gpus_only && !gpu)
+            continue;
+        if (b == NULL || (gpu && strcmp(b->kind, "gpu") != 0)
+            || (gpu == (strcmp(b->kind, "gpu") == 0) && in->compute_units > b->compute_units))
+            best = d;
+    }
+#endif
+    return best;
+}
+
+static int contains_nocase(const char *hay, const char *needle)
+{
+    size_t n = strlen(needle);
+    for (; *hay; hay++)
+        if (strncasecmp(hay, needle, n) == 0)
+            return 1;
+    return n == 0;
+}
+
+/* The index a device string names, or -1. */
+static int lookup(const char *s)
+{
+    if (strcmp(s, "cpu") == 0)
+        return 0;
+    if (strcmp(s, "opencl") == 0)
+        return best_opencl(0);
+    if (strncmp(s, "opencl:", 7) != 0 || s[7] == '\0')
+        return -1;
+    const char *rest = s + 7;
+    char *end;
+    long n = strtol(rest, &end, 10);
+    if (*end == '\0' && isdigit((unsigned char)rest[0]))
+        return n >= 0 && n < or_device_count() - 1 ? (int)n + 1 : -1;
+#ifdef ORCHARD_HAVE_OPENCL
+    for (int d = 1; d < or_device_count(); d++)     /* a name, as PYOPENCL_CTX takes */
+        if (contains_nocase(cl_info(d)->name, rest) || contains_nocase(cl_info(d)->platform, rest))
+            return d;
+#endif
+    return -1;
+}
+
+static PyObject *available_ids(void)
+{
+    PyObject *ids = PyList_New(0);
+    for (int d = 0; ids != NULL && d < or_device_count(); d++) {
+        PyObject *id = or_device_id(d);
+        if (id == NULL || PyList_Append(ids, id) < 0)
+            Py_CLEAR(ids);
+        Py_XDECREF(id);
+    }
+    return ids;
+}
+
+static int unknown_device(const char *func, const char *what, const char *name)
+{
+    PyObject *ids = available_ids();
+    if (ids != NULL)
+        PyErr_Format(PyExc_ValueError, "%s(): %s '%s' is not an available device (available: %S)",
+                     func, what, name, ids);
+    Py_XDECREF(ids);
+    return -1;
+}
+
+int or_resolve_device(const char *func, PyObject *device, or_device_choice *out)
+{
+    out->automatic = 0;
+    if (device != Py_None && !PyUnicode_Check(device)) {
+        PyErr_Format(PyExc_TypeError, "%s(): 'device' must be a str or None, not %.100s", func,
+                     Py_TYPE(device)->tp_name);
+        return -1;
+    }
+    const char *name = device == Py_None ? "auto" : PyUnicode_AsUTF8(device);
+    if (name == NULL)
+        return -1;
+    if (strcmp(name, "auto") != 0) {
+        out->index = lookup(name);
+        return out->index >= 0 ? 0 : unknown_device(func, "'device'", name);
+    }
+    const char *env = getenv("ORCHARD_DEVICE");
+    if (env != NULL && env[0] != '\0' && strcmp(env, "auto") != 0) {
+        out->index = lookup(env);
+        return out->index >= 0 ? 0 : unknown_device(func, "ORCHARD_DEVICE", env);
+    }
+    int gpu = best_opencl(1);
+    out->index = gpu > 0 ? gpu : 0;
+    out->automatic = 1;
+    return 0;
+}
+
+/* devices(): the native CPU, then every OpenCL device. */
+PyObject *or_devices_list(void)
+{
+    PyObject *list = PyList_New(0), *item = NULL;
+    if (list == NULL)
+        return NULL;
+    item = or_cpu_device_info();
+    if (item == NULL || PyList_Append(list, item) < 0)
+        goto fail;
+    Py_CLEAR(item);
+#ifdef ORCHARD_HAVE_OPENCL
+    for (int d = 1; d < or_device_count(); d++) {
+        const or_cl_info *in = cl_info(d);
+        PyObject *id = or_device_id(d);
+        if (id == NULL)
+            goto fail;
+        item = Py_BuildValue(
+            "{s:N, s:s, s:s, s:s, s:s, s:s, s:s, s:I, s:K, s:K, s:n, s:O, s:O, s:O, s:s, s:n}",
+            "id", id, "name", in->name, "vendor", in->vendor, "kind", in->kind,
+            "backend", "opencl", "platform", in->platform, "driver_version", in->driver,
+            "compute_units", in->compute_units, "global_mem_bytes", in->global_mem,
+            "local_mem_bytes", in->local_mem, "max_work_group_size", (Py_ssize_t)in->max_work_group,
+            "fp16", in->fp16 ? Py_True : Py_False, "fp64", in->fp64 ? Py_True : Py_False,
+            "unified_memory", in->unified ? Py_True : Py_False, "opencl_version", in->version,
+            "mem_base_addr_align", (Py_ssize_t)in->base_align);
+        if (item == NULL || PyList_Append(list, item) < 0)
+            goto fail;
+        Py_CLEAR(item);
+    }
+#endif
+    return list;
+fail:
+    Py_XDECREF(item);
+    Py_DECREF(list);
+    return NULL;
+}

@@ -1,0 +1,112 @@
+/* common.cl - definitions shared by flash_fwd.cl and flash_bwd.cl (concatenated in that order
+ * when the program is built).
+ *
+ * Build-time constants (cl_runtime.c passes them as -D options):
+ *   OR_STORAGE   16, 32 or 64: the element type of q, k, v, out and gradients in memory.
+ *                float16 is read with vload_half / written with vstore_half_rte, so devices
+ *                without cl_khr_fp16 work; it is computed in float.
+ *   HEAD_D, HEAD_DV   head dims of q/k and v; private rows are sized by them.
+ *   BQ, BK       rows per work-group (one row per work-item) and rows per local-memory tile.
+ *
+ * Operands are addressed like the native path's views: `meta` holds OR_NSLOTS row strides (in
+ * elements), then per unit OR_NSLOTS element offsets followed by nq and nk. The last dimension
+ * of every operand is contiguous.
+ */
+#if OR_STORAGE == 64
+#pragma OPENCL EXTENSION cl_khr_fp64 : enable
+typedef double storage_t;
+typedef double real;
+#define LOAD(p, i) ((p)[i])
+#define STORE(p, i, x) ((p)[i] = (x))
+#elif OR_STORAGE == 32
+typedef float storage_t;
+typedef float real;
+#define LOAD(p, i) ((p)[i])
+#define STORE(p, i, x) ((p)[i] = (x))
+#else
+typedef half storage_t;
+typedef float real;
+#define LOAD(p, i) vload_half((i), (p))
+#define STORE(p, i, x) vstore_half_rte((x), (i), (p))
+#endif
+
+/* slots of the meta table: the order of orchard.h */
+#define S_Q 0
+#define S_K 1
+#define S_V 2
+#define S_O 3
+#define S_LSE 4
+#define S_DO 5
+#define S_DQ 6
+#define S_DK 7
+#define S_DV 8
+#define NSLOTS 9
+#define UNIT_WORDS (NSLOTS + 2)
+#define UNIT(meta, u) ((meta) + NSLOTS + (long)(u) * UNIT_WORDS)   /* offsets, then nq, nk */
+
+/* Philox4x32-10, exactly as csrc/philox.h: keep-decision of score (bh, row, col). */
+inline int dropout_keep(ulong seed, ulong bh, uint row, uint col, uint threshold)
+{
+    uint c0 = col / 4, c1 = row, c2 = (uint)bh, c3 = (uint)(bh >> 32);
+    uint k0 = (uint)seed, k1 = (uint)(seed >> 32);
+    for (int round = 0; round < 10; round++) {
+        uint hi0 = mul_hi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+        uint hi1 = mul_hi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+        uint n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+        c0 = n0;
+        c1 = lo1;
+        c2 = n2;
+        c3 = lo0;
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+    uint word = (col & 3) == 0 ? c0 : (col & 3) == 1 ? c1 : (col & 3) == 2 ? c2 : c3;
+    return word >= threshold;
+}
+
+typedef struct {
+    real scale, softcap, drop_scale;
+    long left, right;       /* visible j - (i + nk - nq) in [-left, right], -1 = unbounded */
+    int has_alibi, dropout, group;
+    uint threshold;
+    ulong seed;
+} params_t;
+
+/* The score of (row i, key j) after softcap, ALiBi and masks (the spec's order); *dcap is
+ * d(capped)/d(raw). Masked scores are -INFINITY: build options never assume finite math. */
+inline real transform_score(real s, long i, long j, long off, real slope, const params_t *p,
+                            real *dcap)
+{
+    *dcap = 1;
+    if (p->softcap > 0) {
+        real t = tanh(s / p->softcap);
+        s = p->softcap * t;
+        *dcap = 1 - t * t;
+    }
+    long diag = i + off;
+    if (p->has_alibi)
+        s -= slope * (real)(diag > j ? diag - j : j - diag);
+    if ((p->left >= 0 && j < diag - p->left) || (p->right >= 0 && j > diag + p->right))
+        s = -INFINITY;
+    return s;
+}
+
+/* Keys [*lo, *hi) that query rows [i0, i1) may see (as key_range in attn_native.c). */
+inline void key_range(const params_t *p, long nq, long nk, long i0, long i1, long *lo, long *hi)
+{
+    long off = nk - nq;
+    *lo = 0;
+    *hi = nk;
+    if (p->left >= 0 && i0 + off - p->left > 0)
+        *lo = i0 + off - p->left;
+    if (p->right >= 0 && i1 + off + p->right < nk)
+        *hi = i1 + off + p->right;
+    if (*hi < *lo)
+        *hi = *lo;
+}
+
+#define PARAMS_ARGS                                                                          \
+    real scale, real softcap, real drop_scale, long left, long right, int has_alibi,         \
+        int dropout, int group, uint threshold, ulong seed
+#define PARAMS_INIT                                                                          \
+    {scale, softcap, drop_scale, left, right, has_alibi, dropout, group, threshold, seed}

@@ -1,0 +1,79 @@
+/* flash_fwd.cl - attention forward: one work-group per (BQ query rows, unit), one work-item
+ * per query row.
+ *
+ *   q   (unit, Nq, HEAD_D)   k (kv unit, Nk, HEAD_D)   v (kv unit, Nk, HEAD_DV)
+ *   out (unit, Nq, HEAD_DV)  lse (unit, Nq), natural log, -inf for a row that sees no key
+ *
+ * Each work-item keeps its query row (pre-scaled) and output accumulator in private memory;
+ * the work-group streams BK-key tiles of K and V through local memory and keeps an online
+ * softmax (running max m, running sum l) per row, as FlashAttention-2.
+ */
+__kernel void flash_fwd(__global const storage_t *q, __global const storage_t *k,
+                        __global const storage_t *v, __global storage_t *out,
+                        __global real *lse, __global const long *meta,
+                        __global const real *slopes, PARAMS_ARGS)
+{
+    const params_t p = PARAMS_INIT;
+    __local real kt[BK][HEAD_D];
+    __local real vt[BK][HEAD_DV];
+    const long u = get_group_id(1), i0 = (long)get_group_id(0) * BQ;
+    const int lid = get_local_id(0);
+    __global const long *unit = UNIT(meta, u);
+    const long nq = unit[NSLOTS], nk = unit[NSLOTS + 1], off = nk - nq, i = i0 + lid;
+    __global const long *kvunit = UNIT(meta, u / p.group * p.group);
+    if (i0 >= nq)
+        return;                 /* the whole work-group: no barrier is skipped by only some */
+    const int valid = i < nq;
+    const real slope = p.has_alibi ? slopes[u] : 0;
+
+    real qr[HEAD_D], acc[HEAD_DV];
+    for (int x = 0; x < HEAD_D; x++)
+        qr[x] = valid ? (real)LOAD(q, unit[S_Q] + i * meta[S_Q] + x) * p.scale : 0;
+    for (int x = 0; x < HEAD_DV; x++)
+        acc[x] = 0;
+    real m = -INFINITY, l = 0;
+
+    long lo, hi;
+    key_range(&p, nq, nk, i0, min(i0 + BQ, nq), &lo, &hi);
+    for (long j0 = lo; j0 < hi; j0 += BK) {
+        const int cols = (int)min((long)BK, hi - j0);
+        barrier(CLK_LOCAL_MEM_FENCE);
+        for (int e = lid; e < cols * HEAD_D; e += BQ)
+            kt[e / HEAD_D][e % HEAD_D] = LOAD(k, kvunit[S_K] + (j0 + e / HEAD_D) * meta[S_K] + e % HEAD_D);
+        for (int e = lid; e < cols * HEAD_DV; e += BQ)
+            vt[e / HEAD_DV][e % HEAD_DV] = LOAD(v, kvunit[S_V] + (j0 + e / HEAD_DV) * meta[S_V] + e % HEAD_DV);
+        barrier(CLK_LOCAL_MEM_FENCE);
+        if (!valid)
+            continue;
+        real s[BK], mx = -INFINITY, dcap;
+        for (int c = 0; c < cols; c++) {
+            real dot = 0;
+            for (int x = 0; x < HEAD_D; x++)
+                dot += qr[x] * kt[c][x];
+            s[c] = transform_score(dot, i, j0 + c, off, slope, &p, &dcap);
+            mx = fmax(mx, s[c]);
+        }
+        const real mnew = fmax(m, mx);
+        if (mnew == -INFINITY)
+            continue;           /* nothing visible to this row yet */
+        const real alpha = exp(m - mnew);
+        l *= alpha;
+        for (int x = 0; x < HEAD_DV; x++)
+            acc[x] *= alpha;
+        for (int c = 0; c < cols; c++) {
+            real e = exp(s[c] - mnew);
+            l += e;
+            if (p.dropout)
+                e = dropout_keep(p.seed, u, i, j0 + c, p.threshold) ? e * p.drop_scale : 0;
+            for (int x = 0; x < HEAD_DV; x++)
+                acc[x] += e * vt[c][x];
+        }
+        m = mnew;
+    }
+    if (!valid)
+        return;
+    const real inv = l > 0 ? 1 / l : 0;
+    for (int x = 0; x < HEAD_DV; x++)
+        STORE(out, unit[S_O] + i * meta[S_O] + x, acc[x] * inv);
+    lse[unit[S_LSE] + i * meta[S_LSE]] = l > 0 ? m + log(l) : -INFINITY;
+}

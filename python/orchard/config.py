@@ -1,0 +1,142 @@
+"""Training configuration: the schema, loading and validation of the universal YAML.
+
+A config is a plain nested dict with three sections (model, training, device). Every key has a
+default here, so a YAML file may set any subset; configs/universal.yaml writes all of them out
+with comments and is kept equal to these defaults by a test. "auto" values are resolved for the
+device at hand by DeviceBackend.adapt_config, which reports a reason for each change.
+"""
+import os
+
+AUTO = "auto"
+
+# section -> key -> (allowed types, default, check or None). A check returns an error text or
+# None; types are checked first, so checks may assume them. bool is kept apart from int because
+# YAML's `yes` would otherwise pass as the integer 1.
+_positive = lambda v: None if v >= 1 else "must be >= 1"
+_fraction = lambda v: None if 0.0 <= v < 1.0 else "must be in [0, 1)"
+_unit = lambda v: None if 0.0 < v <= 1.0 else "must be in (0, 1]"
+_non_negative = lambda v: None if v >= 0 else "must be >= 0"
+
+
+def _auto_or(check):
+    return lambda v: None if v == AUTO else (
+        check(v) if not isinstance(v, str) else "must be a number or 'auto'")
+
+
+def _one_of(*choices):
+    return lambda v: None if v in choices else "must be one of %s" % ", ".join(choices)
+
+
+SCHEMA = {
+    "model": {
+        "vocab_size": (int, 256, _positive),
+        "context": (int, 256, _positive),
+        "n_layer": (int, 4, _positive),
+        "n_head": (int, 4, _positive),
+        "n_kv_head": (int, 4, _positive),
+        "n_embd": (int, 128, _positive),
+        "dropout": ((int, float), 0.0, _fraction),
+        "bias": (bool, False, None),
+    },
+    "training": {
+        "batch_size": (int, 16, _positive),
+        "micro_batch": ((int, str), AUTO, _auto_or(_positive)),
+        "learning_rate": ((int, float), 0.002, _non_negative),
+        "min_lr": ((int, float), 0.0002, _non_negative),
+        "warmup_steps": (int, 20, _non_negative),
+        "weight_decay": ((int, float), 0.1, _non_negative),
+        "beta1": ((int, float), 0.9, _fraction),
+        "beta2": ((int, float), 0.95, _fraction),
+        "grad_clip": ((int, float), 1.0, _non_negative),
+        "dtype": (str, AUTO, _one_of(AUTO, "fp32", "fp16", "bf16")),
+        "grad_checkpointing": ((bool, str), AUTO, lambda v: None if v in (True, False, AUTO)
+                               else "must be true, false or 'auto'"),
+        "log_interval": (int, 10, _positive),
+        "checkpoint_interval": (int, 100, _positive),
+    },
+    "device": {
+        "memory_fraction": ((int, float), 0.8, _unit),
+        "num_threads": ((int, str), AUTO, _auto_or(_positive)),
+    },
+}
+
+
+class ConfigError(ValueError):
+    """A config file that does not match SCHEMA; the message names the key and the file."""
+
+
+def default_config():
+    return {section: {key: spec[1] for key, spec in keys.items()}
+            for section, keys in SCHEMA.items()}
+
+
+def _type_names(types):
+    types = types if isinstance(types, tuple) else (types,)
+    return " or ".join({"str": "'auto'"}.get(t.__name__, t.__name__) for t in types)
+
+
+def validate(cfg, source="<config>"):
+    """Check a (possibly partial) config dict against SCHEMA and return it merged with defaults."""
+    if not isinstance(cfg, dict):
+        raise ConfigError("%s: the top level must be a mapping of sections (%s), got %s"
+                          % (source, ", ".join(SCHEMA), type(cfg).__name__))
+    merged = default_config()
+    for section, values in cfg.items():
+        if section not in SCHEMA:
+            raise ConfigError("%s: unknown key '%s' (sections are %s)"
+                              % (source, section, ", ".join(SCHEMA)))
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise ConfigError("%s: key '%s' must be a mapping, got %s"
+                              % (source, section, type(values).__name__))
+        for key, value in values.items():
+            name = "%s.%s" % (section, key)
+            if key not in SCHEMA[section]:
+                raise ConfigError("%s: unknown key '%s' (known: %s)"
+                                  % (source, name, ", ".join(SCHEMA[section])))
+            types, _, check = SCHEMA[section][key]
+            bool_mismatch = isinstance(value, bool) and bool not in (
+                types if isinstance(types, tuple) else (types,))
+            if not isinstance(value, types) or bool_mismatch:
+                raise ConfigError("%s: key '%s' must be %s, got %s %r"
+                                  % (source, name, _type_names(types), type(value).__name__,
+                                     value))
+            problem = check(value) if check else None
+            if problem:
+                raise ConfigError("%s: key '%s' %s, got %r" % (source, name, problem, value))
+            merged[section][key] = value
+    model = merged["model"]
+    if model["n_embd"] % model["n_head"]:
+        raise ConfigError("%s: key 'model.n_embd' (%d) must be a multiple of model.n_head (%d)"
+                          % (source, model["n_embd"], model["n_head"]))
+    if model["n_head"] % model["n_kv_head"]:
+        raise ConfigError("%s: key 'model.n_kv_head' (%d) must divide model.n_head (%d)"
+                          % (source, model["n_kv_head"], model["n_head"]))
+    return merged
+
+
+def load_config(path=None):
+    """The validated config of a YAML file, or the defaults (= configs/universal.yaml) for None."""
+    if path is None:
+        return default_config()
+    import yaml
+
+    if not os.path.isfile(path):
+        raise ConfigError("%s: no such config file" % path)
+    with open(path) as f:
+        try:
+            cfg = yaml.safe_load(f)
+        except yaml.YAMLError as exc:
+            raise ConfigError("%s: not valid YAML: %s" % (path, exc)) from None
+    return validate(cfg if cfg is not None else {}, source=path)
+
+
+def get_dtype_from_string(name):
+    """torch dtype of a config dtype name: "fp32", "fp16" or "bf16"."""
+    import torch
+
+    dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    if name not in dtypes:
+        raise ValueError("unknown dtype %r: expected one of %s" % (name, ", ".join(dtypes)))
+    return dtypes[name]

@@ -1,0 +1,116 @@
+"""Training data: token sequences, from a JSON file or built from a folder of text.
+
+token_sequences.json is either a list of token-id lists or {"vocab_size": V, "sequences":
+[...]}. Text becomes byte-level tokens (vocabulary 256), so nothing needs a tokenizer, and
+with no file at all the trainer reads the Python standard library's own sources: every
+machine that runs Python has them, so the demo needs no download.
+"""
+import json
+import os
+import sysconfig
+
+BYTE_VOCAB = 256
+DEFAULT_MAX_BYTES = 1_500_000  # about one epoch of the default config in a few CPU minutes
+
+
+def load_sequences(path):
+    """(sequences, vocab_size) from a token_sequences.json; vocab_size is max id + 1 when the
+    file does not say."""
+    with open(path) as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError("%s: not valid JSON: %s" % (path, exc)) from None
+    vocab_size = None
+    if isinstance(data, dict):
+        unknown = set(data) - {"vocab_size", "sequences"}
+        if unknown or "sequences" not in data:
+            raise ValueError("%s: expected keys 'vocab_size' and 'sequences', got %s"
+                             % (path, ", ".join(sorted(data))))
+        vocab_size, data = data.get("vocab_size"), data["sequences"]
+        if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size < 1):
+            raise ValueError("%s: 'vocab_size' must be a positive integer" % path)
+    if not isinstance(data, list) or not all(isinstance(s, list) for s in data):
+        raise ValueError("%s: 'sequences' must be a list of token-id lists" % path)
+    top = -1
+    for n, seq in enumerate(data):
+        if not all(isinstance(t, int) and t >= 0 for t in seq):
+            raise ValueError("%s: sequence %d holds something other than non-negative integer "
+                             "token ids" % (path, n))
+        top = max(top, max(seq, default=-1))
+    if vocab_size is None:
+        vocab_size = top + 1
+    elif top >= vocab_size:
+        raise ValueError("%s: token id %d is out of range for vocab_size %d"
+                         % (path, top, vocab_size))
+    return data, vocab_size
+
+
+def save_sequences(path, sequences, vocab_size=BYTE_VOCAB):
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"vocab_size": vocab_size, "sequences": sequences}, f, separators=(",", ":"))
+
+
+def _is_text(data):
+    return b"\0" not in data[:8192]
+
+
+def text_file_sequences(paths, max_bytes=None):
+    """Byte-level sequences (one per file) of the text files among paths, in order, until
+    max_bytes in all."""
+    sequences, total = [], 0
+    for path in paths:
+        with open(path, "rb") as f:
+            data = f.read()
+        if not data or not _is_text(data):
+            continue
+        if max_bytes is not None:
+            data = data[:max_bytes - total]
+        sequences.append(list(data))
+        total += len(data)
+        if max_bytes is not None and total >= max_bytes:
+            break
+    return sequences
+
+
+def folder_files(src_dir, extensions=None):
+    """Files under src_dir in a stable order, skipping hidden folders and files."""
+    found = []
+    for root, dirs, files in os.walk(src_dir):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(files):
+            if name.startswith(".") or (extensions and not name.endswith(tuple(extensions))):
+                continue
+            found.append(os.path.join(root, name))
+    return found
+
+
+def stdlib_sequences(max_bytes=DEFAULT_MAX_BYTES):
+    """Byte-level sequences of the standard library's .py files (not its tests or
+    site-packages), in sorted order, so every machine with this Python gets the same data."""
+    stdlib = sysconfig.get_paths()["stdlib"]
+    paths = [p for p in folder_files(stdlib, [".py"])
+             if not any(part in ("site-packages", "dist-packages", "test", "tests")
+                        for part in os.path.relpath(p, stdlib).split(os.sep))]
+    if not paths:
+        raise FileNotFoundError("no .py sources under %s (this Python ships without its "
+                                "standard library sources); pass --sequences FILE" % stdlib)
+    return text_file_sequences(paths, max_bytes)
+
+
+def token_chunks(sequences, context):
+    """LongTensor (n, context + 1): the sequences concatenated and cut into windows, each an
+    input of `context` tokens and, shifted by one, its targets. Sequences run into each other
+    as in nanoGPT, so short ones are not lost."""
+    import torch
+
+    stream = torch.tensor([t for seq in sequences for t in seq], dtype=torch.long)
+    n = (len(stream) - 1) // context
+    if n < 1:
+        raise ValueError("%d tokens are not enough for one sequence of context %d"
+                         % (len(stream), context))
+    inputs = stream[:n * context].view(n, context)
+    targets = stream[1:n * context + 1].view(n, context)
+    return torch.cat([inputs, targets[:, -1:]], dim=1)

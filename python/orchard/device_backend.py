@@ -1,0 +1,315 @@
+"""The device a run trains on: its measured facts, and a training config adapted to them.
+
+Every decision here is derived from what orchard_ops.devices() measured (global_mem_bytes,
+fp16, compute_units, kind, unified_memory), never from a table of device names, so a device
+nobody has seen before is handled the same way as a familiar one.
+
+Memory model (estimate_memory). Model weights, gradients, AdamW state and activations are
+PyTorch tensors in host memory; orchard copies attention operands to the device per call (or
+shares them, on unified memory). With P parameters, L layers, width C, key/value width
+C_kv = n_kv_head * C / n_head, vocabulary V, micro-batch B, context T, and s bytes per
+activation element (4 for fp32, 2 for fp16/bf16):
+
+    weights        4 P      (fp32 master copy)
+    gradients      4 P
+    optimizer      8 P      (AdamW's two moments)
+    activations    B T s (L (22 C + 2 C_kv) + 4 V + 3 C)
+                   with gradient checkpointing: B T s (L C + 2 (22 C + 2 C_kv) + 4 V + 3 C)
+
+Per layer the backward needs 15 C + 2 C_kv of saved tensors (LayerNorm inputs and outputs,
+q, k, v, attention output and its re-laid-out copy, the MLP's 4 C input and GELU output); the
+remaining 7 C are the layer's temporary gradients in backward, which the CPU allocator keeps
+around. 4 V covers the logits, their log-softmax and the gradients of both; 3 C the embeddings
+and final LayerNorm. Checkpointing keeps each block's input (C) and holds one recomputed
+block plus its gradients at a time. There is no N x N term: orchard's attention keeps O(N D)
+per worker and a logsumexp per row. tests/test_py_memory.py checks the total against the
+measured peak memory of CPU training steps within 25 %.
+"""
+import copy
+import logging
+import math
+import os
+
+import orchard_ops
+
+from .config import AUTO
+
+log = logging.getLogger("orchard")
+
+GiB = 2**30
+_ATTENTION_BLOCK = 64  # query rows per attention work item in orchard's kernels
+_MIN_CONTEXT = 64
+
+
+def _bytes_per_element(dtype):
+    return 4 if dtype in ("fp32", AUTO) else 2
+
+
+def resolve_device(device, listing=None):
+    """The devices() entry for a device string: None/"auto", "cpu", "opencl", "opencl:N"
+    or "opencl:NAME" (a substring of a device or platform name, as PYOPENCL_CTX)."""
+    listing = orchard_ops.devices() if listing is None else listing
+    if device in (None, AUTO):
+        device = orchard_ops.default_device()
+    by_id = {d["id"]: d for d in listing}
+    if device in by_id:
+        return by_id[device]
+    opencl = [d for d in listing if d["backend"] == "opencl"]
+    if device == "opencl" and opencl:
+        default = orchard_ops.default_device()
+        return by_id[default] if default in by_id and by_id[default] in opencl else opencl[0]
+    if device.startswith("opencl:"):
+        wanted = device.split(":", 1)[1].lower()
+        for d in opencl:
+            if wanted in d["name"].lower() or wanted in d.get("platform", "").lower():
+                return d
+    raise ValueError("unknown device %r; available: %s" % (device, ", ".join(by_id) or "none"))
+
+
+def auto_choice_reason(listing=None):
+    """(device id that device=None picks, why), for orchard-devices and the trainer's log."""
+    listing = orchard_ops.devices() if listing is None else listing
+    chosen = resolve_device(None, listing)
+    if os.environ.get("ORCHARD_DEVICE"):
+        why = "ORCHARD_DEVICE=%s is set" % os.environ["ORCHARD_DEVICE"]
+    elif len(listing) == 1:
+        why = "it is the only usable device"
+    else:
+        why = ("orchard_ops.default_device() ranks the usable devices by expected attention "
+               "speed (an OpenCL GPU before the native CPU path); this one is a %s with %d "
+               "compute units and %.1f GiB" % (chosen["kind"], chosen["compute_units"],
+                                               chosen["global_mem_bytes"] / GiB))
+    return chosen["id"], why
+
+
+class DeviceBackend:
+    """One orchard device plus the host it hangs off; see the module docstring."""
+
+    def __init__(self, info, host=None, verbose=False, processes=1):
+        self.info = dict(info)
+        self.host = dict(host if host is not None else info)
+        self.verbose = verbose
+        # Processes sharing this machine (torchrun's LOCAL_WORLD_SIZE): they split its memory
+        # and cores.
+        self.processes = max(1, processes)
+
+    @property
+    def device(self):
+        return self.info["id"]
+
+    @property
+    def attention_backend(self):
+        return self.info["backend"]
+
+    def memory_budget(self, cfg):
+        # Training state lives in host memory and attention operands go to the device, so
+        # the plan must fit both: the smaller of the two, shared among local processes.
+        usable = min(self.info["global_mem_bytes"], self.host["global_mem_bytes"])
+        return int(cfg["device"]["memory_fraction"] * usable / self.processes)
+
+    def default_threads(self):
+        return max(1, self.host["compute_units"] // self.processes)
+
+    def setup(self, num_threads=AUTO):
+        """Threads for the native path and PyTorch, and the OpenCL program cache folder.
+        Environment variables are read, never changed."""
+        if os.environ.get("ORCHARD_NUM_THREADS"):
+            threads = orchard_ops.get_num_threads()
+        else:
+            threads = self.default_threads() if num_threads == AUTO else num_threads
+            orchard_ops.set_num_threads(threads)
+        try:
+            import torch
+        except ImportError:
+            torch = None
+        if torch is not None and not os.environ.get("OMP_NUM_THREADS"):
+            torch.set_num_threads(threads)
+        if self.attention_backend == "opencl":
+            cache = os.environ.get("ORCHARD_CACHE_DIR") or os.path.join(
+                os.path.expanduser("~"), ".cache", "orchard")
+            os.makedirs(cache, exist_ok=True)
+        if self.verbose:
+            log.info("orchard threads: %d", threads)
+        return self
+
+    def estimate_memory(self, model_cfg, batch_size, seq_len, dtype="fp32",
+                        grad_checkpointing=False):
+        """Bytes a training step needs, by the formula of the module docstring, itemised."""
+        C, L, V = model_cfg["n_embd"], model_cfg["n_layer"], model_cfg["vocab_size"]
+        c_kv = model_cfg["n_kv_head"] * C // model_cfg["n_head"]
+        params = self.count_parameters(model_cfg)
+        layer = 22 * C + 2 * c_kv
+        per_token = (L * C + 2 * layer) if grad_checkpointing else L * layer
+        per_token += 4 * V + 3 * C
+        parts = {
+            "parameters": 4 * params,
+            "gradients": 4 * params,
+            "optimizer": 8 * params,
+            "activations": batch_size * seq_len * _bytes_per_element(dtype) * per_token,
+        }
+        parts["total"] = sum(parts.values())
+        return parts
+
+    @staticmethod
+    def count_parameters(model_cfg):
+        """Parameters of orchard.model.GPT for a model config (tied input/output embedding)."""
+        C, L, V = model_cfg["n_embd"], model_cfg["n_layer"], model_cfg["vocab_size"]
+        c_kv = model_cfg["n_kv_head"] * C // model_cfg["n_head"]
+        bias = 1 if model_cfg["bias"] else 0
+        attn = C * C + C * 2 * c_kv + C * C + bias * (C + 2 * c_kv + C)
+        mlp = 2 * 4 * C * C + bias * (4 * C + C)
+        norms = 2 * C * (1 + bias)
+        return V * C + model_cfg["context"] * C + L * (attn + mlp + norms) + C * (1 + bias)
+
+    def _fill_micro_batch(self, model_cfg, per_process_batch):
+        # The smallest micro-batch whose attention grid (micro x heads x query blocks) still
+        # gives every compute unit a work item; below it a smaller micro-batch only idles
+        # the device, so gradient checkpointing is the better way to save memory.
+        blocks = model_cfg["n_head"] * math.ceil(model_cfg["context"] / _ATTENTION_BLOCK)
+        return min(per_process_batch, max(1, math.ceil(self.info["compute_units"] / blocks)))
+
+    def adapt_config(self, cfg, fixed_model=False):
+        """(new config, {dotted key: reason}) for this device; every changed key has a reason.
+
+        fixed_model keeps the model section as it is (a resumed checkpoint fixes it).
+        """
+        new = copy.deepcopy(cfg)
+        reasons = {}
+        model, train, dev = new["model"], new["training"], new["device"]
+        name = "%s (%s)" % (self.device, self.info["name"])
+
+        def change(section, key, value, why):
+            if new[section][key] != value:
+                reasons["%s.%s" % (section, key)] = "%r -> %r: %s" % (
+                    new[section][key], value, why)
+                new[section][key] = value
+
+        # dtype
+        if train["dtype"] == AUTO:
+            if self.info["kind"] != "cpu" and self.info["fp16"]:
+                change("training", "dtype", "fp16",
+                       "%s is a %s that supports fp16: half the bytes per attention call, "
+                       "with loss scaling" % (name, self.info["kind"]))
+            else:
+                why = ("%s is a CPU: orchard computes fp16 in fp32 there, so fp16 saves "
+                       "memory but no time and needs loss scaling" % name
+                       if self.info["kind"] == "cpu" else "%s reports no fp16 support" % name)
+                change("training", "dtype", "fp32", why)
+        elif train["dtype"] == "fp16" and not self.info["fp16"]:
+            change("training", "dtype", "fp32", "%s reports no fp16 support" % name)
+
+        if dev["num_threads"] == AUTO:
+            change("device", "num_threads", self.default_threads(),
+                   "%d host cores for %d process(es)" % (self.host["compute_units"],
+                                                         self.processes))
+
+        # micro-batch, gradient checkpointing, context: fit the memory budget.
+        budget = self.memory_budget(new)
+        per_process = max(1, train["batch_size"] // self.processes)
+        requested = per_process if train["micro_batch"] == AUTO else min(
+            train["micro_batch"], per_process)
+        fill = self._fill_micro_batch(model, per_process)
+
+        def need(micro, checkpointing, context):
+            return self.estimate_memory(model, micro, context, train["dtype"],
+                                        checkpointing)["total"]
+
+        def largest_fitting(floor, checkpointing, context):
+            micro = requested
+            while micro > floor and need(micro, checkpointing, context) > budget:
+                micro = max(floor, micro // 2)
+            return micro
+
+        checkpointing = train["grad_checkpointing"] is True
+        context = model["context"]
+        micro = largest_fitting(fill if train["grad_checkpointing"] == AUTO else 1,
+                                checkpointing, context)
+        if need(micro, checkpointing, context) > budget and train["grad_checkpointing"] == AUTO:
+            checkpointing = True
+            micro = largest_fitting(1, True, context)
+        while (not fixed_model and context > _MIN_CONTEXT
+               and need(micro, checkpointing, context) > budget):
+            context = max(_MIN_CONTEXT, context // 2)
+        fits = need(micro, checkpointing, context) <= budget
+        gib = lambda b: "%.2f GiB" % (b / GiB)
+        budget_text = "budget %s (%.0f%% of %s, %d process(es))" % (
+            gib(budget), 100 * dev["memory_fraction"],
+            gib(min(self.info["global_mem_bytes"], self.host["global_mem_bytes"])),
+            self.processes)
+
+        if train["grad_checkpointing"] == AUTO:
+            change("training", "grad_checkpointing", checkpointing,
+                   ("micro-batch %d%s would need %s without it > %s: recompute "
+                    "activations instead" % (
+                        fill, " (the smallest that keeps the %d compute units busy)"
+                        % self.info["compute_units"] if fill > 1 else "",
+                        gib(need(fill, False, model["context"])), budget_text))
+                   if checkpointing else
+                   "micro-batch %d fits without it (%s of %s)" % (
+                       micro, gib(need(micro, False, context)), budget_text))
+        if context != model["context"]:
+            change("model", "context", context,
+                   "micro-batch 1 with gradient checkpointing needs %s at context %d > %s"
+                   % (gib(need(1, True, model["context"])), model["context"], budget_text))
+        accumulation = math.ceil(per_process / micro)
+        why = ("%s per micro-batch of %d%s, %s; %d accumulation step(s) keep the effective "
+               "batch of %d" % (gib(need(micro, checkpointing, context)), micro,
+                                " with gradient checkpointing" if checkpointing else "",
+                                budget_text, accumulation, train["batch_size"]))
+        if not fits:
+            why += "; it still does not fit, the out-of-memory policy will shrink it further"
+        change("training", "micro_batch", micro, why)
+        return new, reasons
+
+    def check_limitations(self, dtype):
+        """Plain-language limits of this device for a dtype ("fp32", "fp16", "bf16", "fp64"
+        or a torch dtype); an empty list when there are none."""
+        name = str(dtype).replace("torch.", "")
+        name = {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16",
+                "float64": "fp64", "double": "fp64", "float": "fp32"}.get(name, name)
+        notes = []
+        if name == "fp16" and not self.info["fp16"]:
+            notes.append("%s does not support float16; use fp32" % self.device)
+        if name == "fp16":
+            notes.append("float16 attention accumulates in float32; training needs loss "
+                         "scaling (the trainer uses a GradScaler)")
+        if name == "bf16":
+            notes.append("orchard's kernels take float16/32/64: bfloat16 attention is "
+                         "computed through float32 and cast back")
+        if name == "fp64" and not self.info["fp64"]:
+            notes.append("%s does not support float64 (use the cpu device for gradient "
+                         "checks)" % self.device)
+        if name not in ("fp32", "fp16", "bf16", "fp64"):
+            notes.append("dtype %r is not supported by orchard attention" % (dtype,))
+        if self.info["kind"] != "cpu" and not self.info["unified_memory"]:
+            notes.append("%s has its own memory: attention operands are copied to it and "
+                         "back on every call" % self.device)
+        return notes
+
+    def log_summary(self):
+        """Log (and return) what this backend is: device facts and attention backend."""
+        i = self.info
+        text = ("device %s: %s (%s, %s backend), %d compute units, %.1f GiB, fp16 %s, fp64 %s"
+                % (i["id"], i["name"], i["kind"], i["backend"], i["compute_units"],
+                   i["global_mem_bytes"] / GiB, "yes" if i["fp16"] else "no",
+                   "yes" if i["fp64"] else "no"))
+        log.info(text)
+        return text
+
+    def patch_model(self, model):
+        """Route model's scaled_dot_product_attention calls to orchard on this device."""
+        from .torch import patch_model
+
+        return patch_model(model, device=self.device)
+
+
+def get_device_backend(device=None, verbose=False):
+    """The DeviceBackend for a device string (see resolve_device); None picks automatically."""
+    listing = orchard_ops.devices()
+    info = resolve_device(device, listing)
+    host = next((d for d in listing if d["id"] == "cpu"), info)
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    backend = DeviceBackend(info, host, verbose=verbose, processes=processes)
+    if verbose:
+        backend.log_summary()
+    return backend

@@ -1,0 +1,307 @@
+"""The training loop: batches, mixed precision, gradient accumulation, the out-of-memory
+policy, metrics, checkpoints, resume, Ctrl-C, and data parallelism.
+
+One optimizer step consumes `batch_size` sequences (split evenly over data-parallel ranks),
+fed through the model `micro_batch` at a time. The batches of an epoch are a permutation
+seeded by (seed, epoch), so a resumed run sees exactly the batches the original would have.
+"""
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint import save_checkpoint
+from .config import get_dtype_from_string
+from .model import GPT, GPTConfig
+from .progress import ProgressBar
+
+log = logging.getLogger("orchard")
+
+CHECKPOINT_NAME = "checkpoint.pt"
+METRICS_NAME = "metrics.jsonl"
+
+
+def is_out_of_memory(exc):
+    """Any MemoryError (orchard_ops.OrchardOutOfMemory included), and PyTorch's CPU allocator
+    failure, which PyTorch raises as a plain RuntimeError."""
+    return isinstance(exc, MemoryError) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
+
+
+class Trainer:
+    def __init__(self, cfg, backend, chunks, output_dir, requested_cfg=None, seed=1337,
+                 data_info=None, resume_state=None):
+        self.cfg = cfg
+        self.requested_cfg = requested_cfg if requested_cfg is not None else cfg
+        self.backend = backend
+        self.chunks = chunks
+        self.output_dir = output_dir
+        self.seed = seed
+        self.data_info = data_info or {}
+        train = cfg["training"]
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world = dist.get_world_size() if self.distributed else 1
+        if train["batch_size"] % self.world:
+            raise ValueError("training.batch_size %d must be a multiple of the %d processes"
+                             % (train["batch_size"], self.world))
+        self.rank_batch = train["batch_size"] // self.world
+        self.micro_batch = min(train["micro_batch"], self.rank_batch)
+        self.steps_per_epoch = len(chunks) // train["batch_size"]
+        if self.steps_per_epoch < 1:
+            raise ValueError("%d sequences of context %d are fewer than one batch of %d"
+                             % (len(chunks), cfg["model"]["context"], train["batch_size"]))
+
+        torch.manual_seed(seed)
+        self.model = GPT(GPTConfig.from_dict(cfg["model"]))
+        self.model.grad_checkpointing = train["grad_checkpointing"]
+        self.router = backend.patch_model(self.model)
+        self.optimizer = self._make_optimizer()
+        self.dtype = train["dtype"]
+        self.scaler = torch.amp.GradScaler("cpu", enabled=self.dtype == "fp16")
+        self.step = 0
+        self.history = []
+        if resume_state is not None:
+            self._restore(resume_state)
+        else:
+            # Ranks draw different dropout masks; the model above was initialised alike.
+            torch.manual_seed(seed + self.rank)
+        self.forward_model = self.model
+        if self.distributed:
+            self.forward_model = torch.nn.parallel.DistributedDataParallel(self.model)
+        self.stop_requested = False
+
+    def _make_optimizer(self):
+        train = self.cfg["training"]
+        # As GPT-2/nanoGPT: weight decay on matrices and embeddings, not on biases and norms.
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if p.dim() >= 2],
+                   "weight_decay": train["weight_decay"]},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=train["learning_rate"],
+                                 betas=(train["beta1"], train["beta2"]))
+
+    # -- state -------------------------------------------------------------------------------
+
+    def state_dict(self):
+        return {
+            "format": 1,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "step": self.step,
+            "seed": self.seed,
+            "config": self.requested_cfg,
+            "model_config": self.cfg["model"],
+            "data": self.data_info,
+            "metrics": self.history,
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        }
+
+    def _restore(self, state):
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler.is_enabled() and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.step = state["step"]
+        self.history = list(state["metrics"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        if self.rank:
+            torch.manual_seed(self.seed + self.rank + self.step)
+
+    def save(self):
+        if self.rank == 0:
+            path = os.path.join(self.output_dir, CHECKPOINT_NAME)
+            save_checkpoint(self.state_dict(), path)
+            return path
+        return None
+
+    # -- schedule and data -------------------------------------------------------------------
+
+    def learning_rate(self, step, total_steps):
+        train = self.cfg["training"]
+        lr, min_lr, warmup = train["learning_rate"], train["min_lr"], train["warmup_steps"]
+        if step < warmup:
+            return lr * (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
+
+    def batch(self, step):
+        """This rank's share of the sequences of optimizer step `step`: (inputs, targets)."""
+        epoch, index = divmod(step, self.steps_per_epoch)
+        if getattr(self, "_order_epoch", None) != epoch:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._order = torch.randperm(len(self.chunks), generator=generator)
+            self._order_epoch = epoch
+        size = self.cfg["training"]["batch_size"]
+        rows = self._order[index * size:(index + 1) * size][self.rank::self.world]
+        batch = self.chunks[rows]
+        return batch[:, :-1], batch[:, 1:]
+
+    # -- one optimizer step, with the out-of-memory policy -----------------------------------
+
+    def _accumulate(self, inputs, targets):
+        micro_inputs = inputs.split(self.micro_batch)
+        micro_targets = targets.split(self.micro_batch)
+        autocast = torch.autocast("cpu", dtype=get_dtype_from_string(self.dtype),
+                                  enabled=self.dtype != "fp32")
+        total = 0.0
+        for n, (x, y) in enumerate(zip(micro_inputs, micro_targets)):
+            last = n == len(micro_inputs) - 1
+            # DDP all-reduces gradients on the last micro-batch only.
+            sync = (self.forward_model.no_sync() if self.distributed and not last
+                    else contextlib.nullcontext())
+            with sync:
+                with autocast:
+                    _, loss = self.forward_model(x, y)
+                loss = loss.float() * (len(x) / len(inputs))
+                self.scaler.scale(loss).backward()
+            total += loss.item()
+        return total
+
+    def train_step(self, inputs, targets, lr):
+        """One optimizer step; on out-of-memory, halve the micro-batch and retry it."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        while True:
+            self.optimizer.zero_grad(set_to_none=True)
+            try:
+                loss = self._accumulate(inputs, targets)
+                break
+            except (MemoryError, RuntimeError) as exc:
+                if not is_out_of_memory(exc) or self.micro_batch == 1 or self.distributed:
+                    raise
+                old = self.micro_batch
+                self.micro_batch = max(1, old // 2)
+                log.warning("out of memory at step %d with micro-batch %d (%s: %s); retrying "
+                            "with micro-batch %d and %d accumulation steps", self.step + 1,
+                            old, type(exc).__name__, exc, self.micro_batch,
+                            self.accumulation_steps())
+        grad_clip = self.cfg["training"]["grad_clip"]
+        if grad_clip > 0:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def accumulation_steps(self):
+        return math.ceil(self.rank_batch / self.micro_batch)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def _request_stop(self, signum, frame):
+        self.stop_requested = True
+        # A second Ctrl-C interrupts at once.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def _should_stop(self):
+        if not self.distributed:
+            return self.stop_requested
+        # All ranks stop after the same step, or the others would wait forever in DDP.
+        flag = torch.tensor([int(self.stop_requested)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _mean_over_ranks(self, value):
+        if not self.distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t)
+        return t.item() / self.world
+
+    def _write_metrics(self, record):
+        self.history.append(record)
+        if self.rank == 0:
+            with open(os.path.join(self.output_dir, METRICS_NAME), "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def run(self, epochs=1, max_steps=None):
+        """Train until `epochs` passes over the data or `max_steps` optimizer steps in all
+        (counting those before a resume). Returns 0, or 130 after Ctrl-C."""
+        train = self.cfg["training"]
+        total = epochs * self.steps_per_epoch
+        if max_steps is not None:
+            total = min(total, max_steps)
+        if self.rank == 0:
+            os.makedirs(self.output_dir, exist_ok=True)
+            # The curve so far, as of the checkpoint: steps logged after it are redone.
+            with open(os.path.join(self.output_dir, METRICS_NAME), "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in self.history)
+        tokens_per_step = train["batch_size"] * self.cfg["model"]["context"]
+        log.info("training %s parameters on %s: %d steps (%d per epoch), batch %d = %d "
+                 "process(es) x micro-batch %d x %d accumulation, context %d, %s%s",
+                 f"{self.model.num_params():,}", self.backend.device, total,
+                 self.steps_per_epoch, train["batch_size"], self.world, self.micro_batch,
+                 self.accumulation_steps(), self.cfg["model"]["context"], self.dtype,
+                 ", gradient checkpointing" if self.model.grad_checkpointing else "")
+        if self.step:
+            log.info("resuming at step %d", self.step)
+        bar = ProgressBar(total, start=self.step) if self.rank == 0 else None
+        previous_handler = signal.signal(signal.SIGINT, self._request_stop)
+        self.model.train()
+        interrupted = False
+        try:
+            losses, t0 = [], time.perf_counter()
+            while self.step < total:
+                inputs, targets = self.batch(self.step)
+                lr = self.learning_rate(self.step, total)
+                losses.append(self.train_step(inputs, targets, lr))
+                self.step += 1
+                if self.step % train["log_interval"] == 0 or self.step == total:
+                    elapsed = time.perf_counter() - t0
+                    record = {
+                        "step": self.step,
+                        "epoch": (self.step - 1) // self.steps_per_epoch,
+                        "loss": round(self._mean_over_ranks(sum(losses) / len(losses)), 5),
+                        "lr": lr,
+                        "tokens_per_s": round(len(losses) * tokens_per_step / elapsed, 1),
+                        "device": self.backend.device,
+                        "micro_batch": self.micro_batch,
+                        "grad_accum": self.accumulation_steps(),
+                    }
+                    self._write_metrics(record)
+                    log.info("step %d/%d  epoch %d  loss %.4f  lr %.2e  %.0f tokens/s  "
+                             "micro-batch %d x %d", self.step, total, record["epoch"],
+                             record["loss"], lr, record["tokens_per_s"], self.micro_batch,
+                             self.accumulation_steps())
+                    losses, t0 = [], time.perf_counter()
+                if bar:
+                    bar.update(self.step, "loss %.3f" % (self.history[-1]["loss"]
+                                                         if self.history else float("nan")))
+                if self.step % train["checkpoint_interval"] == 0 and self.step != total:
+                    self.save()
+                if self._should_stop():
+                    interrupted = True
+                    break
+        finally:
+            signal.signal(signal.SIGINT, previous_handler)
+            if bar:
+                bar.close()
+        path = self.save()
+        if self.rank == 0:
+            log.info(self.router.summary())
+            if interrupted:
+                log.info("interrupted: checkpoint of step %d saved to %s; continue with "
+                         "--resume %s", self.step, path, path)
+            else:
+                log.info("done: checkpoint of step %d saved to %s", self.step, path)
+        return 130 if interrupted else 0
+
+    def parameters_digest(self):
+        """sha256 of every parameter's bytes, to check that data-parallel ranks agree."""
+        digest = hashlib.sha256()
+        for name, p in sorted(self.model.state_dict().items()):
+            digest.update(name.encode())
+            digest.update(p.detach().contiguous().numpy().tobytes())
+        return digest.hexdigest()
