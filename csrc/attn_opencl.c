@@ -36,6 +36,7 @@ typedef struct {
     cl_mem meta, slopes, di, dummy;
     cl_kernel kernel[3];
     unsigned outputs;           /* bit per slot written by the kernels */
+    int in_place;               /* buffers over host memory, else explicit copies */
 } launch_t;
 
 #define TRY(L, expr, name)                                                                   \
@@ -66,11 +67,11 @@ static int operand_buffers(launch_t *L)
             continue;
         }
         cl_mem_flags flags = out ? CL_MEM_READ_WRITE : CL_MEM_READ_ONLY;
-        if (L->info->unified)
+        if (L->in_place)
             flags |= CL_MEM_USE_HOST_PTR;
         else if (!out)
             flags |= CL_MEM_COPY_HOST_PTR;
-        rc = new_buffer(L, flags, w->nbytes, (L->info->unified || !out) ? w->lo : NULL, &L->mem[s]);
+        rc = new_buffer(L, flags, w->nbytes, (L->in_place || !out) ? w->lo : NULL, &L->mem[s]);
     }
     return rc;
 }
@@ -218,7 +219,7 @@ static int finish_outputs(launch_t *L)
         const or_view *w = &L->p->view[s];
         if (!((L->outputs >> s) & 1) || w->offs == NULL || w->nbytes == 0)
             continue;
-        if (!L->info->unified) {
+        if (!L->in_place) {
             TRY(L, api->clEnqueueReadBuffer(L->prog.queue, L->mem[s], CL_TRUE, 0, w->nbytes, w->lo,
                                             0, NULL, NULL), "clEnqueueReadBuffer");
             continue;
@@ -273,6 +274,10 @@ static int prepare(launch_t *L, int i, const or_problem *p, unsigned outputs, or
     L->err = err;
     L->outputs = outputs;
     L->info = or_cl_info_get(i);
+    /* ORCHARD_CL_TRANSFERS=1: explicit copies as on a discrete GPU, to test that path on any
+     * device (and to give Oclgrind's uninitialised-read checker memory it has seen written) */
+    const char *transfers = getenv("ORCHARD_CL_TRANSFERS");
+    L->in_place = L->info->unified && !(transfers && transfers[0] && strcmp(transfers, "0") != 0);
     int rc = or_cl_get_program(i, p->view[OR_Q].dtype, p->d, p->dv, ct, &L->prog, err);
     if (rc == OR_OK)
         rc = operand_buffers(L);

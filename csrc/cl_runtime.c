@@ -6,7 +6,7 @@
  * specialised per (storage dtype, D, Dv) and block sizes, so private rows and local tiles
  * have compile-time sizes; block sizes come from the device's facts (local memory, work-group
  * limits), may be overridden with ORCHARD_CL_BLOCK_Q / ORCHARD_CL_BLOCK_K, and are lowered
- * to each kernel's own CL_KERNEL_WORK_GROUP_SIZE.
+ * to each kernel's own CL_KERNEL_WORK_GROUP_SIZE. ORCHARD_CL_OPTIONS adds build options.
  */
 #ifdef ORCHARD_HAVE_OPENCL
 #include <pthread.h>
@@ -293,10 +293,12 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
     unsigned long long fit = dev->info.local_mem / 2 / (real * (size_t)(d + dv + 2));
     int bk = env_int("ORCHARD_CL_BLOCK_K", fit >= 64 ? 64 : fit >= 1 ? (int)fit : 1);
     for (;;) {
-        char options[256];
+        /* no -cl-fast-relaxed-math: it implies finite math, and masking relies on -inf */
+        char options[1024];
+        const char *extra = getenv("ORCHARD_CL_OPTIONS");
         snprintf(options, sizeof(options),
-                 "-cl-std=CL1.2 -DOR_STORAGE=%d -DHEAD_D=%d -DHEAD_DV=%d -DBQ=%d -DBK=%d",
-                 storage_bits[dt], d, dv, bq, bk);
+                 "-cl-std=CL1.2 -DOR_STORAGE=%d -DHEAD_D=%d -DHEAD_DV=%d -DBQ=%d -DBK=%d %s",
+                 storage_bits[dt], d, dv, bq, bk, extra ? extra : "");
         cl_program prog;
         size_t limit;
         int rc = build(dev, options, ct, &prog, err);

@@ -49,19 +49,20 @@ inline int dropout_keep(ulong seed, ulong bh, uint row, uint col, uint threshold
 {
     uint c0 = col / 4, c1 = row, c2 = (uint)bh, c3 = (uint)(bh >> 32);
     uint k0 = (uint)seed, k1 = (uint)(seed >> 32);
-    for (int round = 0; round < 10; round++) {
-        uint hi0 = mul_hi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
-        uint hi1 = mul_hi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
-        uint n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+    for (int r = 0; r < 10; r++) {
+        ulong p0 = (ulong)0xD2511F53u * c0, p1 = (ulong)0xCD9E8D57u * c2;
+        uint n0 = (uint)(p1 >> 32) ^ c1 ^ k0, n2 = (uint)(p0 >> 32) ^ c3 ^ k1;
         c0 = n0;
-        c1 = lo1;
+        c1 = (uint)p1;
         c2 = n2;
-        c3 = lo0;
+        c3 = (uint)p0;
         k0 += 0x9E3779B9u;
         k1 += 0xBB67AE85u;
     }
-    uint word = (col & 3) == 0 ? c0 : (col & 3) == 1 ? c1 : (col & 3) == 2 ? c2 : c3;
-    return word >= threshold;
+    /* word col % 4, chosen bit by bit: Oclgrind 21.10 mis-simulates the lookup table that
+       LLVM makes of a four-way switch or ternary chain here */
+    const uint lo = (col & 1) ? c1 : c0, hi = (col & 1) ? c3 : c2;
+    return ((col & 2) ? hi : lo) >= threshold;
 }
 
 typedef struct {

@@ -74,7 +74,7 @@ __kernel void flash_bwd_dq(__global const storage_t *q, __global const storage_t
             for (int x = 0; x < HEAD_DV; x++)
                 dp += dor[x] * vt[c][x];
             if (p.dropout)
-                dp = dropout_keep(p.seed, u, i, j0 + c, p.threshold) ? dp * p.drop_scale : 0;
+                dp = dropout_keep(p.seed, (ulong)u, (uint)i, (uint)(j0 + c), p.threshold) ? dp * p.drop_scale : 0;
             const real ds = pr * (dp - di_i) * dcap;
             for (int x = 0; x < HEAD_D; x++)
                 acc[x] += ds * kt[c][x];
@@ -151,7 +151,7 @@ __kernel void flash_bwd_dkdv(__global const storage_t *q, __global const storage
                 const real pr = exp(s - lse_t[r]);
                 real kept = 1;
                 if (p.dropout)
-                    kept = dropout_keep(p.seed, u, i0 + r, j, p.threshold) ? p.drop_scale : 0;
+                    kept = dropout_keep(p.seed, (ulong)u, (uint)(i0 + r), (uint)j, p.threshold) ? p.drop_scale : 0;
                 for (int x = 0; x < HEAD_DV; x++) {
                     dva[x] += pr * kept * dot_t[r][x];
                     dp += dot_t[r][x] * vr[x];

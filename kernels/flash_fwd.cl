@@ -64,7 +64,7 @@ __kernel void flash_fwd(__global const storage_t *q, __global const storage_t *k
             real e = exp(s[c] - mnew);
             l += e;
             if (p.dropout)
-                e = dropout_keep(p.seed, u, i, j0 + c, p.threshold) ? e * p.drop_scale : 0;
+                e = dropout_keep(p.seed, (ulong)u, (uint)i, (uint)(j0 + c), p.threshold) ? e * p.drop_scale : 0;
             for (int x = 0; x < HEAD_DV; x++)
                 acc[x] += e * vt[c][x];
         }

@@ -71,9 +71,23 @@ def make_rng(seed):
     return np.random.default_rng(seed)
 
 
+def aligned_empty(shape, dtype, align=4096):
+    """An uninitialised array whose memory starts on an `align`-byte boundary. Devices that
+    share host memory use a buffer in place only when it is aligned as they require
+    (CL_DEVICE_MEM_BASE_ADDR_ALIGN, e.g. 128 bytes on PoCL); NumPy only promises 16."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + align, np.uint8)
+    start = (-raw.ctypes.data) % align
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
 def randn(rng, shape, dtype=np.float64, amp=1.0):
-    """Standard normal data (times amp) drawn in float64, then cast to dtype."""
-    return (amp * rng.standard_normal(shape)).astype(dtype)
+    """Standard normal data (times amp) drawn in float64, then cast to dtype; page-aligned, so
+    zero-copy expectations hold on every device."""
+    out = aligned_empty(shape, dtype)
+    out[...] = (amp * rng.standard_normal(shape)).astype(dtype)
+    return out
 
 
 def rounded(x):

@@ -117,7 +117,11 @@ def test_size1_last_dim_any_stride_zero_copy(ops, device, rng):
     k = np.lib.stride_tricks.as_strided(base, shape=(1, 2, 5, 1), strides=base.strides[:3] + (40,))
     v = randn(rng, (1, 2, 5, 2), np.float32)
     _, st, _ = delta(ops, lambda: check_forward(ops, device, q, k, v), device)
-    assert st["zero_copy_buffers"] == 3 and st["staged_buffers"] == 0, st
+    # q starts 4 bytes into base: in place unless the device wants more alignment than that
+    align = next(d for d in ops.devices() if d["id"] == device).get("mem_base_addr_align", 1)
+    q_in_place = q.ctypes.data % align == 0
+    assert st["zero_copy_buffers"] == 2 + q_in_place, st
+    assert st["staged_buffers"] == (not q_in_place), st
 
 
 def _staged_case(ops, device, q, k, v, nbytes):

@@ -1,0 +1,87 @@
+"""The OpenCL kernels under Oclgrind, a simulator that reports out-of-bounds accesses, data
+races and uninitialised reads (Debian package oclgrind; skipped when it is not installed).
+
+`oclgrind python script.py` preloads Oclgrind's OpenCL runtime, which orchard_ops finds before
+any ICD loader, so "opencl:0" is the simulated device. Small blocks (8-row work-groups, 4-row
+tiles) make every kernel cross tile and work-group boundaries. Two runs: buffers over host
+memory (the unified-memory path) with race and API checks, and explicit transfers (the
+discrete-GPU path) with the uninitialised-read checker too, which needs unoptimised kernels:
+Debian's Oclgrind 21.10 cannot simulate the LLVM `freeze` instruction that optimisation emits.
+"""
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import TESTS_DIR, subprocess_env
+
+pytestmark = pytest.mark.skipif(shutil.which("oclgrind") is None, reason="oclgrind not installed")
+
+SCRIPT = r"""
+import numpy as np, orchard_ops as o
+from reference import ref_fwd, ref_bwd, ref_varlen_fwd, ref_varlen_bwd
+
+assert o.devices()[1]["platform"] == "Oclgrind", o.devices()
+rng = np.random.default_rng(0)
+def randn(*shape, dtype=np.float32):
+    return rng.standard_normal(shape).astype(dtype)
+
+def check(got, want, tol):
+    for g, w in zip(got, want):
+        g = np.asarray(g, np.float64)
+        assert not np.isnan(g).any()
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
+
+cases = [
+    # dtype, (B, H, Hkv, Nq, Nk, D, Dv), options
+    (np.float32, (1, 2, 1, 10, 13, 8, 4),
+     dict(causal=True, window=(6, 1), softcap=4.0, alibi_slopes=np.array([0.3, 0.1]),
+          dropout_p=0.25, seed=11)),
+    (np.float16, (2, 1, 1, 9, 6, 3, 5), dict()),
+    (np.float64, (1, 1, 1, 7, 3, 4, 4), dict(causal=True)),     # rows that see no key
+    (np.float32, (1, 1, 1, 5, 0, 4, 4), dict()),                # no keys at all
+]
+for dtype, (b, h, hkv, nq, nk, d, dv), kw in cases:
+    q, do = randn(b, h, nq, d, dtype=dtype), randn(b, h, nq, dv, dtype=dtype)
+    k, v = randn(b, hkv, nk, d, dtype=dtype), randn(b, hkv, nk, dv, dtype=dtype)
+    q = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)   # strided rows
+    out, lse = o.flash_attn_fwd(q, k, v, device="opencl:0", **kw)
+    grads = o.flash_attn_bwd(do, q, k, v, out, lse, device="opencl:0", **kw)
+    tol = 2e-2 if dtype == np.float16 else 1e-4
+    check((out, lse), ref_fwd(q.astype(np.float64), k, v, **kw), tol)
+    check(grads, ref_bwd(do.astype(np.float64), q.astype(np.float64), k, v, **kw), tol)
+
+cu_q, cu_k = np.array([0, 6, 6, 11]), np.array([0, 4, 9, 16])
+q, do = randn(11, 2, 8), randn(11, 2, 8)
+k, v = randn(16, 1, 8), randn(16, 1, 8)
+kw = dict(causal=True, dropout_p=0.2, seed=3)
+out, lse = o.flash_attn_varlen_fwd(q, k, v, cu_q, cu_k, device="opencl:0", **kw)
+grads = o.flash_attn_varlen_bwd(do, q, k, v, out, lse, cu_q, cu_k, device="opencl:0", **kw)
+check((out, lse), ref_varlen_fwd(q, k, v, cu_q, cu_k, **kw), 1e-4)
+check(grads, ref_varlen_bwd(do, q, k, v, cu_q, cu_k, **kw), 1e-4)
+print("kernels ok")
+"""
+
+REPORT = re.compile(r"Invalid (read|write)|data race|[Uu]ninitiali[sz]ed|FATAL|"
+                    r"Oclgrind - |errors generated|out of bounds", re.I)
+
+
+@pytest.mark.parametrize("mode", ["in-place", "transfers"])
+def test_kernels_clean_under_oclgrind(tmp_path, mode):
+    script = tmp_path / "kernels.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    checks = ["--data-races", "--check-api"]
+    env = dict(ORCHARD_CL_BLOCK_Q=8, ORCHARD_CL_BLOCK_K=4, ORCHARD_NO_CACHE=1)
+    if mode == "transfers":
+        checks.append("--uninitialized")
+        env.update(ORCHARD_CL_TRANSFERS=1, ORCHARD_CL_OPTIONS="-cl-opt-disable")
+    r = subprocess.run(["oclgrind", *checks, sys.executable, str(script)], capture_output=True,
+                       text=True, timeout=900, env=subprocess_env(**env),
+                       cwd=TESTS_DIR)
+    reports = [line for line in r.stderr.splitlines() if REPORT.search(line)]
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "kernels ok" in r.stdout
+    assert not reports, "\n".join(reports[:20]) + "\n" + r.stderr[-4000:]

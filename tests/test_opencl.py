@@ -1,0 +1,206 @@
+"""The OpenCL backend's own behaviour: discovery without a runtime, device names, the program
+cache across processes, explicit transfers, cross-device equality, logs.
+
+The numerical suite (test_forward.py, test_backward.py, ...) already runs on every OpenCL
+device that devices() lists; these tests need one, and skip when there is none.
+"""
+import json
+import os
+import stat
+
+import numpy as np
+import pytest
+
+from conftest import DEVICE_IDS, randn, run_python
+
+OPENCL_IDS = [d for d in DEVICE_IDS if isinstance(d, str) and d.startswith("opencl:")]
+needs_opencl = pytest.mark.skipif(not OPENCL_IDS, reason="no OpenCL device listed")
+
+
+def child(code, **env):
+    """Runs code in a fresh interpreter and returns the JSON it printed last."""
+    r = run_python(code, timeout=300, **env)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_no_opencl_library_still_imports():
+    """With the ICD loader unfindable, the module imports, lists only the CPU, and works."""
+    out = child("""
+        import json, numpy as np, orchard_ops as o
+        q = np.ones((1, 4, 8), np.float32)
+        out, lse = o.flash_attn_fwd(q, q, q)
+        try:
+            o.flash_attn_fwd(q, q, q, device="opencl")
+            err = None
+        except ValueError as e:
+            err = str(e)
+        print(json.dumps({"ids": [d["id"] for d in o.devices()], "default": o.default_device(),
+                          "out": float(out.sum()), "err": err}))
+    """, ORCHARD_OPENCL_LIBRARY="/nonexistent/libOpenCL.so.1")
+    assert out["ids"] == ["cpu"] and out["default"] == "cpu"
+    assert out["out"] == pytest.approx(32.0)
+    assert "'device'" in out["err"] and "opencl" in out["err"]
+
+
+def test_no_platform_still_imports(tmp_path):
+    """An ICD loader with no vendor files (no platform) gives just the CPU."""
+    out = child("""
+        import json, orchard_ops as o
+        print(json.dumps([d["id"] for d in o.devices()]))
+    """, OCL_ICD_VENDORS=str(tmp_path), ORCHARD_OPENCL_LIBRARY=None)
+    assert out == ["cpu"]
+
+
+@needs_opencl
+def test_device_names(ops):
+    info = [d for d in ops.devices() if d["backend"] == "opencl"]
+    first = info[0]
+    for key in ("name", "vendor", "kind", "platform", "driver_version", "compute_units",
+                "global_mem_bytes", "local_mem_bytes", "max_work_group_size", "fp16", "fp64",
+                "unified_memory"):
+        assert key in first, key
+    assert first["kind"] in ("cpu", "gpu", "accelerator")
+    q = randn(np.random.default_rng(0), (1, 2, 5, 8), np.float32)
+    ref, _ = ops.flash_attn_fwd(q, q, q, device=first["id"])
+    word = first["platform"].split()[0].lower()     # a substring, any case
+    for name in ("opencl", first["id"], "opencl:" + word):
+        out, _ = ops.flash_attn_fwd(q, q, q, device=name)
+        np.testing.assert_array_equal(out, ref)
+    with pytest.raises(ValueError, match="device"):
+        ops.flash_attn_fwd(q, q, q, device="opencl:%d" % len(info))
+    with pytest.raises(ValueError, match="device"):
+        ops.flash_attn_fwd(q, q, q, device="opencl:no-such-device-name")
+
+
+@needs_opencl
+def test_orchard_device_env_selects_opencl():
+    out = child("""
+        import json, numpy as np, orchard_ops as o
+        q = np.ones((1, 4, 8), np.float32)
+        o.reset_stats()
+        o.flash_attn_fwd(q, q, q)
+        print(json.dumps({"default": o.default_device(),
+                          "calls": o.stats()["per_device"]["%s"]["fwd_calls"]}))
+    """ % OPENCL_IDS[0], ORCHARD_DEVICE=OPENCL_IDS[0])
+    assert out == {"default": OPENCL_IDS[0], "calls": 1}
+
+
+CACHE_RUN = """
+    import json, numpy as np, orchard_ops as o
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 20, 12)).astype(np.float32) for _ in range(3))
+    out, lse = o.flash_attn_fwd(q, k, v, causal=True, device="%s")
+    ref, _ = o.flash_attn_fwd(q, k, v, causal=True, device="cpu")
+    st = o.stats()["per_device"]["%s"]
+    print(json.dumps({"builds": st["kernel_builds"], "hits": st["cache_hits"],
+                      "err": float(np.abs(out - ref).max())}))
+"""
+
+
+@needs_opencl
+def test_program_cache_across_processes(tmp_path):
+    dev = OPENCL_IDS[0]
+    cache = tmp_path / "cache"
+    first = child(CACHE_RUN % (dev, dev), ORCHARD_CACHE_DIR=cache, ORCHARD_NO_CACHE=None)
+    assert first["builds"] == 1 and first["hits"] == 0 and first["err"] < 1e-5
+    files = list(cache.iterdir())
+    assert len(files) == 1
+    assert stat.S_IMODE(os.stat(cache).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(files[0]).st_mode) == 0o600
+    second = child(CACHE_RUN % (dev, dev), ORCHARD_CACHE_DIR=cache, ORCHARD_NO_CACHE=None)
+    assert second["builds"] == 0 and second["hits"] == 1 and second["err"] < 1e-5
+
+    data = files[0].read_bytes()
+    for broken in (data[: len(data) // 2], data[:40] + bytes(len(data) - 40), b"garbage"):
+        files[0].write_bytes(broken)
+        again = child(CACHE_RUN % (dev, dev), ORCHARD_CACHE_DIR=cache, ORCHARD_NO_CACHE=None)
+        assert again["builds"] == 1 and again["hits"] == 0 and again["err"] < 1e-5
+        assert files[0].read_bytes() == data or len(files[0].read_bytes()) > 40
+
+
+@needs_opencl
+def test_no_cache_env(tmp_path):
+    dev = OPENCL_IDS[0]
+    for _ in range(2):
+        out = child(CACHE_RUN % (dev, dev), ORCHARD_CACHE_DIR=tmp_path, ORCHARD_NO_CACHE=1)
+        assert out["builds"] == 1 and out["hits"] == 0
+    assert list(tmp_path.iterdir()) == []
+
+
+@needs_opencl
+def test_explicit_transfers_match_in_place():
+    """ORCHARD_CL_TRANSFERS=1 takes the discrete-GPU path (copies in and out) on any device."""
+    code = """
+        import json, numpy as np, orchard_ops as o
+        rng = np.random.default_rng(1)
+        q = rng.standard_normal((2, 4, 33, 16)).astype(np.float32)
+        k, v = (rng.standard_normal((2, 2, 47, 16)).astype(np.float32) for _ in range(2))
+        kw = dict(causal=True, dropout_p=0.1, seed=7, softcap=5.0, device="%s")
+        out, lse = o.flash_attn_fwd(q[:, :, ::-1], k, v, **kw)
+        grads = o.flash_attn_bwd(np.ones_like(out), q[:, :, ::-1], k, v, out, lse, **kw)
+        print(json.dumps([x.tolist() for x in (out, lse) + grads]))
+    """ % OPENCL_IDS[0]
+    copied = child(code, ORCHARD_CL_TRANSFERS=1)
+    in_place = child(code, ORCHARD_CL_TRANSFERS=None)
+    for a, b in zip(copied, in_place):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+
+
+@needs_opencl
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=["f16", "f32", "f64"])
+def test_cross_device_dropout_identical_masks(ops, dtype):
+    """Every device draws the same Philox mask: with dropout the outputs agree to rounding,
+    where a different mask would change them by O(1)."""
+    rng = np.random.default_rng(5)
+    q, k, v = (randn(rng, (2, 3, 70, 24), dtype) for _ in range(3))
+    do = randn(rng, (2, 3, 70, 24), dtype)
+    kw = dict(dropout_p=0.3, seed=2**40 + 17, causal=True)
+    results = {}
+    for dev in ["cpu"] + OPENCL_IDS:
+        if dtype == np.float64 and not next(d for d in ops.devices() if d["id"] == dev)["fp64"]:
+            continue
+        out, lse = ops.flash_attn_fwd(q, k, v, device=dev, **kw)
+        results[dev] = (out, lse) + ops.flash_attn_bwd(do, q, k, v, out, lse, device=dev, **kw)
+    tol = {np.float16: 2e-2, np.float32: 1e-4, np.float64: 1e-10}[dtype]
+    for dev, res in results.items():
+        for got, want in zip(res, results["cpu"]):
+            np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64),
+                                       rtol=tol, atol=tol, err_msg=dev)
+
+
+@needs_opencl
+def test_logs(tmp_path):
+    log = tmp_path / "orchard.log"
+    child("""
+        import json, numpy as np, orchard_ops as o
+        q = np.ones((1, 2, 8, 4), np.float32)
+        out, lse = o.flash_attn_fwd(q, q, q[..., ::-1], device="%s")
+        o.flash_attn_bwd(out, q, q, q, out, lse, device="cpu")
+        print(json.dumps(0))
+    """ % OPENCL_IDS[0], ORCHARD_DEBUG_FLASH_ATN=1, ORCHARD_TENSOR_PROFILE=1, ORCHARD_LOG=log)
+    text = log.read_text()
+    assert "flash_attn_fwd device=%s q=(1, 2, 8, 4)" % OPENCL_IDS[0] in text
+    assert "flash_attn_bwd device=cpu" in text
+    assert "zero-copy" in text and "staged" in text and "ms" in text
+
+
+@needs_opencl
+def test_build_failure_is_orchard_error_with_log():
+    """A program that does not compile (here: a bad macro forced through ORCHARD_CL_OPTIONS)
+    raises OrchardError naming clBuildProgram and CL_BUILD_PROGRAM_FAILURE, with the log; an
+    explicitly requested device never falls back."""
+    out = child("""
+        import json, numpy as np, orchard_ops as o
+        q = np.ones((1, 4, 8), np.float32)
+        try:
+            o.flash_attn_fwd(q, q, q, device="%s")
+            msg, kind = None, None
+        except o.OrchardError as e:
+            msg, kind = str(e), type(e).__name__
+        print(json.dumps({"msg": msg, "kind": kind, "cpu": float(o.flash_attn_fwd(q, q, q)[0].sum())}))
+    """ % OPENCL_IDS[0], ORCHARD_CL_OPTIONS="-DHEAD_D=no_such_size", ORCHARD_NO_CACHE=1)
+    assert out["kind"] == "OrchardError"
+    assert "clBuildProgram" in out["msg"] and "CL_BUILD_PROGRAM_FAILURE" in out["msg"]
+    assert "build log" in out["msg"] and "no_such_size" in out["msg"]
+    assert out["cpu"] == pytest.approx(32.0)

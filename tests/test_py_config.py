@@ -1,0 +1,65 @@
+"""orchard.config: the universal YAML, validation errors that name key and file, dtypes."""
+import os
+
+import pytest
+import yaml
+
+from orchard.config import ConfigError, default_config, get_dtype_from_string, load_config
+from test_py_support import REPO_ROOT
+
+UNIVERSAL = os.path.join(REPO_ROOT, "configs", "universal.yaml")
+
+
+def write(tmp_path, text):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_universal_yaml_is_complete_and_equals_the_defaults():
+    with open(UNIVERSAL) as f:
+        raw = yaml.safe_load(f)
+    assert {s: set(v) for s, v in raw.items()} == {s: set(v) for s, v in default_config().items()}
+    assert load_config(UNIVERSAL) == default_config()
+
+
+def test_partial_config_takes_defaults(tmp_path):
+    cfg = load_config(write(tmp_path, "model:\n  n_layer: 2\n"))
+    assert cfg["model"]["n_layer"] == 2
+    assert cfg["training"] == default_config()["training"]
+
+
+@pytest.mark.parametrize("text, key", [
+    ("model:\n  n_layers: 2\n", "model.n_layers"),
+    ("optimizer:\n  lr: 1\n", "optimizer"),
+    ("training:\n  batch_size: '16'\n", "training.batch_size"),
+    ("training:\n  learning_rate: fast\n", "training.learning_rate"),
+    ("model:\n  bias: 1\n", "model.bias"),
+    ("model:\n  n_layer: true\n", "model.n_layer"),
+    ("training:\n  dtype: fp8\n", "training.dtype"),
+    ("training:\n  micro_batch: 0\n", "training.micro_batch"),
+    ("device:\n  memory_fraction: 1.5\n", "device.memory_fraction"),
+    ("model:\n  n_embd: 100\n  n_head: 3\n", "model.n_embd"),
+    ("model: 3\n", "model"),
+])
+def test_errors_name_the_key_and_the_file(tmp_path, text, key):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert "'%s'" % key in str(info.value) and path in str(info.value)
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(str(tmp_path / "nope.yaml"))
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "model: [1,\n"))
+
+
+def test_get_dtype_from_string():
+    torch = pytest.importorskip("torch")
+    assert get_dtype_from_string("fp32") is torch.float32
+    assert get_dtype_from_string("fp16") is torch.float16
+    assert get_dtype_from_string("bf16") is torch.bfloat16
+    with pytest.raises(ValueError, match="fp8"):
+        get_dtype_from_string("fp8")

@@ -1,0 +1,141 @@
+"""orchard.device_backend: decisions from fabricated device facts, each with its reason."""
+import pytest
+
+import orchard_ops
+from orchard.config import default_config
+from orchard.device_backend import (GiB, DeviceBackend, auto_choice_reason, get_device_backend,
+                                    resolve_device)
+
+
+def device(kind, mem_gib, compute_units, fp16=True, id="opencl:0", unified=False):
+    return {"id": id, "name": "fabricated %s" % kind, "vendor": "nobody", "kind": kind,
+            "backend": "native" if id == "cpu" else "opencl", "platform": "test",
+            "driver_version": "0", "compute_units": compute_units,
+            "global_mem_bytes": int(mem_gib * GiB), "local_mem_bytes": 65536,
+            "max_work_group_size": 256, "fp16": fp16, "fp64": False, "unified_memory": unified}
+
+
+HOST = device("cpu", 64, 16, id="cpu", unified=True)
+SMALL_GPU = device("gpu", 2, 8)
+LARGE_GPU = device("gpu", 80, 132)
+NO_FP16_GPU = device("gpu", 8, 16, fp16=False)
+
+
+def gpt2_small():
+    cfg = default_config()
+    cfg["model"].update(n_layer=12, n_head=12, n_kv_head=12, n_embd=768, context=1024)
+    cfg["training"]["batch_size"] = 64
+    return cfg
+
+
+def changed_keys(old, new):
+    return {"%s.%s" % (s, k) for s in old for k in old[s] if old[s][k] != new[s][k]}
+
+
+def adapt(info, cfg, **kwargs):
+    new, reasons = DeviceBackend(info, HOST).adapt_config(cfg, **kwargs)
+    assert changed_keys(cfg, new) == set(reasons), "every change, and only changes, has a reason"
+    assert all(isinstance(r, str) and r for r in reasons.values())
+    return new, reasons
+
+
+def test_small_gpu_checkpoints_and_accumulates():
+    cfg = gpt2_small()
+    new, reasons = adapt(SMALL_GPU, cfg)
+    t = new["training"]
+    assert t["dtype"] == "fp16" and "fp16" in reasons["training.dtype"]
+    assert t["grad_checkpointing"] is True and "recompute" in reasons["training.grad_checkpointing"]
+    assert 1 <= t["micro_batch"] < 64 and "accumulation" in reasons["training.micro_batch"]
+    assert new["model"]["context"] == 1024
+    backend = DeviceBackend(SMALL_GPU, HOST)
+    need = backend.estimate_memory(new["model"], t["micro_batch"], 1024, "fp16", True)["total"]
+    assert need <= backend.memory_budget(new)
+
+
+def test_large_gpu_keeps_the_whole_batch():
+    new, reasons = adapt(LARGE_GPU, gpt2_small())
+    assert new["training"]["micro_batch"] == 64
+    assert new["training"]["grad_checkpointing"] is False
+    assert new["training"]["dtype"] == "fp16"
+    assert "fits without it" in reasons["training.grad_checkpointing"]
+
+
+def test_cpu_only_uses_fp32_and_its_cores():
+    new, reasons = adapt(HOST, default_config())
+    assert new["training"]["dtype"] == "fp32" and "CPU" in reasons["training.dtype"]
+    assert new["device"]["num_threads"] == 16
+    assert new["training"]["micro_batch"] == 16 and new["training"]["grad_checkpointing"] is False
+
+
+def test_tiny_device_shortens_the_context_unless_the_model_is_fixed():
+    tiny = device("gpu", 0.08, 4)
+    cfg = gpt2_small()
+    cfg["model"].update(n_layer=4, n_embd=256, n_head=4, n_kv_head=4)
+    new, reasons = adapt(tiny, cfg)
+    assert new["model"]["context"] < 1024 and "model.context" in reasons
+    assert new["training"]["micro_batch"] == 1
+    fixed, _ = adapt(tiny, cfg, fixed_model=True)
+    assert fixed["model"] == cfg["model"]
+
+
+def test_explicit_choices_are_kept_unless_impossible():
+    cfg = default_config()
+    cfg["training"].update(dtype="fp16", micro_batch=4, grad_checkpointing=False)
+    new, reasons = adapt(NO_FP16_GPU, cfg)
+    assert new["training"]["dtype"] == "fp32" and "no fp16" in reasons["training.dtype"]
+    assert new["training"]["micro_batch"] == 4 and new["training"]["grad_checkpointing"] is False
+    new, _ = adapt(LARGE_GPU, dict(cfg, training=dict(cfg["training"], dtype="bf16")))
+    assert new["training"]["dtype"] == "bf16"
+
+
+def test_processes_share_memory_and_cores():
+    one = DeviceBackend(HOST, HOST)
+    two = DeviceBackend(HOST, HOST, processes=2)
+    cfg = default_config()
+    assert two.memory_budget(cfg) == one.memory_budget(cfg) // 2
+    assert two.adapt_config(cfg)[0]["device"]["num_threads"] == 8
+    assert two.adapt_config(cfg)[0]["training"]["micro_batch"] == 8
+
+
+def test_parameter_count_matches_the_model():
+    pytest.importorskip("torch")
+    from orchard.model import GPT, GPTConfig
+
+    for model_cfg in (default_config()["model"],
+                      dict(default_config()["model"], bias=True, n_kv_head=2, vocab_size=300)):
+        model = GPT(GPTConfig.from_dict(model_cfg))
+        assert DeviceBackend.count_parameters(model_cfg) == model.num_params()
+
+
+def test_estimate_grows_linearly_and_checkpointing_saves():
+    backend = DeviceBackend(HOST, HOST)
+    m = default_config()["model"]
+    a1 = backend.estimate_memory(m, 1, 256)["activations"]
+    assert backend.estimate_memory(m, 4, 256)["activations"] == 4 * a1
+    # Linear in the context: no N x N term.
+    assert backend.estimate_memory(m, 1, 1024)["activations"] == 4 * a1
+    assert backend.estimate_memory(m, 1, 256, grad_checkpointing=True)["activations"] < a1
+    parts = backend.estimate_memory(m, 1, 256)
+    assert parts["total"] == sum(v for k, v in parts.items() if k != "total")
+
+
+def test_real_device_backend():
+    backend = get_device_backend()
+    assert backend.device == orchard_ops.default_device()
+    assert backend.info in orchard_ops.devices()
+    assert backend.attention_backend in ("native", "opencl")
+    assert backend.device in backend.log_summary()
+    assert backend.setup() is backend
+    assert get_device_backend("cpu").device == "cpu"
+    chosen, why = auto_choice_reason()
+    assert chosen == backend.device and why
+    with pytest.raises(ValueError, match="unknown device"):
+        resolve_device("tpu:7")
+
+
+def test_check_limitations():
+    gpu = DeviceBackend(NO_FP16_GPU, HOST)
+    assert any("does not support float16" in n for n in gpu.check_limitations("fp16"))
+    assert any("copied" in n for n in gpu.check_limitations("fp32"))
+    assert any("through float32" in n for n in gpu.check_limitations("bf16"))
+    assert DeviceBackend(HOST, HOST).check_limitations("fp32") == []

@@ -1,0 +1,54 @@
+"""Helpers shared by the tests of the orchard Python layer (test_py_*.py); no tests here."""
+import json
+import os
+import subprocess
+import sys
+
+import orchard
+import orchard_ops
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(TESTS_DIR)
+
+# A model small enough that a training step takes milliseconds.
+TINY_CONFIG = {
+    "model": {"context": 32, "n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 32},
+    "training": {"batch_size": 8, "learning_rate": 0.01, "min_lr": 0.001, "warmup_steps": 2,
+                 "log_interval": 1, "checkpoint_interval": 3},
+}
+
+
+def subprocess_env(**extra):
+    """The environment for a child Python that imports the same orchard and orchard_ops as
+    this process (an in-place build or an installed one)."""
+    paths = [os.path.dirname(orchard_ops.__file__),
+             os.path.dirname(os.path.dirname(orchard.__file__))]
+    env = dict(os.environ, **extra)
+    env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def run_python(args, timeout=120, **env):
+    return subprocess.run([sys.executable] + list(args), capture_output=True, text=True,
+                          timeout=timeout, env=subprocess_env(**env), cwd=REPO_ROOT)
+
+
+def write_tiny_run_files(folder):
+    """(config path, sequences path) for a fast training run on highly regular text, whose
+    loss falls within a few steps."""
+    import yaml
+
+    config = os.path.join(folder, "tiny.yaml")
+    with open(config, "w") as f:
+        yaml.safe_dump(TINY_CONFIG, f)
+    text = "".join("def f%d(x):\n    return x * %d + 1\n\n" % (i % 7, i % 5)
+                   for i in range(200)).encode()
+    sequences = os.path.join(folder, "seqs.json")
+    with open(sequences, "w") as f:
+        json.dump({"vocab_size": 256, "sequences": [list(text)]}, f)
+    return config, sequences
+
+
+def read_metrics(folder):
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]

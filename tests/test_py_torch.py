@@ -1,0 +1,135 @@
+"""orchard.torch: the autograd Function and the routing of a model's SDPA calls."""
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+
+from orchard.model import GPT, GPTConfig  # noqa: E402
+from orchard.torch import flash_attention, patch_model, unpatch_model  # noqa: E402
+
+
+def qkv(shape_q, shape_kv, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    make = lambda s: torch.randn(*s, generator=g, dtype=dtype).requires_grad_()
+    return make(shape_q), make(shape_kv), make(shape_kv)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradcheck_float64(causal):
+    q, k, v = qkv((2, 4, 7, 8), (2, 2, 9, 8))  # GQA, Nq != Nk
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: flash_attention(q, k, v, causal=causal, scale=0.3), (q, k, v))
+
+
+def test_gradcheck_with_dropout():
+    q, k, v = qkv((1, 2, 6, 4), (1, 2, 6, 4))
+
+    def f(q, k, v):
+        torch.manual_seed(7)  # the same mask on every evaluation
+        return flash_attention(q, k, v, causal=True, dropout_p=0.25)
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+def test_matches_torch_sdpa():
+    q, k, v = qkv((2, 4, 33, 16), (2, 4, 33, 16), torch.float32)
+    ours = flash_attention(q, k, v, causal=True)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    g1 = torch.autograd.grad(ours.sum(), (q, k, v))
+    g2 = torch.autograd.grad(ref.sum(), (q, k, v))
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_dropout_follows_torch_manual_seed():
+    q, k, v = qkv((1, 2, 16, 8), (1, 2, 16, 8), torch.float32)
+    runs = []
+    for seed in (1, 1, 2):
+        torch.manual_seed(seed)
+        runs.append(flash_attention(q, k, v, dropout_p=0.5))
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+
+
+def test_bfloat16_goes_through_float32():
+    q, k, v = qkv((1, 2, 16, 8), (1, 2, 16, 8), torch.bfloat16)
+    out = flash_attention(q, k, v, causal=True)
+    out.float().sum().backward()
+    assert out.dtype == torch.bfloat16 and q.grad.dtype == torch.bfloat16
+    ref = flash_attention(*(t.detach().float() for t in (q, k, v)), causal=True)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_rejects_what_it_cannot_compute():
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(TypeError, match="'k'"):
+        flash_attention(q, q.to(torch.int32), q)
+    with pytest.raises(TypeError):
+        flash_attention(q, [1], q)
+
+
+def tiny_gpt(seed=0, **overrides):
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=64, context=24, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
+    cfg.update(overrides)
+    return GPT(GPTConfig(**cfg))
+
+
+def loss_and_grads(model, x):
+    model.zero_grad()
+    logits, loss = model(x, x)
+    loss.backward()
+    return logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_patched_model_matches_unpatched(checkpointing):
+    model = tiny_gpt()
+    model.grad_checkpointing = checkpointing
+    x = torch.randint(0, 64, (3, 24), generator=torch.Generator().manual_seed(1))
+    ref_logits, ref_grads = loss_and_grads(model, x)
+    router = patch_model(model)
+    logits, grads = loss_and_grads(model, x)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
+    # Two layers forward, and again in backward when checkpointing recomputes them.
+    assert router.routed == (4 if checkpointing else 2)
+    assert not router.left_to_torch
+    unpatch_model(model)
+    loss_and_grads(model, x)
+    assert router.routed == (4 if checkpointing else 2)
+
+
+def test_routing_leaves_other_semantics_to_torch():
+    class Mixed(torch.nn.Module):
+        def forward(self, q, k, v, mask):
+            return (F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                    F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                    F.scaled_dot_product_attention(q, k[:, :, :5], v[:, :, :5], is_causal=True),
+                    F.scaled_dot_product_attention(q, k, v, scale=0.5, dropout_p=0.0))
+
+    q, k, v = qkv((1, 2, 8, 4), (1, 2, 8, 4), torch.float32)
+    mask = torch.ones(8, 8, dtype=torch.bool).tril()
+    model = Mixed()
+    expected = model(q, k, v, mask)
+    router = patch_model(model)
+    for got, want in zip(model(q, k, v, mask), expected):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert router.routed == 2
+    assert router.left_to_torch == {"attn_mask": 1, "is_causal with Nq != Nk": 1}
+    assert "routed to orchard: 2" in router.summary()
+    # Outside the patched model, torch's own function runs.
+    F.scaled_dot_product_attention(q, k, v)
+    assert router.routed == 2
+
+
+def test_patched_model_trains_with_dropout_reproducibly():
+    def run():
+        model = tiny_gpt(dropout=0.1)
+        patch_model(model)
+        torch.manual_seed(5)
+        x = torch.randint(0, 64, (2, 24))
+        return loss_and_grads(model, x)[0]
+
+    torch.testing.assert_close(run(), run(), atol=0, rtol=0)

@@ -1,0 +1,197 @@
+"""orchard-train end to end: falling loss, metrics, resume, the out-of-memory policy,
+crash-safe checkpoints, data parallelism, and --help of every command."""
+import logging
+import os
+import re
+import signal
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import orchard_ops  # noqa: E402
+from orchard import train  # noqa: E402
+from orchard.checkpoint import load_checkpoint  # noqa: E402
+from orchard.config import load_config  # noqa: E402
+from orchard.data import load_sequences, token_chunks  # noqa: E402
+from orchard.device_backend import get_device_backend  # noqa: E402
+from orchard.trainer import Trainer  # noqa: E402
+from test_py_support import REPO_ROOT, read_metrics, run_python, write_tiny_run_files  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def run_files(tmp_path_factory):
+    return write_tiny_run_files(str(tmp_path_factory.mktemp("data")))
+
+
+def train_cli(run_files, out, *extra):
+    config, sequences = run_files
+    return train.main(["--config", config, "--sequences", sequences, "--output", str(out),
+                       "--device", "cpu"] + [str(e) for e in extra])
+
+
+def final_parameters(out):
+    return load_checkpoint(str(out))["model"]
+
+
+def test_loss_falls_and_metrics_are_written(run_files, tmp_path):
+    assert train_cli(run_files, tmp_path, "--max-steps", 30) == 0
+    metrics = read_metrics(tmp_path)
+    assert [m["step"] for m in metrics] == list(range(1, 31))
+    assert set(metrics[0]) >= {"step", "epoch", "loss", "lr", "tokens_per_s", "device",
+                               "micro_batch"}
+    assert metrics[0]["device"] == "cpu" and metrics[0]["tokens_per_s"] > 0
+    first, last = metrics[0]["loss"], sum(m["loss"] for m in metrics[-5:]) / 5
+    assert last < 0.6 * first, (first, last)
+    state = load_checkpoint(str(tmp_path / "checkpoint.pt"))
+    assert state["step"] == 30 and set(state["rng"]) == {"torch", "python"}
+    assert state["data"]["byte_level"] is False and state["config"]["model"]["n_layer"] == 2
+
+
+def test_resume_continues_exactly(run_files, tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert train_cli(run_files, straight, "--max-steps", 8) == 0
+    assert train_cli(run_files, resumed, "--max-steps", 5) == 0
+    assert load_checkpoint(str(resumed))["step"] == 5
+    assert train_cli(run_files, resumed, "--max-steps", 8, "--resume", resumed) == 0
+    assert [m["step"] for m in read_metrics(resumed)] == list(range(1, 9))
+    assert [m["loss"] for m in read_metrics(resumed)] == [m["loss"] for m in
+                                                          read_metrics(straight)]
+    a, b = final_parameters(straight), final_parameters(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def make_trainer(run_files, out, micro_batch):
+    config, sequences = run_files
+    backend = get_device_backend("cpu")
+    cfg, _ = backend.adapt_config(load_config(config))
+    cfg["training"]["micro_batch"] = micro_batch
+    chunks = token_chunks(load_sequences(sequences)[0], cfg["model"]["context"])
+    return Trainer(cfg, backend, chunks, str(out))
+
+
+def test_out_of_memory_halves_the_micro_batch_and_retries(run_files, tmp_path, caplog):
+    trainer = make_trainer(run_files, tmp_path, micro_batch=8)
+    forward, calls = trainer.model.forward, []
+
+    def fails_once(x, y=None):
+        calls.append(len(x))
+        if len(calls) == 1:
+            raise orchard_ops.OrchardOutOfMemory("simulated: CL_MEM_OBJECT_ALLOCATION_FAILURE")
+        return forward(x, y)
+
+    trainer.model.forward = fails_once
+    with caplog.at_level(logging.WARNING, logger="orchard"):
+        assert trainer.run(max_steps=2) == 0
+    assert calls == [8, 4, 4, 4, 4]  # failed at 8, then the step retried as 2 x 4
+    assert trainer.micro_batch == 4 and trainer.accumulation_steps() == 2
+    assert "out of memory" in caplog.text and "micro-batch 4" in caplog.text
+    assert [m["micro_batch"] for m in read_metrics(tmp_path)] == [4, 4]
+    assert load_checkpoint(str(tmp_path))["step"] == 2
+
+
+def test_other_errors_are_not_retried(run_files, tmp_path):
+    trainer = make_trainer(run_files, tmp_path, micro_batch=8)
+    trainer.model.forward = lambda x, y=None: (_ for _ in ()).throw(ValueError("bug"))
+    with pytest.raises(ValueError, match="bug"):
+        trainer.run(max_steps=1)
+    assert trainer.micro_batch == 8
+
+
+KILL_MID_CHECKPOINT = r"""
+import os, signal, sys, torch
+from orchard import checkpoint
+checkpoint.save_checkpoint({"step": 1, "w": torch.ones(1000)}, sys.argv[1])
+real_save = torch.save
+def save_then_die(obj, f):
+    real_save(obj, f)
+    f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)  # after the data, before fsync and rename
+torch.save = save_then_die
+checkpoint.save_checkpoint({"step": 2, "w": torch.zeros(1000)}, sys.argv[1])
+"""
+
+
+def test_writer_killed_mid_checkpoint_leaves_the_previous_one(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    result = run_python(["-c", KILL_MID_CHECKPOINT, str(path)])
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    state = load_checkpoint(str(path))
+    assert state["step"] == 1 and torch.equal(state["w"], torch.ones(1000))
+    assert any(name.endswith(".tmp") for name in os.listdir(tmp_path))  # the torn write
+
+
+def test_ctrl_c_saves_and_exits_cleanly(run_files, tmp_path):
+    trainer = make_trainer(run_files, tmp_path, micro_batch=8)
+    forward = trainer.model.forward
+
+    def interrupt_at_step_3(x, y=None):
+        if trainer.step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return forward(x, y)
+
+    trainer.model.forward = interrupt_at_step_3
+    assert trainer.run(max_steps=10) == 130
+    assert load_checkpoint(str(tmp_path))["step"] == 3  # the step in flight completes
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_torchrun_two_processes_agree(run_files, tmp_path):
+    config, sequences = run_files
+    result = run_python(["-m", "torch.distributed.run", "--nproc-per-node", "2",
+                         "--master-port", "0", "-m", "orchard.train", "--config", config,
+                         "--sequences", sequences, "--output", str(tmp_path), "--max-steps",
+                         "4", "--device", "cpu"], timeout=170, OMP_NUM_THREADS="1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"parameters identical on all 2 ranks", result.stderr), result.stderr
+    assert "batch 8 = 2 process(es) x micro-batch 4" in result.stderr
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint.pt", "metrics.jsonl"]
+    assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("module, words", [
+    ("orchard.train", ["--config", "--sequences", "--epochs", "--device", "--resume",
+                       "--max-steps", "--output", "--seed", "--fp16", "--grad-checkpointing"]),
+    ("orchard.generate", ["--checkpoint", "--prompt", "--device", "--max-new-tokens",
+                          "--temperature", "--top-k"]),
+    ("orchard.list_devices", ["--json"]),
+    ("orchard.prepare", ["SRC_DIR", "--output"]),
+    ("orchard.demo", ["--device"]),
+])
+def test_help_of_every_command(module, words):
+    result = run_python(["-m", module, "--help"])
+    assert result.returncode == 0, result.stderr
+    for word in words:
+        assert word in result.stdout
+
+
+def test_every_command_is_a_console_script():
+    with open(os.path.join(REPO_ROOT, "pyproject.toml")) as f:
+        scripts = re.search(r"\[project\.scripts\]\n(.*?)\n\n", f.read(), re.S).group(1)
+    names = dict(re.findall(r'^(\S+) = "(\S+)"$', scripts, re.M))
+    assert set(names) >= {"orchard-demo", "orchard-train", "orchard-generate",
+                          "orchard-devices", "orchard-prepare"}
+    import importlib
+
+    for target in names.values():
+        module, func = target.split(":")
+        assert callable(getattr(importlib.import_module(module), func))
+
+
+def test_generate_and_prepare(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.py").write_text("print('hello')\n" * 50)
+    (src / "b.bin").write_bytes(b"\0\1\2")
+    seqs = tmp_path / "seqs.json"
+    result = run_python(["-m", "orchard.prepare", str(src), "-o", str(seqs)])
+    assert result.returncode == 0 and "1 sequences" in result.stdout, result.stderr
+    sequences, vocab = load_sequences(str(seqs))
+    assert vocab == 256 and bytes(sequences[0]).startswith(b"print('hello')")
+    out = tmp_path / "run"
+    assert train.main(["--sequences", str(seqs), "--output", str(out), "--max-steps", "2",
+                       "--device", "cpu"]) == 0
+    result = run_python(["-m", "orchard.generate", "--checkpoint", str(out), "--prompt",
+                         "print", "--max-new-tokens", "20"])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("print") and len(result.stdout) > len("print")
