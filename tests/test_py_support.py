@@ -42,7 +42,7 @@ def write_tiny_run_files(folder):
     with open(config, "w") as f:
         yaml.safe_dump(TINY_CONFIG, f)
     text = "".join("def f%d(x):\n    return x * %d + 1\n\n" % (i % 7, i % 5)
-                   for i in range(200)).encode()
+                   for i in range(600)).encode()
     sequences = os.path.join(folder, "seqs.json")
     with open(sequences, "w") as f:
         json.dump({"vocab_size": 256, "sequences": [list(text)]}, f)

@@ -3,8 +3,9 @@
     orchard-generate --checkpoint runs/orchard/checkpoint.pt --prompt "def " \
                      [--device auto] [--max-new-tokens 200] [--temperature 0.8] [--top-k 40]
 
-Models trained on byte-level data (the default, and orchard-prepare's output) take the prompt
-as text and print text; others take and print space-separated token ids.
+Models trained on byte-level data (a vocabulary of 256: the default data and orchard-prepare's
+output) take the prompt as text and print text; others take and print space-separated token
+ids.
 """
 import argparse
 import sys

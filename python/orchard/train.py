@@ -77,7 +77,9 @@ def load_data(args):
 
     if args.sequences:
         sequences, vocab_size = load_sequences(args.sequences)
-        return sequences, vocab_size, {"source": args.sequences, "byte_level": False}
+        # orchard-prepare's output; generation then reads and writes text.
+        byte_level = vocab_size == BYTE_VOCAB
+        return sequences, vocab_size, {"source": args.sequences, "byte_level": byte_level}
     sequences = stdlib_sequences()
     return sequences, BYTE_VOCAB, {"source": "python standard library", "byte_level": True}
 

@@ -1,11 +1,13 @@
-"""Native-path attention throughput against this machine's practical roofline, in one run.
+"""Attention throughput of every orchard device against this machine's practical roofline,
+in one run.
 
-    python benchmarks/bench_native.py [--shape B H N D] [--repeats 5] [--json FILE]
+    python benchmarks/bench_attention.py [--shape B H N D] [--repeats 5] [--json FILE]
 
-Reports, for float32, NumPy's sgemm GFLOP/s (the roofline), orchard's forward and backward
-(FlashAttention-2 accounting: forward 4*B*H*N*N*D flops, halved when causal; backward 2.5x
-forward), naive NumPy attention, and torch SDPA when torch is installed; every ratio is taken
-within this one run. The full grid and plots come with orchard-bench (a later issue).
+Reports, for float32, NumPy's sgemm GFLOP/s (the roofline), orchard's forward and backward on
+every device (FlashAttention-2 accounting: forward 4*B*H*N*N*D flops, halved when causal;
+backward 2.5x forward), naive NumPy attention, and torch SDPA when torch is installed; every
+ratio is taken within this one run. The full grid and plots come with orchard-bench (a later
+issue).
 """
 import argparse
 import json
@@ -56,12 +58,17 @@ def main():
         results[name + "_ms"] = best_time(fn, args.repeats) * 1e3
         results[name + "_gflops"] = work / results[name + "_ms"] / 1e6
 
-    gflops("orchard_fwd", lambda: orchard_ops.flash_attn_fwd(q, k, v), flops)
-    gflops("orchard_fwd_causal", lambda: orchard_ops.flash_attn_fwd(q, k, v, causal=True),
-           flops / 2)
-    out, lse = orchard_ops.flash_attn_fwd(q, k, v)
-    gflops("orchard_bwd", lambda: orchard_ops.flash_attn_bwd(dout, q, k, v, out, lse),
-           2.5 * flops)
+    names = []
+    for dev in (d["id"] for d in orchard_ops.devices()):
+        tag = "orchard_" + dev.replace(":", "")
+        gflops(tag + "_fwd", lambda: orchard_ops.flash_attn_fwd(q, k, v, device=dev), flops)
+        gflops(tag + "_fwd_causal",
+               lambda: orchard_ops.flash_attn_fwd(q, k, v, causal=True, device=dev), flops / 2)
+        out, lse = orchard_ops.flash_attn_fwd(q, k, v, device=dev)
+        gflops(tag + "_bwd",
+               lambda: orchard_ops.flash_attn_bwd(dout, q, k, v, out, lse, device=dev),
+               2.5 * flops)
+        names += [tag + "_fwd", tag + "_fwd_causal", tag + "_bwd"]
     gflops("naive_numpy_fwd", lambda: naive_attention(q, k, v), flops)
     try:
         import torch
@@ -72,13 +79,12 @@ def main():
         pass
 
     print(f"machine: {results['machine']}; shape B,H,N,D = {b},{h},{n},{d}; float32")
-    print(f"{'':24s}{'ms':>10s}{'GFLOP/s':>10s}{'x sgemm':>10s}")
-    print(f"{'NumPy sgemm 2048^3':24s}{'':>10s}{results['sgemm_gflops']:10.1f}{1.0:10.2f}")
-    for name in ("orchard_fwd", "orchard_fwd_causal", "orchard_bwd", "naive_numpy_fwd",
-                 "torch_sdpa_fwd"):
+    print(f"{'':28s}{'ms':>10s}{'GFLOP/s':>10s}{'x sgemm':>10s}")
+    print(f"{'NumPy sgemm 2048^3':28s}{'':>10s}{results['sgemm_gflops']:10.1f}{1.0:10.2f}")
+    for name in names + ["naive_numpy_fwd", "torch_sdpa_fwd"]:
         if name + "_ms" in results:
             g = results[name + "_gflops"]
-            print(f"{name:24s}{results[name + '_ms']:10.1f}{g:10.1f}"
+            print(f"{name:28s}{results[name + '_ms']:10.1f}{g:10.1f}"
                   f"{g / results['sgemm_gflops']:10.2f}")
     if args.json:
         with open(args.json, "w") as f:
