@@ -172,11 +172,11 @@ FN(transform_scores)(const or_problem *p, int rows, int cols, or_ssize i0, or_ss
         }
         or_ssize first = p->left >= 0 ? diag - p->left - j0 : 0;           /* visible c range */
         or_ssize last = p->right >= 0 ? diag + p->right - j0 : cols - 1;
-        if (last > cols - 1)
-            last = cols - 1;
-        for (int c = 0; c < BC; c++)
-            if (c < first || c > last)
-                srow[c] = -INFINITY;
+        for (or_ssize c = 0; c < first && c < BC; c++)
+            srow[c] = -INFINITY;
+        last = last < cols - 1 ? last : cols - 1;
+        for (or_ssize c = last < 0 ? 0 : last + 1; c < BC; c++)
+            srow[c] = -INFINITY;
     }
 }
 
@@ -209,8 +209,17 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
     key_range(p, nq, nk, i0, i0 + rows, &lo, &hi);
     for (or_ssize j0 = lo; j0 < hi; j0 += BC) {
         const int cols = (int)(hi - j0 < BC ? hi - j0 : BC);
-        FN(load_rows)(v, dvp, FN(row_ptr)(p, OR_V, kvu, j0), w[OR_V].row_stride, cols, dv, cols,
-                      w[OR_V].dtype, 1);
+        /* values already in REAL and W-wide rows are read in place, others converted */
+        const REAL *vb = v;
+        or_ssize ldv = dvp;
+        if (w[OR_V].dtype == (sizeof(REAL) == 4 ? OR_F32 : OR_F64) && dv == dvp
+            && w[OR_V].row_stride % (or_ssize)sizeof(REAL) == 0) {
+            vb = (const REAL *)FN(row_ptr)(p, OR_V, kvu, j0);
+            ldv = w[OR_V].row_stride / (or_ssize)sizeof(REAL);
+        } else {
+            FN(load_rows)(v, dvp, FN(row_ptr)(p, OR_V, kvu, j0), w[OR_V].row_stride, cols, dv,
+                          cols, w[OR_V].dtype, 1);
+        }
         FN(gemm)(s, BC, q, dp, 1, kt + j0, ldk, rows_mr, BC, d, 0);
         FN(transform_scores)(p, rows, cols, i0, j0, off, slope, s, NULL);
         for (int r = 0; r < rows; r++) {
@@ -235,7 +244,7 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
                     srow[c] = keep[c] ? srow[c] * drop_scale : 0;
             }
         }
-        FN(gemm)(o, dvp, s, BC, 1, v, dvp, rows_mr, dvp, cols, 1);
+        FN(gemm)(o, dvp, s, BC, 1, vb, ldv, rows_mr, dvp, cols, 1);
     }
 
     for (int r = 0; r < rows; r++) {

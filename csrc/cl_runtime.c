@@ -6,7 +6,8 @@
  * specialised per (storage dtype, D, Dv) and block sizes, so private rows and local tiles
  * have compile-time sizes; block sizes come from the device's facts (local memory, work-group
  * limits), may be overridden with ORCHARD_CL_BLOCK_Q / ORCHARD_CL_BLOCK_K, and are lowered
- * to each kernel's own CL_KERNEL_WORK_GROUP_SIZE. ORCHARD_CL_OPTIONS adds build options.
+ * to each kernel's own CL_KERNEL_WORK_GROUP_SIZE. ORCHARD_CL_OPTIONS adds build options;
+ * ORCHARD_CL_VECTOR (4 or 8) overrides the vector width of the head-dim loops.
  */
 #ifdef ORCHARD_HAVE_OPENCL
 #include <pthread.h>
@@ -286,19 +287,22 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
 {
     static const int storage_bits[] = {16, 32, 64};
     const size_t real = dt == OR_F64 ? 8 : 4;
+    /* a CPU work-item is one SIMD thread: 8 lanes fill AVX; GPU lanes are work-items */
+    const int vw = env_int("ORCHARD_CL_VECTOR", strcmp(dev->info.kind, "cpu") == 0 ? 8 : 4);
+    const size_t dpad = (size_t)(d + vw - 1) / vw * vw, dvpad = (size_t)(dv + vw - 1) / vw * vw;
     int bq = env_int("ORCHARD_CL_BLOCK_Q", 64);
     if ((size_t)bq > dev->info.max_work_group)
         bq = (int)dev->info.max_work_group;
     /* two tiles of rows of d + dv (+ lse, D) reals, in half the local memory */
-    unsigned long long fit = dev->info.local_mem / 2 / (real * (size_t)(d + dv + 2));
+    unsigned long long fit = dev->info.local_mem / 2 / (real * (dpad + dvpad + 2));
     int bk = env_int("ORCHARD_CL_BLOCK_K", fit >= 64 ? 64 : fit >= 1 ? (int)fit : 1);
     for (;;) {
         /* no -cl-fast-relaxed-math: it implies finite math, and masking relies on -inf */
         char options[1024];
         const char *extra = getenv("ORCHARD_CL_OPTIONS");
         snprintf(options, sizeof(options),
-                 "-cl-std=CL1.2 -DOR_STORAGE=%d -DHEAD_D=%d -DHEAD_DV=%d -DBQ=%d -DBK=%d %s",
-                 storage_bits[dt], d, dv, bq, bk, extra ? extra : "");
+                 "-cl-std=CL1.2 -DOR_STORAGE=%d -DHEAD_D=%d -DHEAD_DV=%d -DBQ=%d -DBK=%d -DVW=%d %s",
+                 storage_bits[dt], d, dv, bq, bk, vw == 4 ? 4 : 8, extra ? extra : "");
         cl_program prog;
         size_t limit;
         int rc = build(dev, options, ct, &prog, err);

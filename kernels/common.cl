@@ -6,6 +6,8 @@
  *                float16 is read with vload_half / written with vstore_half_rte, so devices
  *                without cl_khr_fp16 work; it is computed in float.
  *   HEAD_D, HEAD_DV   head dims of q/k and v; private rows are sized by them.
+ *   VW           lanes of the vector type (realv) the head-dim loops use: 8 on CPUs, where
+ *                one work-item is one SIMD thread, 4 on GPUs.
  *   BQ, BK       rows per work-group (one row per work-item) and rows per local-memory tile.
  *
  * Operands are addressed like the native path's views: `meta` holds OR_NSLOTS row strides (in
@@ -14,21 +16,27 @@
  */
 #if OR_STORAGE == 64
 #pragma OPENCL EXTENSION cl_khr_fp64 : enable
-typedef double storage_t;
-typedef double real;
-#define LOAD(p, i) ((p)[i])
-#define STORE(p, i, x) ((p)[i] = (x))
-#elif OR_STORAGE == 32
-typedef float storage_t;
-typedef float real;
-#define LOAD(p, i) ((p)[i])
-#define STORE(p, i, x) ((p)[i] = (x))
+#define REAL_T double
 #else
-typedef half storage_t;
-typedef float real;
-#define LOAD(p, i) vload_half((i), (p))
-#define STORE(p, i, x) vstore_half_rte((x), (i), (p))
+#define REAL_T float
 #endif
+#define CAT_(a, b) a##b
+#define CAT(a, b) CAT_(a, b)
+typedef REAL_T real;
+typedef CAT(REAL_T, VW) realv;         /* VW lanes: the head-dim loops run on these */
+#if OR_STORAGE == 16
+typedef half storage_t;
+#define LOAD(p, i) vload_half((i), (p))
+#define LOADV(p, i) CAT(vload_half, VW)(0, (p) + (i))
+#define STORE(p, i, x) vstore_half_rte((x), (i), (p))
+#else
+typedef REAL_T storage_t;
+#define LOAD(p, i) ((p)[i])
+#define LOADV(p, i) CAT(vload, VW)(0, (p) + (i))
+#define STORE(p, i, x) ((p)[i] = (x))
+#endif
+#define DP ((HEAD_D + VW - 1) / VW)     /* vectors per q or k row, zero-padded */
+#define DVP ((HEAD_DV + VW - 1) / VW)   /* vectors per v row */
 
 /* slots of the meta table: the order of orchard.h */
 #define S_Q 0
@@ -104,6 +112,60 @@ inline void key_range(const params_t *p, long nq, long nk, long i0, long i1, lon
         *hi = i1 + off + p->right;
     if (*hi < *lo)
         *hi = *lo;
+}
+
+/* Elements [x0, x0 + VW) of a row (those >= n are 0), times scale, as one vector. */
+inline realv load_vec(__global const storage_t *p, long row, int x0, int n, real scale)
+{
+    if (x0 + VW <= n)
+        return CAT(convert_, CAT(REAL_T, VW))(LOADV(p, row + x0)) * scale;
+    real t[VW];
+    for (int l = 0; l < VW; l++)
+        t[l] = x0 + l < n ? (real)LOAD(p, row + x0 + l) * scale : 0;
+    return CAT(vload, VW)(0, t);
+}
+
+/* The first n elements of a vector row to memory. */
+inline void store_row(__global storage_t *p, long row, const realv *v, int n)
+{
+    for (int xv = 0; xv * VW < n; xv++) {
+        real t[VW];
+        CAT(vstore, VW)(v[xv], 0, t);
+        for (int l = 0; l < VW && xv * VW + l < n; l++)
+            STORE(p, row + xv * VW + l, t[l]);
+    }
+}
+
+inline real hsum(realv v)
+{
+#if VW == 8
+    CAT(REAL_T, 4) a = v.lo + v.hi;
+#else
+    CAT(REAL_T, 4) a = v;
+#endif
+    CAT(REAL_T, 2) b = a.lo + a.hi;
+    return b.x + b.y;
+}
+
+inline real vdot(const realv *a, __local const realv *b, int n)
+{
+    realv acc = a[0] * b[0];
+    for (int x = 1; x < n; x++)
+        acc += a[x] * b[x];
+    return hsum(acc);
+}
+
+/* Rows [r0, r0 + rows) of two operands into local tiles, loaded by the whole work-group of
+ * BQ work-items: x (HEAD_D wide, times x_scale) into a, y (HEAD_DV wide) into b. */
+inline void load_tiles(__local realv (*a)[DP], __global const storage_t *x, long x_base,
+                       long x_rs, real x_scale, __local realv (*b)[DVP],
+                       __global const storage_t *y, long y_base, long y_rs, long r0, int rows,
+                       int lid)
+{
+    for (int e = lid; e < rows * DP; e += BQ)
+        a[e / DP][e % DP] = load_vec(x, x_base + (r0 + e / DP) * x_rs, e % DP * VW, HEAD_D, x_scale);
+    for (int e = lid; e < rows * DVP; e += BQ)
+        b[e / DVP][e % DVP] = load_vec(y, y_base + (r0 + e / DVP) * y_rs, e % DVP * VW, HEAD_DV, 1);
 }
 
 #define PARAMS_ARGS                                                                          \

@@ -31,8 +31,8 @@ __kernel void flash_bwd_dq(__global const storage_t *q, __global const storage_t
                            __global const real *slopes, PARAMS_ARGS)
 {
     const params_t p = PARAMS_INIT;
-    __local real kt[BK][HEAD_D];
-    __local real vt[BK][HEAD_DV];
+    __local realv kt[BK][DP];
+    __local realv vt[BK][DVP];
     const long u = get_group_id(1), i0 = (long)get_group_id(0) * BQ;
     const int lid = get_local_id(0);
     __global const long *unit = UNIT(meta, u);
@@ -45,44 +45,41 @@ __kernel void flash_bwd_dq(__global const storage_t *q, __global const storage_t
     const real lse_i = valid ? lse[unit[S_LSE] + i * meta[S_LSE]] : -INFINITY;
     const real di_i = valid ? di[u * di_stride + i] : 0;
 
-    real qr[HEAD_D], dor[HEAD_DV], acc[HEAD_D];
-    for (int x = 0; x < HEAD_D; x++) {
-        qr[x] = valid ? (real)LOAD(q, unit[S_Q] + i * meta[S_Q] + x) * p.scale : 0;
+    realv qv[DP], dov[DVP], acc[DP];
+    for (int x = 0; x < DP; x++) {
+        qv[x] = valid ? load_vec(q, unit[S_Q] + i * meta[S_Q], x * VW, HEAD_D, p.scale) : 0;
         acc[x] = 0;
     }
-    for (int x = 0; x < HEAD_DV; x++)
-        dor[x] = valid ? (real)LOAD(dout, unit[S_DO] + i * meta[S_DO] + x) : 0;
+    for (int x = 0; x < DVP; x++)
+        dov[x] = valid ? load_vec(dout, unit[S_DO] + i * meta[S_DO], x * VW, HEAD_DV, 1) : 0;
 
     long lo, hi;
     key_range(&p, nq, nk, i0, min(i0 + BQ, nq), &lo, &hi);
     for (long j0 = lo; j0 < hi; j0 += BK) {
         const int cols = (int)min((long)BK, hi - j0);
         barrier(CLK_LOCAL_MEM_FENCE);
-        for (int e = lid; e < cols * HEAD_D; e += BQ)
-            kt[e / HEAD_D][e % HEAD_D] = LOAD(k, kvunit[S_K] + (j0 + e / HEAD_D) * meta[S_K] + e % HEAD_D);
-        for (int e = lid; e < cols * HEAD_DV; e += BQ)
-            vt[e / HEAD_DV][e % HEAD_DV] = LOAD(v, kvunit[S_V] + (j0 + e / HEAD_DV) * meta[S_V] + e % HEAD_DV);
+        load_tiles(kt, k, kvunit[S_K], meta[S_K], 1, vt, v, kvunit[S_V], meta[S_V], j0, cols, lid);
         barrier(CLK_LOCAL_MEM_FENCE);
         if (lse_i == -INFINITY)
             continue;           /* padding, or a row that sees no key: zero gradient */
         for (int c = 0; c < cols; c++) {
-            real s = 0, dp = 0, dcap;
-            for (int x = 0; x < HEAD_D; x++)
-                s += qr[x] * kt[c][x];
-            s = transform_score(s, i, j0 + c, off, slope, &p, &dcap);
+            real dcap;
+            const real s = transform_score(vdot(qv, kt[c], DP), i, j0 + c, off, slope, &p, &dcap);
             const real pr = exp(s - lse_i);
-            for (int x = 0; x < HEAD_DV; x++)
-                dp += dor[x] * vt[c][x];
+            real dp = vdot(dov, vt[c], DVP);
             if (p.dropout)
-                dp = dropout_keep(p.seed, (ulong)u, (uint)i, (uint)(j0 + c), p.threshold) ? dp * p.drop_scale : 0;
+                dp = dropout_keep(p.seed, (ulong)u, (uint)i, (uint)(j0 + c), p.threshold)
+                         ? dp * p.drop_scale : 0;
             const real ds = pr * (dp - di_i) * dcap;
-            for (int x = 0; x < HEAD_D; x++)
+            for (int x = 0; x < DP; x++)
                 acc[x] += ds * kt[c][x];
         }
     }
-    if (valid)
-        for (int x = 0; x < HEAD_D; x++)
-            STORE(dq, unit[S_DQ] + i * meta[S_DQ] + x, acc[x] * p.scale);
+    if (!valid)
+        return;
+    for (int x = 0; x < DP; x++)
+        acc[x] *= p.scale;
+    store_row(dq, unit[S_DQ] + i * meta[S_DQ], acc, HEAD_D);
 }
 
 __kernel void flash_bwd_dkdv(__global const storage_t *q, __global const storage_t *k,
@@ -93,8 +90,8 @@ __kernel void flash_bwd_dkdv(__global const storage_t *q, __global const storage
                              PARAMS_ARGS)
 {
     const params_t p = PARAMS_INIT;
-    __local real qt[BK][HEAD_D];
-    __local real dot_t[BK][HEAD_DV];
+    __local realv qt[BK][DP];
+    __local realv dot_t[BK][DVP];
     __local real lse_t[BK], di_t[BK];
     const long w = get_group_id(1), j0 = (long)get_group_id(0) * BQ;
     const int lid = get_local_id(0);
@@ -105,13 +102,13 @@ __kernel void flash_bwd_dkdv(__global const storage_t *q, __global const storage
     const int valid = j < nk;
     const long j1 = min(j0 + BQ, nk);
 
-    real kr[HEAD_D], vr[HEAD_DV], dka[HEAD_D], dva[HEAD_DV];
-    for (int x = 0; x < HEAD_D; x++) {
-        kr[x] = valid ? (real)LOAD(k, kvunit[S_K] + j * meta[S_K] + x) : 0;
+    realv kv[DP], vv[DVP], dka[DP], dva[DVP];
+    for (int x = 0; x < DP; x++) {
+        kv[x] = valid ? load_vec(k, kvunit[S_K] + j * meta[S_K], x * VW, HEAD_D, 1) : 0;
         dka[x] = 0;
     }
-    for (int x = 0; x < HEAD_DV; x++) {
-        vr[x] = valid ? (real)LOAD(v, kvunit[S_V] + j * meta[S_V] + x) : 0;
+    for (int x = 0; x < DVP; x++) {
+        vv[x] = valid ? load_vec(v, kvunit[S_V] + j * meta[S_V], x * VW, HEAD_DV, 1) : 0;
         dva[x] = 0;
     }
     for (int g = 0; g < p.group; g++) {
@@ -128,12 +125,8 @@ __kernel void flash_bwd_dkdv(__global const storage_t *q, __global const storage
         for (long i0 = ilo; i0 < ihi; i0 += BK) {
             const int rows = (int)min((long)BK, ihi - i0);
             barrier(CLK_LOCAL_MEM_FENCE);
-            for (int e = lid; e < rows * HEAD_D; e += BQ)
-                qt[e / HEAD_D][e % HEAD_D] =
-                    (real)LOAD(q, unit[S_Q] + (i0 + e / HEAD_D) * meta[S_Q] + e % HEAD_D) * p.scale;
-            for (int e = lid; e < rows * HEAD_DV; e += BQ)
-                dot_t[e / HEAD_DV][e % HEAD_DV] =
-                    LOAD(dout, unit[S_DO] + (i0 + e / HEAD_DV) * meta[S_DO] + e % HEAD_DV);
+            load_tiles(qt, q, unit[S_Q], meta[S_Q], p.scale, dot_t, dout, unit[S_DO], meta[S_DO],
+                       i0, rows, lid);
             for (int e = lid; e < rows; e += BQ) {
                 lse_t[e] = lse[unit[S_LSE] + (i0 + e) * meta[S_LSE]];
                 di_t[e] = di[u * di_stride + i0 + e];
@@ -144,28 +137,24 @@ __kernel void flash_bwd_dkdv(__global const storage_t *q, __global const storage
             for (int r = 0; r < rows; r++) {
                 if (lse_t[r] == -INFINITY)
                     continue;
-                real s = 0, dp = 0, dcap;
-                for (int x = 0; x < HEAD_D; x++)
-                    s += qt[r][x] * kr[x];
-                s = transform_score(s, i0 + r, j, off, slope, &p, &dcap);
+                real dcap;
+                const real s = transform_score(vdot(kv, qt[r], DP), i0 + r, j, off, slope, &p, &dcap);
                 const real pr = exp(s - lse_t[r]);
                 real kept = 1;
                 if (p.dropout)
-                    kept = dropout_keep(p.seed, (ulong)u, (uint)(i0 + r), (uint)j, p.threshold) ? p.drop_scale : 0;
-                for (int x = 0; x < HEAD_DV; x++) {
+                    kept = dropout_keep(p.seed, (ulong)u, (uint)(i0 + r), (uint)j, p.threshold)
+                               ? p.drop_scale : 0;
+                const real dp = vdot(vv, dot_t[r], DVP);
+                for (int x = 0; x < DVP; x++)
                     dva[x] += pr * kept * dot_t[r][x];
-                    dp += dot_t[r][x] * vr[x];
-                }
                 const real ds = pr * (dp * kept - di_t[r]) * dcap;
-                for (int x = 0; x < HEAD_D; x++)
+                for (int x = 0; x < DP; x++)
                     dka[x] += ds * qt[r][x];
             }
         }
     }
     if (!valid)
         return;
-    for (int x = 0; x < HEAD_D; x++)
-        STORE(dk, kvunit[S_DK] + j * meta[S_DK] + x, dka[x]);
-    for (int x = 0; x < HEAD_DV; x++)
-        STORE(dv, kvunit[S_DV] + j * meta[S_DV] + x, dva[x]);
+    store_row(dk, kvunit[S_DK] + j * meta[S_DK], dka, HEAD_D);
+    store_row(dv, kvunit[S_DV] + j * meta[S_DV], dva, HEAD_DV);
 }

@@ -4,7 +4,7 @@
  *   q   (unit, Nq, HEAD_D)   k (kv unit, Nk, HEAD_D)   v (kv unit, Nk, HEAD_DV)
  *   out (unit, Nq, HEAD_DV)  lse (unit, Nq), natural log, -inf for a row that sees no key
  *
- * Each work-item keeps its query row (pre-scaled) and output accumulator in private memory;
+ * Each work-item keeps its query row (pre-scaled) and output accumulator in private vectors;
  * the work-group streams BK-key tiles of K and V through local memory and keeps an online
  * softmax (running max m, running sum l) per row, as FlashAttention-2.
  */
@@ -14,8 +14,8 @@ __kernel void flash_fwd(__global const storage_t *q, __global const storage_t *k
                         __global const real *slopes, PARAMS_ARGS)
 {
     const params_t p = PARAMS_INIT;
-    __local real kt[BK][HEAD_D];
-    __local real vt[BK][HEAD_DV];
+    __local realv kt[BK][DP];
+    __local realv vt[BK][DVP];
     const long u = get_group_id(1), i0 = (long)get_group_id(0) * BQ;
     const int lid = get_local_id(0);
     __global const long *unit = UNIT(meta, u);
@@ -26,10 +26,10 @@ __kernel void flash_fwd(__global const storage_t *q, __global const storage_t *k
     const int valid = i < nq;
     const real slope = p.has_alibi ? slopes[u] : 0;
 
-    real qr[HEAD_D], acc[HEAD_DV];
-    for (int x = 0; x < HEAD_D; x++)
-        qr[x] = valid ? (real)LOAD(q, unit[S_Q] + i * meta[S_Q] + x) * p.scale : 0;
-    for (int x = 0; x < HEAD_DV; x++)
+    realv qv[DP], acc[DVP];
+    for (int x = 0; x < DP; x++)
+        qv[x] = valid ? load_vec(q, unit[S_Q] + i * meta[S_Q], x * VW, HEAD_D, p.scale) : 0;
+    for (int x = 0; x < DVP; x++)
         acc[x] = 0;
     real m = -INFINITY, l = 0;
 
@@ -38,19 +38,13 @@ __kernel void flash_fwd(__global const storage_t *q, __global const storage_t *k
     for (long j0 = lo; j0 < hi; j0 += BK) {
         const int cols = (int)min((long)BK, hi - j0);
         barrier(CLK_LOCAL_MEM_FENCE);
-        for (int e = lid; e < cols * HEAD_D; e += BQ)
-            kt[e / HEAD_D][e % HEAD_D] = LOAD(k, kvunit[S_K] + (j0 + e / HEAD_D) * meta[S_K] + e % HEAD_D);
-        for (int e = lid; e < cols * HEAD_DV; e += BQ)
-            vt[e / HEAD_DV][e % HEAD_DV] = LOAD(v, kvunit[S_V] + (j0 + e / HEAD_DV) * meta[S_V] + e % HEAD_DV);
+        load_tiles(kt, k, kvunit[S_K], meta[S_K], 1, vt, v, kvunit[S_V], meta[S_V], j0, cols, lid);
         barrier(CLK_LOCAL_MEM_FENCE);
         if (!valid)
             continue;
         real s[BK], mx = -INFINITY, dcap;
         for (int c = 0; c < cols; c++) {
-            real dot = 0;
-            for (int x = 0; x < HEAD_D; x++)
-                dot += qr[x] * kt[c][x];
-            s[c] = transform_score(dot, i, j0 + c, off, slope, &p, &dcap);
+            s[c] = transform_score(vdot(qv, kt[c], DP), i, j0 + c, off, slope, &p, &dcap);
             mx = fmax(mx, s[c]);
         }
         const real mnew = fmax(m, mx);
@@ -58,14 +52,15 @@ __kernel void flash_fwd(__global const storage_t *q, __global const storage_t *k
             continue;           /* nothing visible to this row yet */
         const real alpha = exp(m - mnew);
         l *= alpha;
-        for (int x = 0; x < HEAD_DV; x++)
+        for (int x = 0; x < DVP; x++)
             acc[x] *= alpha;
         for (int c = 0; c < cols; c++) {
             real e = exp(s[c] - mnew);
             l += e;
             if (p.dropout)
-                e = dropout_keep(p.seed, (ulong)u, (uint)i, (uint)(j0 + c), p.threshold) ? e * p.drop_scale : 0;
-            for (int x = 0; x < HEAD_DV; x++)
+                e = dropout_keep(p.seed, (ulong)u, (uint)i, (uint)(j0 + c), p.threshold)
+                        ? e * p.drop_scale : 0;
+            for (int x = 0; x < DVP; x++)
                 acc[x] += e * vt[c][x];
         }
         m = mnew;
@@ -73,7 +68,8 @@ __kernel void flash_fwd(__global const storage_t *q, __global const storage_t *k
     if (!valid)
         return;
     const real inv = l > 0 ? 1 / l : 0;
-    for (int x = 0; x < HEAD_DV; x++)
-        STORE(out, unit[S_O] + i * meta[S_O] + x, acc[x] * inv);
+    for (int x = 0; x < DVP; x++)
+        acc[x] *= inv;
+    store_row(out, unit[S_O] + i * meta[S_O], acc, HEAD_DV);
     lse[unit[S_LSE] + i * meta[S_LSE]] = l > 0 ? m + log(l) : -INFINITY;
 }
