@@ -45,7 +45,7 @@ def embed_kernels():
 
 embed_kernels()
 cl_include = opencl_include_dir()
-extra_compile_args = ["-std=gnu11", "-O3", "-fno-math-errno", "-fvisibility=hidden", "-Wall",
+extra_compile_args = ["-std=gnu11", "-O3", "-fno-math-errno", "-fno-trapping-math", "-fvisibility=hidden", "-Wall",
                       "-Wno-unused-function"]
 macros = [("ORCHARD_VERSION", f'"{VERSION}"')]
 include_dirs = [numpy.get_include(), "csrc", GENERATED]

@@ -1,6 +1,7 @@
 """Helpers shared by the tests of the orchard Python layer (test_py_*.py); no tests here."""
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -29,8 +30,18 @@ def subprocess_env(**extra):
 
 
 def run_python(args, timeout=120, **env):
-    return subprocess.run([sys.executable] + list(args), capture_output=True, text=True,
-                          timeout=timeout, env=subprocess_env(**env), cwd=REPO_ROOT)
+    """Run a child Python in its own process group, so that a timeout also ends whatever it
+    started (torchrun's workers)."""
+    proc = subprocess.Popen([sys.executable] + list(args), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=subprocess_env(**env),
+                            cwd=REPO_ROOT, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def write_tiny_run_files(folder):

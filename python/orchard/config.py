@@ -71,8 +71,11 @@ def default_config():
 
 
 def _type_names(types):
+    # A str next to another type is there only for the word 'auto'.
     types = types if isinstance(types, tuple) else (types,)
-    return " or ".join({"str": "'auto'"}.get(t.__name__, t.__name__) for t in types)
+    if types == (str,):
+        return "a string"
+    return " or ".join("'auto'" if t is str else t.__name__ for t in types)
 
 
 def validate(cfg, source="<config>"):

@@ -56,8 +56,8 @@ def resolve_device(device, listing=None):
         return by_id[device]
     opencl = [d for d in listing if d["backend"] == "opencl"]
     if device == "opencl" and opencl:
-        default = orchard_ops.default_device()
-        return by_id[default] if default in by_id and by_id[default] in opencl else opencl[0]
+        # As orchard_ops: GPUs first, then the most compute units.
+        return max(opencl, key=lambda d: (d["kind"] == "gpu", d["compute_units"]))
     if device.startswith("opencl:"):
         wanted = device.split(":", 1)[1].lower()
         for d in opencl:
@@ -70,15 +70,18 @@ def auto_choice_reason(listing=None):
     """(device id that device=None picks, why), for orchard-devices and the trainer's log."""
     listing = orchard_ops.devices() if listing is None else listing
     chosen = resolve_device(None, listing)
+    others = [d["id"] for d in listing if d["backend"] == "opencl" and d["kind"] != "gpu"]
     if os.environ.get("ORCHARD_DEVICE"):
         why = "ORCHARD_DEVICE=%s is set" % os.environ["ORCHARD_DEVICE"]
-    elif len(listing) == 1:
-        why = "it is the only usable device"
+    elif chosen["kind"] == "gpu":
+        why = ("it is the OpenCL GPU with the most compute units (%d), and a GPU is faster "
+               "for attention than the CPU" % chosen["compute_units"])
+    elif others:
+        why = ("there is no OpenCL GPU, and on the same cores the native path is faster than "
+               "the OpenCL CPU device(s) %s, which are never picked automatically"
+               % ", ".join(others))
     else:
-        why = ("orchard_ops.default_device() ranks the usable devices by expected attention "
-               "speed (an OpenCL GPU before the native CPU path); this one is a %s with %d "
-               "compute units and %.1f GiB" % (chosen["kind"], chosen["compute_units"],
-                                               chosen["global_mem_bytes"] / GiB))
+        why = "there is no OpenCL GPU, so attention runs on the native C path"
     return chosen["id"], why
 
 

@@ -13,6 +13,7 @@ import math
 import os
 import random
 import signal
+import threading
 import time
 
 import torch
@@ -27,6 +28,7 @@ log = logging.getLogger("orchard")
 
 CHECKPOINT_NAME = "checkpoint.pt"
 METRICS_NAME = "metrics.jsonl"
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def is_out_of_memory(exc):
@@ -248,7 +250,12 @@ class Trainer:
         if self.step:
             log.info("resuming at step %d", self.step)
         bar = ProgressBar(total, start=self.step) if self.rank == 0 else None
-        previous_handler = signal.signal(signal.SIGINT, self._request_stop)
+        # Ctrl-C, and the SIGTERM with which torchrun (or a scheduler) stops workers, end the
+        # run after the step in flight, with a checkpoint.
+        # Python allows signal handlers in the main thread only.
+        main_thread = threading.current_thread() is threading.main_thread()
+        previous = {sig: signal.signal(sig, self._request_stop)
+                    for sig in (_STOP_SIGNALS if main_thread else ())}
         self.model.train()
         interrupted = False
         try:
@@ -285,7 +292,8 @@ class Trainer:
                     interrupted = True
                     break
         finally:
-            signal.signal(signal.SIGINT, previous_handler)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
             if bar:
                 bar.close()
         path = self.save()

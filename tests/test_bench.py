@@ -1,0 +1,57 @@
+"""orchard-bench and the benchmark notebook, at tiny sizes (timings are not checked here:
+benchmarks are not timed tests)."""
+import json
+import os
+
+import pytest
+
+from conftest import REPO_ROOT, run_python
+
+
+def test_bench_cli_json_and_table(tmp_path):
+    out = tmp_path / "bench.json"
+    r = run_python("""
+        from orchard import bench
+        bench.main(["--quick", "--dtypes", "float32", "--json", %r])
+    """ % str(out), timeout=600)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    assert report["sgemm_gflops"] > 0
+    backends = {row["backend"] for row in report["results"]}
+    assert "orchard" in backends and "numpy-naive" in backends
+    for row in report["results"]:
+        assert row["fwd_ms"] > 0 and row["fwd_gflops"] > 0
+        if row["backend"] == "orchard":
+            assert row["bwd_ms"] > 0
+    assert any(" faster than " in line for line in report["comparisons"])
+    assert "GFLOP/s" in r.stdout
+
+
+def test_bench_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "plot.png"
+    r = run_python("""
+        from orchard import bench
+        bench.main(["--quick", "--dtypes", "float32", "--causal", "no", "--plot", %r])
+    """ % str(png), timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_notebook_runs(tmp_path):
+    """Executes the notebook's code cells in order, as a kernel would, at tiny sizes."""
+    pytest.importorskip("matplotlib")
+    nb = os.path.join(REPO_ROOT, "benchmarks", "attention.ipynb")
+    r = run_python("""
+        import json, os
+        os.chdir(%r)
+        cells = json.load(open(%r))["cells"]
+        scope = {}
+        for cell in cells:
+            if cell["cell_type"] == "code":
+                exec("".join(cell["source"]), scope)
+        print("notebook ok", len(scope["rows"]))
+    """ % (str(tmp_path), nb), timeout=900, ORCHARD_BENCH_QUICK=1)
+    assert r.returncode == 0, r.stderr
+    assert "notebook ok" in r.stdout
+    assert (tmp_path / "attention_gflops.png").exists()
