@@ -42,7 +42,8 @@ __kernel void flash_fwd(__global const storage_t *q, __global const storage_t *k
         barrier(CLK_LOCAL_MEM_FENCE);
         if (!valid)
             continue;
-        real s[BK], mx = -INFINITY, dcap;
+        /* scores padded to whole vectors with -inf, so exp runs VW lanes at a time */
+        real s[(BK + VW - 1) / VW * VW], mx = -INFINITY, dcap;
         for (int c = 0; c < cols; c++) {
             s[c] = transform_score(vdot(qv, kt[c], DP), i, j0 + c, off, slope, &p, &dcap);
             mx = fmax(mx, s[c]);
@@ -50,13 +51,20 @@ __kernel void flash_fwd(__global const storage_t *q, __global const storage_t *k
         const real mnew = fmax(m, mx);
         if (mnew == -INFINITY)
             continue;           /* nothing visible to this row yet */
+        for (int c = cols; c % VW != 0; c++)
+            s[c] = -INFINITY;
+        realv sum = 0;
+        for (int c = 0; c < cols; c += VW) {
+            const realv e = exp(CAT(vload, VW)(0, s + c) - mnew);
+            sum += e;
+            CAT(vstore, VW)(e, 0, s + c);
+        }
         const real alpha = exp(m - mnew);
-        l *= alpha;
+        l = l * alpha + hsum(sum);
         for (int x = 0; x < DVP; x++)
             acc[x] *= alpha;
         for (int c = 0; c < cols; c++) {
-            real e = exp(s[c] - mnew);
-            l += e;
+            real e = s[c];
             if (p.dropout)
                 e = dropout_keep(p.seed, (ulong)u, (uint)i, (uint)(j0 + c), p.threshold)
                         ? e * p.drop_scale : 0;
