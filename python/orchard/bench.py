@@ -2,6 +2,7 @@
 
     orchard-bench [--shapes B,H,N,D ...] [--devices cpu,opencl:0] [--dtypes float32,float16]
                   [--causal both] [--repeats 5] [--json FILE] [--plot FILE.png] [--train]
+                  [--targets] [--readme README.md]
 
 For each shape, dtype, causal flag and device it times orchard's forward and backward (one
 warm-up call, then the best of --repeats) and reports ms and GFLOP/s with FlashAttention-2's
@@ -10,11 +11,16 @@ same run it measures NumPy's float32 matrix product (the practical roofline of t
 naive NumPy attention, and PyTorch's scaled_dot_product_attention on the CPU when torch is
 installed, so every ratio compares figures taken side by side. --train adds the tokens/s of
 the demo model trained with orchard's attention against the same model on torch SDPA.
+--targets adds the figures of the performance targets (README, Performance) and --readme
+rewrites the part of a README between "<!-- bench:start -->" and "<!-- bench:end -->" with the
+results as Markdown.
 """
 import argparse
 import json
 import os
 import platform
+import re
+import subprocess
 import sys
 import time
 
@@ -192,6 +198,77 @@ def training_tokens_per_s(steps=6, batch=8, seq=256):
     return result
 
 
+PEAK_MEMORY_SCRIPT = """
+import resource, numpy as np, orchard_ops
+n, d = 16384, 64
+q = np.random.default_rng(0).standard_normal((1, 1, n, d)).astype(np.float32)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out, lse = orchard_ops.flash_attn_fwd(q, q, q, device="cpu")
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+"""
+
+
+def target_figures(repeats):
+    """The figures behind the targets that are not throughput: call overhead, the cost of a
+    staged input, and the peak memory of a long sequence (in a fresh process)."""
+    rng = np.random.default_rng(0)
+    tiny = rng.standard_normal((1, 1, 16, 16)).astype(np.float32)
+    call_us = best_time(lambda: orchard_ops.flash_attn_fwd(tiny, tiny, tiny, device="cpu"),
+                        200 * repeats) * 1e6
+    q, k, v = (rng.standard_normal((4, 8, 1024, 64)).astype(np.float32) for _ in range(3))
+    staged = np.ascontiguousarray(q[..., ::-1])[..., ::-1]     # same values, reversed last dim
+    in_place = best_time(lambda: orchard_ops.flash_attn_fwd(q, k, v, device="cpu"), repeats)
+    copied = best_time(lambda: orchard_ops.flash_attn_fwd(staged, k, v, device="cpu"), repeats)
+    peak = subprocess.run([sys.executable, "-c", PEAK_MEMORY_SCRIPT], capture_output=True,
+                          text=True, check=True)
+    return {"tiny_call_us": call_us, "staged_overhead_pct": (copied / in_place - 1) * 100,
+            "peak_mib_n16384": float(peak.stdout.split()[-1])}
+
+
+def markdown(report):
+    """The results as Markdown: machine, table, comparisons, targets."""
+    m = report["machine"]
+    lines = ["Measured %s on %s (%d logical cores, %s SIMD, %.0f GiB), %d threads, Python %s, "
+             "NumPy %s; devices: %s. NumPy float32 matrix product (the roofline): %.1f GFLOP/s."
+             % (time.strftime("%Y-%m-%d"), m["cpu"], m["logical_cores"], m["simd"],
+                m["memory_gib"], m["threads"], m["python"], m["numpy"],
+                ", ".join("%s (%s)" % (d["id"], d["name"]) for d in m["devices"]),
+                report["sgemm_gflops"]), "",
+             "| backend | device | B,H,N,D | dtype | causal | fwd ms | fwd GFLOP/s | bwd ms | "
+             "bwd GFLOP/s | fwd / sgemm |", "|" + " --- |" * 10]
+    for r in report["results"]:
+        lines.append("| %s | %s | %d,%d,%d,%d | %s | %s | %.2f | %.1f | %s | %s | %.2f |" % (
+            r["backend"], r["device"], r["B"], r["H"], r["N"], r["D"], r["dtype"],
+            "yes" if r["causal"] else "no", r["fwd_ms"], r["fwd_gflops"],
+            "%.2f" % r["bwd_ms"] if "bwd_ms" in r else "-",
+            "%.1f" % r["bwd_gflops"] if "bwd_gflops" in r else "-",
+            r["fwd_gflops"] / report["sgemm_gflops"]))
+    lines += [""] + ["- " + c for c in report["comparisons"] if c.split(": ")[1].startswith(
+        "orchard") or " than orchard" in c]
+    if "training_tokens_per_s" in report:
+        t = report["training_tokens_per_s"]
+        lines.append("- training the demo model: orchard %.0f tokens/s, torch SDPA %.0f tokens/s"
+                     % (t["orchard"], t["torch-sdpa"]))
+    if "targets" in report:
+        t = report["targets"]
+        lines.append("- a call on (1, 1, 16, 16): %.1f us; a staged (non-contiguous) input costs "
+                     "%+.1f %% over the zero-copy call; forward at N=16384, D=64 raised peak "
+                     "memory by %.0f MiB" % (t["tiny_call_us"], t["staged_overhead_pct"],
+                                             t["peak_mib_n16384"]))
+    return "\n".join(lines)
+
+
+def write_readme(path, text):
+    with open(path) as f:
+        old = f.read()
+    new, count = re.subn(r"(<!-- bench:start -->\n).*?(<!-- bench:end -->)",
+                         lambda m: m.group(1) + text + "\n" + m.group(2), old, flags=re.S)
+    if count != 1:
+        raise SystemExit("%s has no <!-- bench:start --> ... <!-- bench:end --> block" % path)
+    with open(path, "w") as f:
+        f.write(new)
+
+
 def parse_shape(text):
     shape = tuple(int(x) for x in text.split(","))
     if len(shape) != 4:
@@ -211,6 +288,9 @@ def main(argv=None):
     parser.add_argument("--plot", help="write a PNG of GFLOP/s against N here")
     parser.add_argument("--train", action="store_true",
                         help="also time training steps of the demo model (needs torch)")
+    parser.add_argument("--targets", action="store_true",
+                        help="also measure call overhead, staging cost and peak memory")
+    parser.add_argument("--readme", help="rewrite the bench block of this README")
     args = parser.parse_args(argv)
     quick = args.quick or os.environ.get("ORCHARD_BENCH_QUICK") == "1"
     shapes = args.shapes or (QUICK_SHAPES if quick else DEFAULT_SHAPES)
@@ -224,6 +304,8 @@ def main(argv=None):
     report["comparisons"] = comparisons(report["results"])
     if args.train:
         report["training_tokens_per_s"] = training_tokens_per_s(steps=2 if quick else 6)
+    if args.targets:
+        report["targets"] = target_figures(repeats)
     print("machine: %(cpu)s, %(logical_cores)d logical cores, %(threads)d threads"
           % report["machine"])
     print("NumPy float32 matrix product (roofline): %.1f GFLOP/s" % report["sgemm_gflops"])
@@ -238,6 +320,8 @@ def main(argv=None):
             json.dump(report, f, indent=1)
     if args.plot:
         plot(report["results"], args.plot)
+    if args.readme:
+        write_readme(args.readme, markdown(report))
     return 0
 
 
