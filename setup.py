@@ -4,6 +4,8 @@ The OpenCL backend is compiled in when the OpenCL headers (CL/cl.h) are found: D
 ocl-icd-opencl-dev or opencl-headers, or a folder named by ORCHARD_OPENCL_INCLUDE. The
 extension never links libOpenCL; it opens the ICD loader at run time. ORCHARD_NO_OPENCL=1
 builds the native path only. kernels/*.cl are embedded into a generated header.
+ORCHARD_SANITIZE=1 builds with AddressSanitizer and UndefinedBehaviorSanitizer for
+tools/sanitize.sh (which also says how to run Python with it).
 """
 import glob
 import os
@@ -47,6 +49,13 @@ embed_kernels()
 cl_include = opencl_include_dir()
 extra_compile_args = ["-std=gnu11", "-O3", "-fno-math-errno", "-fno-trapping-math", "-fvisibility=hidden", "-Wall",
                       "-Wno-unused-function"]
+extra_link_args = []
+if os.environ.get("ORCHARD_SANITIZE", "0") not in ("", "0"):
+    # -O1 keeps reports readable; no recovery, so that every UBSan finding fails the run
+    sanitize = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+                "-fno-omit-frame-pointer", "-O1", "-g"]
+    extra_compile_args += sanitize
+    extra_link_args += sanitize
 macros = [("ORCHARD_VERSION", f'"{VERSION}"')]
 include_dirs = [numpy.get_include(), "csrc", GENERATED]
 if cl_include:
@@ -60,6 +69,7 @@ orchard_ops = Extension(
     include_dirs=include_dirs,
     define_macros=macros,
     extra_compile_args=extra_compile_args,
+    extra_link_args=extra_link_args,
     libraries=["m", "pthread", "dl"],
 )
 

@@ -241,6 +241,10 @@ static void release(launch_t *L)
     const or_cl_api *api = L->prog.api;
     if (api == NULL)
         return;
+    /* after a failure, kernels already enqueued may still write into host memory that the
+     * caller is about to free (or to fill from the native fallback): wait for them first */
+    if (L->prog.queue != NULL)
+        api->clFinish(L->prog.queue);
     for (int i = 0; i < 3; i++)
         if (L->kernel[i])
             api->clReleaseKernel(L->kernel[i]);

@@ -3,11 +3,15 @@
  * Order: a runtime already in the process (a preloaded one such as Oclgrind's, so
  * `oclgrind python ...` checks our kernels), then the library named by ORCHARD_OPENCL_LIBRARY,
  * else libOpenCL.so.1 and libOpenCL.so. A missing library or entry point means "no OpenCL".
+ * Once the table is filled, ORCHARD_FAULT may wrap some of its entries (cl_fault.c); a
+ * malformed ORCHARD_FAULT disables OpenCL and says why on stderr, rather than run a test
+ * without the faults it asked for.
  */
 #ifdef ORCHARD_HAVE_OPENCL
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "cl_api.h"
@@ -27,7 +31,7 @@ static int fill(void *handle)
     return 0;
 }
 
-static void load(void)
+static void find(void)
 {
     const char *env = getenv("ORCHARD_OPENCL_LIBRARY");
     if (env == NULL && fill(RTLD_DEFAULT) == 0) {
@@ -49,6 +53,15 @@ static void load(void)
         }
         load_error = "the OpenCL library lacks OpenCL 1.2 entry points";
         dlclose(h);
+    }
+}
+
+static void load(void)
+{
+    find();
+    if (loaded != NULL && or_cl_fault_install(&api, &load_error) < 0) {
+        loaded = NULL;
+        fprintf(stderr, "orchard: %s; OpenCL is disabled\n", load_error);
     }
 }
 

@@ -14,6 +14,12 @@
 #include "pyorchard.h"
 
 #define MAX_HEAD_DIM 256
+/* Index limits. The dropout stream numbers a score's row and column with 32 bits each
+ * (philox.h, kernels/common.cl) and the OpenCL kernels count the query heads of a GQA group
+ * in an int; larger sizes are refused with ValueError before anything is allocated, rather
+ * than computed wrongly. Everything else is indexed with 64 bits. */
+#define MAX_SEQ_LEN 0xFFFFFFFFLL        /* rows or keys of one sequence: < 2**32 */
+#define MAX_HEADS 0x7FFFFFFFLL          /* query heads: < 2**31 */
 
 typedef struct {
     PyObject *error;        /* OrchardError(RuntimeError) */
@@ -260,8 +266,14 @@ static int check_qkv(call_t *c)
         if (PyArray_DIM(v, i) != PyArray_DIM(k, i))
             return shape_error(c, "v", "must have the batch and head dimensions of k");
     }
+    if (!c->varlen && PyArray_DIM(q, seq) > MAX_SEQ_LEN)
+        return shape_error(c, "q", "must have fewer than 2**32 query rows (dimension -2)");
+    if (!c->varlen && PyArray_DIM(k, seq) > MAX_SEQ_LEN)
+        return shape_error(c, "k", "must have fewer than 2**32 keys (dimension -2)");
     c->p.group = 1;
     c->heads = nd >= 3 ? PyArray_DIM(q, c->varlen ? 1 : nd - 3) : 1;
+    if (c->heads > MAX_HEADS)
+        return shape_error(c, "q", "must have fewer than 2**31 heads");
     if (head >= 0) {
         npy_intp h = PyArray_DIM(q, head), hkv = PyArray_DIM(k, head);
         if (hkv == 0 ? h != 0 : h % hkv != 0)
@@ -325,7 +337,9 @@ static int new_output(call_t *c, int slot, int nd, const npy_intp *shape, or_dty
 
 static or_ssize *alloc_units(or_ssize n, size_t elsize)
 {
-    void *mem = PyMem_Malloc(elsize * (size_t)(n + 1));
+    /* n comes from a product of dimensions that a stride-0 view can make huge */
+    void *mem = (size_t)n < PY_SSIZE_T_MAX / elsize ? PyMem_Malloc(elsize * (size_t)(n + 1))
+                                                   : NULL;
     if (mem == NULL)
         PyErr_NoMemory();
     return mem;
@@ -392,6 +406,13 @@ static PyArrayObject *check_cu_seqlens(call_t *c, PyObject *obj, const char *nam
         Py_DECREF(cu);
         return NULL;
     }
+    if (*max_len > MAX_SEQ_LEN) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): '%s' must describe sequences shorter than 2**32, got one of %zd",
+                     c->func, name, *max_len);
+        Py_DECREF(cu);
+        return NULL;
+    }
     return cu;
 }
 
@@ -408,8 +429,8 @@ static int check_max_seqlen(call_t *c, PyObject *given, const char *name, npy_in
     return 0;
 }
 
-/* Varlen layout: unit (b, h) is sequence b of head h. */
-static int varlen_tables(call_t *c, const opts_t *o, PyObject *cuq_obj, PyObject *cuk_obj)
+/* cu_seqlens and max_seqlen of a varlen call, checked before any output is allocated. */
+static int check_varlen(call_t *c, const opts_t *o, PyObject *cuq_obj, PyObject *cuk_obj)
 {
     npy_intp maxq, maxk;
     c->cu_q = check_cu_seqlens(c, cuq_obj, "cu_seqlens_q", PyArray_DIM(c->arr[OR_Q], 0), &maxq);
@@ -426,6 +447,12 @@ static int varlen_tables(call_t *c, const opts_t *o, PyObject *cuq_obj, PyObject
     if (check_max_seqlen(c, o->max_q, "max_seqlen_q", maxq) < 0
         || check_max_seqlen(c, o->max_k, "max_seqlen_k", maxk) < 0)
         return -1;
+    return 0;
+}
+
+/* Varlen layout: unit (b, h) is sequence b of head h. */
+static int varlen_tables(call_t *c)
+{
     const int64_t *cq = PyArray_DATA(c->cu_q), *ck = PyArray_DATA(c->cu_k);
     or_ssize nseq = PyArray_DIM(c->cu_q, 0) - 1, h = c->heads, hkv = h / c->p.group;
     c->p.n_units = nseq * h;
@@ -506,10 +533,13 @@ static int alibi_table(call_t *c, PyObject *obj)
 /* ------------------------------------------------------------------ running */
 
 /* Raises the exception a failed device call deserves: OrchardOutOfMemory for the
- * out-of-memory codes, OrchardError otherwise, with the build log when there is one. */
+ * out-of-memory codes, OrchardError otherwise, with the build log when there is one.
+ * CL_INVALID_BUFFER_SIZE (-61) counts as out of memory: clCreateBuffer returns it for a buffer
+ * larger than the device's CL_DEVICE_MAX_MEM_ALLOC_SIZE, a buffer that cannot be allocated. */
 static PyObject *device_error(module_state *st, call_t *c, const or_error *err)
 {
-    int oom = err->cl_code == -4 || err->cl_code == -5 || err->cl_code == -6;
+    int oom = err->cl_code == -4 || err->cl_code == -5 || err->cl_code == -6
+              || err->cl_code == -61;
     PyObject *id = or_device_id(c->device.index);
     if (id == NULL)
         return NULL;
@@ -556,11 +586,9 @@ static PyObject *run(call_t *c, module_state *st, int backward)
     if (rc == OR_EDEVICE && c->device.automatic) {
         /* auto choice: a device that cannot run falls back to the native path, said once */
         static int warned;
-        if (!warned) {
-            warned = 1;
+        if (!__atomic_exchange_n(&warned, 1, __ATOMIC_RELAXED))  /* once, whatever the threads */
             or_log("orchard: %s failed on the automatically chosen OpenCL device (%s); "
                    "using the native CPU path", c->func, err.msg);
-        }
         free(err.log);
         err.log = NULL;
         c->device.index = 0;
@@ -614,7 +642,8 @@ static PyObject *attention(PyObject *module, call_t *c, opts_t *o, PyObject **ob
         goto done;
     c->ct = or_device_counters(c->device.index);
     if (load_operands(c, objs, slots, nobj) < 0
-        || check_qkv(c) < 0 || check_scale(c, o) < 0)
+        || check_qkv(c) < 0 || check_scale(c, o) < 0
+        || (c->varlen && check_varlen(c, o, cuq, cuk) < 0))
         goto done;
     or_dtype dt = c->p.view[OR_Q].dtype;
     out_shapes(c, oshape, lshape, &ond, &lnd);
@@ -631,7 +660,7 @@ static PyObject *attention(PyObject *module, call_t *c, opts_t *o, PyObject **ob
                || new_output(c, OR_LSE, lnd, lshape, dt == OR_F64 ? OR_F64 : OR_F32) < 0) {
         goto done;
     }
-    if ((c->varlen ? varlen_tables(c, o, cuq, cuk) : dense_tables(c)) < 0
+    if ((c->varlen ? varlen_tables(c) : dense_tables(c)) < 0
         || alibi_table(c, o->alibi) < 0)
         goto done;
     result = run(c, st, backward);
@@ -757,6 +786,11 @@ static PyObject *dropout_mask(PyObject *module, PyObject *args, PyObject *kw)
     call_t c = {.func = "dropout_mask"};
     if (check_options(&c, &o) < 0)
         return NULL;
+    if (qd[qn - 2] > MAX_SEQ_LEN || kd[kn - 2] > MAX_SEQ_LEN) {
+        PyErr_Format(PyExc_ValueError, "dropout_mask(): '%s' must have fewer than 2**32 rows "
+                     "(dimension -2)", qd[qn - 2] > MAX_SEQ_LEN ? "q_shape" : "k_shape");
+        return NULL;
+    }
     npy_intp shape[NPY_MAXDIMS];
     for (int i = 0; i < qn - 1; i++)
         shape[i] = qd[i];
@@ -770,8 +804,13 @@ static PyObject *dropout_mask(PyObject *module, PyObject *args, PyObject *kw)
     unsigned char *out = PyArray_DATA(mask);
     Py_BEGIN_ALLOW_THREADS
     for (or_ssize u = 0; u < units; u++)
-        for (or_ssize i = 0; i < nq; i++, out += nk)
-            or_dropout_row(c.p.seed, (uint64_t)u, (uint32_t)i, 0, (int)nk, c.p.drop_threshold, out);
+        for (or_ssize i = 0; i < nq; i++)
+            for (or_ssize j = 0; j < nk; j += INT_MAX) {    /* or_dropout_row counts in int */
+                int n = nk - j < INT_MAX ? (int)(nk - j) : INT_MAX;
+                or_dropout_row(c.p.seed, (uint64_t)u, (uint32_t)i, (uint32_t)j, n,
+                               c.p.drop_threshold, out);
+                out += n;
+            }
     Py_END_ALLOW_THREADS
     return (PyObject *)mask;
 }

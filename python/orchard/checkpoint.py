@@ -34,11 +34,22 @@ def save_checkpoint(state, path):
         os.close(dir_fd)
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read: missing, not a checkpoint, or damaged."""
+
+
 def checkpoint_path(path):
     """A checkpoint file, or the checkpoint.pt of a training output folder."""
     return os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path
 
 
 def load_checkpoint(path):
-    # weights_only: a checkpoint is data (tensors, numbers, strings), never code to run.
-    return torch.load(checkpoint_path(path), map_location="cpu", weights_only=True)
+    path = checkpoint_path(path)
+    try:
+        # weights_only: a checkpoint is data (tensors, numbers, strings), never code to run.
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except OSError as exc:
+        raise CheckpointError("%s: cannot read the checkpoint: %s" % (path, exc.strerror)) from None
+    except Exception as exc:  # torch reports a damaged file with many types and long advice
+        raise CheckpointError("%s: not a readable orchard checkpoint (torch.load raised %s)"
+                              % (path, type(exc).__name__)) from None

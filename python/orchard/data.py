@@ -13,36 +13,42 @@ BYTE_VOCAB = 256
 DEFAULT_MAX_BYTES = 1_500_000  # about one epoch of the default config in a few CPU minutes
 
 
+class DataError(ValueError):
+    """Training data that cannot be used; the message names the file and what is wrong."""
+
+
 def load_sequences(path):
     """(sequences, vocab_size) from a token_sequences.json; vocab_size is max id + 1 when the
     file does not say."""
-    with open(path) as f:
-        try:
+    try:
+        with open(path, "rb") as f:
             data = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise ValueError("%s: not valid JSON: %s" % (path, exc)) from None
+    except OSError as exc:
+        raise DataError("%s: cannot read the sequences file: %s" % (path, exc.strerror)) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DataError("%s: not valid JSON: %s" % (path, exc)) from None
     vocab_size = None
     if isinstance(data, dict):
         unknown = set(data) - {"vocab_size", "sequences"}
         if unknown or "sequences" not in data:
-            raise ValueError("%s: expected keys 'vocab_size' and 'sequences', got %s"
-                             % (path, ", ".join(sorted(data))))
+            raise DataError("%s: expected keys 'vocab_size' and 'sequences', got %s"
+                            % (path, ", ".join(sorted(data))))
         vocab_size, data = data.get("vocab_size"), data["sequences"]
         if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size < 1):
-            raise ValueError("%s: 'vocab_size' must be a positive integer" % path)
+            raise DataError("%s: 'vocab_size' must be a positive integer" % path)
     if not isinstance(data, list) or not all(isinstance(s, list) for s in data):
-        raise ValueError("%s: 'sequences' must be a list of token-id lists" % path)
+        raise DataError("%s: 'sequences' must be a list of token-id lists" % path)
     top = -1
     for n, seq in enumerate(data):
         if not all(isinstance(t, int) and t >= 0 for t in seq):
-            raise ValueError("%s: sequence %d holds something other than non-negative integer "
-                             "token ids" % (path, n))
+            raise DataError("%s: sequence %d holds something other than non-negative integer "
+                            "token ids" % (path, n))
         top = max(top, max(seq, default=-1))
     if vocab_size is None:
         vocab_size = top + 1
     elif top >= vocab_size:
-        raise ValueError("%s: token id %d is out of range for vocab_size %d"
-                         % (path, top, vocab_size))
+        raise DataError("%s: token id %d is out of range for vocab_size %d"
+                        % (path, top, vocab_size))
     return data, vocab_size
 
 
@@ -109,8 +115,8 @@ def token_chunks(sequences, context):
     stream = torch.tensor([t for seq in sequences for t in seq], dtype=torch.long)
     n = (len(stream) - 1) // context
     if n < 1:
-        raise ValueError("%d tokens are not enough for one sequence of context %d"
-                         % (len(stream), context))
+        raise DataError("%d tokens are not enough for one sequence of context %d"
+                        % (len(stream), context))
     inputs = stream[:n * context].view(n, context)
     targets = stream[1:n * context + 1].view(n, context)
     return torch.cat([inputs, targets[:, -1:]], dim=1)

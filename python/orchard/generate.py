@@ -29,11 +29,15 @@ def main(argv=None):
 
     import torch
 
-    from .checkpoint import load_checkpoint
+    from .checkpoint import CheckpointError, load_checkpoint
     from .device_backend import get_device_backend
     from .model import GPT, GPTConfig
 
-    state = load_checkpoint(args.checkpoint)
+    try:
+        state = load_checkpoint(args.checkpoint)
+    except CheckpointError as exc:
+        print("orchard-generate: %s" % exc, file=sys.stderr)
+        return 2
     model = GPT(GPTConfig.from_dict(state["model_config"]))
     model.load_state_dict(state["model"])
     model.eval()

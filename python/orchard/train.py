@@ -88,9 +88,9 @@ def main(argv=None):
     args = parse_args(argv)
     import torch.distributed as dist
 
-    from .checkpoint import load_checkpoint
-    from .config import load_config, validate
-    from .data import token_chunks
+    from .checkpoint import CheckpointError, load_checkpoint
+    from .config import ConfigError, load_config, validate
+    from .data import DataError, token_chunks
     from .device_backend import auto_choice_reason, get_device_backend
     from .trainer import Trainer
 
@@ -127,7 +127,10 @@ def main(argv=None):
         backend.setup(cfg["device"]["num_threads"])
         for note in backend.check_limitations(cfg["training"]["dtype"]):
             log.info("note: %s", note)
-        chunks = token_chunks(sequences, cfg["model"]["context"])
+        try:
+            chunks = token_chunks(sequences, cfg["model"]["context"])
+        except DataError as exc:
+            raise DataError("%s: %s" % (data_info["source"], exc)) from None
         log.info("data: %s, %d tokens, %d sequences of %d", data_info["source"],
                  len(chunks) * cfg["model"]["context"], len(chunks), cfg["model"]["context"])
         trainer = Trainer(cfg, backend, chunks, args.output, requested_cfg=requested,
@@ -143,6 +146,10 @@ def main(argv=None):
                 log.info("parameters identical on all %d ranks (sha256 %s)", len(digests),
                          digests[0][:16])
         return code
+    except (ConfigError, DataError, CheckpointError) as exc:
+        # a mistake in what the user gave: one line that says so, not a traceback
+        log.error("orchard-train: %s", exc)
+        return 2
     except KeyboardInterrupt:
         log.info("interrupted")
         return 130
