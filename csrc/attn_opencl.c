@@ -199,13 +199,15 @@ static int kernel_with(launch_t *L, int slot, const char *name, const int *slots
     return OR_OK;
 }
 
-/* Enqueues a kernel over (ceil(rows / bq) * bq, units) work-items in work-groups of bq. */
-static int enqueue(launch_t *L, cl_kernel k, or_ssize rows, or_ssize units)
+/* Enqueues a kernel over ceil(rows / group_rows) work-groups of `lanes` work-items per unit:
+ * lanes = group_rows for the row-per-work-item kernels, 1 for the tiled forward. */
+static int enqueue(launch_t *L, cl_kernel k, or_ssize rows, or_ssize units, int group_rows,
+                   int lanes)
 {
     if (rows <= 0 || units <= 0)
         return OR_OK;
-    size_t bq = (size_t)L->prog.bq;
-    size_t global[2] = {((size_t)rows + bq - 1) / bq * bq, (size_t)units}, local[2] = {bq, 1};
+    const size_t groups = ((size_t)rows + (size_t)group_rows - 1) / (size_t)group_rows;
+    size_t global[2] = {groups * (size_t)lanes, (size_t)units}, local[2] = {(size_t)lanes, 1};
     TRY(L, L->prog.api->clEnqueueNDRangeKernel(L->prog.queue, k, 2, NULL, global, local, 0, NULL,
                                                NULL), "clEnqueueNDRangeKernel");
     return OR_OK;
@@ -302,7 +304,8 @@ int or_cl_fwd(int i, const or_problem *p, or_counters *ct, or_error *err)
     if (rc == OR_OK)
         rc = set_params(&L, L.kernel[0], &idx);
     if (rc == OR_OK)
-        rc = enqueue(&L, L.kernel[0], longest(p->nq, p->n_units), p->n_units);
+        rc = L.prog.tile_q ? enqueue(&L, L.kernel[0], longest(p->nq, p->n_units), p->n_units, L.prog.tile_q, 1)
+                          : enqueue(&L, L.kernel[0], longest(p->nq, p->n_units), p->n_units, L.prog.bq, L.prog.bq);
     if (rc == OR_OK)
         rc = finish_outputs(&L);
     release(&L);
@@ -346,11 +349,11 @@ int or_cl_bwd(int i, const or_problem *p, or_counters *ct, or_error *err)
             rc = set_params(&L, L.kernel[2], &idx);
     }
     if (rc == OR_OK)
-        rc = enqueue(&L, L.kernel[0], nq_max, p->n_units);
+        rc = enqueue(&L, L.kernel[0], nq_max, p->n_units, L.prog.bq, L.prog.bq);
     if (rc == OR_OK)
-        rc = enqueue(&L, L.kernel[1], nq_max, p->n_units);
+        rc = enqueue(&L, L.kernel[1], nq_max, p->n_units, L.prog.bq, L.prog.bq);
     if (rc == OR_OK)
-        rc = enqueue(&L, L.kernel[2], nk_max, p->n_units / p->group);
+        rc = enqueue(&L, L.kernel[2], nk_max, p->n_units / p->group, L.prog.bq, L.prog.bq);
     if (rc == OR_OK)
         rc = finish_outputs(&L);
     release(&L);

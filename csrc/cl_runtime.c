@@ -261,11 +261,12 @@ static int build(device_t *dev, const char *options, or_counters *ct, cl_program
     return OR_OK;
 }
 
-/* The smallest CL_KERNEL_WORK_GROUP_SIZE over the program's kernels. */
-static int kernel_limit(device_t *dev, cl_program prog, size_t *limit, or_error *err)
+/* The smallest CL_KERNEL_WORK_GROUP_SIZE over the program's row-per-work-item kernels (the
+ * tiled forward, when built, runs one work-item per group). */
+static int kernel_limit(device_t *dev, cl_program prog, int tiled, size_t *limit, or_error *err)
 {
     *limit = dev->info.max_work_group;
-    for (size_t i = 0; i < sizeof(KERNEL_NAMES) / sizeof(*KERNEL_NAMES); i++) {
+    for (size_t i = tiled ? 1 : 0; i < sizeof(KERNEL_NAMES) / sizeof(*KERNEL_NAMES); i++) {
         cl_int rc;
         cl_kernel k = api->clCreateKernel(prog, KERNEL_NAMES[i], &rc);
         if (k == NULL)
@@ -282,13 +283,24 @@ static int kernel_limit(device_t *dev, cl_program prog, size_t *limit, or_error 
     return OR_OK;
 }
 
+/* Local bytes of the tiled forward's tiles (kernels/flash_fwd_tiled.cl). */
+static unsigned long long tiled_bytes(size_t real, int d, int dv, int vw, int tq, int tk)
+{
+    const unsigned long long dvt = (unsigned long long)(dv + 2 * vw - 1) / (2 * vw) * (2 * vw);
+    return real * ((unsigned long long)tq * d + (unsigned long long)d * tk + tk * dvt
+                   + (unsigned long long)tq * tk + tq * dvt + 2ull * tq);
+}
+
+static int round_up_to(int n, int m) { return (n + m - 1) / m * m; }
+
 static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *ct,
                         or_cl_program *out, or_error *err)
 {
     static const int storage_bits[] = {16, 32, 64};
     const size_t real = dt == OR_F64 ? 8 : 4;
+    const int cpu = strcmp(dev->info.kind, "cpu") == 0;
     /* a CPU work-item is one SIMD thread: 8 lanes fill AVX; GPU lanes are work-items */
-    const int vw = env_int("ORCHARD_CL_VECTOR", strcmp(dev->info.kind, "cpu") == 0 ? 8 : 4);
+    const int vw = env_int("ORCHARD_CL_VECTOR", cpu ? 8 : 4) == 4 ? 4 : 8;
     const size_t dpad = (size_t)(d + vw - 1) / vw * vw, dvpad = (size_t)(dv + vw - 1) / vw * vw;
     int bq = env_int("ORCHARD_CL_BLOCK_Q", 64);
     if ((size_t)bq > dev->info.max_work_group)
@@ -296,24 +308,37 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
     /* two tiles of rows of d + dv (+ lse, D) reals, in half the local memory */
     unsigned long long fit = dev->info.local_mem / 2 / (real * (dpad + dvpad + 2));
     int bk = env_int("ORCHARD_CL_BLOCK_K", fit >= 64 ? 64 : fit >= 1 ? (int)fit : 1);
+    /* CPUs run the register-tiled forward (ORCHARD_CL_TILED=0/1 overrides), 96 x 96 blocks
+     * as the native path, shrunk until the tiles fit in local memory */
+    const char *tiled_env = getenv("ORCHARD_CL_TILED");
+    const int tiled = tiled_env && *tiled_env ? atoi(tiled_env) != 0 : cpu;
+    int tq = round_up_to(env_int("ORCHARD_CL_BLOCK_Q", 96), 6);
+    int tk = round_up_to(env_int("ORCHARD_CL_BLOCK_K", 96), 2 * vw);
+    while (tiled && tiled_bytes(real, d, dv, vw, tq, tk) > dev->info.local_mem && tq + tk > 6 + 2 * vw) {
+        if (tk >= tq && tk > 2 * vw)
+            tk -= 2 * vw;
+        else
+            tq -= 6;
+    }
     for (;;) {
         /* no -cl-fast-relaxed-math: it implies finite math, and masking relies on -inf */
         char options[1024];
         const char *extra = getenv("ORCHARD_CL_OPTIONS");
         snprintf(options, sizeof(options),
-                 "-cl-std=CL1.2 -DOR_STORAGE=%d -DHEAD_D=%d -DHEAD_DV=%d -DBQ=%d -DBK=%d -DVW=%d %s",
-                 storage_bits[dt], d, dv, bq, bk, vw == 4 ? 4 : 8, extra ? extra : "");
+                 "-cl-std=CL1.2 -DOR_STORAGE=%d -DHEAD_D=%d -DHEAD_DV=%d -DBQ=%d -DBK=%d -DVW=%d "
+                 "-DOR_TILED=%d -DTILE_Q=%d -DTILE_K=%d %s",
+                 storage_bits[dt], d, dv, bq, bk, vw, tiled, tq, tk, extra ? extra : "");
         cl_program prog;
         size_t limit;
         int rc = build(dev, options, ct, &prog, err);
         if (rc != OR_OK)
             return rc;
-        if ((rc = kernel_limit(dev, prog, &limit, err)) != OR_OK) {
+        if ((rc = kernel_limit(dev, prog, tiled, &limit, err)) != OR_OK) {
             api->clReleaseProgram(prog);
             return rc;
         }
         if ((size_t)bq <= limit || bq == 1) {
-            *out = (or_cl_program){api, dev->ctx, dev->queue, prog, bq, bk};
+            *out = (or_cl_program){api, dev->ctx, dev->queue, prog, bq, bk, tiled ? tq : 0};
             return OR_OK;
         }
         api->clReleaseProgram(prog);    /* the kernels cannot run bq wide here: narrower */

@@ -24,6 +24,7 @@ typedef struct {
     cl_command_queue queue;
     cl_program program;
     int bq, bk;                     /* work-group rows, local tile rows */
+    int tile_q;                     /* rows of the tiled forward's work-item, 0: not tiled */
 } or_cl_program;
 
 int or_cl_count(void);                              /* discovers devices on first use */

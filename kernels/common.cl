@@ -147,6 +147,17 @@ inline real hsum(realv v)
     return b.x + b.y;
 }
 
+inline real hmax(realv v)
+{
+#if VW == 8
+    CAT(REAL_T, 4) a = fmax(v.lo, v.hi);
+#else
+    CAT(REAL_T, 4) a = v;
+#endif
+    CAT(REAL_T, 2) b = fmax(a.lo, a.hi);
+    return fmax(b.x, b.y);
+}
+
 inline real vdot(const realv *a, __local const realv *b, int n)
 {
     realv acc = a[0] * b[0];

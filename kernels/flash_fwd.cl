@@ -6,8 +6,10 @@
  *
  * Each work-item keeps its query row (pre-scaled) and output accumulator in private vectors;
  * the work-group streams BK-key tiles of K and V through local memory and keeps an online
- * softmax (running max m, running sum l) per row, as FlashAttention-2.
+ * softmax (running max m, running sum l) per row, as FlashAttention-2. CPU devices build
+ * flash_fwd_tiled.cl's kernel instead (OR_TILED).
  */
+#if !OR_TILED
 __kernel void flash_fwd(__global const storage_t *q, __global const storage_t *k,
                         __global const storage_t *v, __global storage_t *out,
                         __global real *lse, __global const long *meta,
@@ -81,3 +83,4 @@ __kernel void flash_fwd(__global const storage_t *q, __global const storage_t *k
     store_row(out, unit[S_O] + i * meta[S_O], acc, HEAD_DV);
     lse[unit[S_LSE] + i * meta[S_LSE]] = l > 0 ? m + log(l) : -INFINITY;
 }
+#endif

@@ -7,6 +7,7 @@ tiles) make every kernel cross tile and work-group boundaries. Two runs: buffers
 memory (the unified-memory path) with race and API checks, and explicit transfers (the
 discrete-GPU path) with the uninitialised-read checker too, which needs unoptimised kernels:
 Debian's Oclgrind 21.10 cannot simulate the LLVM `freeze` instruction that optimisation emits.
+Each with the row-per-work-item forward (GPUs) and the register-tiled one (CPUs).
 """
 import re
 import shutil
@@ -43,6 +44,7 @@ cases = [
     (np.float16, (2, 1, 1, 9, 6, 3, 5), dict()),
     (np.float64, (1, 1, 1, 7, 3, 4, 4), dict(causal=True)),     # rows that see no key
     (np.float32, (1, 1, 1, 5, 0, 4, 4), dict()),                # no keys at all
+    (np.float32, (1, 2, 2, 20, 37, 8, 20), dict(window=(9, 3))),  # several tiles both ways
 ]
 for dtype, (b, h, hkv, nq, nk, d, dv), kw in cases:
     q, do = randn(b, h, nq, d, dtype=dtype), randn(b, h, nq, dv, dtype=dtype)
@@ -69,12 +71,15 @@ REPORT = re.compile(r"Invalid (read|write)|data race|[Uu]ninitiali[sz]ed|FATAL|"
                     r"Oclgrind - |errors generated|out of bounds", re.I)
 
 
+@pytest.mark.parametrize("tiled", ["0", "1"])
 @pytest.mark.parametrize("mode", ["in-place", "transfers"])
-def test_kernels_clean_under_oclgrind(tmp_path, mode):
+def test_kernels_clean_under_oclgrind(tmp_path, mode, tiled):
     script = tmp_path / "kernels.py"
     script.write_text(textwrap.dedent(SCRIPT))
     checks = ["--data-races", "--check-api"]
-    env = dict(ORCHARD_CL_BLOCK_Q=8, ORCHARD_CL_BLOCK_K=4, ORCHARD_NO_CACHE=1)
+    # tiled: 6-row, 16-key tiles (block sizes round up to the register tile)
+    env = dict(ORCHARD_CL_BLOCK_Q=8 if tiled == "0" else 6, ORCHARD_CL_BLOCK_K=4,
+               ORCHARD_CL_TILED=tiled, ORCHARD_NO_CACHE=1)
     if mode == "transfers":
         checks.append("--uninitialized")
         env.update(ORCHARD_CL_TRANSFERS=1, ORCHARD_CL_OPTIONS="-cl-opt-disable")
