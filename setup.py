@@ -15,8 +15,8 @@ import numpy
 from setuptools import Extension, setup
 
 VERSION = "0.1.0"
-KERNELS = ["kernels/common.cl", "kernels/flash_fwd.cl", "kernels/flash_fwd_tiled.cl",
-           "kernels/flash_bwd.cl"]
+KERNELS = ["kernels/common.cl", "kernels/tiles.cl", "kernels/flash_fwd.cl",
+           "kernels/flash_fwd_tiled.cl", "kernels/flash_bwd.cl", "kernels/flash_bwd_tiled.cl"]
 GENERATED = os.path.join("build", "generated")
 
 

@@ -33,7 +33,7 @@ typedef struct {
     or_cl_program prog;
     or_error *err;
     cl_mem mem[OR_NSLOTS];
-    cl_mem meta, slopes, di, dummy;
+    cl_mem meta, slopes, di, dqacc, dummy;
     cl_kernel kernel[3];
     unsigned outputs;           /* bit per slot written by the kernels */
     int in_place;               /* buffers over host memory, else explicit copies */
@@ -259,6 +259,8 @@ static void release(launch_t *L)
         api->clReleaseMemObject(L->slopes);
     if (L->di)
         api->clReleaseMemObject(L->di);
+    if (L->dqacc)
+        api->clReleaseMemObject(L->dqacc);
     if (L->dummy)
         api->clReleaseMemObject(L->dummy);
 }
@@ -312,19 +314,65 @@ int or_cl_fwd(int i, const or_problem *p, or_counters *ct, or_error *err)
     return rc;
 }
 
+static const int bwd_args[] = {OR_Q, OR_K, OR_V, OR_DO, OR_LSE, -1};   /* -1: the D buffer */
+
+/* flash_bwd_dq (dQ per query row) and flash_bwd_dkdv (dK, dV per key row): GPUs. */
+static int row_bwd_kernels(launch_t *L, or_ssize nq_max)
+{
+    int idx, rc = kernel_with(L, 1, "flash_bwd_dq", bwd_args, 6, &idx);
+    if (rc == OR_OK)
+        rc = set_long(L, L->kernel[1], &idx, nq_max);
+    if (rc == OR_OK)
+        rc = set_mem(L, L->kernel[1], &idx, L->mem[OR_DQ]);
+    if (rc == OR_OK)
+        rc = set_params(L, L->kernel[1], &idx);
+    if (rc == OR_OK)
+        rc = kernel_with(L, 2, "flash_bwd_dkdv", bwd_args, 6, &idx);
+    if (rc == OR_OK)
+        rc = set_long(L, L->kernel[2], &idx, nq_max);
+    if (rc == OR_OK)
+        rc = set_mem(L, L->kernel[2], &idx, L->mem[OR_DK]);
+    if (rc == OR_OK)
+        rc = set_mem(L, L->kernel[2], &idx, L->mem[OR_DV]);
+    if (rc == OR_OK)
+        rc = set_params(L, L->kernel[2], &idx);
+    return rc;
+}
+
+/* flash_bwd_tiled, a kv unit per work-item, with its float dQ accumulator: CPU devices. */
+static int tiled_bwd_kernel(launch_t *L, or_ssize nq_max)
+{
+    const size_t size = (dbl(L) ? sizeof(double) : sizeof(float))
+                        * (size_t)(L->p->n_units * nq_max * L->prog.tile_d + 1);
+    void *zeros = calloc(1, size);      /* dQ starts at 0; the kernel adds every key block */
+    if (zeros == NULL)
+        return OR_ENOMEM;
+    int idx, rc = new_buffer(L, CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR, size, zeros, &L->dqacc);
+    free(zeros);
+    if (rc == OR_OK)
+        rc = kernel_with(L, 1, "flash_bwd_tiled", bwd_args, 6, &idx);
+    if (rc == OR_OK)
+        rc = set_long(L, L->kernel[1], &idx, nq_max);
+    for (int s = OR_DQ; rc == OR_OK && s <= OR_DV; s++)
+        rc = set_mem(L, L->kernel[1], &idx, L->mem[s]);
+    if (rc == OR_OK)
+        rc = set_mem(L, L->kernel[1], &idx, L->dqacc);
+    if (rc == OR_OK)
+        rc = set_params(L, L->kernel[1], &idx);
+    return rc;
+}
+
 int or_cl_bwd(int i, const or_problem *p, or_counters *ct, or_error *err)
 {
     launch_t L;
     int idx, rc = prepare(&L, i, p, 1u << OR_DQ | 1u << OR_DK | 1u << OR_DV, ct, err);
     const or_ssize nq_max = longest(p->nq, p->n_units), nk_max = longest(p->nk, p->n_units);
-    const size_t real = p->view[OR_Q].dtype == OR_F64 ? sizeof(double) : sizeof(float);
-    /* D_i = rowsum(dO * O), (unit, nq_max); -1 in an argument list means this buffer */
+    const size_t real = dbl(&L) ? sizeof(double) : sizeof(float);
+    /* D_i = rowsum(dO * O), (unit, nq_max) */
     if (rc == OR_OK)
         rc = new_buffer(&L, CL_MEM_READ_WRITE, real * (size_t)(p->n_units * nq_max + 1), NULL,
                         &L.di);
     static const int prep_args[] = {OR_DO, OR_O};
-    static const int dq_args[] = {OR_Q, OR_K, OR_V, OR_DO, OR_LSE, -1};
-    static const int dkdv_args[] = {OR_Q, OR_K, OR_V, OR_DO, OR_LSE, -1};
     if (rc == OR_OK && (rc = kernel_with(&L, 0, "flash_bwd_prep", prep_args, 2, &idx)) == OR_OK) {
         rc = set_mem(&L, L.kernel[0], &idx, L.meta);
         if (rc == OR_OK)
@@ -332,27 +380,14 @@ int or_cl_bwd(int i, const or_problem *p, or_counters *ct, or_error *err)
         if (rc == OR_OK)
             rc = set_long(&L, L.kernel[0], &idx, nq_max);
     }
-    if (rc == OR_OK && (rc = kernel_with(&L, 1, "flash_bwd_dq", dq_args, 6, &idx)) == OR_OK) {
-        rc = set_long(&L, L.kernel[1], &idx, nq_max);
-        if (rc == OR_OK)
-            rc = set_mem(&L, L.kernel[1], &idx, L.mem[OR_DQ]);
-        if (rc == OR_OK)
-            rc = set_params(&L, L.kernel[1], &idx);
-    }
-    if (rc == OR_OK && (rc = kernel_with(&L, 2, "flash_bwd_dkdv", dkdv_args, 6, &idx)) == OR_OK) {
-        rc = set_long(&L, L.kernel[2], &idx, nq_max);
-        if (rc == OR_OK)
-            rc = set_mem(&L, L.kernel[2], &idx, L.mem[OR_DK]);
-        if (rc == OR_OK)
-            rc = set_mem(&L, L.kernel[2], &idx, L.mem[OR_DV]);
-        if (rc == OR_OK)
-            rc = set_params(&L, L.kernel[2], &idx);
-    }
+    if (rc == OR_OK)
+        rc = L.prog.tile_q ? tiled_bwd_kernel(&L, nq_max) : row_bwd_kernels(&L, nq_max);
     if (rc == OR_OK)
         rc = enqueue(&L, L.kernel[0], nq_max, p->n_units, L.prog.bq, L.prog.bq);
-    if (rc == OR_OK)
-        rc = enqueue(&L, L.kernel[1], nq_max, p->n_units, L.prog.bq, L.prog.bq);
-    if (rc == OR_OK)
+    if (rc == OR_OK)        /* tiled: one work-item per kv unit */
+        rc = L.prog.tile_q ? enqueue(&L, L.kernel[1], 1, p->n_units / p->group, 1, 1)
+                           : enqueue(&L, L.kernel[1], nq_max, p->n_units, L.prog.bq, L.prog.bq);
+    if (rc == OR_OK && !L.prog.tile_q)
         rc = enqueue(&L, L.kernel[2], nk_max, p->n_units / p->group, L.prog.bq, L.prog.bq);
     if (rc == OR_OK)
         rc = finish_outputs(&L);

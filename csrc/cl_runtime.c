@@ -41,8 +41,9 @@ static device_t *devices;
 static int ndevices;
 static pthread_once_t discovered = PTHREAD_ONCE_INIT;
 
-static const char *const KERNEL_NAMES[] = {"flash_fwd", "flash_bwd_prep", "flash_bwd_dq",
-                                           "flash_bwd_dkdv"};
+/* the kernels that run a row per work-item: all of them, or only prep where tiled */
+static const char *const ROW_KERNELS[] = {"flash_bwd_prep", "flash_fwd", "flash_bwd_dq",
+                                          "flash_bwd_dkdv"};
 
 int or_cl_fail(or_error *err, cl_int code, const char *call)
 {
@@ -262,13 +263,13 @@ static int build(device_t *dev, const char *options, or_counters *ct, cl_program
 }
 
 /* The smallest CL_KERNEL_WORK_GROUP_SIZE over the program's row-per-work-item kernels (the
- * tiled forward, when built, runs one work-item per group). */
+ * tiled ones run one work-item per group). */
 static int kernel_limit(device_t *dev, cl_program prog, int tiled, size_t *limit, or_error *err)
 {
     *limit = dev->info.max_work_group;
-    for (size_t i = tiled ? 1 : 0; i < sizeof(KERNEL_NAMES) / sizeof(*KERNEL_NAMES); i++) {
+    for (size_t i = 0; i < (tiled ? 1 : sizeof(ROW_KERNELS) / sizeof(*ROW_KERNELS)); i++) {
         cl_int rc;
-        cl_kernel k = api->clCreateKernel(prog, KERNEL_NAMES[i], &rc);
+        cl_kernel k = api->clCreateKernel(prog, ROW_KERNELS[i], &rc);
         if (k == NULL)
             return or_cl_fail(err, rc, "clCreateKernel");
         size_t wg = 0;
@@ -283,12 +284,14 @@ static int kernel_limit(device_t *dev, cl_program prog, int tiled, size_t *limit
     return OR_OK;
 }
 
-/* Local bytes of the tiled forward's tiles (kernels/flash_fwd_tiled.cl). */
+/* Local bytes of the tiled kernels' tiles: the backward's (kernels/flash_bwd_tiled.cl), which
+ * hold more than the forward's. */
 static unsigned long long tiled_bytes(size_t real, int d, int dv, int vw, int tq, int tk)
 {
-    const unsigned long long dvt = (unsigned long long)(dv + 2 * vw - 1) / (2 * vw) * (2 * vw);
-    return real * ((unsigned long long)tq * d + (unsigned long long)d * tk + tk * dvt
-                   + (unsigned long long)tq * tk + tq * dvt + 2ull * tq);
+    const unsigned long long tn = 2ull * (unsigned)vw, dt = (d + tn - 1) / tn * tn,
+                             dvt = (dv + tn - 1) / tn * tn;
+    return real * ((unsigned long long)(d + dv) * tk + tk * (2 * dt + dvt)
+                   + tq * (2 * dt + dvt) + 3ull * tq * tk + 2ull * tq);
 }
 
 static int round_up_to(int n, int m) { return (n + m - 1) / m * m; }
@@ -312,11 +315,12 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
      * as the native path, shrunk until the tiles fit in local memory */
     const char *tiled_env = getenv("ORCHARD_CL_TILED");
     const int tiled = tiled_env && *tiled_env ? atoi(tiled_env) != 0 : cpu;
+    const int tk_step = vw == 4 ? 24 : 48;      /* key blocks are rows and columns of tiles */
     int tq = round_up_to(env_int("ORCHARD_CL_BLOCK_Q", 96), 6);
-    int tk = round_up_to(env_int("ORCHARD_CL_BLOCK_K", 96), 2 * vw);
-    while (tiled && tiled_bytes(real, d, dv, vw, tq, tk) > dev->info.local_mem && tq + tk > 6 + 2 * vw) {
-        if (tk >= tq && tk > 2 * vw)
-            tk -= 2 * vw;
+    int tk = round_up_to(env_int("ORCHARD_CL_BLOCK_K", 96), tk_step);
+    while (tiled && tiled_bytes(real, d, dv, vw, tq, tk) > dev->info.local_mem && tq + tk > 6 + tk_step) {
+        if (tk >= tq && tk > tk_step)
+            tk -= tk_step;
         else
             tq -= 6;
     }
@@ -338,7 +342,8 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
             return rc;
         }
         if ((size_t)bq <= limit || bq == 1) {
-            *out = (or_cl_program){api, dev->ctx, dev->queue, prog, bq, bk, tiled ? tq : 0};
+            *out = (or_cl_program){api, dev->ctx, dev->queue, prog, bq, bk, tiled ? tq : 0,
+                                   (d + 2 * vw - 1) / (2 * vw) * (2 * vw)};
             return OR_OK;
         }
         api->clReleaseProgram(prog);    /* the kernels cannot run bq wide here: narrower */

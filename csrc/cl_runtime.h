@@ -24,7 +24,8 @@ typedef struct {
     cl_command_queue queue;
     cl_program program;
     int bq, bk;                     /* work-group rows, local tile rows */
-    int tile_q;                     /* rows of the tiled forward's work-item, 0: not tiled */
+    int tile_q;                     /* rows of a tiled kernel's work-item, 0: not tiled */
+    int tile_d;                     /* head dim padded to whole register tiles (tiles.cl DT) */
 } or_cl_program;
 
 int or_cl_count(void);                              /* discovers devices on first use */

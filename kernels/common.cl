@@ -114,6 +114,18 @@ inline void key_range(const params_t *p, long nq, long nk, long i0, long i1, lon
         *hi = *lo;
 }
 
+/* Query rows [*lo, *hi) that may see keys [j0, j1): the inverse of key_range. */
+inline void query_range(const params_t *p, long nq, long nk, long j0, long j1, long *lo, long *hi)
+{
+    long off = nk - nq;
+    *lo = 0;
+    *hi = nq;
+    if (p->right >= 0 && j0 - off - p->right > 0)
+        *lo = j0 - off - p->right;
+    if (p->left >= 0 && j1 - off + p->left < nq)
+        *hi = j1 - off + p->left;
+}
+
 /* Elements [x0, x0 + VW) of a row (those >= n are 0), times scale, as one vector. */
 inline realv load_vec(__global const storage_t *p, long row, int x0, int n, real scale)
 {

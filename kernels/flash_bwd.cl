@@ -24,6 +24,7 @@ __kernel void flash_bwd_prep(__global const storage_t *dout, __global const stor
     di[u * di_stride + i] = acc;
 }
 
+#if !OR_TILED     /* CPU devices build flash_bwd_tiled.cl's kernel instead */
 __kernel void flash_bwd_dq(__global const storage_t *q, __global const storage_t *k,
                            __global const storage_t *v, __global const storage_t *dout,
                            __global const real *lse, __global const real *di, long di_stride,
@@ -116,12 +117,8 @@ __kernel void flash_bwd_dkdv(__global const storage_t *q, __global const storage
         __global const long *unit = UNIT(meta, u);
         const long nq = unit[NSLOTS], off = nk - nq;
         const real slope = p.has_alibi ? slopes[u] : 0;
-        /* query rows that may see keys [j0, j1): the inverse of key_range */
-        long ilo = 0, ihi = nq;
-        if (p.right >= 0 && j0 - off - p.right > 0)
-            ilo = j0 - off - p.right;
-        if (p.left >= 0 && j1 - off + p.left < nq)
-            ihi = j1 - off + p.left;
+        long ilo, ihi;
+        query_range(&p, nq, nk, j0, j1, &ilo, &ihi);
         for (long i0 = ilo; i0 < ihi; i0 += BK) {
             const int rows = (int)min((long)BK, ihi - i0);
             barrier(CLK_LOCAL_MEM_FENCE);
@@ -158,3 +155,4 @@ __kernel void flash_bwd_dkdv(__global const storage_t *q, __global const storage
     store_row(dk, kvunit[S_DK] + j * meta[S_DK], dka, HEAD_D);
     store_row(dv, kvunit[S_DV] + j * meta[S_DV], dva, HEAD_DV);
 }
+#endif

@@ -5,12 +5,11 @@
  *   q   (unit, Nq, HEAD_D)   k (kv unit, Nk, HEAD_D)   v (kv unit, Nk, HEAD_DV)
  *   out (unit, Nq, HEAD_DV)  lse (unit, Nq), natural log, -inf for a row that sees no key
  *
- * Why a second kernel: a CPU runs a work-group on one core and a work-item on its SIMD lanes,
- * so the row-per-work-item kernel does one dot product per score and sums it across lanes
- * (measured 0.37x the native path on PoCL). Here a TM x TN block of scores (two vectors per
- * row) stays in registers while the head dimension streams through, as a matrix product does.
+ * Why a second kernel: on a CPU the row-per-work-item kernel does one dot product per score
+ * and sums it across the lanes (0.37x the native path on PoCL); this one forms scores and
+ * outputs in register tiles (tiles.cl), about 0.9x the native path.
  *
- * Local tiles (row-major, TN = 2 VW; TILE_Q a multiple of TM, TILE_K of TN):
+ * Local tiles (row-major; TM, TN and DVT as in tiles.cl):
  *   qs  TILE_Q x HEAD_D     queries of the block, times scale
  *   kt  HEAD_D x TILE_K     key block transposed; columns past the block are zero
  *   vs  TILE_K x DVT        value block; DVT = HEAD_DV rounded up to TN, zero-padded
@@ -18,43 +17,6 @@
  *   o   TILE_Q x DVT        output accumulator
  */
 #if OR_TILED
-#define TM 6
-#define TN (2 * VW)
-#define DVT ((HEAD_DV + TN - 1) / TN * TN)
-
-/* c (rows x TN*k) = or += a (rows x n, row stride lda) * b (n x TN*k, row stride ldb), a TM x TN
- * register block at a time; rows is a multiple of TM. */
-inline void tile_product(__local real *c, int ldc, __local const real *a, int lda,
-                         __local const real *b, int ldb, int rows, int cols, int n, int accumulate)
-{
-    for (int i0 = 0; i0 < rows; i0 += TM) {
-        for (int j0 = 0; j0 < cols; j0 += TN) {
-            realv acc[TM][2];
-            /* unrolled, so that the accumulators live in registers */
-#pragma unroll
-            for (int i = 0; i < TM; i++) {
-                acc[i][0] = accumulate ? CAT(vload, VW)(0, c + (i0 + i) * ldc + j0) : (realv)0;
-                acc[i][1] = accumulate ? CAT(vload, VW)(0, c + (i0 + i) * ldc + j0 + VW) : (realv)0;
-            }
-            for (int x = 0; x < n; x++) {
-                const realv b0 = CAT(vload, VW)(0, b + x * ldb + j0);
-                const realv b1 = CAT(vload, VW)(0, b + x * ldb + j0 + VW);
-#pragma unroll
-                for (int i = 0; i < TM; i++) {
-                    const real av = a[(i0 + i) * lda + x];
-                    acc[i][0] += av * b0;
-                    acc[i][1] += av * b1;
-                }
-            }
-#pragma unroll
-            for (int i = 0; i < TM; i++) {
-                CAT(vstore, VW)(acc[i][0], 0, c + (i0 + i) * ldc + j0);
-                CAT(vstore, VW)(acc[i][1], 0, c + (i0 + i) * ldc + j0 + VW);
-            }
-        }
-    }
-}
-
 __kernel __attribute__((reqd_work_group_size(1, 1, 1)))
 void flash_fwd(__global const storage_t *q, __global const storage_t *k,
                __global const storage_t *v, __global storage_t *out, __global real *lse,
@@ -92,14 +54,13 @@ void flash_fwd(__global const storage_t *q, __global const storage_t *k,
             for (int x = 0; x < DVT; x++)
                 vs[c * DVT + x] = c < cols && x < HEAD_DV ? (real)LOAD(v, vr + x) : 0;
         }
-        tile_product(s, TILE_K, qs, HEAD_D, kt, TILE_K, rows_tm, cols_tn, HEAD_D, 0);
+        tile_product(s, TILE_K, qs, HEAD_D, 1, kt, TILE_K, rows_tm, cols_tn, HEAD_D, 0);
 
         for (int r = 0; r < rows; r++) {
             __local real *srow = s + r * TILE_K;
             const long i = i0 + r, diag = i + off;
             /* the spec's transforms, where this row needs them; padding columns are masked */
-            if (p.softcap > 0 || p.has_alibi || (p.left >= 0 && j0 < diag - p.left)
-                || (p.right >= 0 && j0 + cols - 1 > diag + p.right)) {
+            if (needs_transform(&p, diag, j0, cols)) {
                 for (int c = 0; c < cols; c++) {
                     real dcap;
                     srow[c] = transform_score(srow[c], i, j0 + c, off, slope, &p, &dcap);
@@ -134,7 +95,7 @@ void flash_fwd(__global const storage_t *q, __global const storage_t *k,
                                   ? srow[c] * p.drop_scale : 0;
         }
         /* padding rows of s are the products of zero queries: finite, and never stored */
-        tile_product(o, DVT, s, TILE_K, vs, DVT, rows_tm, DVT, cols_tn, 1);
+        tile_product(o, DVT, s, TILE_K, 1, vs, DVT, rows_tm, DVT, cols_tn, 1);
     }
 
     for (int r = 0; r < rows; r++) {

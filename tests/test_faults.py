@@ -58,11 +58,13 @@ report(raised=type(raised).__name__ if raised else None,
 OOM, DEVICE = "OrchardOutOfMemory", "OrchardError"
 
 # (ORCHARD_FAULT, extra environment, expected exception, the CL error named in the message).
-# Call counts are per process, with a program cache already holding the binaries: the first
-# forward makes a context and queue, loads the program (clCreateProgramWithBinary +
-# clBuildProgram), creates 4 kernels to query their work-group limits, then the flash_fwd
-# kernel, 7 buffers (dummy, q, k, v, out, lse, meta, slopes), sets arguments, enqueues one
-# kernel and maps out and lse; backward enqueues 3 kernels.
+# Call counts are per process, with a program cache already holding the binaries. With the
+# row-per-work-item kernels (ORCHARD_CL_TILED=0): the first forward makes a context and queue,
+# loads the program (clCreateProgramWithBinary + clBuildProgram), creates 4 kernels to query
+# their work-group limits, then the flash_fwd kernel, 8 buffers (dummy, q, k, v, out, lse,
+# meta, slopes), sets arguments, enqueues one kernel and maps out and lse; backward makes 13
+# buffers (the D buffer last) and enqueues 3 kernels.
+ROWS = {"ORCHARD_CL_TILED": 0}
 CASES = [
     ("clCreateContext:1", {}, OOM, "CL_OUT_OF_HOST_MEMORY"),
     ("clCreateCommandQueue:1", {}, OOM, "CL_OUT_OF_RESOURCES"),
@@ -84,6 +86,18 @@ CASES = [
     ("clFinish:1", {}, OOM, "CL_OUT_OF_RESOURCES"),
     ("clEnqueueReadBuffer:2", {"ORCHARD_CL_TRANSFERS": 1}, OOM, "CL_OUT_OF_RESOURCES"),
 ]
+CASES = [(fault, dict(ROWS, **env), exc, code) for fault, env, exc, code in CASES]
+# The register-tiled kernels (ORCHARD_CL_TILED=1): the work-group limit of flash_bwd_prep only,
+# then the forward kernel (the 2nd kernel made); backward makes prep and flash_bwd_tiled (the
+# 4th), its dQ accumulator as the 14th buffer of the call (22nd in all), and enqueues 2 kernels.
+TILED = {"ORCHARD_CL_TILED": 1}
+CASES += [
+    ("clGetKernelWorkGroupInfo:1", TILED, OOM, "CL_OUT_OF_RESOURCES"),
+    ("clCreateKernel:2", TILED, OOM, "CL_OUT_OF_RESOURCES"),
+    ("clCreateKernel:4", TILED, OOM, "CL_OUT_OF_RESOURCES"),
+    ("clCreateBuffer:22", TILED, OOM, "CL_MEM_OBJECT_ALLOCATION_FAILURE"),
+    ("clEnqueueNDRangeKernel:3", TILED, OOM, "CL_OUT_OF_RESOURCES"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +105,9 @@ def cache_dir(tmp_path_factory):
     """A program cache holding the binaries of the test problem, so that most cases count
     their calls from a cache hit (and run without a multi-second build)."""
     folder = tmp_path_factory.mktemp("cache")
-    r = run_python(PRELUDE + "attention('opencl:0')", ORCHARD_CACHE_DIR=folder)
-    assert r.returncode == 0, r.stderr
+    for family in (ROWS, TILED):
+        r = run_python(PRELUDE + "attention('opencl:0')", ORCHARD_CACHE_DIR=folder, **family)
+        assert r.returncode == 0, r.stderr
     return folder
 
 
@@ -103,7 +118,8 @@ def result_of(r):
     return json.loads(lines[-1][len("RESULT "):])
 
 
-@pytest.mark.parametrize("fault,env,exc,code", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("fault,env,exc,code", CASES,
+                         ids=[c[0] + ("-tiled" if c[1] is TILED else "") for c in CASES])
 def test_fault_raises_and_device_recovers(cache_dir, fault, env, exc, code):
     r = run_python(FAIL_THEN_RECOVER, ORCHARD_FAULT=fault, ORCHARD_CACHE_DIR=cache_dir, **env)
     res = result_of(r)

@@ -7,7 +7,11 @@ tiles) make every kernel cross tile and work-group boundaries. Two runs: buffers
 memory (the unified-memory path) with race and API checks, and explicit transfers (the
 discrete-GPU path) with the uninitialised-read checker too, which needs unoptimised kernels:
 Debian's Oclgrind 21.10 cannot simulate the LLVM `freeze` instruction that optimisation emits.
-Each with the row-per-work-item forward (GPUs) and the register-tiled one (CPUs).
+Each with the row-per-work-item kernels (GPUs) and the register-tiled ones (CPUs). The tiled
+kernels skip the uninitialised-read checker: on them it reports values that are initialised
+(the results are checked in the same run, and the reports move or vanish with unrelated edits
+such as a printf), as in Oclgrind's open issue #126 about its shadow tracking of vector types,
+which these kernels load and store throughout. Bounds, race and API checks still apply.
 """
 import re
 import shutil
@@ -44,7 +48,7 @@ cases = [
     (np.float16, (2, 1, 1, 9, 6, 3, 5), dict()),
     (np.float64, (1, 1, 1, 7, 3, 4, 4), dict(causal=True)),     # rows that see no key
     (np.float32, (1, 1, 1, 5, 0, 4, 4), dict()),                # no keys at all
-    (np.float32, (1, 2, 2, 20, 37, 8, 20), dict(window=(9, 3))),  # several tiles both ways
+    (np.float32, (1, 2, 2, 20, 100, 8, 20), dict(window=(9, 3))),  # several tiles both ways
 ]
 for dtype, (b, h, hkv, nq, nk, d, dv), kw in cases:
     q, do = randn(b, h, nq, d, dtype=dtype), randn(b, h, nq, dv, dtype=dtype)
@@ -81,7 +85,8 @@ def test_kernels_clean_under_oclgrind(tmp_path, mode, tiled):
     env = dict(ORCHARD_CL_BLOCK_Q=8 if tiled == "0" else 6, ORCHARD_CL_BLOCK_K=4,
                ORCHARD_CL_TILED=tiled, ORCHARD_NO_CACHE=1)
     if mode == "transfers":
-        checks.append("--uninitialized")
+        if tiled == "0":
+            checks.append("--uninitialized")
         env.update(ORCHARD_CL_TRANSFERS=1, ORCHARD_CL_OPTIONS="-cl-opt-disable")
     r = subprocess.run(["oclgrind", *checks, sys.executable, str(script)], capture_output=True,
                        text=True, timeout=900, env=subprocess_env(**env),

@@ -1,8 +1,10 @@
 """The OpenCL backend's own behaviour: discovery without a runtime, device names, the program
-cache across processes, explicit transfers, cross-device equality, logs.
+cache across processes, explicit transfers, both kernel families, cross-device equality, logs.
 
 The numerical suite (test_forward.py, test_backward.py, ...) already runs on every OpenCL
-device that devices() lists; these tests need one, and skip when there is none.
+device that devices() lists, with the kernel family chosen for it (register-tiled on CPUs,
+row per work-item on GPUs); test_kernel_families runs each family on every feature. These
+tests need a device, and skip when there is none.
 """
 import json
 import os
@@ -126,6 +128,56 @@ def test_no_cache_env(tmp_path):
         out = child(CACHE_RUN % (dev, dev), ORCHARD_CACHE_DIR=tmp_path, ORCHARD_NO_CACHE=1)
         assert out["builds"] == 1 and out["hits"] == 0
     assert list(tmp_path.iterdir()) == []
+
+
+FAMILY_RUN = """
+    import json, numpy as np, orchard_ops as o
+    from reference import ref_fwd, ref_bwd, ref_varlen_fwd, ref_varlen_bwd
+    rng = np.random.default_rng(5)
+    cases = [   # dtype, (B, H, Hkv, Nq, Nk, D, Dv), options
+        (np.float32, (2, 4, 2, 130, 200, 64, 64), dict()),
+        (np.float32, (1, 2, 1, 97, 150, 40, 24),
+         dict(causal=True, window=(60, 7), softcap=3.0, alibi_slopes=np.array([0.3, 0.05]),
+              dropout_p=0.2, seed=9)),
+        (np.float16, (1, 3, 3, 50, 31, 80, 8), dict(causal=True)),
+        (np.float64, (1, 1, 1, 120, 40, 16, 16), dict(causal=True)),   # rows that see no key
+    ]
+    checked = 0
+    for dtype, (b, h, hkv, nq, nk, d, dv), kw in cases:
+        q, do = (rng.standard_normal((b, h, nq, x)).astype(dtype) for x in (d, dv))
+        k, v = (rng.standard_normal((b, hkv, nk, x)).astype(dtype) for x in (d, dv))
+        out, lse = o.flash_attn_fwd(q, k, v, device="%s", **kw)
+        got = (out, lse) + o.flash_attn_bwd(do, q, k, v, out, lse, device="%s", **kw)
+        want = ref_fwd(q.astype(float), k, v, **kw) + ref_bwd(do.astype(float), q.astype(float), k, v, **kw)
+        tol = 2e-2 if dtype == np.float16 else 1e-4
+        for g, w in zip(got, want):
+            g = np.asarray(g, float)      # lse is -inf where a row sees no key: equal, not nan
+            err = np.where(g == w, 0, np.abs(g - w)).max(initial=0) / (1 + np.abs(w[np.isfinite(w)]).max(initial=0))
+            assert err < tol, (dtype, kw, err)
+            checked += 1
+    cu_q, cu_k = np.array([0, 70, 70, 181]), np.array([0, 40, 140, 250])
+    q, do = rng.standard_normal((2, 181, 2, 32)).astype(np.float32)
+    k, v = rng.standard_normal((2, 250, 1, 32)).astype(np.float32)
+    kw = dict(causal=True, dropout_p=0.1, seed=4)
+    out, lse = o.flash_attn_varlen_fwd(q, k, v, cu_q, cu_k, device="%s", **kw)
+    got = (out, lse) + o.flash_attn_varlen_bwd(do, q, k, v, out, lse, cu_q, cu_k, device="%s", **kw)
+    want = ref_varlen_fwd(q, k, v, cu_q, cu_k, **kw) + ref_varlen_bwd(do, q, k, v, cu_q, cu_k, **kw)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, float), w, rtol=1e-4, atol=1e-4)
+        checked += 1
+    print(json.dumps(checked))
+"""
+
+
+@needs_opencl
+@pytest.mark.parametrize("tiled", ["0", "1"])
+def test_kernel_families(tiled):
+    """Both OpenCL kernel families (ORCHARD_CL_TILED) on every feature, several blocks each
+    way, against the float64 reference; small blocks so that every edge is crossed."""
+    dev = OPENCL_IDS[0]
+    checked = child(FAMILY_RUN % ((dev,) * 4), ORCHARD_CL_TILED=tiled, ORCHARD_CL_BLOCK_Q=30,
+                    ORCHARD_CL_BLOCK_K=20)
+    assert checked == 4 * 5 + 5     # out, lse, dq, dk, dv of every case
 
 
 @needs_opencl

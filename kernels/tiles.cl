@@ -1,0 +1,56 @@
+/* tiles.cl - the register-tiled matrix product of the CPU kernels (flash_fwd_tiled.cl,
+ * flash_bwd_tiled.cl), built when OR_TILED is 1.
+ *
+ * A CPU runs a work-group on one core and a work-item on its SIMD lanes, so a work-item there
+ * does best what the native path does (csrc/attn_native_impl.h): hold a TM x TN block of the
+ * result in registers (TM rows of two VW-lane vectors, 12 accumulators) while the inner
+ * dimension streams through. TILE_Q and TILE_K are multiples of TM and TN.
+ */
+#if OR_TILED
+#define TM 6
+#define TN (2 * VW)
+#define DT ((HEAD_D + TN - 1) / TN * TN)       /* a q or k row padded to whole tiles */
+#define DVT ((HEAD_DV + TN - 1) / TN * TN)     /* a v row padded to whole tiles */
+
+/* Whether scores of keys [j0, j0 + cols) in the row aligned with key `diag` need
+ * transform_score: softcap or ALiBi, or a mask edge inside the block. */
+inline int needs_transform(const params_t *p, long diag, long j0, int cols)
+{
+    return p->softcap > 0 || p->has_alibi || (p->left >= 0 && j0 < diag - p->left)
+           || (p->right >= 0 && j0 + cols - 1 > diag + p->right);
+}
+
+/* c (rows x cols, row stride ldc) = or += a (rows x n) * b (n x cols, row stride ldb), where
+ * a's element (i, x) is a[i * ars + x * acs], so that a may be read transposed; rows is a
+ * multiple of TM, cols of TN. */
+inline void tile_product(__local real *c, int ldc, __local const real *a, int ars, int acs,
+                         __local const real *b, int ldb, int rows, int cols, int n, int accumulate)
+{
+    for (int i0 = 0; i0 < rows; i0 += TM) {
+        for (int j0 = 0; j0 < cols; j0 += TN) {
+            realv acc[TM][2];
+            /* unrolled, so that the accumulators live in registers */
+#pragma unroll
+            for (int i = 0; i < TM; i++) {
+                acc[i][0] = accumulate ? CAT(vload, VW)(0, c + (i0 + i) * ldc + j0) : (realv)0;
+                acc[i][1] = accumulate ? CAT(vload, VW)(0, c + (i0 + i) * ldc + j0 + VW) : (realv)0;
+            }
+            for (int x = 0; x < n; x++) {
+                const realv b0 = CAT(vload, VW)(0, b + x * ldb + j0);
+                const realv b1 = CAT(vload, VW)(0, b + x * ldb + j0 + VW);
+#pragma unroll
+                for (int i = 0; i < TM; i++) {
+                    const real av = a[(i0 + i) * ars + x * acs];
+                    acc[i][0] += av * b0;
+                    acc[i][1] += av * b1;
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < TM; i++) {
+                CAT(vstore, VW)(acc[i][0], 0, c + (i0 + i) * ldc + j0);
+                CAT(vstore, VW)(acc[i][1], 0, c + (i0 + i) * ldc + j0 + VW);
+            }
+        }
+    }
+}
+#endif
