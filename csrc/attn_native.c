@@ -66,10 +66,11 @@ static void key_range(const or_problem *p, or_ssize nq, or_ssize nk, or_ssize i0
 
 /* exp for the float kernels, inlined so that the row loops vectorise (libm's expf is a call).
  * Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, then Cephes' degree-6 polynomial for e^r:
- * about 1 ulp. Arguments below -87.33 (-inf included) give exactly 0, as masking needs. */
+ * about 1.4 ulp. Arguments are clamped at -127 ln2, where 2^n's exponent bits become 0: so
+ * -inf (a masked score) gives exactly 0, with no compare and blend. */
 static inline __attribute__((always_inline)) float or_expf(float x)
 {
-    const float xc = x < -87.33f ? -87.33f : (x > 88.37f ? 88.37f : x);
+    const float xc = x < -88.0296919f ? -88.0296919f : (x > 88.37f ? 88.37f : x);
     const float n = (xc * 1.44269504f + 12582912.0f) - 12582912.0f;    /* round to nearest */
     float r = xc - n * 0.693359375f;
     r = r + n * 2.12194440e-4f;
@@ -83,7 +84,7 @@ static inline __attribute__((always_inline)) float or_expf(float x)
     const int32_t bits = ((int32_t)n + 127) << 23;   /* 2^n */
     float two_n;
     memcpy(&two_n, &bits, sizeof(two_n));
-    return x < -87.33f ? 0.0f : y * two_n;
+    return y * two_n;
 }
 
 #define REAL float

@@ -116,29 +116,46 @@ FN(gemm)(REAL *c, int ldc, const REAL *a, int ars, int acs, const REAL *b, or_ss
         }
     }
 }
-#undef VL
 
-/* Row reductions over a whole BC-wide row, in W independent lanes so they vectorise. */
-static inline __attribute__((always_inline)) REAL FN(row_max)(const REAL *x)
+/* *m = lane-wise *v > *m ? *v : *m, which is what MAXPS computes (a NaN in *v keeps *m).
+ * Pointers, not values: vector arguments would change the ABI between the clones. */
+static inline __attribute__((always_inline)) void FN(vmax)(FN(vec) *m, const FN(vec) *v)
 {
-    REAL lane[W];
-    for (int t = 0; t < W; t++)
-        lane[t] = -INFINITY;
-    for (int c0 = 0; c0 < BC; c0 += W)
-        for (int t = 0; t < W; t++)
-            lane[t] = x[c0 + t] > lane[t] ? x[c0 + t] : lane[t];
-    REAL m = -INFINITY;
-    for (int t = 0; t < W; t++)
-        m = lane[t] > m ? lane[t] : m;
-    return m;
+    const __typeof__(*v > *m) gt = *v > *m;
+    *m = (FN(vec))(((__typeof__(gt))*v & gt) | ((__typeof__(gt))*m & ~gt));
 }
 
-static inline __attribute__((always_inline)) REAL FN(row_sum)(const REAL *x)
+/* The largest element of a whole BC-wide row, two vectors at a time. */
+static inline __attribute__((always_inline)) REAL FN(row_max)(const REAL *x)
+{
+    FN(vec) m0, m1, v0, v1;
+    memcpy(&m0, x, sizeof(m0));
+    memcpy(&m1, x + VL, sizeof(m1));
+    for (int c0 = W; c0 < BC; c0 += W) {
+        memcpy(&v0, x + c0, sizeof(v0));
+        memcpy(&v1, x + c0 + VL, sizeof(v1));
+        FN(vmax)(&m0, &v0);
+        FN(vmax)(&m1, &v1);
+    }
+    FN(vmax)(&m0, &m1);
+    REAL m = -INFINITY;
+    for (int t = 0; t < VL; t++)
+        m = m0[t] > m ? m0[t] : m;
+    return m;
+}
+#undef VL
+
+/* x[c] = exp(x[c] - shift) over a whole BC-wide row, and their sum, in W independent lanes so
+ * that the loop vectorises. */
+static inline __attribute__((always_inline)) REAL FN(exp_row)(REAL *x, REAL shift)
 {
     REAL lane[W] = {0};
     for (int c0 = 0; c0 < BC; c0 += W)
-        for (int t = 0; t < W; t++)
-            lane[t] += x[c0 + t];
+        for (int t = 0; t < W; t++) {
+            const REAL e = EXP(x[c0 + t] - shift);
+            x[c0 + t] = e;
+            lane[t] += e;
+        }
     REAL s = 0;
     for (int t = 0; t < W; t++)
         s += lane[t];
@@ -231,9 +248,7 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
             }
             const REAL alpha = EXP(m[r] - mnew);
             m[r] = mnew;
-            for (int c = 0; c < BC; c++)
-                srow[c] = EXP(srow[c] - mnew);
-            l[r] = l[r] * alpha + FN(row_sum)(srow);
+            l[r] = l[r] * alpha + FN(exp_row)(srow, mnew);
             if (alpha != 1)
                 for (int x = 0; x < dvp; x++)
                     orow[x] *= alpha;
