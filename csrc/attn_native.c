@@ -23,6 +23,9 @@
 #define BC 96   /* key rows per block */
 #define MAX_D 256   /* largest head dim the module accepts */
 #define MR 6    /* rows of the matrix-product micro-kernel; BR and BC are multiples */
+#ifndef SR
+#define SR 24   /* forward rows per strip (a multiple of MR) */
+#endif
 /* 96 x 96 blocks and 6 x 16 register tiles (12 accumulators hide the FMA latency) measured
  * about 10 % faster than 64 x 64 and 4 x 16 on AVX2 (benchmarks/, README Performance). */
 

@@ -125,13 +125,13 @@ static inline __attribute__((always_inline)) void FN(vmax)(FN(vec) *m, const FN(
     *m = (FN(vec))(((__typeof__(gt))*v & gt) | ((__typeof__(gt))*m & ~gt));
 }
 
-/* The largest element of a whole BC-wide row, two vectors at a time. */
-static inline __attribute__((always_inline)) REAL FN(row_max)(const REAL *x)
+/* The largest of the first n elements of a row (n a multiple of W), two vectors at a time. */
+static inline __attribute__((always_inline)) REAL FN(row_max)(const REAL *x, int n)
 {
     FN(vec) m0, m1, v0, v1;
     memcpy(&m0, x, sizeof(m0));
     memcpy(&m1, x + VL, sizeof(m1));
-    for (int c0 = W; c0 < BC; c0 += W) {
+    for (int c0 = W; c0 < n; c0 += W) {
         memcpy(&v0, x + c0, sizeof(v0));
         memcpy(&v1, x + c0 + VL, sizeof(v1));
         FN(vmax)(&m0, &v0);
@@ -145,12 +145,12 @@ static inline __attribute__((always_inline)) REAL FN(row_max)(const REAL *x)
 }
 #undef VL
 
-/* x[c] = exp(x[c] - shift) over a whole BC-wide row, and their sum, in W independent lanes so
- * that the loop vectorises. */
-static inline __attribute__((always_inline)) REAL FN(exp_row)(REAL *x, REAL shift)
+/* x[c] = exp(x[c] - shift) over the first n elements of a row (n a multiple of W), and their
+ * sum, in W independent lanes so that the loop vectorises. */
+static inline __attribute__((always_inline)) REAL FN(exp_row)(REAL *x, REAL shift, int n)
 {
     REAL lane[W] = {0};
-    for (int c0 = 0; c0 < BC; c0 += W)
+    for (int c0 = 0; c0 < n; c0 += W)
         for (int t = 0; t < W; t++) {
             const REAL e = EXP(x[c0 + t] - shift);
             x[c0 + t] = e;
@@ -237,29 +237,43 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
             FN(load_rows)(v, dvp, FN(row_ptr)(p, OR_V, kvu, j0), w[OR_V].row_stride, cols, dv,
                           cols, w[OR_V].dtype, 1);
         }
-        FN(gemm)(s, BC, q, dp, 1, kt + j0, ldk, rows_mr, BC, d, 0);
-        FN(transform_scores)(p, rows, cols, i0, j0, off, slope, s, NULL);
-        for (int r = 0; r < rows; r++) {
-            REAL *srow = s + (or_ssize)r * BC, *orow = o + (or_ssize)r * dvp;
-            const REAL mx = FN(row_max)(srow), mnew = mx > m[r] ? mx : m[r];
-            if (mnew == -INFINITY) {            /* nothing visible to this row yet */
-                memset(srow, 0, sizeof(REAL) * BC);
-                continue;
+        /* SR rows at a time, each over the key columns some row of the strip may see: on the
+         * diagonal of a causal mask that is about half the block */
+        for (int r0 = 0; r0 < rows_mr; r0 += SR) {
+            const int sr = rows_mr - r0 < SR ? rows_mr - r0 : SR, live = rows - r0 < sr ? rows - r0 : sr;
+            int ncols = BC;     /* columns computed: whole W-wide tiles */
+            if (p->right >= 0) {
+                const or_ssize end = i0 + r0 + live + off + p->right - j0;   /* past the last */
+                if (end <= 0)
+                    continue;   /* no row of the strip sees this block */
+                ncols = end < BC ? FN(pad)((int)end) : BC;
             }
-            const REAL alpha = EXP(m[r] - mnew);
-            m[r] = mnew;
-            l[r] = l[r] * alpha + FN(exp_row)(srow, mnew);
-            if (alpha != 1)
-                for (int x = 0; x < dvp; x++)
-                    orow[x] *= alpha;
-            if (p->dropout) {
-                or_dropout_row(p->seed, (uint64_t)u, (uint32_t)(i0 + r), (uint32_t)j0, cols,
-                               p->drop_threshold, keep);
-                for (int c = 0; c < cols; c++)
-                    srow[c] = keep[c] ? srow[c] * drop_scale : 0;
+            const int kcols = ncols < cols ? ncols : cols;      /* keys the products read */
+            FN(gemm)(s, BC, q + (or_ssize)r0 * dp, dp, 1, kt + j0, ldk, sr, ncols, d, 0);
+            FN(transform_scores)(p, live, cols, i0 + r0, j0, off, slope, s, NULL);
+            for (int r = 0; r < live; r++) {
+                REAL *srow = s + (or_ssize)r * BC, *orow = o + (or_ssize)(r0 + r) * dvp;
+                REAL *mr = m + r0 + r, *lr = l + r0 + r;
+                const REAL mx = FN(row_max)(srow, ncols), mnew = mx > *mr ? mx : *mr;
+                if (mnew == -INFINITY) {            /* nothing visible to this row yet */
+                    memset(srow, 0, sizeof(REAL) * BC);
+                    continue;
+                }
+                const REAL alpha = EXP(*mr - mnew);
+                *mr = mnew;
+                *lr = *lr * alpha + FN(exp_row)(srow, mnew, ncols);
+                if (alpha != 1)
+                    for (int x = 0; x < dvp; x++)
+                        orow[x] *= alpha;
+                if (p->dropout) {
+                    or_dropout_row(p->seed, (uint64_t)u, (uint32_t)(i0 + r0 + r), (uint32_t)j0,
+                                   kcols, p->drop_threshold, keep);
+                    for (int c = 0; c < kcols; c++)
+                        srow[c] = keep[c] ? srow[c] * drop_scale : 0;
+                }
             }
+            FN(gemm)(o + (or_ssize)r0 * dvp, dvp, s, BC, 1, vb, ldv, sr, dvp, kcols, 1);
         }
-        FN(gemm)(o, dvp, s, BC, 1, vb, ldv, rows_mr, dvp, cols, 1);
     }
 
     for (int r = 0; r < rows; r++) {
