@@ -305,9 +305,10 @@ int or_cl_fwd(int i, const or_problem *p, or_counters *ct, or_error *err)
         rc = kernel_with(&L, 0, "flash_fwd", args, 5, &idx);
     if (rc == OR_OK)
         rc = set_params(&L, L.kernel[0], &idx);
-    if (rc == OR_OK)
-        rc = L.prog.tile_q ? enqueue(&L, L.kernel[0], longest(p->nq, p->n_units), p->n_units, L.prog.tile_q, 1)
-                          : enqueue(&L, L.kernel[0], longest(p->nq, p->n_units), p->n_units, L.prog.bq, L.prog.bq);
+    const or_ssize nq_max = longest(p->nq, p->n_units);
+    if (rc == OR_OK)        /* tiled: tile_q rows per single-work-item group */
+        rc = L.prog.tile_q ? enqueue(&L, L.kernel[0], nq_max, p->n_units, L.prog.tile_q, 1)
+                           : enqueue(&L, L.kernel[0], nq_max, p->n_units, L.prog.bq, L.prog.bq);
     if (rc == OR_OK)
         rc = finish_outputs(&L);
     release(&L);

@@ -311,14 +311,16 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
     /* two tiles of rows of d + dv (+ lse, D) reals, in half the local memory */
     unsigned long long fit = dev->info.local_mem / 2 / (real * (dpad + dvpad + 2));
     int bk = env_int("ORCHARD_CL_BLOCK_K", fit >= 64 ? 64 : fit >= 1 ? (int)fit : 1);
-    /* CPUs run the register-tiled forward (ORCHARD_CL_TILED=0/1 overrides), 96 x 96 blocks
-     * as the native path, shrunk until the tiles fit in local memory */
+    /* CPUs run the register-tiled kernels (ORCHARD_CL_TILED=0/1 overrides), on 96 x 96 blocks
+     * as the native path, shrunk until the tiles fit in local memory. A key block holds rows
+     * (TM = 6) and columns (TN = 2 VW) of register tiles, so it is a multiple of both. */
     const char *tiled_env = getenv("ORCHARD_CL_TILED");
     const int tiled = tiled_env && *tiled_env ? atoi(tiled_env) != 0 : cpu;
-    const int tk_step = vw == 4 ? 24 : 48;      /* key blocks are rows and columns of tiles */
+    const int tk_step = vw == 4 ? 24 : 48;
     int tq = round_up_to(env_int("ORCHARD_CL_BLOCK_Q", 96), 6);
     int tk = round_up_to(env_int("ORCHARD_CL_BLOCK_K", 96), tk_step);
-    while (tiled && tiled_bytes(real, d, dv, vw, tq, tk) > dev->info.local_mem && tq + tk > 6 + tk_step) {
+    while (tiled && tiled_bytes(real, d, dv, vw, tq, tk) > dev->info.local_mem
+           && tq + tk > 6 + tk_step) {
         if (tk >= tq && tk > tk_step)
             tk -= tk_step;
         else

@@ -21,16 +21,6 @@
  *   s, dp, dcap  TILE_Q x TILE_K                scores -> P~, dP -> dS, d(softcap)
  */
 #if OR_TILED
-/* rows [r0, r0 + rows) of a global operand into a local tile of ld columns (at least n),
- * times mul; columns [n, ld) and rows [rows, pad_rows) zero */
-inline void load_block(__local real *dst, int ld, __global const storage_t *src, long base,
-                       long stride, long r0, int rows, int pad_rows, int n, real mul)
-{
-    for (int r = 0; r < pad_rows; r++)
-        for (int x = 0; x < ld; x++)
-            dst[r * ld + x] = r < rows && x < n ? (real)LOAD(src, base + (r0 + r) * stride + x) * mul : 0;
-}
-
 __kernel __attribute__((reqd_work_group_size(1, 1, 1)))
 void flash_bwd_tiled(__global const storage_t *q, __global const storage_t *k,
                      __global const storage_t *v, __global const storage_t *dout,
@@ -52,13 +42,8 @@ void flash_bwd_tiled(__global const storage_t *q, __global const storage_t *k,
     for (long j0 = 0; j0 < nk; j0 += TILE_K) {
         const int cols = (int)min((long)TILE_K, nk - j0), cols_tm = (cols + TM - 1) / TM * TM,
                   cols_tn = (cols + TN - 1) / TN * TN;
-        for (int c = 0; c < TILE_K; c++) {
-            const long kr = kvunit[S_K] + (j0 + c) * meta[S_K], vr = kvunit[S_V] + (j0 + c) * meta[S_V];
-            for (int x = 0; x < HEAD_D; x++)
-                kt[x * TILE_K + c] = c < cols ? (real)LOAD(k, kr + x) : 0;
-            for (int x = 0; x < HEAD_DV; x++)
-                vt[x * TILE_K + c] = c < cols ? (real)LOAD(v, vr + x) : 0;
-        }
+        load_block_t(kt, TILE_K, k, kvunit[S_K], meta[S_K], j0, cols, TILE_K, HEAD_D);
+        load_block_t(vt, TILE_K, v, kvunit[S_V], meta[S_V], j0, cols, TILE_K, HEAD_DV);
         load_block(kb, DT, k, kvunit[S_K], meta[S_K], j0, cols, TILE_K, HEAD_D, 1);
         for (int e = 0; e < TILE_K * DT; e++)
             dka[e] = 0;
@@ -74,7 +59,8 @@ void flash_bwd_tiled(__global const storage_t *q, __global const storage_t *k,
             long ilo, ihi;
             query_range(&p, nq, nk, j0, j0 + cols, &ilo, &ihi);
             for (long i0 = ilo; i0 < ihi; i0 += TILE_Q) {
-                const int rows = (int)min((long)TILE_Q, ihi - i0), rows_tm = (rows + TM - 1) / TM * TM;
+                const int rows = (int)min((long)TILE_Q, ihi - i0);
+                const int rows_tm = (rows + TM - 1) / TM * TM;
                 load_block(qs, DT, q, unit[S_Q], meta[S_Q], i0, rows, rows_tm, HEAD_D, p.scale);
                 load_block(dos, DVT, dout, unit[S_DO], meta[S_DO], i0, rows, rows_tm, HEAD_DV, 1);
                 for (int r = 0; r < rows_tm; r++) {
@@ -107,15 +93,17 @@ void flash_bwd_tiled(__global const storage_t *q, __global const storage_t *k,
                         CAT(vstore, VW)(exp(CAT(vload, VW)(0, srow + c) - lse_t[r]), 0, srow + c);
                     if (p.dropout) {
                         for (int c = 0; c < cols; c++) {
-                            const real kept = dropout_keep(p.seed, (ulong)u, (uint)i, (uint)(j0 + c),
-                                                           p.threshold) ? p.drop_scale : 0;
+                            const real kept = dropout_keep(p.seed, (ulong)u, (uint)i,
+                                                           (uint)(j0 + c), p.threshold)
+                                              ? p.drop_scale : 0;
                             dprow[c] = srow[c] * (dprow[c] * kept - di_t[r]);
                             srow[c] *= kept;
                         }
                     } else {
                         for (int c = 0; c < cols_tn; c += VW) {
-                            const realv pr = CAT(vload, VW)(0, srow + c);
-                            CAT(vstore, VW)(pr * (CAT(vload, VW)(0, dprow + c) - di_t[r]), 0, dprow + c);
+                            const realv pr = CAT(vload, VW)(0, srow + c),
+                                        dpv = CAT(vload, VW)(0, dprow + c);
+                            CAT(vstore, VW)(pr * (dpv - di_t[r]), 0, dprow + c);
                         }
                     }
                     for (int c = cols; c < TILE_K; c++)   /* P is 0 there; dP is not set */
@@ -143,9 +131,10 @@ void flash_bwd_tiled(__global const storage_t *q, __global const storage_t *k,
     for (int g = 0; g < p.group; g++) {         /* s = scale * q.k, so dQ = scale * dS K */
         const long u = w * p.group + g;
         __global const long *unit = UNIT(meta, u);
+        __global const real *dqu = dqacc + u * di_stride * DT;
         for (long i = 0; i < unit[NSLOTS]; i++)
             for (int x = 0; x < HEAD_D; x++)
-                STORE(dq, unit[S_DQ] + i * meta[S_DQ] + x, dqacc[(u * di_stride + i) * DT + x] * p.scale);
+                STORE(dq, unit[S_DQ] + i * meta[S_DQ] + x, dqu[i * DT + x] * p.scale);
     }
 }
 #endif

@@ -34,9 +34,8 @@ void flash_fwd(__global const storage_t *q, __global const storage_t *k,
     const int rows = (int)min((long)TILE_Q, nq - i0), rows_tm = (rows + TM - 1) / TM * TM;
     const real slope = p.has_alibi ? slopes[u] : 0;
 
+    load_block(qs, HEAD_D, q, unit[S_Q], meta[S_Q], i0, rows, rows_tm, HEAD_D, p.scale);
     for (int r = 0; r < rows_tm; r++) {
-        for (int x = 0; x < HEAD_D; x++)
-            qs[r * HEAD_D + x] = r < rows ? (real)LOAD(q, unit[S_Q] + (i0 + r) * meta[S_Q] + x) * p.scale : 0;
         for (int x = 0; x < DVT; x++)
             o[r * DVT + x] = 0;
         m[r] = -INFINITY;
@@ -47,13 +46,8 @@ void flash_fwd(__global const storage_t *q, __global const storage_t *k,
     key_range(&p, nq, nk, i0, i0 + rows, &lo, &hi);
     for (long j0 = lo; j0 < hi; j0 += TILE_K) {
         const int cols = (int)min((long)TILE_K, hi - j0), cols_tn = (cols + TN - 1) / TN * TN;
-        for (int c = 0; c < cols_tn; c++) {
-            const long kr = kvunit[S_K] + (j0 + c) * meta[S_K], vr = kvunit[S_V] + (j0 + c) * meta[S_V];
-            for (int x = 0; x < HEAD_D; x++)
-                kt[x * TILE_K + c] = c < cols ? (real)LOAD(k, kr + x) : 0;
-            for (int x = 0; x < DVT; x++)
-                vs[c * DVT + x] = c < cols && x < HEAD_DV ? (real)LOAD(v, vr + x) : 0;
-        }
+        load_block_t(kt, TILE_K, k, kvunit[S_K], meta[S_K], j0, cols, cols_tn, HEAD_D);
+        load_block(vs, DVT, v, kvunit[S_V], meta[S_V], j0, cols, cols_tn, HEAD_DV, 1);
         tile_product(s, TILE_K, qs, HEAD_D, 1, kt, TILE_K, rows_tm, cols_tn, HEAD_D, 0);
 
         for (int r = 0; r < rows; r++) {

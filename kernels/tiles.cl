@@ -1,5 +1,5 @@
-/* tiles.cl - the register-tiled matrix product of the CPU kernels (flash_fwd_tiled.cl,
- * flash_bwd_tiled.cl), built when OR_TILED is 1.
+/* tiles.cl - the register-tiled matrix product and the tile loads of the CPU kernels
+ * (flash_fwd_tiled.cl, flash_bwd_tiled.cl), built when OR_TILED is 1.
  *
  * A CPU runs a work-group on one core and a work-item on its SIMD lanes, so a work-item there
  * does best what the native path does (csrc/attn_native_impl.h): hold a TM x TN block of the
@@ -11,6 +11,26 @@
 #define TN (2 * VW)
 #define DT ((HEAD_D + TN - 1) / TN * TN)       /* a q or k row padded to whole tiles */
 #define DVT ((HEAD_DV + TN - 1) / TN * TN)     /* a v row padded to whole tiles */
+
+/* Rows [r0, r0 + rows) of an operand (row stride `stride`, from element `base`), times mul,
+ * into a local tile of ld columns; columns [n, ld) and rows [rows, pad_rows) are zero. */
+inline void load_block(__local real *dst, int ld, __global const storage_t *src, long base,
+                       long stride, long r0, int rows, int pad_rows, int n, real mul)
+{
+    for (int r = 0; r < pad_rows; r++)
+        for (int x = 0; x < ld; x++)
+            dst[r * ld + x] = r < rows && x < n
+                                  ? (real)LOAD(src, base + (r0 + r) * stride + x) * mul : 0;
+}
+
+/* The same rows transposed, n columns of them: dst[x * ld + r]; rows [rows, pad_rows) zero. */
+inline void load_block_t(__local real *dst, int ld, __global const storage_t *src, long base,
+                         long stride, long r0, int rows, int pad_rows, int n)
+{
+    for (int r = 0; r < pad_rows; r++)
+        for (int x = 0; x < n; x++)
+            dst[x * ld + r] = r < rows ? (real)LOAD(src, base + (r0 + r) * stride + x) : 0;
+}
 
 /* Whether scores of keys [j0, j0 + cols) in the row aligned with key `diag` need
  * transform_score: softcap or ALiBi, or a mask edge inside the block. */
