@@ -248,9 +248,9 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
                     continue;   /* no row of the strip sees this block */
                 ncols = end < BC ? FN(pad)((int)end) : BC;
             }
-            const int kcols = ncols < cols ? ncols : cols;      /* keys the products read */
+            const int kcols = ncols < cols ? ncols : cols;      /* keys read and transformed */
             FN(gemm)(s, BC, q + (or_ssize)r0 * dp, dp, 1, kt + j0, ldk, sr, ncols, d, 0);
-            FN(transform_scores)(p, live, cols, i0 + r0, j0, off, slope, s, NULL);
+            FN(transform_scores)(p, live, kcols, i0 + r0, j0, off, slope, s, NULL);
             for (int r = 0; r < live; r++) {
                 REAL *srow = s + (or_ssize)r * BC, *orow = o + (or_ssize)(r0 + r) * dvp;
                 REAL *mr = m + r0 + r, *lr = l + r0 + r;
