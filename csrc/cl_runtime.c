@@ -312,10 +312,11 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
     unsigned long long fit = dev->info.local_mem / 2 / (real * (dpad + dvpad + 2));
     int bk = env_int("ORCHARD_CL_BLOCK_K", fit >= 64 ? 64 : fit >= 1 ? (int)fit : 1);
     /* CPUs run the register-tiled kernels (ORCHARD_CL_TILED=0/1 overrides), on 96 x 96 blocks
-     * as the native path, shrunk until the tiles fit in local memory. A key block holds rows
-     * (TM = 6) and columns (TN = 2 VW) of register tiles, so it is a multiple of both. */
+     * as the native path, shrunk until the tiles fit in local memory; where even the smallest
+     * do not (32 KiB of local memory, as some CPU runtimes report), the row kernels run. A key
+     * block holds rows (TM = 6) and columns (TN = 2 VW) of register tiles: a multiple of both. */
     const char *tiled_env = getenv("ORCHARD_CL_TILED");
-    const int tiled = tiled_env && *tiled_env ? atoi(tiled_env) != 0 : cpu;
+    int tiled = tiled_env && *tiled_env ? atoi(tiled_env) != 0 : cpu;
     const int tk_step = vw == 4 ? 24 : 48;
     int tq = round_up_to(env_int("ORCHARD_CL_BLOCK_Q", 96), 6);
     int tk = round_up_to(env_int("ORCHARD_CL_BLOCK_K", 96), tk_step);
@@ -326,6 +327,8 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
         else
             tq -= 6;
     }
+    if (tiled && tiled_bytes(real, d, dv, vw, tq, tk) > dev->info.local_mem)
+        tiled = 0;
     for (;;) {
         /* no -cl-fast-relaxed-math: it implies finite math, and masking relies on -inf */
         char options[1024];
