@@ -11,7 +11,9 @@ Each with the row-per-work-item kernels (GPUs) and the register-tiled ones (CPUs
 kernels skip the uninitialised-read checker: on them it reports values that are initialised
 (the results are checked in the same run, and the reports move or vanish with unrelated edits
 such as a printf), as in Oclgrind's open issue #126 about its shadow tracking of vector types,
-which these kernels load and store throughout. Bounds, race and API checks still apply.
+which these kernels load and store throughout. Bounds, race and API checks still apply, and
+Valgrind's Memcheck runs the same tiled kernels, compiled by PoCL, without a report
+(tools/valgrind.sh, test_sanitizers.py).
 """
 import re
 import shutil
