@@ -7,7 +7,7 @@
  * right-hand side and result padded to a multiple of W with zeros, so that the micro-kernel
  * never needs a tail):
  *   q    BR x dp     query rows of the block, pre-multiplied by scale     (dp  = d  rounded up to W)
- *   kt   d  x BC     key block transposed
+ *   kt   d  x BC     key block transposed (stored so for every block: load_cols_blocked)
  *   k    BC x dp     key block                                           (backward)
  *   v    BC x dvp    value block                                         (dvp = dv rounded up to W)
  *   vt   dv x BC     value block transposed                              (backward)
@@ -54,6 +54,17 @@ static void FN(load_cols)(REAL *dst, or_ssize ld, const char *src, or_ssize stri
         case OR_F64: for (int c = 0; c < cols; c++) dst[c * ld + r] = (REAL)((const double *)src)[c]; break;
         }
     }
+}
+
+/* Rows [0, rows) as blocks of BC rows, each transposed (cols x BC, zero-padded past the last
+ * row), block b at dst + b * BC * cols. A matrix product then reads a block's cols rows from
+ * BC * cols contiguous REALs instead of one page each (about 4 % of the forward, measured). */
+static void FN(load_cols_blocked)(REAL *dst, const char *src, or_ssize stride, or_ssize rows,
+                                  int cols, or_dtype dt)
+{
+    for (or_ssize j0 = 0; j0 < rows; j0 += BC)
+        FN(load_cols)(dst + j0 * cols, BC, src + j0 * stride, stride,
+                      rows - j0 < BC ? rows - j0 : BC, cols, dt);
 }
 
 static inline __attribute__((always_inline)) void
@@ -209,8 +220,7 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
 
     REAL *q = (REAL *)(job->scratch + (size_t)worker * job->per_worker);
     REAL *v = q + BR * dp, *s = v + BC * dvp, *o = s + BR * BC, *m = o + BR * dvp, *l = m + BR;
-    const REAL *kt = (const REAL *)job->kt + job->kt_off[kvu];     /* d x (nk + BC) */
-    const or_ssize ldk = nk + BC;
+    const REAL *kt = (const REAL *)job->kt + job->kt_off[kvu];     /* blocked, d x BC each */
     unsigned char *keep = (unsigned char *)(l + BR);
 
     const or_view *w = p->view;
@@ -224,9 +234,10 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
 
     or_ssize lo, hi;
     key_range(p, nq, nk, i0, i0 + rows, &lo, &hi);
-    for (or_ssize j0 = lo; j0 < hi; j0 += BC) {
-        const int cols = (int)(hi - j0 < BC ? hi - j0 : BC);
-        /* values already in REAL and W-wide rows are read in place, others converted */
+    for (or_ssize j0 = lo - lo % BC; j0 < hi; j0 += BC) {
+        const int cols = (int)(hi - j0 < BC ? hi - j0 : BC), skip = (int)(j0 < lo ? lo - j0 : 0);
+        /* values already in REAL and W-wide rows are read in place, others converted; rows
+         * before lo (the block starts on a multiple of BC) are never read */
         const REAL *vb = v;
         or_ssize ldv = dvp;
         if (w[OR_V].dtype == (sizeof(REAL) == 4 ? OR_F32 : OR_F64) && dv == dvp
@@ -234,8 +245,8 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
             vb = (const REAL *)FN(row_ptr)(p, OR_V, kvu, j0);
             ldv = w[OR_V].row_stride / (or_ssize)sizeof(REAL);
         } else {
-            FN(load_rows)(v, dvp, FN(row_ptr)(p, OR_V, kvu, j0), w[OR_V].row_stride, cols, dv,
-                          cols, w[OR_V].dtype, 1);
+            FN(load_rows)(v + (or_ssize)skip * dvp, dvp, FN(row_ptr)(p, OR_V, kvu, lo > j0 ? lo : j0),
+                          w[OR_V].row_stride, cols - skip, dv, cols - skip, w[OR_V].dtype, 1);
         }
         /* SR rows at a time, each over the key columns some row of the strip may see: on the
          * diagonal of a causal mask that is about half the block */
@@ -249,7 +260,7 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
                 ncols = end < BC ? FN(pad)((int)end) : BC;
             }
             const int kcols = ncols < cols ? ncols : cols;      /* keys read and transformed */
-            FN(gemm)(s, BC, q + (or_ssize)r0 * dp, dp, 1, kt + j0, ldk, sr, ncols, d, 0);
+            FN(gemm)(s, BC, q + (or_ssize)r0 * dp, dp, 1, kt + j0 * d, BC, sr, ncols, d, 0);
             FN(transform_scores)(p, live, kcols, i0 + r0, j0, off, slope, s, NULL);
             for (int r = 0; r < live; r++) {
                 REAL *srow = s + (or_ssize)r * BC, *orow = o + (or_ssize)(r0 + r) * dvp;
@@ -272,7 +283,9 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
                         srow[c] = keep[c] ? srow[c] * drop_scale : 0;
                 }
             }
-            FN(gemm)(o + (or_ssize)r0 * dvp, dvp, s, BC, 1, vb, ldv, sr, dvp, kcols, 1);
+            if (kcols > skip)       /* P is 0 before lo: those value rows are not read */
+                FN(gemm)(o + (or_ssize)r0 * dvp, dvp, s + skip, BC, 1, vb + (or_ssize)skip * ldv,
+                         ldv, sr, dvp, kcols - skip, 1);
         }
     }
 
@@ -288,15 +301,14 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
                    w[OR_LSE].dtype);
 }
 
-/* Forward pre-pass, one item per kv unit: its keys transposed, d x (nk + BC), zero-padded so
- * that a block starting anywhere below nk can be read whole. */
+/* Forward pre-pass, one item per kv unit: its keys transposed, in blocks (load_cols_blocked). */
 static void FN(transpose_keys_item)(void *vjob, or_ssize kvu, int worker)
 {
     const or_job *job = vjob;
     const or_problem *p = job->p;
     const or_ssize nk = p->nk[kvu * p->group];
-    FN(load_cols)((REAL *)job->kt + job->kt_off[kvu], nk + BC, FN(row_ptr)(p, OR_K, kvu, 0),
-                  p->view[OR_K].row_stride, nk, p->d, p->view[OR_K].dtype);
+    FN(load_cols_blocked)((REAL *)job->kt + job->kt_off[kvu], FN(row_ptr)(p, OR_K, kvu, 0),
+                          p->view[OR_K].row_stride, nk, p->d, p->view[OR_K].dtype);
 }
 
 /* One work item: a block of BR query rows of one unit. */
@@ -340,10 +352,9 @@ static void FN(bwd_item)(void *vjob, or_ssize kvu, int worker)
     unsigned char *keep = (unsigned char *)(di + BR);
     const or_view *w = p->view;
 
-    const or_ssize ldk = nk + BC;       /* kt, vt: d x (nk + BC), dv x (nk + BC) */
     FN(load_rows)(k, dp, FN(row_ptr)(p, OR_K, kvu, 0), w[OR_K].row_stride, nk, d, nk, w[OR_K].dtype, 1);
-    FN(load_cols)(kt, ldk, FN(row_ptr)(p, OR_K, kvu, 0), w[OR_K].row_stride, nk, d, w[OR_K].dtype);
-    FN(load_cols)(vt, ldk, FN(row_ptr)(p, OR_V, kvu, 0), w[OR_V].row_stride, nk, dv, w[OR_V].dtype);
+    FN(load_cols_blocked)(kt, FN(row_ptr)(p, OR_K, kvu, 0), w[OR_K].row_stride, nk, d, w[OR_K].dtype);
+    FN(load_cols_blocked)(vt, FN(row_ptr)(p, OR_V, kvu, 0), w[OR_V].row_stride, nk, dv, w[OR_V].dtype);
     memset(dk, 0, sizeof(REAL) * (size_t)(nk + MR) * dp);
     memset(dvacc, 0, sizeof(REAL) * (size_t)(nk + MR) * dvp);
     for (or_ssize g = 0; g < p->group; g++) {
@@ -369,11 +380,12 @@ static void FN(bwd_item)(void *vjob, or_ssize kvu, int worker)
 
             or_ssize lo, hi;
             key_range(p, nq, nk, i0, i0 + rows, &lo, &hi);
-            for (or_ssize j0 = lo; j0 < hi; j0 += BC) {
+            for (or_ssize j0 = lo - lo % BC; j0 < hi; j0 += BC) {
                 const int cols = (int)(hi - j0 < BC ? hi - j0 : BC), cols_mr = (cols + MR - 1) / MR * MR;
-                FN(gemm)(s, BC, q, dp, 1, kt + j0, ldk, rows_mr, BC, d, 0);      /* S = q K^T */
+                const int skip = (int)(j0 < lo ? lo - j0 : 0);  /* keys before lo: dS is 0 */
+                FN(gemm)(s, BC, q, dp, 1, kt + j0 * d, BC, rows_mr, BC, d, 0);      /* S = q K^T */
                 FN(transform_scores)(p, rows, cols, i0, j0, off, slope, s, dcap);
-                FN(gemm)(dpm, BC, dout, dvp, 1, vt + j0, ldk, rows_mr, BC, dv, 0); /* dP = dO V^T */
+                FN(gemm)(dpm, BC, dout, dvp, 1, vt + j0 * dv, BC, rows_mr, BC, dv, 0); /* dP = dO V^T */
 
                 /* prow becomes the kept P (for dV), dprow becomes dS (for dQ, dK) */
                 for (int r = 0; r < rows_mr; r++) {
@@ -403,10 +415,13 @@ static void FN(bwd_item)(void *vjob, or_ssize kvu, int worker)
                     if (p->softcap > 0)
                         for (int c = 0; c < cols; c++)
                             dprow[c] *= dcap[(or_ssize)r * BC + c];
+                    for (int c = 0; c < skip; c++)      /* P = 0 there, but dP may be inf */
+                        dprow[c] = 0;
                 }
                 FN(gemm)(dvacc + j0 * dvp, dvp, s, 1, BC, dout, dvp, cols_mr, dvp, rows, 1);  /* P^T dO */
                 FN(gemm)(dk + j0 * dp, dp, dpm, 1, BC, q, dp, cols_mr, dp, rows, 1);        /* dS^T q */
-                FN(gemm)(dq, dp, dpm, BC, 1, k + j0 * dp, dp, rows_mr, dp, cols, 1);        /* dS K */
+                FN(gemm)(dq, dp, dpm + skip, BC, 1, k + (j0 + skip) * dp, dp, rows_mr, dp,
+                         cols - skip, 1);                                               /* dS K */
             }
             const REAL scale = (REAL)p->scale;          /* s = scale * q.k */
             for (or_ssize x = 0; x < (or_ssize)rows * dp; x++)

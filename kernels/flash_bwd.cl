@@ -67,6 +67,8 @@ __kernel void flash_bwd_dq(__global const storage_t *q, __global const storage_t
             real dcap;
             const real s = transform_score(vdot(qv, kt[c], DP), i, j0 + c, off, slope, &p, &dcap);
             const real pr = exp(s - lse_i);
+            if (pr == 0)
+                continue;       /* masked: this key's K and V may be anything, even inf */
             real dp = vdot(dov, vt[c], DVP);
             if (p.dropout)
                 dp = dropout_keep(p.seed, (ulong)u, (uint)i, (uint)(j0 + c), p.threshold)
@@ -137,6 +139,8 @@ __kernel void flash_bwd_dkdv(__global const storage_t *q, __global const storage
                 real dcap;
                 const real s = transform_score(vdot(kv, qt[r], DP), i0 + r, j, off, slope, &p, &dcap);
                 const real pr = exp(s - lse_t[r]);
+                if (pr == 0)
+                    continue;   /* masked: this key's K and V may be anything, even inf */
                 real kept = 1;
                 if (p.dropout)
                     kept = dropout_keep(p.seed, (ulong)u, (uint)(i0 + r), (uint)j, p.threshold)

@@ -91,19 +91,21 @@ void flash_bwd_tiled(__global const storage_t *q, __global const storage_t *k,
                         srow[c] = -INFINITY;
                     for (int c = 0; c < TILE_K; c += VW)
                         CAT(vstore, VW)(exp(CAT(vload, VW)(0, srow + c) - lse_t[r]), 0, srow + c);
+                    /* where P is 0 (masked), dS is 0 whatever dP is: V may hold inf there */
                     if (p.dropout) {
                         for (int c = 0; c < cols; c++) {
                             const real kept = dropout_keep(p.seed, (ulong)u, (uint)i,
                                                            (uint)(j0 + c), p.threshold)
                                               ? p.drop_scale : 0;
-                            dprow[c] = srow[c] * (dprow[c] * kept - di_t[r]);
+                            dprow[c] = srow[c] == 0 ? 0 : srow[c] * (dprow[c] * kept - di_t[r]);
                             srow[c] *= kept;
                         }
                     } else {
                         for (int c = 0; c < cols_tn; c += VW) {
                             const realv pr = CAT(vload, VW)(0, srow + c),
                                         dpv = CAT(vload, VW)(0, dprow + c);
-                            CAT(vstore, VW)(pr * (dpv - di_t[r]), 0, dprow + c);
+                            CAT(vstore, VW)(select(pr * (dpv - di_t[r]), (realv)0, pr == 0), 0,
+                                            dprow + c);
                         }
                     }
                     for (int c = cols; c < TILE_K; c++)   /* P is 0 there; dP is not set */
@@ -114,7 +116,12 @@ void flash_bwd_tiled(__global const storage_t *q, __global const storage_t *k,
                 }
                 tile_product(dva, DVT, s, 1, TILE_K, dos, DVT, cols_tm, DVT, rows_tm, 1);
                 tile_product(dka, DT, dp, 1, TILE_K, qs, DT, cols_tm, DT, rows_tm, 1);
-                tile_product(dqs, DT, dp, TILE_K, 1, kb, DT, rows_tm, DT, cols_tm, 1);
+                /* keys before the window of the tile's first row: no row sees them, and
+                 * their K (maybe inf) must not meet dS = 0 */
+                const long first = p.left >= 0 ? i0 + off - p.left - j0 : 0;
+                const int skip = (int)clamp(first, 0L, (long)cols);
+                tile_product(dqs, DT, dp + skip, TILE_K, 1, kb + skip * DT, DT, rows_tm, DT,
+                             cols_tm - skip, 1);
                 for (int r = 0; r < rows; r++)
                     for (int x = 0; x < DT; x++)
                         dqu[(i0 + r) * DT + x] = dqs[r * DT + x];

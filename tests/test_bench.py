@@ -27,6 +27,26 @@ def test_bench_cli_json_and_table(tmp_path):
     assert "GFLOP/s" in r.stdout
 
 
+def test_bench_targets_and_readme(tmp_path):
+    """--targets measures every target figure (at the quick shape) and --readme writes them,
+    with the grid, between the markers of a README."""
+    out, readme = tmp_path / "bench.json", tmp_path / "README.md"
+    readme.write_text("# x\n<!-- bench:start -->\nold\n<!-- bench:end -->\ntail\n")
+    r = run_python("""
+        from orchard import bench
+        bench.main(["--quick", "--dtypes", "float32", "--causal", "no", "--targets",
+                    "--json", %r, "--readme", %r])
+    """ % (str(out), str(readme)), timeout=600)
+    assert r.returncode == 0, r.stderr
+    targets = json.loads(out.read_text())["targets"]
+    for key in ("fwd_vs_sgemm", "bwd_vs_sgemm", "causal_speedup", "staged_overhead_pct",
+                "tiny_call_us", "peak_mib_n16384"):
+        assert targets[key] > 0 or key == "staged_overhead_pct", key
+    text = readme.read_text()
+    assert "old" not in text and text.endswith("<!-- bench:end -->\ntail\n")
+    assert "| target | bound | measured |" in text and "targets at" in r.stdout
+
+
 def test_bench_plot(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "plot.png"

@@ -122,6 +122,27 @@ def test_window(ops, device, rng, window, nq, nk):
     check_forward(ops, device, q, k, v, what="window+causal", window=window, causal=True)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
+def test_keys_outside_every_window_are_never_read(ops, device, rng, dtype):
+    """Keys that no query's window reaches may hold NaN and inf: forward and backward give what
+    they give with ordinary numbers there, and those keys get zero gradients. The sizes put the
+    first visible key (180) inside a key block of 96, past its start."""
+    q, k, v = qkv(rng, dtype, nq=100, nk=300, d=16)
+    do = randn(rng, q.shape, dtype)
+    kw = dict(window=(20, 0), causal=True, device=device)
+    results = []
+    for poison in (False, True):
+        kp, vp = k.copy(), v.copy()
+        if poison:
+            kp[..., :180, :], vp[..., :180, :] = np.nan, np.inf
+        out, lse = ops.flash_attn_fwd(q, kp, vp, **kw)
+        results.append((out, lse) + tuple(ops.flash_attn_bwd(do, q, kp, vp, out, lse, **kw)))
+    for name, clean, poisoned in zip(("out", "lse", "dq", "dk", "dv"), *results):
+        assert np.array_equal(clean[..., 180:, :] if name in ("dk", "dv") else clean,
+                              poisoned[..., 180:, :] if name in ("dk", "dv") else poisoned), name
+    assert not np.any(results[1][3][..., :180, :]) and not np.any(results[1][4][..., :180, :])
+
+
 def test_window_tuple_types(ops, device, rng):
     """window given as a list or with numpy integers behaves like the tuple."""
     q, k, v = qkv(rng, np.float64, nq=6, nk=6, d=8)

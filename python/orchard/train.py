@@ -145,6 +145,9 @@ def main(argv=None):
             elif rank == 0:
                 log.info("parameters identical on all %d ranks (sha256 %s)", len(digests),
                          digests[0][:16])
+            # every rank out of its last collective before any tears the group down (gloo
+            # aborted a rank that destroyed it while the other was still receiving)
+            dist.barrier()
         return code
     except (ConfigError, DataError, CheckpointError) as exc:
         # a mistake in what the user gave: one line that says so, not a traceback
