@@ -5,6 +5,7 @@
  * 0700; files 0600). ORCHARD_NO_CACHE=1 turns the cache off. A file is
  *   "ORCHARD-CL-BIN-1\n", u64 size, u64 checksum (FNV-1a of the binary), the binary
  * named by a 128-bit hash of the kernel source, build options, device, driver and platform.
+ * Tuned block sizes (cl_runtime.c) are entries of the same kind, holding "BQ BK".
  * Anything that does not check out (truncated, corrupt, foreign) is ignored and rebuilt;
  * files are written to a temporary name, synced and renamed, so readers never see half a file.
  */
@@ -100,16 +101,17 @@ unsigned char *or_cache_load(const char *key, size_t *size)
     return bin;
 }
 
-void or_cache_store(const char *key, const unsigned char *binary, size_t size)
+/* 1 when stored; failing to write the cache is not an error, it is an optimisation. */
+int or_cache_store(const char *key, const unsigned char *binary, size_t size)
 {
     char dir[4096], path[4200], tmp[4300];
     if (!cache_dir(dir, sizeof(dir)))
-        return;
+        return 0;
     snprintf(path, sizeof(path), "%s/%s.clbin", dir, key);
     snprintf(tmp, sizeof(tmp), "%s.XXXXXX", path);
     int fd = mkstemp(tmp);                      /* created 0600 */
     if (fd < 0)
-        return;
+        return 0;
     uint64_t n = size, sum = fnv1a(0xcbf29ce484222325ULL, binary, size);
     FILE *f = fdopen(fd, "wb");
     int ok = f != NULL && fwrite(MAGIC, 1, 16, f) == 16 && fwrite(&n, sizeof(n), 1, f) == 1
@@ -119,7 +121,10 @@ void or_cache_store(const char *key, const unsigned char *binary, size_t size)
         ok = (fclose(f) == 0) && ok;
     else
         close(fd);
-    if (!ok || rename(tmp, path) != 0)
-        unlink(tmp);        /* the cache is an optimisation: failing to write it is not an error */
+    if (!ok || rename(tmp, path) != 0) {
+        unlink(tmp);
+        return 0;
+    }
+    return 1;
 }
 #endif

@@ -5,8 +5,8 @@
  * on first use, under the device's lock, and kept for the life of the process. Programs are
  * specialised per (storage dtype, D, Dv) and block sizes, so private rows and local tiles
  * have compile-time sizes; block sizes come from the device's facts (local memory, work-group
- * limits), may be overridden with ORCHARD_CL_BLOCK_Q / ORCHARD_CL_BLOCK_K, and are lowered
- * to each kernel's own CL_KERNEL_WORK_GROUP_SIZE. ORCHARD_CL_OPTIONS adds build options;
+ * limits) or from a tuned record (orchard-tune), may be overridden with ORCHARD_CL_BLOCK_Q /
+ * ORCHARD_CL_BLOCK_K, and are lowered to each kernel's own CL_KERNEL_WORK_GROUP_SIZE. ORCHARD_CL_OPTIONS adds build options;
  * ORCHARD_CL_VECTOR (4 or 8) overrides the vector width of the head-dim loops.
  */
 #ifdef ORCHARD_HAVE_OPENCL
@@ -296,6 +296,60 @@ static unsigned long long tiled_bytes(size_t real, int d, int dv, int vw, int tq
 
 static int round_up_to(int n, int m) { return (n + m - 1) / m * m; }
 
+/* The kernel family a device runs (ORCHARD_CL_TILED overrides): register-tiled on CPUs,
+ * unless their local memory cannot hold the smallest tiles (make_program). */
+static int wants_tiled(const device_t *dev)
+{
+    const char *env = getenv("ORCHARD_CL_TILED");
+    return env && *env ? atoi(env) != 0 : strcmp(dev->info.kind, "cpu") == 0;
+}
+
+/* Tuned block sizes are a cache entry beside the program binaries, "BQ BK", named by the
+ * kernels, the device and its driver, and the kernel family they were timed with. */
+static void blocks_key(const device_t *dev, int tiled, char key[33])
+{
+    const char *parts[] = {or_kernel_source, tiled ? "blocks:tiled" : "blocks:rows",
+                           dev->info.name, dev->info.vendor, dev->info.driver,
+                           dev->info.platform, dev->info.platform_version};
+    or_cache_key(key, parts, 7);
+}
+
+/* Sets *bq, *bk from the record of `tiled`'s family, if there is a sound one. */
+static int load_tuned(const device_t *dev, int tiled, int *bq, int *bk)
+{
+    char key[33], text[32];
+    size_t size = 0;
+    int q, k, found = 0;
+    blocks_key(dev, tiled, key);
+    unsigned char *rec = or_cache_load(key, &size);
+    if (rec != NULL && size < sizeof(text)) {
+        memcpy(text, rec, size);
+        text[size] = '\0';
+        if (sscanf(text, "%d %d", &q, &k) == 2 && q >= 1 && k >= 1 && q <= 4096 && k <= 4096) {
+            *bq = q;
+            *bk = k;
+            found = 1;
+        }
+    }
+    free(rec);
+    return found;
+}
+
+int or_cl_tuned_blocks(int i, int *bq, int *bk)
+{
+    return i >= 0 && i < or_cl_count() && load_tuned(&devices[i], wants_tiled(&devices[i]), bq, bk);
+}
+
+int or_cl_save_tuned_blocks(int i, int bq, int bk)
+{
+    if (i < 0 || i >= or_cl_count())
+        return 0;
+    char key[33], text[32];
+    blocks_key(&devices[i], wants_tiled(&devices[i]), key);
+    int n = snprintf(text, sizeof(text), "%d %d\n", bq, bk);
+    return or_cache_store(key, (const unsigned char *)text, (size_t)n);
+}
+
 static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *ct,
                         or_cl_program *out, or_error *err)
 {
@@ -305,21 +359,24 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
     /* a CPU work-item is one SIMD thread: 8 lanes fill AVX; GPU lanes are work-items */
     const int vw = env_int("ORCHARD_CL_VECTOR", cpu ? 8 : 4) == 4 ? 4 : 8;
     const size_t dpad = (size_t)(d + vw - 1) / vw * vw, dvpad = (size_t)(dv + vw - 1) / vw * vw;
-    int bq = env_int("ORCHARD_CL_BLOCK_Q", 64);
-    if ((size_t)bq > dev->info.max_work_group)
-        bq = (int)dev->info.max_work_group;
     /* two tiles of rows of d + dv (+ lse, D) reals, in half the local memory */
     unsigned long long fit = dev->info.local_mem / 2 / (real * (dpad + dvpad + 2));
-    int bk = env_int("ORCHARD_CL_BLOCK_K", fit >= 64 ? 64 : fit >= 1 ? (int)fit : 1);
-    /* CPUs run the register-tiled kernels (ORCHARD_CL_TILED=0/1 overrides), on 96 x 96 blocks
-     * as the native path, shrunk until the tiles fit in local memory; where even the smallest
-     * do not (32 KiB of local memory, as some CPU runtimes report), the row kernels run. A key
-     * block holds rows (TM = 6) and columns (TN = 2 VW) of register tiles: a multiple of both. */
-    const char *tiled_env = getenv("ORCHARD_CL_TILED");
-    int tiled = tiled_env && *tiled_env ? atoi(tiled_env) != 0 : cpu;
+    int row_q = 64, row_k = fit >= 64 ? 64 : fit >= 1 ? (int)fit : 1, tile_q = 96, tile_k = 96;
+    const int tuned_rows = load_tuned(dev, 0, &row_q, &row_k),
+              tuned_tiles = load_tuned(dev, 1, &tile_q, &tile_k),
+              overridden = getenv("ORCHARD_CL_BLOCK_Q") || getenv("ORCHARD_CL_BLOCK_K");
+    int bq = env_int("ORCHARD_CL_BLOCK_Q", row_q);
+    if ((size_t)bq > dev->info.max_work_group)
+        bq = (int)dev->info.max_work_group;
+    int bk = env_int("ORCHARD_CL_BLOCK_K", row_k);
+    /* CPUs run the register-tiled kernels, on 96 x 96 blocks as the native path, shrunk until
+     * the tiles fit in local memory; where even the smallest do not (32 KiB of local memory,
+     * as some CPU runtimes report), the row kernels run. A key block holds rows (TM = 6) and
+     * columns (TN = 2 VW) of register tiles: a multiple of both. */
+    int tiled = wants_tiled(dev);
     const int tk_step = vw == 4 ? 24 : 48;
-    int tq = round_up_to(env_int("ORCHARD_CL_BLOCK_Q", 96), 6);
-    int tk = round_up_to(env_int("ORCHARD_CL_BLOCK_K", 96), tk_step);
+    int tq = round_up_to(env_int("ORCHARD_CL_BLOCK_Q", tile_q), 6);
+    int tk = round_up_to(env_int("ORCHARD_CL_BLOCK_K", tile_k), tk_step);
     while (tiled && tiled_bytes(real, d, dv, vw, tq, tk) > dev->info.local_mem
            && tq + tk > 6 + tk_step) {
         if (tk >= tq && tk > tk_step)
@@ -349,6 +406,12 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
         if ((size_t)bq <= limit || bq == 1) {
             *out = (or_cl_program){api, dev->ctx, dev->queue, prog, bq, bk, tiled ? tq : 0,
                                    (d + 2 * vw - 1) / (2 * vw) * (2 * vw)};
+            if (or_log_enabled("ORCHARD_DEBUG_FLASH_ATN"))
+                or_log("orchard: OpenCL program for %s D=%d Dv=%d on %s: %s kernels, "
+                       "blocks %d x %d%s", dt == OR_F16 ? "float16" : dt == OR_F32 ? "float32"
+                       : "float64", d, dv, dev->info.name, tiled ? "tiled" : "row",
+                       tiled ? tq : bq, tiled ? tk : bk,
+                       (tiled ? tuned_tiles : tuned_rows) && !overridden ? " (tuned)" : "");
             return OR_OK;
         }
         api->clReleaseProgram(prog);    /* the kernels cannot run bq wide here: narrower */

@@ -36,12 +36,17 @@ const char *or_cl_unavailable_reason(void);         /* why there are none, or NU
 int or_cl_get_program(int i, or_dtype dt, int d, int dv, or_counters *ct, or_cl_program *out,
                       or_error *err);
 
+/* Block sizes tuned for device i (python/orchard/tune.py), for the kernel family it runs:
+ * read (1 when there is a record) and stored (1 when written; not with the cache off). */
+int or_cl_tuned_blocks(int i, int *bq, int *bk);
+int or_cl_save_tuned_blocks(int i, int bq, int bk);
+
 /* Fills err for a failed call; returns OR_EDEVICE. */
 int or_cl_fail(or_error *err, cl_int code, const char *call);
 
 /* cl_cache.c: program binaries on disk, keyed by a hash of everything that shapes them. */
 unsigned char *or_cache_load(const char *key, size_t *size);
-void or_cache_store(const char *key, const unsigned char *binary, size_t size);
+int or_cache_store(const char *key, const unsigned char *binary, size_t size);
 void or_cache_key(char out[33], const char *const *parts, int nparts);
 
 #endif

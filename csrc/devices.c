@@ -65,6 +65,25 @@ int or_device_fp64(int index)
     return 1;
 }
 
+/* The tuned block sizes of an OpenCL device (cl_runtime.c); 0 for none, or the native path. */
+int or_device_tuned_blocks(int index, int *bq, int *bk)
+{
+#ifdef ORCHARD_HAVE_OPENCL
+    if (index > 0)
+        return or_cl_tuned_blocks(index - 1, bq, bk);
+#endif
+    return 0;
+}
+
+int or_device_save_tuned_blocks(int index, int bq, int bk)
+{
+#ifdef ORCHARD_HAVE_OPENCL
+    if (index > 0)
+        return or_cl_save_tuned_blocks(index - 1, bq, bk);
+#endif
+    return 0;
+}
+
 PyObject *or_device_id(int index)
 {
     return index == 0 ? PyUnicode_FromString("cpu") : PyUnicode_FromFormat("opencl:%d", index - 1);

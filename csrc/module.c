@@ -898,6 +898,48 @@ static PyObject *get_num_threads(PyObject *module, PyObject *unused)
     return PyLong_FromLong(or_get_num_threads());
 }
 
+/* The OpenCL device a tuning function names, or -1 with the exception set. */
+static int opencl_device(const char *func, PyObject *device)
+{
+    or_device_choice choice;
+    if (or_resolve_device(func, device, &choice) < 0)
+        return -1;
+    if (choice.index == 0) {
+        PyErr_Format(PyExc_ValueError, "%s(): 'device' must be an OpenCL device, not the native "
+                     "path (its blocks are fixed)", func);
+        return -1;
+    }
+    return choice.index;
+}
+
+static PyObject *tuned_blocks(PyObject *module, PyObject *device)
+{
+    int index = opencl_device("tuned_blocks", device), bq, bk;
+    if (index < 0)
+        return NULL;
+    if (!or_device_tuned_blocks(index, &bq, &bk))
+        Py_RETURN_NONE;
+    return Py_BuildValue("(ii)", bq, bk);
+}
+
+static PyObject *save_tuned_blocks(PyObject *module, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"device", "block_q", "block_k", NULL};
+    PyObject *device;
+    int bq, bk;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "Oii:save_tuned_blocks", kwlist, &device, &bq, &bk))
+        return NULL;
+    if (bq < 1 || bq > 4096 || bk < 1 || bk > 4096) {
+        PyErr_Format(PyExc_ValueError, "save_tuned_blocks(): '%s' must be in 1..4096",
+                     bq < 1 || bq > 4096 ? "block_q" : "block_k");
+        return NULL;
+    }
+    int index = opencl_device("save_tuned_blocks", device);
+    if (index < 0)
+        return NULL;
+    return PyBool_FromLong(or_device_save_tuned_blocks(index, bq, bk));
+}
+
 PyDoc_STRVAR(fwd_doc,
 "flash_attn_fwd(q, k, v, scale=None, dropout_p=0.0, causal=False, *, window=(-1, -1),\n"
 "               alibi_slopes=None, softcap=0.0, seed=0, device=None) -> (out, lse)\n\n"
@@ -935,6 +977,12 @@ static PyMethodDef methods[] = {
     {"set_num_threads", set_num_threads, METH_O,
      "set_num_threads(n) -> None; threads of the native path (ORCHARD_NUM_THREADS)"},
     {"get_num_threads", get_num_threads, METH_NOARGS, "get_num_threads() -> int"},
+    {"tuned_blocks", tuned_blocks, METH_O,
+     "tuned_blocks(device) -> (block_q, block_k) stored for this OpenCL device, or None"},
+    {"save_tuned_blocks", (PyCFunction)(void (*)(void))save_tuned_blocks,
+     METH_VARARGS | METH_KEYWORDS,
+     "save_tuned_blocks(device, block_q, block_k) -> bool; stores the block sizes that programs\n"
+     "built later (in new processes) use, beside the program binaries; False if the cache is off"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -86,4 +86,8 @@ void or_set_num_threads(int n);
 int  or_get_num_threads(void);
 int  or_cpu_count(void);
 
+/* log.c: the optional diagnostic logs */
+int or_log_enabled(const char *env_name);
+void or_log(const char *fmt, ...);
+
 #endif

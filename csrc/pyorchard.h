@@ -39,9 +39,7 @@ PyObject *or_device_id(int index);
 PyObject *or_devices_list(void);
 size_t or_device_align(int index);
 int or_device_fp64(int index);
-
-/* log.c */
-int or_log_enabled(const char *env_name);
-void or_log(const char *fmt, ...);
+int or_device_tuned_blocks(int index, int *bq, int *bk);
+int or_device_save_tuned_blocks(int index, int bq, int bk);
 
 #endif

@@ -1,5 +1,6 @@
 """The OpenCL backend's own behaviour: discovery without a runtime, device names, the program
-cache across processes, explicit transfers, both kernel families, cross-device equality, logs.
+cache across processes, tuned block sizes, explicit transfers, both kernel families,
+cross-device equality, logs.
 
 The numerical suite (test_forward.py, test_backward.py, ...) already runs on every OpenCL
 device that devices() lists, with the kernel family chosen for it (register-tiled on CPUs,
@@ -194,6 +195,52 @@ def test_kernel_families(tiled):
     checked = child(FAMILY_RUN % ((dev,) * 5), ORCHARD_CL_TILED=tiled, ORCHARD_CL_BLOCK_Q=30,
                     ORCHARD_CL_BLOCK_K=20)
     assert checked == 4 * 5 + 5 + 5     # out, lse, dq, dk, dv of every case
+
+
+@needs_opencl
+def test_tuned_blocks_stored_and_used(tmp_path):
+    """orchard-tune times candidates in child processes, stores the fastest beside the program
+    binaries; a later process builds with it (the debug log says so), results unchanged."""
+    dev = OPENCL_IDS[0]
+    r = run_python("""
+        import sys
+        from orchard import tune
+        sys.exit(tune.main(["--device", "%s", "--shape", "1,2,100,16", "--repeats", "1",
+                            "--candidates", "48x48", "96x96"]))
+    """ % dev, timeout=600, ORCHARD_CACHE_DIR=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "chosen: " in r.stdout
+    log = tmp_path / "debug.log"
+    got = child("""
+        import json, numpy as np, orchard_ops as o
+        rng = np.random.default_rng(0)
+        q, k, v = (rng.standard_normal((1, 2, 130, 16)).astype(np.float32) for _ in range(3))
+        out, _ = o.flash_attn_fwd(q, k, v, causal=True, device="%s")
+        ref, _ = o.flash_attn_fwd(q, k, v, causal=True, device="cpu")
+        print(json.dumps([o.tuned_blocks("%s"), float(np.abs(out - ref).max())]))
+    """ % (dev, dev), ORCHARD_CACHE_DIR=tmp_path, ORCHARD_DEBUG_FLASH_ATN=1, ORCHARD_LOG=log)
+    blocks, err = got
+    assert tuple(blocks) in {(48, 48), (96, 96)} and err < 1e-5
+    assert "blocks %d x %d (tuned)" % tuple(blocks) in log.read_text()
+
+
+@needs_opencl
+def test_tuned_blocks_errors(ops, tmp_path):
+    with pytest.raises(ValueError, match="'device' must be an OpenCL device"):
+        ops.tuned_blocks("cpu")
+    with pytest.raises(ValueError, match="'block_q'"):
+        ops.save_tuned_blocks(OPENCL_IDS[0], 0, 64)
+    with pytest.raises(ValueError, match="'block_k'"):
+        ops.save_tuned_blocks(OPENCL_IDS[0], 64, 5000)
+    with pytest.raises(ValueError, match="'device'"):
+        ops.save_tuned_blocks("opencl:99", 64, 64)
+    assert child("""
+        import json, orchard_ops as o
+        print(json.dumps([o.save_tuned_blocks("%s", 48, 48), o.tuned_blocks("%s")]))
+    """ % (OPENCL_IDS[0], OPENCL_IDS[0]), ORCHARD_CACHE_DIR=tmp_path, ORCHARD_NO_CACHE=1) \
+        == [False, None]
+    r = run_python("from orchard import tune; raise SystemExit(tune.main(['--device', 'cpu']))")
+    assert r.returncode == 2 and "'device' must be an OpenCL device" in r.stderr
 
 
 @needs_opencl
