@@ -383,45 +383,76 @@ static void FN(bwd_item)(void *vjob, or_ssize kvu, int worker)
             for (or_ssize j0 = lo - lo % BC; j0 < hi; j0 += BC) {
                 const int cols = (int)(hi - j0 < BC ? hi - j0 : BC), cols_mr = (cols + MR - 1) / MR * MR;
                 const int skip = (int)(j0 < lo ? lo - j0 : 0);  /* keys before lo: dS is 0 */
-                FN(gemm)(s, BC, q, dp, 1, kt + j0 * d, BC, rows_mr, BC, d, 0);      /* S = q K^T */
-                FN(transform_scores)(p, rows, cols, i0, j0, off, slope, s, dcap);
-                FN(gemm)(dpm, BC, dout, dvp, 1, vt + j0 * dv, BC, rows_mr, BC, dv, 0); /* dP = dO V^T */
-
-                /* prow becomes the kept P (for dV), dprow becomes dS (for dQ, dK) */
-                for (int r = 0; r < rows_mr; r++) {
-                    REAL *prow = s + (or_ssize)r * BC, *dprow = dpm + (or_ssize)r * BC;
-                    const REAL lr = r < rows ? lse[r] : -INFINITY;
-                    if (lr == -INFINITY) {              /* padding, or a row that sees nothing */
-                        memset(prow, 0, sizeof(REAL) * BC);
-                        memset(dprow, 0, sizeof(REAL) * BC);
-                        continue;
+                /* A block that the right edge of the mask cuts (a causal diagonal) goes in
+                 * SR-row strips, each over the key columns it can see, as in the forward: row r
+                 * sees the columns c <= r + reach. */
+                const or_ssize reach = i0 + off + p->right - j0;
+                const int cut = p->right >= 0 && reach + 1 < cols, sr = cut ? SR : rows_mr;
+                for (int r0 = 0; r0 < rows_mr; r0 += sr) {
+                    const int m = rows_mr - r0 < sr ? rows_mr - r0 : sr;
+                    const or_ssize end = cut ? r0 + m + reach : BC;   /* past the last column */
+                    const int ncols = end <= 0 ? 0 : end < BC ? FN(pad)((int)end) : BC;
+                    const int kcols = ncols < cols ? ncols : cols;    /* keys read, transformed */
+                    REAL *sb = s + (or_ssize)r0 * BC, *db = dpm + (or_ssize)r0 * BC;
+                    if (ncols > 0) {
+                        FN(gemm)(sb, BC, q + (or_ssize)r0 * dp, dp, 1, kt + j0 * d, BC, m, ncols,
+                                 d, 0);                                          /* S = q K^T */
+                        FN(transform_scores)(p, rows - r0 < m ? rows - r0 : m, kcols, i0 + r0, j0,
+                                             off, slope, sb, dcap + (or_ssize)r0 * BC);
+                        FN(gemm)(db, BC, dout + (or_ssize)r0 * dvp, dvp, 1, vt + j0 * dv, BC, m,
+                                 ncols, dv, 0);                                  /* dP = dO V^T */
                     }
-                    for (int c = 0; c < BC; c++)
-                        prow[c] = EXP(prow[c] - lr);
-                    if (p->dropout) {
-                        or_dropout_row(p->seed, (uint64_t)u, (uint32_t)(i0 + r), (uint32_t)j0,
-                                       cols, p->drop_threshold, keep);
-                        for (int c = 0; c < cols; c++) {
-                            const REAL kept = keep[c] ? drop_scale : 0;
-                            dprow[c] = prow[c] * (dprow[c] * kept - di[r]);
-                            prow[c] *= kept;
+                    /* prow becomes the kept P (for dV), dprow becomes dS (for dQ, dK); both
+                     * are 0 past the columns computed */
+                    for (int r = r0; r < r0 + m; r++) {
+                        REAL *prow = s + (or_ssize)r * BC, *dprow = dpm + (or_ssize)r * BC;
+                        const REAL lr = r < rows && ncols > 0 ? lse[r] : -INFINITY;
+                        if (lr == -INFINITY) {      /* padding, or a row that sees nothing here */
+                            memset(prow, 0, sizeof(REAL) * BC);
+                            memset(dprow, 0, sizeof(REAL) * BC);
+                            continue;
                         }
-                        for (int c = cols; c < BC; c++)     /* dS^T q reads up to cols_mr */
+                        for (int c = 0; c < ncols; c++)
+                            prow[c] = EXP(prow[c] - lr);
+                        if (p->dropout) {
+                            or_dropout_row(p->seed, (uint64_t)u, (uint32_t)(i0 + r), (uint32_t)j0,
+                                           kcols, p->drop_threshold, keep);
+                            for (int c = 0; c < kcols; c++) {
+                                const REAL kept = keep[c] ? drop_scale : 0;
+                                dprow[c] = prow[c] * (dprow[c] * kept - di[r]);
+                                prow[c] *= kept;
+                            }
+                            for (int c = kcols; c < ncols; c++)     /* dS^T q reads cols_mr */
+                                dprow[c] = 0;
+                        } else {
+                            for (int c = 0; c < ncols; c++)
+                                dprow[c] = prow[c] * (dprow[c] - di[r]);
+                        }
+                        for (int c = ncols; c < BC; c++)
+                            prow[c] = dprow[c] = 0;
+                        if (p->softcap > 0)
+                            for (int c = 0; c < kcols; c++)
+                                dprow[c] *= dcap[(or_ssize)r * BC + c];
+                        for (int c = 0; c < skip; c++)  /* P = 0 there, but dP may be inf */
                             dprow[c] = 0;
-                    } else {
-                        for (int c = 0; c < BC; c++)
-                            dprow[c] = prow[c] * (dprow[c] - di[r]);
                     }
-                    if (p->softcap > 0)
-                        for (int c = 0; c < cols; c++)
-                            dprow[c] *= dcap[(or_ssize)r * BC + c];
-                    for (int c = 0; c < skip; c++)      /* P = 0 there, but dP may be inf */
-                        dprow[c] = 0;
+                    if (kcols > skip)                                   /* dQ += dS K */
+                        FN(gemm)(dq + (or_ssize)r0 * dp, dp, db + skip, BC, 1, k + (j0 + skip) * dp,
+                                 dp, m, dp, kcols - skip, 1);
                 }
-                FN(gemm)(dvacc + j0 * dvp, dvp, s, 1, BC, dout, dvp, cols_mr, dvp, rows, 1);  /* P^T dO */
-                FN(gemm)(dk + j0 * dp, dp, dpm, 1, BC, q, dp, cols_mr, dp, rows, 1);        /* dS^T q */
-                FN(gemm)(dq, dp, dpm + skip, BC, 1, k + (j0 + skip) * dp, dp, rows_mr, dp,
-                         cols - skip, 1);                                               /* dS K */
+                /* dV += P^T dO, dK += dS^T q; in a cut block SR keys at a time, from the first
+                 * row that sees them (P and dS are 0 above it) */
+                const int sk = cut ? SR : cols_mr;
+                for (int c0 = 0; c0 < cols_mr; c0 += sk) {
+                    const int n = cols_mr - c0 < sk ? cols_mr - c0 : sk;
+                    const int rlo = cut && c0 - reach > 0 ? (int)(c0 - reach) : 0;
+                    if (rlo >= rows)
+                        break;
+                    FN(gemm)(dvacc + (j0 + c0) * dvp, dvp, s + (or_ssize)rlo * BC + c0, 1, BC,
+                             dout + (or_ssize)rlo * dvp, dvp, n, dvp, rows - rlo, 1);
+                    FN(gemm)(dk + (j0 + c0) * dp, dp, dpm + (or_ssize)rlo * BC + c0, 1, BC,
+                             q + (or_ssize)rlo * dp, dp, n, dp, rows - rlo, 1);
+                }
             }
             const REAL scale = (REAL)p->scale;          /* s = scale * q.k */
             for (or_ssize x = 0; x < (or_ssize)rows * dp; x++)
