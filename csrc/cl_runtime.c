@@ -6,8 +6,9 @@
  * specialised per (storage dtype, D, Dv) and block sizes, so private rows and local tiles
  * have compile-time sizes; block sizes come from the device's facts (local memory, work-group
  * limits) or from a tuned record (orchard-tune), may be overridden with ORCHARD_CL_BLOCK_Q /
- * ORCHARD_CL_BLOCK_K, and are lowered to each kernel's own CL_KERNEL_WORK_GROUP_SIZE. ORCHARD_CL_OPTIONS adds build options;
- * ORCHARD_CL_VECTOR (4 or 8) overrides the vector width of the head-dim loops.
+ * ORCHARD_CL_BLOCK_K, and are lowered to each kernel's own CL_KERNEL_WORK_GROUP_SIZE.
+ * ORCHARD_CL_OPTIONS adds build options; ORCHARD_CL_VECTOR (4 or 8) overrides the vector
+ * width of the head-dim loops.
  */
 #ifdef ORCHARD_HAVE_OPENCL
 #include <pthread.h>

@@ -15,7 +15,11 @@
  *   vs  TILE_K x DVT        value block; DVT = HEAD_DV rounded up to TN, zero-padded
  *   s   TILE_Q x TILE_K     scores, then probabilities
  *   o   TILE_Q x DVT        output accumulator
+ *
+ * A key block that the right edge of the mask cuts (a causal diagonal) goes in strips of
+ * STRIP rows, each over the key columns (whole TN-wide tiles) some row of it can see.
  */
+#define STRIP (4 * TM)
 #if OR_TILED
 __kernel __attribute__((reqd_work_group_size(1, 1, 1)))
 void flash_fwd(__global const storage_t *q, __global const storage_t *k,
@@ -48,48 +52,59 @@ void flash_fwd(__global const storage_t *q, __global const storage_t *k,
         const int cols = (int)min((long)TILE_K, hi - j0), cols_tn = (cols + TN - 1) / TN * TN;
         load_block_t(kt, TILE_K, k, kvunit[S_K], meta[S_K], j0, cols, cols_tn, HEAD_D);
         load_block(vs, DVT, v, kvunit[S_V], meta[S_V], j0, cols, cols_tn, HEAD_DV, 1);
-        tile_product(s, TILE_K, qs, HEAD_D, 1, kt, TILE_K, rows_tm, cols_tn, HEAD_D, 0);
+        const long reach = i0 + off + p.right - j0;     /* row r sees columns <= r + reach */
+        const int cut = p.right >= 0 && reach + 1 < cols, sr = cut ? STRIP : rows_tm;
+        for (int r0 = 0; r0 < rows_tm; r0 += sr) {
+            const int mr = min(sr, rows_tm - r0);
+            const long end = r0 + mr + reach;           /* past the strip's last column */
+            const int nc = !cut ? cols_tn
+                                : end <= 0 ? 0 : (int)min((long)cols_tn, (end + TN - 1) / TN * TN);
+            if (nc == 0)
+                continue;   /* no row of the strip sees this block: nothing to add */
+            tile_product(s + r0 * TILE_K, TILE_K, qs + r0 * HEAD_D, HEAD_D, 1, kt, TILE_K, mr, nc,
+                         HEAD_D, 0);
 
-        for (int r = 0; r < rows; r++) {
-            __local real *srow = s + r * TILE_K;
-            const long i = i0 + r, diag = i + off;
-            /* the spec's transforms, where this row needs them; padding columns are masked */
-            if (needs_transform(&p, diag, j0, cols)) {
-                for (int c = 0; c < cols; c++) {
-                    real dcap;
-                    srow[c] = transform_score(srow[c], i, j0 + c, off, slope, &p, &dcap);
+            for (int r = r0; r < min(rows, r0 + mr); r++) {
+                __local real *srow = s + r * TILE_K;
+                const long i = i0 + r, diag = i + off;
+                /* the spec's transforms, where this row needs them; padding columns are masked */
+                if (needs_transform(&p, diag, j0, cols)) {
+                    for (int c = 0; c < min(cols, nc); c++) {
+                        real dcap;
+                        srow[c] = transform_score(srow[c], i, j0 + c, off, slope, &p, &dcap);
+                    }
                 }
+                for (int c = cols; c < nc; c++)
+                    srow[c] = -INFINITY;
+                realv mv = -INFINITY;
+                for (int c = 0; c < nc; c += VW)
+                    mv = fmax(mv, CAT(vload, VW)(0, srow + c));
+                const real mnew = fmax(m[r], hmax(mv));
+                if (mnew == -INFINITY) {            /* nothing visible to this row yet */
+                    for (int c = 0; c < nc; c++)
+                        srow[c] = 0;
+                    continue;
+                }
+                realv sum = 0;
+                for (int c = 0; c < nc; c += VW) {
+                    const realv e = exp(CAT(vload, VW)(0, srow + c) - mnew);
+                    sum += e;
+                    CAT(vstore, VW)(e, 0, srow + c);
+                }
+                const real alpha = exp(m[r] - mnew);
+                m[r] = mnew;
+                l[r] = l[r] * alpha + hsum(sum);
+                if (alpha != 1)
+                    for (int x = 0; x < DVT; x++)
+                        o[r * DVT + x] *= alpha;
+                if (p.dropout)
+                    for (int c = 0; c < min(cols, nc); c++)
+                        srow[c] = dropout_keep(p.seed, (ulong)u, (uint)i, (uint)(j0 + c),
+                                               p.threshold) ? srow[c] * p.drop_scale : 0;
             }
-            for (int c = cols; c < cols_tn; c++)
-                srow[c] = -INFINITY;
-            realv mv = -INFINITY;
-            for (int c = 0; c < cols_tn; c += VW)
-                mv = fmax(mv, CAT(vload, VW)(0, srow + c));
-            const real mnew = fmax(m[r], hmax(mv));
-            if (mnew == -INFINITY) {            /* nothing visible to this row yet */
-                for (int c = 0; c < cols_tn; c++)
-                    srow[c] = 0;
-                continue;
-            }
-            realv sum = 0;
-            for (int c = 0; c < cols_tn; c += VW) {
-                const realv e = exp(CAT(vload, VW)(0, srow + c) - mnew);
-                sum += e;
-                CAT(vstore, VW)(e, 0, srow + c);
-            }
-            const real alpha = exp(m[r] - mnew);
-            m[r] = mnew;
-            l[r] = l[r] * alpha + hsum(sum);
-            if (alpha != 1)
-                for (int x = 0; x < DVT; x++)
-                    o[r * DVT + x] *= alpha;
-            if (p.dropout)
-                for (int c = 0; c < cols; c++)
-                    srow[c] = dropout_keep(p.seed, (ulong)u, (uint)i, (uint)(j0 + c), p.threshold)
-                                  ? srow[c] * p.drop_scale : 0;
+            /* padding rows of s are the products of zero queries: finite, and never stored */
+            tile_product(o + r0 * DVT, DVT, s + r0 * TILE_K, TILE_K, 1, vs, DVT, mr, DVT, nc, 1);
         }
-        /* padding rows of s are the products of zero queries: finite, and never stored */
-        tile_product(o, DVT, s, TILE_K, 1, vs, DVT, rows_tm, DVT, cols_tn, 1);
     }
 
     for (int r = 0; r < rows; r++) {
