@@ -15,8 +15,10 @@ import numpy
 from setuptools import Extension, setup
 
 VERSION = "0.1.0"
-KERNELS = ["kernels/common.cl", "kernels/tiles.cl", "kernels/flash_fwd.cl",
-           "kernels/flash_fwd_tiled.cl", "kernels/flash_bwd.cl", "kernels/flash_bwd_tiled.cl"]
+# params.h first: the contract every kernel (and csrc/) reads
+KERNELS = ["kernels/params.h", "kernels/common.cl", "kernels/tiles.cl",
+           "kernels/flash_fwd_rows.cl", "kernels/flash_bwd_rows.cl",
+           "kernels/flash_fwd_tiled.cl", "kernels/flash_bwd_tiled.cl"]
 GENERATED = os.path.join("build", "generated")
 
 
@@ -58,7 +60,7 @@ if os.environ.get("ORCHARD_SANITIZE", "0") not in ("", "0"):
     extra_compile_args += sanitize
     extra_link_args += sanitize
 macros = [("ORCHARD_VERSION", f'"{VERSION}"')]
-include_dirs = [numpy.get_include(), "csrc", GENERATED]
+include_dirs = [numpy.get_include(), "csrc", "kernels", GENERATED]
 if cl_include:
     macros.append(("ORCHARD_HAVE_OPENCL", "1"))
     include_dirs.append(cl_include)

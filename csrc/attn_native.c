@@ -17,7 +17,6 @@
 #include <string.h>
 
 #include "orchard.h"
-#include "philox.h"
 
 #define BR 96   /* query rows per block */
 #define BC 96   /* key rows per block */
@@ -47,21 +46,6 @@ typedef struct {
     or_ssize *kt_off;       /* forward: offset of each kv unit in kt, in REALs */
     or_ssize nk_max;        /* backward: longest key sequence */
 } or_job;
-
-/* Keys [lo, hi) that query rows [i0, i1) of a unit may see; the rest of the row is masked. */
-static void key_range(const or_problem *p, or_ssize nq, or_ssize nk, or_ssize i0, or_ssize i1,
-                      or_ssize *lo, or_ssize *hi)
-{
-    const or_ssize off = nk - nq;
-    *lo = 0;
-    *hi = nk;
-    if (p->left >= 0 && i0 + off - p->left > 0)
-        *lo = i0 + off - p->left;
-    if (p->right >= 0 && i1 + off + p->right < nk)
-        *hi = i1 + off + p->right;
-    if (*hi < *lo)
-        *hi = *lo;
-}
 
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
@@ -132,14 +116,14 @@ int or_native_fwd(const or_problem *p)
 {
     const int dbl = p->view[OR_Q].dtype == OR_F64;
     const size_t real = dbl ? sizeof(double) : sizeof(float);
-    const or_ssize n_kv = p->n_units / p->group;
+    const or_ssize n_kv = p->n_units / p->prm.group;
     or_job job = {.p = p, .blocks = 0};
     job.kt_off = malloc(sizeof(or_ssize) * (size_t)(n_kv + 1));
     if (job.kt_off == NULL)
         return OR_ENOMEM;
     job.kt_off[0] = 0;
     for (or_ssize w = 0; w < n_kv; w++)
-        job.kt_off[w + 1] = job.kt_off[w] + (p->nk[w * p->group] + BC) * p->d;
+        job.kt_off[w + 1] = job.kt_off[w] + (p->nk[w * p->prm.group] + BC) * p->d;
     job.kt = malloc(real * (size_t)job.kt_off[n_kv] + 64);
     for (or_ssize u = 0; u < p->n_units; u++) {
         or_ssize b = (p->nq[u] + BR - 1) / BR;
@@ -172,5 +156,5 @@ int or_native_bwd(const or_problem *p)
         return OR_ENOMEM;
     job.per_worker = round_up(real * (dbl ? bwd_scratch_d(p, job.nk_max)
                                           : bwd_scratch_f(p, job.nk_max)) + BC);
-    return run_job(&job, p->n_units / p->group, dbl ? bwd_item_d : bwd_item_f);
+    return run_job(&job, p->n_units / p->prm.group, dbl ? bwd_item_d : bwd_item_f);
 }

@@ -173,17 +173,19 @@ static inline __attribute__((always_inline)) REAL FN(exp_row)(REAL *x, REAL shif
     return s;
 }
 
-/* Transforms the raw products q.k (s, BR x BC) of rows i0.. and keys j0.. of a unit, in the
- * spec's order: softcap, ALiBi, masks (columns >= cols are padding and masked too).
+/* Transforms the raw products q.k (s, BR x BC) of rows i0.. and keys j0.. of a unit of nq
+ * queries and nk keys, in the spec's order: softcap, ALiBi, masks (columns >= cols are
+ * padding and masked too).
  * dcap, when given, receives d(capped)/d(raw) = 1 - tanh^2. */
 static inline __attribute__((always_inline)) void
 FN(transform_scores)(const or_problem *p, int rows, int cols, or_ssize i0, or_ssize j0,
-                     or_ssize off, REAL slope, REAL *s, REAL *dcap)
+                     or_ssize nq, or_ssize nk, REAL slope, REAL *s, REAL *dcap)
 {
+    const or_ssize off = nk - nq;
     for (int r = 0; r < rows; r++) {
         REAL *srow = s + (or_ssize)r * BC;
-        if (p->softcap > 0) {
-            const REAL cap = (REAL)p->softcap, inv = 1 / cap;
+        if (p->prm.softcap > 0) {
+            const REAL cap = (REAL)p->prm.softcap, inv = 1 / cap;
             for (int c = 0; c < cols; c++) {
                 REAL t = TANH(srow[c] * inv);
                 srow[c] = cap * t;
@@ -198,12 +200,12 @@ FN(transform_scores)(const or_problem *p, int rows, int cols, or_ssize i0, or_ss
                 srow[c] -= slope * (REAL)(dist < 0 ? -dist : dist);
             }
         }
-        or_ssize first = p->left >= 0 ? diag - p->left - j0 : 0;           /* visible c range */
-        or_ssize last = p->right >= 0 ? diag + p->right - j0 : cols - 1;
-        for (or_ssize c = 0; c < first && c < BC; c++)
+        or_ssize lo, hi;                        /* the keys this row sees */
+        or_key_range(p->prm.left, p->prm.right, nq, nk, i0 + r, i0 + r + 1, &lo, &hi);
+        for (or_ssize c = 0; c < lo - j0 && c < BC; c++)
             srow[c] = -INFINITY;
-        last = last < cols - 1 ? last : cols - 1;
-        for (or_ssize c = last < 0 ? 0 : last + 1; c < BC; c++)
+        const or_ssize end = hi - j0 < cols ? hi - j0 : cols;
+        for (or_ssize c = end < 0 ? 0 : end; c < BC; c++)
             srow[c] = -INFINITY;
     }
 }
@@ -213,10 +215,10 @@ static inline __attribute__((always_inline)) void
 FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, int worker)
 {
     const int d = p->d, dv = p->dv, dp = FN(pad)(d), dvp = FN(pad)(dv);
-    const or_ssize nq = p->nq[u], nk = p->nk[u], off = nk - nq, kvu = u / p->group;
+    const or_ssize nq = p->nq[u], nk = p->nk[u], off = nk - nq, kvu = u / p->prm.group;
     const int rows = (int)(nq - i0 < BR ? nq - i0 : BR), rows_mr = (rows + MR - 1) / MR * MR;
     const REAL slope = p->slopes ? (REAL)p->slopes[u] : 0;
-    const REAL drop_scale = (REAL)p->drop_scale;
+    const REAL drop_scale = (REAL)p->prm.drop_scale;
 
     REAL *q = (REAL *)(job->scratch + (size_t)worker * job->per_worker);
     REAL *v = q + BR * dp, *s = v + BC * dvp, *o = s + BR * BC, *m = o + BR * dvp, *l = m + BR;
@@ -225,7 +227,7 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
 
     const or_view *w = p->view;
     FN(load_rows)(q, dp, FN(row_ptr)(p, OR_Q, u, i0), w[OR_Q].row_stride, rows, d, rows_mr,
-                  w[OR_Q].dtype, (REAL)p->scale);
+                  w[OR_Q].dtype, (REAL)p->prm.scale);
     for (int r = 0; r < rows; r++) {
         m[r] = -INFINITY;
         l[r] = 0;
@@ -233,7 +235,7 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
     memset(o, 0, sizeof(REAL) * (size_t)rows_mr * dvp);
 
     or_ssize lo, hi;
-    key_range(p, nq, nk, i0, i0 + rows, &lo, &hi);
+    or_key_range(p->prm.left, p->prm.right, nq, nk, i0, i0 + rows, &lo, &hi);
     for (or_ssize j0 = lo - lo % BC; j0 < hi; j0 += BC) {
         const int cols = (int)(hi - j0 < BC ? hi - j0 : BC), skip = (int)(j0 < lo ? lo - j0 : 0);
         /* values already in REAL and W-wide rows are read in place, others converted; rows
@@ -253,15 +255,15 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
         for (int r0 = 0; r0 < rows_mr; r0 += SR) {
             const int sr = rows_mr - r0 < SR ? rows_mr - r0 : SR, live = rows - r0 < sr ? rows - r0 : sr;
             int ncols = BC;     /* columns computed: whole W-wide tiles */
-            if (p->right >= 0) {
-                const or_ssize end = i0 + r0 + live + off + p->right - j0;   /* past the last */
+            if (p->prm.right >= 0) {
+                const or_ssize end = i0 + r0 + live + off + p->prm.right - j0;   /* past the last */
                 if (end <= 0)
                     continue;   /* no row of the strip sees this block */
                 ncols = end < BC ? FN(pad)((int)end) : BC;
             }
             const int kcols = ncols < cols ? ncols : cols;      /* keys read and transformed */
             FN(gemm)(s, BC, q + (or_ssize)r0 * dp, dp, 1, kt + j0 * d, BC, sr, ncols, d, 0);
-            FN(transform_scores)(p, live, kcols, i0 + r0, j0, off, slope, s, NULL);
+            FN(transform_scores)(p, live, kcols, i0 + r0, j0, nq, nk, slope, s, NULL);
             for (int r = 0; r < live; r++) {
                 REAL *srow = s + (or_ssize)r * BC, *orow = o + (or_ssize)(r0 + r) * dvp;
                 REAL *mr = m + r0 + r, *lr = l + r0 + r;
@@ -276,9 +278,9 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
                 if (alpha != 1)
                     for (int x = 0; x < dvp; x++)
                         orow[x] *= alpha;
-                if (p->dropout) {
-                    or_dropout_row(p->seed, (uint64_t)u, (uint32_t)(i0 + r0 + r), (uint32_t)j0,
-                                   kcols, p->drop_threshold, keep);
+                if (p->prm.dropout) {
+                    or_dropout_row(p->prm.seed, (uint64_t)u, (uint32_t)(i0 + r0 + r), (uint32_t)j0,
+                                   kcols, p->prm.threshold, keep);
                     for (int c = 0; c < kcols; c++)
                         srow[c] = keep[c] ? srow[c] * drop_scale : 0;
                 }
@@ -306,7 +308,7 @@ static void FN(transpose_keys_item)(void *vjob, or_ssize kvu, int worker)
 {
     const or_job *job = vjob;
     const or_problem *p = job->p;
-    const or_ssize nk = p->nk[kvu * p->group];
+    const or_ssize nk = p->nk[kvu * p->prm.group];
     FN(load_cols_blocked)((REAL *)job->kt + job->kt_off[kvu], FN(row_ptr)(p, OR_K, kvu, 0),
                           p->view[OR_K].row_stride, nk, p->d, p->view[OR_K].dtype);
 }
@@ -339,8 +341,8 @@ static void FN(bwd_item)(void *vjob, or_ssize kvu, int worker)
     const or_job *job = vjob;
     const or_problem *p = job->p;
     const int d = p->d, dv = p->dv, dp = FN(pad)(d), dvp = FN(pad)(dv);
-    const or_ssize nk = p->nk[kvu * p->group];
-    const REAL drop_scale = (REAL)p->drop_scale;
+    const or_ssize nk = p->nk[kvu * p->prm.group];
+    const REAL drop_scale = (REAL)p->prm.drop_scale;
 
     REAL *dk = (REAL *)(job->scratch + (size_t)worker * job->per_worker);
     REAL *dvacc = dk + (job->nk_max + MR) * dp;
@@ -357,13 +359,13 @@ static void FN(bwd_item)(void *vjob, or_ssize kvu, int worker)
     FN(load_cols_blocked)(vt, FN(row_ptr)(p, OR_V, kvu, 0), w[OR_V].row_stride, nk, dv, w[OR_V].dtype);
     memset(dk, 0, sizeof(REAL) * (size_t)(nk + MR) * dp);
     memset(dvacc, 0, sizeof(REAL) * (size_t)(nk + MR) * dvp);
-    for (or_ssize g = 0; g < p->group; g++) {
-        const or_ssize u = kvu * p->group + g, nq = p->nq[u], off = nk - nq;
+    for (or_ssize g = 0; g < p->prm.group; g++) {
+        const or_ssize u = kvu * p->prm.group + g, nq = p->nq[u], off = nk - nq;
         const REAL slope = p->slopes ? (REAL)p->slopes[u] : 0;
         for (or_ssize i0 = 0; i0 < nq; i0 += BR) {
             const int rows = (int)(nq - i0 < BR ? nq - i0 : BR), rows_mr = (rows + MR - 1) / MR * MR;
             FN(load_rows)(q, dp, FN(row_ptr)(p, OR_Q, u, i0), w[OR_Q].row_stride, rows, d, rows_mr,
-                          w[OR_Q].dtype, (REAL)p->scale);
+                          w[OR_Q].dtype, (REAL)p->prm.scale);
             FN(load_rows)(dout, dvp, FN(row_ptr)(p, OR_DO, u, i0), w[OR_DO].row_stride, rows, dv,
                           rows_mr, w[OR_DO].dtype, 1);
             FN(load_rows)(o, dvp, FN(row_ptr)(p, OR_O, u, i0), w[OR_O].row_stride, rows, dv, rows,
@@ -379,15 +381,15 @@ static void FN(bwd_item)(void *vjob, or_ssize kvu, int worker)
             memset(dq, 0, sizeof(REAL) * (size_t)rows_mr * dp);
 
             or_ssize lo, hi;
-            key_range(p, nq, nk, i0, i0 + rows, &lo, &hi);
+            or_key_range(p->prm.left, p->prm.right, nq, nk, i0, i0 + rows, &lo, &hi);
             for (or_ssize j0 = lo - lo % BC; j0 < hi; j0 += BC) {
                 const int cols = (int)(hi - j0 < BC ? hi - j0 : BC), cols_mr = (cols + MR - 1) / MR * MR;
                 const int skip = (int)(j0 < lo ? lo - j0 : 0);  /* keys before lo: dS is 0 */
                 /* A block that the right edge of the mask cuts (a causal diagonal) goes in
                  * SR-row strips, each over the key columns it can see, as in the forward: row r
                  * sees the columns c <= r + reach. */
-                const or_ssize reach = i0 + off + p->right - j0;
-                const int cut = p->right >= 0 && reach + 1 < cols, sr = cut ? SR : rows_mr;
+                const or_ssize reach = i0 + off + p->prm.right - j0;
+                const int cut = p->prm.right >= 0 && reach + 1 < cols, sr = cut ? SR : rows_mr;
                 for (int r0 = 0; r0 < rows_mr; r0 += sr) {
                     const int m = rows_mr - r0 < sr ? rows_mr - r0 : sr;
                     const or_ssize end = cut ? r0 + m + reach : BC;   /* past the last column */
@@ -398,7 +400,7 @@ static void FN(bwd_item)(void *vjob, or_ssize kvu, int worker)
                         FN(gemm)(sb, BC, q + (or_ssize)r0 * dp, dp, 1, kt + j0 * d, BC, m, ncols,
                                  d, 0);                                          /* S = q K^T */
                         FN(transform_scores)(p, rows - r0 < m ? rows - r0 : m, kcols, i0 + r0, j0,
-                                             off, slope, sb, dcap + (or_ssize)r0 * BC);
+                                             nq, nk, slope, sb, dcap + (or_ssize)r0 * BC);
                         FN(gemm)(db, BC, dout + (or_ssize)r0 * dvp, dvp, 1, vt + j0 * dv, BC, m,
                                  ncols, dv, 0);                                  /* dP = dO V^T */
                     }
@@ -414,9 +416,9 @@ static void FN(bwd_item)(void *vjob, or_ssize kvu, int worker)
                         }
                         for (int c = 0; c < ncols; c++)
                             prow[c] = EXP(prow[c] - lr);
-                        if (p->dropout) {
-                            or_dropout_row(p->seed, (uint64_t)u, (uint32_t)(i0 + r), (uint32_t)j0,
-                                           kcols, p->drop_threshold, keep);
+                        if (p->prm.dropout) {
+                            or_dropout_row(p->prm.seed, (uint64_t)u, (uint32_t)(i0 + r), (uint32_t)j0,
+                                           kcols, p->prm.threshold, keep);
                             for (int c = 0; c < kcols; c++) {
                                 const REAL kept = keep[c] ? drop_scale : 0;
                                 dprow[c] = prow[c] * (dprow[c] * kept - di[r]);
@@ -430,7 +432,7 @@ static void FN(bwd_item)(void *vjob, or_ssize kvu, int worker)
                         }
                         for (int c = ncols; c < BC; c++)
                             prow[c] = dprow[c] = 0;
-                        if (p->softcap > 0)
+                        if (p->prm.softcap > 0)
                             for (int c = 0; c < kcols; c++)
                                 dprow[c] *= dcap[(or_ssize)r * BC + c];
                         for (int c = 0; c < skip; c++)  /* P = 0 there, but dP may be inf */
@@ -454,7 +456,7 @@ static void FN(bwd_item)(void *vjob, or_ssize kvu, int worker)
                              q + (or_ssize)rlo * dp, dp, n, dp, rows - rlo, 1);
                 }
             }
-            const REAL scale = (REAL)p->scale;          /* s = scale * q.k */
+            const REAL scale = (REAL)p->prm.scale;          /* s = scale * q.k */
             for (or_ssize x = 0; x < (or_ssize)rows * dp; x++)
                 dq[x] *= scale;
             FN(store_rows)(FN(row_ptr)(p, OR_DQ, u, i0), w[OR_DQ].row_stride, dq, dp, rows, d,

@@ -25,8 +25,6 @@ int or_cl_bwd(int i, const or_problem *p, or_counters *ct, or_error *err) { retu
 
 #else
 
-#define UNIT_WORDS (OR_NSLOTS + 2)
-
 typedef struct {
     const or_problem *p;
     const or_cl_info *info;
@@ -76,11 +74,11 @@ static int operand_buffers(launch_t *L)
     return rc;
 }
 
-/* The meta table: row strides, then per unit its element offsets, nq and nk. */
+/* The meta table (params.h): row strides, then per unit its element offsets, nq and nk. */
 static int meta_buffer(launch_t *L)
 {
     const or_problem *p = L->p;
-    size_t words = OR_NSLOTS + (size_t)p->n_units * UNIT_WORDS;
+    size_t words = OR_NSLOTS + (size_t)p->n_units * OR_UNIT_WORDS;
     cl_long *meta = calloc(words, sizeof(cl_long));
     if (meta == NULL)
         return OR_ENOMEM;
@@ -90,15 +88,15 @@ static int meta_buffer(launch_t *L)
             meta[s] = w->row_stride / w->itemsize;
     }
     for (or_ssize u = 0; u < p->n_units; u++) {
-        cl_long *row = meta + OR_NSLOTS + u * UNIT_WORDS;
+        cl_long *row = meta + OR_NSLOTS + u * OR_UNIT_WORDS;
         for (int s = 0; s < OR_NSLOTS; s++) {
             const or_view *w = &p->view[s];
             int kv_side = s == OR_K || s == OR_V || s == OR_DK || s == OR_DV;
             if (w->offs != NULL && w->nbytes > 0)
-                row[s] = (w->base + w->offs[kv_side ? u / p->group : u] - w->lo) / w->itemsize;
+                row[s] = (w->base + w->offs[kv_side ? u / p->prm.group : u] - w->lo) / w->itemsize;
         }
-        row[OR_NSLOTS] = p->nq[u];
-        row[OR_NSLOTS + 1] = p->nk[u];
+        row[OR_UNIT_NQ] = p->nq[u];
+        row[OR_UNIT_NK] = p->nk[u];
     }
     int rc = new_buffer(L, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR, words * sizeof(cl_long), meta,
                         &L->meta);
@@ -137,49 +135,29 @@ static int set_mem(launch_t *L, cl_kernel k, int *idx, cl_mem m)
     return OR_OK;
 }
 
-static int set_real(launch_t *L, cl_kernel k, int *idx, double v)
-{
-    float f = (float)v;
-    TRY(L, L->prog.api->clSetKernelArg(k, (*idx)++, dbl(L) ? sizeof(double) : sizeof(float),
-                                       dbl(L) ? (void *)&v : (void *)&f), "clSetKernelArg");
-    return OR_OK;
-}
-
 static int set_long(launch_t *L, cl_kernel k, int *idx, cl_long v)
 {
     TRY(L, L->prog.api->clSetKernelArg(k, (*idx)++, sizeof(v), &v), "clSetKernelArg");
     return OR_OK;
 }
 
-#define SET_SCALAR(L, k, idx, type, value)                                                   \
-    do {                                                                                     \
-        type v_ = (value);                                                                   \
-        TRY(L, (L)->prog.api->clSetKernelArg(k, (*(idx))++, sizeof(v_), &v_),                \
-            "clSetKernelArg");                                                               \
-    } while (0)
-
-/* The arguments after the buffers: `meta, slopes, PARAMS_ARGS` of kernels/common.cl. */
+/* The arguments after the buffers: meta, slopes and the parameter struct (params.h), with
+ * float reals for float programs. */
 static int set_params(launch_t *L, cl_kernel k, int *idx)
 {
-    const or_problem *p = L->p;
+    const or_params *prm = &L->p->prm;
+    or_params_f prm_f;
+#define OR_COPY_FIELD(kind, name) prm_f.name = prm->name;
+    OR_PARAMS(OR_COPY_FIELD)
+#undef OR_COPY_FIELD
     int rc = set_mem(L, k, idx, L->meta);
     if (rc == OR_OK)
         rc = set_mem(L, k, idx, L->slopes);
-    if (rc == OR_OK)
-        rc = set_real(L, k, idx, p->scale);
-    if (rc == OR_OK)
-        rc = set_real(L, k, idx, p->softcap);
-    if (rc == OR_OK)
-        rc = set_real(L, k, idx, p->drop_scale);
     if (rc != OR_OK)
         return rc;
-    if ((rc = set_long(L, k, idx, p->left)) != OR_OK || (rc = set_long(L, k, idx, p->right)) != OR_OK)
-        return rc;
-    SET_SCALAR(L, k, idx, cl_int, p->slopes != NULL);
-    SET_SCALAR(L, k, idx, cl_int, p->dropout);
-    SET_SCALAR(L, k, idx, cl_int, (cl_int)p->group);
-    SET_SCALAR(L, k, idx, cl_uint, p->drop_threshold);
-    SET_SCALAR(L, k, idx, cl_ulong, p->seed);
+    TRY(L, L->prog.api->clSetKernelArg(k, (*idx)++, dbl(L) ? sizeof(*prm) : sizeof(prm_f),
+                                       dbl(L) ? (const void *)prm : (const void *)&prm_f),
+        "clSetKernelArg");
     return OR_OK;
 }
 
@@ -302,13 +280,12 @@ int or_cl_fwd(int i, const or_problem *p, or_counters *ct, or_error *err)
     int idx, rc = prepare(&L, i, p, 1u << OR_O | 1u << OR_LSE, ct, err);
     static const int args[] = {OR_Q, OR_K, OR_V, OR_O, OR_LSE};
     if (rc == OR_OK)
-        rc = kernel_with(&L, 0, "flash_fwd", args, 5, &idx);
+        rc = kernel_with(&L, 0, or_cl_families[L.prog.family].fwd, args, 5, &idx);
     if (rc == OR_OK)
         rc = set_params(&L, L.kernel[0], &idx);
-    const or_ssize nq_max = longest(p->nq, p->n_units);
-    if (rc == OR_OK)        /* tiled: tile_q rows per single-work-item group */
-        rc = L.prog.tile_q ? enqueue(&L, L.kernel[0], nq_max, p->n_units, L.prog.tile_q, 1)
-                           : enqueue(&L, L.kernel[0], nq_max, p->n_units, L.prog.bq, L.prog.bq);
+    if (rc == OR_OK)        /* bq query rows per group: a work-item each, or one in all */
+        rc = enqueue(&L, L.kernel[0], longest(p->nq, p->n_units), p->n_units, L.prog.bq,
+                     L.prog.family == OR_FAMILY_TILED ? 1 : L.prog.bq);
     if (rc == OR_OK)
         rc = finish_outputs(&L);
     release(&L);
@@ -317,10 +294,11 @@ int or_cl_fwd(int i, const or_problem *p, or_counters *ct, or_error *err)
 
 static const int bwd_args[] = {OR_Q, OR_K, OR_V, OR_DO, OR_LSE, -1};   /* -1: the D buffer */
 
-/* flash_bwd_dq (dQ per query row) and flash_bwd_dkdv (dK, dV per key row): GPUs. */
+/* The rows family: dQ per query row, then dK, dV per key row. */
 static int row_bwd_kernels(launch_t *L, or_ssize nq_max)
 {
-    int idx, rc = kernel_with(L, 1, "flash_bwd_dq", bwd_args, 6, &idx);
+    const or_cl_family *f = &or_cl_families[OR_FAMILY_ROWS];
+    int idx, rc = kernel_with(L, 1, f->bwd, bwd_args, 6, &idx);
     if (rc == OR_OK)
         rc = set_long(L, L->kernel[1], &idx, nq_max);
     if (rc == OR_OK)
@@ -328,7 +306,7 @@ static int row_bwd_kernels(launch_t *L, or_ssize nq_max)
     if (rc == OR_OK)
         rc = set_params(L, L->kernel[1], &idx);
     if (rc == OR_OK)
-        rc = kernel_with(L, 2, "flash_bwd_dkdv", bwd_args, 6, &idx);
+        rc = kernel_with(L, 2, f->bwd_keys, bwd_args, 6, &idx);
     if (rc == OR_OK)
         rc = set_long(L, L->kernel[2], &idx, nq_max);
     if (rc == OR_OK)
@@ -340,7 +318,7 @@ static int row_bwd_kernels(launch_t *L, or_ssize nq_max)
     return rc;
 }
 
-/* flash_bwd_tiled, a kv unit per work-item, with its float dQ accumulator: CPU devices. */
+/* The tiled family: a kv unit per work-item, with its dQ accumulator. */
 static int tiled_bwd_kernel(launch_t *L, or_ssize nq_max)
 {
     const size_t size = (dbl(L) ? sizeof(double) : sizeof(float))
@@ -351,7 +329,7 @@ static int tiled_bwd_kernel(launch_t *L, or_ssize nq_max)
     int idx, rc = new_buffer(L, CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR, size, zeros, &L->dqacc);
     free(zeros);
     if (rc == OR_OK)
-        rc = kernel_with(L, 1, "flash_bwd_tiled", bwd_args, 6, &idx);
+        rc = kernel_with(L, 1, or_cl_families[OR_FAMILY_TILED].bwd, bwd_args, 6, &idx);
     if (rc == OR_OK)
         rc = set_long(L, L->kernel[1], &idx, nq_max);
     for (int s = OR_DQ; rc == OR_OK && s <= OR_DV; s++)
@@ -381,15 +359,16 @@ int or_cl_bwd(int i, const or_problem *p, or_counters *ct, or_error *err)
         if (rc == OR_OK)
             rc = set_long(&L, L.kernel[0], &idx, nq_max);
     }
+    const int tiled = L.prog.family == OR_FAMILY_TILED;
     if (rc == OR_OK)
-        rc = L.prog.tile_q ? tiled_bwd_kernel(&L, nq_max) : row_bwd_kernels(&L, nq_max);
+        rc = tiled ? tiled_bwd_kernel(&L, nq_max) : row_bwd_kernels(&L, nq_max);
     if (rc == OR_OK)
-        rc = enqueue(&L, L.kernel[0], nq_max, p->n_units, L.prog.bq, L.prog.bq);
+        rc = enqueue(&L, L.kernel[0], nq_max, p->n_units, L.prog.prep_rows, L.prog.prep_rows);
     if (rc == OR_OK)        /* tiled: one work-item per kv unit */
-        rc = L.prog.tile_q ? enqueue(&L, L.kernel[1], 1, p->n_units / p->group, 1, 1)
-                           : enqueue(&L, L.kernel[1], nq_max, p->n_units, L.prog.bq, L.prog.bq);
-    if (rc == OR_OK && !L.prog.tile_q)
-        rc = enqueue(&L, L.kernel[2], nk_max, p->n_units / p->group, L.prog.bq, L.prog.bq);
+        rc = tiled ? enqueue(&L, L.kernel[1], 1, p->n_units / p->prm.group, 1, 1)
+                   : enqueue(&L, L.kernel[1], nq_max, p->n_units, L.prog.bq, L.prog.bq);
+    if (rc == OR_OK && !tiled)
+        rc = enqueue(&L, L.kernel[2], nk_max, p->n_units / p->prm.group, L.prog.bq, L.prog.bq);
     if (rc == OR_OK)
         rc = finish_outputs(&L);
     release(&L);

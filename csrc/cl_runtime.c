@@ -42,9 +42,6 @@ static device_t *devices;
 static int ndevices;
 static pthread_once_t discovered = PTHREAD_ONCE_INIT;
 
-/* the kernels that run a row per work-item: all of them, or only prep where tiled */
-static const char *const ROW_KERNELS[] = {"flash_bwd_prep", "flash_fwd", "flash_bwd_dq",
-                                          "flash_bwd_dkdv"};
 
 int or_cl_fail(or_error *err, cl_int code, const char *call)
 {
@@ -263,14 +260,35 @@ static int build(device_t *dev, const char *options, or_counters *ct, cl_program
     return OR_OK;
 }
 
-/* The smallest CL_KERNEL_WORK_GROUP_SIZE over the program's row-per-work-item kernels (the
- * tiled ones run one work-item per group). */
-static int kernel_limit(device_t *dev, cl_program prog, int tiled, size_t *limit, or_error *err)
+/* The kernel family device `dev` runs: the one ORCHARD_CL_FAMILY names, else the table's row
+ * for its kind. -1 when ORCHARD_CL_FAMILY names none. */
+static int family_of(const device_t *dev)
 {
+    const char *env = getenv("ORCHARD_CL_FAMILY");
+    for (int f = 0; f < OR_NFAMILIES; f++) {
+        const or_cl_family *row = &or_cl_families[f];
+        if (env && *env ? strcmp(env, row->name) == 0
+                        : row->device_kind && strcmp(row->device_kind, dev->info.kind) == 0)
+            return f;
+    }
+    return env && *env ? -1 : OR_FAMILY_ROWS;
+}
+
+int or_cl_family_of(int i)
+{
+    return i >= 0 && i < or_cl_count() ? family_of(&devices[i]) : -1;
+}
+
+/* The smallest CL_KERNEL_WORK_GROUP_SIZE over the kernels that run a row per work-item:
+ * flash_bwd_prep, and every kernel of the rows family (tiled kernels run one per group). */
+static int kernel_limit(device_t *dev, cl_program prog, int family, size_t *limit, or_error *err)
+{
+    const or_cl_family *f = &or_cl_families[family];
+    const char *const names[] = {"flash_bwd_prep", f->fwd, f->bwd, f->bwd_keys};
     *limit = dev->info.max_work_group;
-    for (size_t i = 0; i < (tiled ? 1 : sizeof(ROW_KERNELS) / sizeof(*ROW_KERNELS)); i++) {
+    for (int i = 0; i < (family == OR_FAMILY_ROWS ? 4 : 1); i++) {
         cl_int rc;
-        cl_kernel k = api->clCreateKernel(prog, ROW_KERNELS[i], &rc);
+        cl_kernel k = api->clCreateKernel(prog, names[i], &rc);
         if (k == NULL)
             return or_cl_fail(err, rc, "clCreateKernel");
         size_t wg = 0;
@@ -285,43 +303,24 @@ static int kernel_limit(device_t *dev, cl_program prog, int tiled, size_t *limit
     return OR_OK;
 }
 
-/* Local bytes of the tiled kernels' tiles: the backward's (kernels/flash_bwd_tiled.cl), which
- * hold more than the forward's. */
-static unsigned long long tiled_bytes(size_t real, int d, int dv, int vw, int tq, int tk)
-{
-    const unsigned long long tn = 2ull * (unsigned)vw, dt = (d + tn - 1) / tn * tn,
-                             dvt = (dv + tn - 1) / tn * tn;
-    return real * ((unsigned long long)(d + dv) * tk + tk * (2 * dt + dvt)
-                   + tq * (2 * dt + dvt) + 3ull * tq * tk + 2ull * tq);
-}
-
-static int round_up_to(int n, int m) { return (n + m - 1) / m * m; }
-
-/* The kernel family a device runs (ORCHARD_CL_TILED overrides): register-tiled on CPUs,
- * unless their local memory cannot hold the smallest tiles (make_program). */
-static int wants_tiled(const device_t *dev)
-{
-    const char *env = getenv("ORCHARD_CL_TILED");
-    return env && *env ? atoi(env) != 0 : strcmp(dev->info.kind, "cpu") == 0;
-}
-
 /* Tuned block sizes are a cache entry beside the program binaries, "BQ BK", named by the
  * kernels, the device and its driver, and the kernel family they were timed with. */
-static void blocks_key(const device_t *dev, int tiled, char key[33])
+static void blocks_key(const device_t *dev, int family, char key[33])
 {
-    const char *parts[] = {or_kernel_source, tiled ? "blocks:tiled" : "blocks:rows",
-                           dev->info.name, dev->info.vendor, dev->info.driver,
-                           dev->info.platform, dev->info.platform_version};
+    char name[32];
+    snprintf(name, sizeof(name), "blocks:%s", or_cl_families[family].name);
+    const char *parts[] = {or_kernel_source, name, dev->info.name, dev->info.vendor,
+                           dev->info.driver, dev->info.platform, dev->info.platform_version};
     or_cache_key(key, parts, 7);
 }
 
-/* Sets *bq, *bk from the record of `tiled`'s family, if there is a sound one. */
-static int load_tuned(const device_t *dev, int tiled, int *bq, int *bk)
+/* Sets *bq, *bk from the record of `family`, if there is a sound one. */
+static int load_tuned(const device_t *dev, int family, int *bq, int *bk)
 {
     char key[33], text[32];
     size_t size = 0;
     int q, k, found = 0;
-    blocks_key(dev, tiled, key);
+    blocks_key(dev, family, key);
     unsigned char *rec = or_cache_load(key, &size);
     if (rec != NULL && size < sizeof(text)) {
         memcpy(text, rec, size);
@@ -338,88 +337,139 @@ static int load_tuned(const device_t *dev, int tiled, int *bq, int *bk)
 
 int or_cl_tuned_blocks(int i, int *bq, int *bk)
 {
-    return i >= 0 && i < or_cl_count() && load_tuned(&devices[i], wants_tiled(&devices[i]), bq, bk);
+    const int family = or_cl_family_of(i);
+    return family >= 0 && load_tuned(&devices[i], family, bq, bk);
 }
 
 int or_cl_save_tuned_blocks(int i, int bq, int bk)
 {
-    if (i < 0 || i >= or_cl_count())
+    const int family = or_cl_family_of(i);
+    if (family < 0)
         return 0;
     char key[33], text[32];
-    blocks_key(&devices[i], wants_tiled(&devices[i]), key);
+    blocks_key(&devices[i], family, key);
     int n = snprintf(text, sizeof(text), "%d %d\n", bq, bk);
     return or_cache_store(key, (const unsigned char *)text, (size_t)n);
 }
+
+static int round_up_to(int n, int m) { return (n + m - 1) / m * m; }
+
+/* The rows family's local-memory rule: two tiles of bk rows of d + dv (+ lse, D) reals in half
+ * the local memory, and work-groups the device allows. */
+static int fit_rows(const or_cl_info *in, size_t real, int d, int dv, int vw, int *bq, int *bk)
+{
+    const size_t dpad = (size_t)round_up_to(d, vw), dvpad = (size_t)round_up_to(dv, vw);
+    const unsigned long long fit = in->local_mem / 2 / (real * (dpad + dvpad + 2));
+    if ((unsigned long long)*bk > fit)
+        *bk = fit >= 1 ? (int)fit : 1;
+    if ((size_t)*bq > in->max_work_group)
+        *bq = (int)in->max_work_group;
+    return 1;
+}
+
+/* Local bytes of the tiled kernels' tiles (params.h's lists): the larger of the two. */
+#define OR_ADD_TILE(name, reals) +(unsigned long long)(reals)
+static unsigned long long tiled_bytes(size_t real, int d, int dv, int vw, int tq, int tk)
+{
+    const int dt = round_up_to(d, OR_TN(vw)), dvt = round_up_to(dv, OR_TN(vw));
+    const unsigned long long fwd = 0 OR_TILED_FWD_TILES(OR_ADD_TILE, d, dv, dt, dvt, tq, tk),
+                             bwd = 0 OR_TILED_BWD_TILES(OR_ADD_TILE, d, dv, dt, dvt, tq, tk);
+    return real * (fwd > bwd ? fwd : bwd);
+}
+
+static int gcd(int a, int b) { return b ? gcd(b, a % b) : a; }
+
+/* The tiled family's rule: blocks of whole register tiles (a key block holds rows and columns
+ * of them: a multiple of both), shrunk until the tiles fit in local memory; 0 when even the
+ * smallest do not (32 KiB, as some CPU runtimes report). */
+static int fit_tiles(const or_cl_info *in, size_t real, int d, int dv, int vw, int *bq, int *bk)
+{
+    const int k_step = OR_TM / gcd(OR_TM, OR_TN(vw)) * OR_TN(vw);
+    int tq = round_up_to(*bq, OR_TM), tk = round_up_to(*bk, k_step);
+    while (tiled_bytes(real, d, dv, vw, tq, tk) > in->local_mem && tq + tk > OR_TM + k_step) {
+        if (tk >= tq && tk > k_step)
+            tk -= k_step;
+        else
+            tq -= OR_TM;
+    }
+    *bq = tq;
+    *bk = tk;
+    return tiled_bytes(real, d, dv, vw, tq, tk) <= in->local_mem;
+}
+
+/* The kernel families. Rows: a query (or key) row per work-item, K/V tiles shared through
+ * local memory by the work-group (GPUs). Tiled: a single work-item per group forms every
+ * product in register tiles, on 96 x 96 blocks as the native path (a CPU runs a work-group on
+ * one core and a work-item on its SIMD lanes). */
+const or_cl_family or_cl_families[OR_NFAMILIES] = {
+    [OR_FAMILY_ROWS] = {"rows", NULL, "flash_fwd_rows", "flash_bwd_rows_dq",
+                        "flash_bwd_rows_dkdv", 64, 64,
+                        {{32, 32}, {64, 32}, {64, 64}, {128, 32}, {128, 64}}, fit_rows},
+    [OR_FAMILY_TILED] = {"tiled", "cpu", "flash_fwd_tiled", "flash_bwd_tiled", NULL, 96, 96,
+                         {{48, 48}, {48, 96}, {96, 48}, {96, 96}, {144, 96}}, fit_tiles},
+};
 
 static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *ct,
                         or_cl_program *out, or_error *err)
 {
     static const int storage_bits[] = {16, 32, 64};
     const size_t real = dt == OR_F64 ? 8 : 4;
-    const int cpu = strcmp(dev->info.kind, "cpu") == 0;
     /* a CPU work-item is one SIMD thread: 8 lanes fill AVX; GPU lanes are work-items */
-    const int vw = env_int("ORCHARD_CL_VECTOR", cpu ? 8 : 4) == 4 ? 4 : 8;
-    const size_t dpad = (size_t)(d + vw - 1) / vw * vw, dvpad = (size_t)(dv + vw - 1) / vw * vw;
-    /* two tiles of rows of d + dv (+ lse, D) reals, in half the local memory */
-    unsigned long long fit = dev->info.local_mem / 2 / (real * (dpad + dvpad + 2));
-    int row_q = 64, row_k = fit >= 64 ? 64 : fit >= 1 ? (int)fit : 1, tile_q = 96, tile_k = 96;
-    const int tuned_rows = load_tuned(dev, 0, &row_q, &row_k),
-              tuned_tiles = load_tuned(dev, 1, &tile_q, &tile_k),
-              overridden = getenv("ORCHARD_CL_BLOCK_Q") || getenv("ORCHARD_CL_BLOCK_K");
-    int bq = env_int("ORCHARD_CL_BLOCK_Q", row_q);
-    if ((size_t)bq > dev->info.max_work_group)
-        bq = (int)dev->info.max_work_group;
-    int bk = env_int("ORCHARD_CL_BLOCK_K", row_k);
-    /* CPUs run the register-tiled kernels, on 96 x 96 blocks as the native path, shrunk until
-     * the tiles fit in local memory; where even the smallest do not (32 KiB of local memory,
-     * as some CPU runtimes report), the row kernels run. A key block holds rows (TM = 6) and
-     * columns (TN = 2 VW) of register tiles: a multiple of both. */
-    int tiled = wants_tiled(dev);
-    const int tk_step = vw == 4 ? 24 : 48;
-    int tq = round_up_to(env_int("ORCHARD_CL_BLOCK_Q", tile_q), 6);
-    int tk = round_up_to(env_int("ORCHARD_CL_BLOCK_K", tile_k), tk_step);
-    while (tiled && tiled_bytes(real, d, dv, vw, tq, tk) > dev->info.local_mem
-           && tq + tk > 6 + tk_step) {
-        if (tk >= tq && tk > tk_step)
-            tk -= tk_step;
-        else
-            tq -= 6;
+    const int vw = env_int("ORCHARD_CL_VECTOR", strcmp(dev->info.kind, "cpu") == 0 ? 8 : 4) == 4
+                       ? 4 : 8;
+    const int overridden = getenv("ORCHARD_CL_BLOCK_Q") || getenv("ORCHARD_CL_BLOCK_K");
+    int family = family_of(dev), bq, bk, tuned;
+    if (family < 0) {
+        snprintf(err->msg, sizeof(err->msg), "ORCHARD_CL_FAMILY='%.64s' names no kernel family "
+                 "(rows or tiled)", getenv("ORCHARD_CL_FAMILY"));
+        return OR_EDEVICE;
     }
-    if (tiled && tiled_bytes(real, d, dv, vw, tq, tk) > dev->info.local_mem)
-        tiled = 0;
+    for (;;) {      /* the family's blocks: defaults, a tuned record, the environment, its rule */
+        const or_cl_family *f = &or_cl_families[family];
+        bq = f->bq;
+        bk = f->bk;
+        tuned = load_tuned(dev, family, &bq, &bk);
+        bq = env_int("ORCHARD_CL_BLOCK_Q", bq);
+        bk = env_int("ORCHARD_CL_BLOCK_K", bk);
+        if (f->fit(&dev->info, real, d, dv, vw, &bq, &bk))
+            break;
+        family = OR_FAMILY_ROWS;        /* tiles that cannot fit: the rows family */
+    }
     for (;;) {
         /* no -cl-fast-relaxed-math: it implies finite math, and masking relies on -inf */
         char options[1024];
         const char *extra = getenv("ORCHARD_CL_OPTIONS");
         snprintf(options, sizeof(options),
-                 "-cl-std=CL1.2 -DOR_STORAGE=%d -DHEAD_D=%d -DHEAD_DV=%d -DBQ=%d -DBK=%d -DVW=%d "
-                 "-DOR_TILED=%d -DTILE_Q=%d -DTILE_K=%d %s",
-                 storage_bits[dt], d, dv, bq, bk, vw, tiled, tq, tk, extra ? extra : "");
+                 "-cl-std=CL1.2 -DOR_STORAGE=%d -DHEAD_D=%d -DHEAD_DV=%d -DVW=%d -DOR_FAMILY=%d "
+                 "-DBQ=%d -DBK=%d -DOR_PARAMS_SIZE=%d %s",
+                 storage_bits[dt], d, dv, vw, family, bq, bk,
+                 (int)(dt == OR_F64 ? sizeof(or_params) : sizeof(or_params_f)),
+                 extra ? extra : "");
         cl_program prog;
         size_t limit;
         int rc = build(dev, options, ct, &prog, err);
         if (rc != OR_OK)
             return rc;
-        if ((rc = kernel_limit(dev, prog, tiled, &limit, err)) != OR_OK) {
+        if ((rc = kernel_limit(dev, prog, family, &limit, err)) != OR_OK) {
             api->clReleaseProgram(prog);
             return rc;
         }
-        if ((size_t)bq <= limit || bq == 1) {
-            *out = (or_cl_program){api, dev->ctx, dev->queue, prog, bq, bk, tiled ? tq : 0,
-                                   (d + 2 * vw - 1) / (2 * vw) * (2 * vw)};
+        /* flash_bwd_prep runs bq-row groups in the rows family, up to 64 in the tiled one */
+        const int prep = family == OR_FAMILY_ROWS ? bq : (limit < 64 ? (int)limit : 64);
+        if (family == OR_FAMILY_TILED || (size_t)bq <= limit || bq == 1) {
+            *out = (or_cl_program){api, dev->ctx, dev->queue, prog, family, bq, bk,
+                                   prep > 1 ? prep : 1, round_up_to(d, OR_TN(vw))};
             if (or_log_enabled("ORCHARD_DEBUG_FLASH_ATN"))
                 or_log("orchard: OpenCL program for %s D=%d Dv=%d on %s: %s kernels, "
                        "blocks %d x %d%s", dt == OR_F16 ? "float16" : dt == OR_F32 ? "float32"
-                       : "float64", d, dv, dev->info.name, tiled ? "tiled" : "row",
-                       tiled ? tq : bq, tiled ? tk : bk,
-                       (tiled ? tuned_tiles : tuned_rows) && !overridden ? " (tuned)" : "");
+                       : "float64", d, dv, dev->info.name, or_cl_families[family].name, bq, bk,
+                       tuned && !overridden ? " (tuned)" : "");
             return OR_OK;
         }
         api->clReleaseProgram(prog);    /* the kernels cannot run bq wide here: narrower */
         bq = limit > 1 ? (int)limit : 1;
     }
 }
-
 int or_cl_get_program(int i, or_dtype dt, int d, int dv, or_counters *ct, or_cl_program *out,
                       or_error *err)
 {

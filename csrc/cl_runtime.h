@@ -17,14 +17,30 @@ typedef struct {
     size_t base_align;              /* CL_DEVICE_MEM_BASE_ADDR_ALIGN, in bytes */
 } or_cl_info;
 
+/* A kernel family (params.h's OR_FAMILY_*): one row of or_cl_families. */
+typedef struct {
+    const char *name;               /* ORCHARD_CL_FAMILY, logs, tuned-block records */
+    const char *device_kind;        /* chosen for devices of this kind; NULL: all others */
+    const char *fwd, *bwd;          /* forward kernel; backward kernel after flash_bwd_prep */
+    const char *bwd_keys;           /* a second backward kernel over key rows, or NULL */
+    int bq, bk;                     /* default blocks: rows family (work-group rows, keys per
+                                       local tile), tiled family (query rows, keys per block) */
+    int candidates[5][2];           /* the blocks orchard-tune times */
+    /* its local-memory rule: fits (bq, bk) to the device; 0 when nothing fits */
+    int (*fit)(const or_cl_info *in, size_t real, int d, int dv, int vw, int *bq, int *bk);
+} or_cl_family;
+
+extern const or_cl_family or_cl_families[OR_NFAMILIES];
+
 /* Everything a call needs to run on a device; owned by the runtime, valid until exit. */
 typedef struct {
     const or_cl_api *api;
     cl_context ctx;
     cl_command_queue queue;
     cl_program program;
-    int bq, bk;                     /* work-group rows, local tile rows */
-    int tile_q;                     /* rows of a tiled kernel's work-item, 0: not tiled */
+    int family;                     /* OR_FAMILY_ROWS or OR_FAMILY_TILED */
+    int bq, bk;                     /* the family's blocks, as in or_cl_family */
+    int prep_rows;                  /* work-group rows of flash_bwd_prep */
     int tile_d;                     /* head dim padded to whole register tiles (tiles.cl DT) */
 } or_cl_program;
 
@@ -36,7 +52,11 @@ const char *or_cl_unavailable_reason(void);         /* why there are none, or NU
 int or_cl_get_program(int i, or_dtype dt, int d, int dv, or_counters *ct, or_cl_program *out,
                       or_error *err);
 
-/* Block sizes tuned for device i (python/orchard/tune.py), for the kernel family it runs:
+/* The kernel family device i runs (ORCHARD_CL_FAMILY overrides the table's choice; a device
+ * whose local memory cannot hold the smallest tiles still falls back to the rows family). */
+int or_cl_family_of(int i);
+
+/* Block sizes tuned for device i (orchard-tune), for the kernel family it runs:
  * read (1 when there is a record) and stored (1 when written; not with the cache off). */
 int or_cl_tuned_blocks(int i, int *bq, int *bk);
 int or_cl_save_tuned_blocks(int i, int bq, int bk);

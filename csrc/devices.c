@@ -187,6 +187,30 @@ int or_resolve_device(const char *func, PyObject *device, or_device_choice *out)
     return 0;
 }
 
+#ifdef ORCHARD_HAVE_OPENCL
+/* The kernel family an OpenCL device runs, and the blocks orchard-tune times for it (None and
+ * an empty list while ORCHARD_CL_FAMILY names no family). */
+static int add_family(PyObject *item, int cl_index)
+{
+    const int f = or_cl_family_of(cl_index);
+    PyObject *name = f < 0 ? Py_None : PyUnicode_FromString(or_cl_families[f].name), *blocks;
+    if (f < 0) {
+        Py_INCREF(name);
+        blocks = PyList_New(0);
+    } else {
+        const int(*c)[2] = or_cl_families[f].candidates;
+        blocks = Py_BuildValue("[(ii)(ii)(ii)(ii)(ii)]", c[0][0], c[0][1], c[1][0], c[1][1],
+                               c[2][0], c[2][1], c[3][0], c[3][1], c[4][0], c[4][1]);
+    }
+    int rc = name && blocks ? PyDict_SetItemString(item, "kernel_family", name) : -1;
+    if (rc == 0)
+        rc = PyDict_SetItemString(item, "block_candidates", blocks);
+    Py_XDECREF(name);
+    Py_XDECREF(blocks);
+    return rc;
+}
+#endif
+
 /* devices(): the native CPU, then every OpenCL device. */
 PyObject *or_devices_list(void)
 {
@@ -212,7 +236,7 @@ PyObject *or_devices_list(void)
             "fp16", in->fp16 ? Py_True : Py_False, "fp64", in->fp64 ? Py_True : Py_False,
             "unified_memory", in->unified ? Py_True : Py_False, "opencl_version", in->version,
             "mem_base_addr_align", (Py_ssize_t)in->base_align);
-        if (item == NULL || PyList_Append(list, item) < 0)
+        if (item == NULL || add_family(item, d - 1) < 0 || PyList_Append(list, item) < 0)
             goto fail;
         Py_CLEAR(item);
     }

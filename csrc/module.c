@@ -10,12 +10,11 @@
 #include <math.h>
 #include <time.h>
 
-#include "philox.h"
 #include "pyorchard.h"
 
 #define MAX_HEAD_DIM 256
 /* Index limits. The dropout stream numbers a score's row and column with 32 bits each
- * (philox.h, kernels/common.cl) and the OpenCL kernels count the query heads of a GQA group
+ * (kernels/params.h) and the OpenCL kernels count the query heads of a GQA group
  * in an int; larger sizes are refused with ValueError before anything is allocated, rather
  * than computed wrongly. Everything else is indexed with 64 bits. */
 #define MAX_SEQ_LEN 0xFFFFFFFFLL        /* rows or keys of one sequence: < 2**32 */
@@ -102,12 +101,12 @@ static int check_options(call_t *c, const opts_t *o)
         PyErr_Format(PyExc_ValueError, "%s(): 'softcap' must be a finite number >= 0", c->func);
         return -1;
     }
-    p->softcap = o->softcap;
-    p->dropout = o->dropout_p > 0.0;
-    p->drop_threshold = or_dropout_threshold(o->dropout_p);
-    p->drop_scale = 1.0 / (1.0 - o->dropout_p);
+    p->prm.softcap = o->softcap;
+    p->prm.dropout = o->dropout_p > 0.0;
+    p->prm.threshold = or_dropout_threshold(o->dropout_p);
+    p->prm.drop_scale = 1.0 / (1.0 - o->dropout_p);
 
-    p->left = p->right = -1;
+    p->prm.left = p->prm.right = -1;
     if (o->window != NULL && (!PySequence_Check(o->window) || PySequence_Size(o->window) != 2)) {
         PyErr_Clear();
         PyErr_Format(PyExc_TypeError, "%s(): 'window' must be a pair (left, right) of ints",
@@ -128,10 +127,10 @@ static int check_options(call_t *c, const opts_t *o)
             return -1;
         }
     }
-    p->left = (or_ssize)lr[0];
-    p->right = (or_ssize)lr[1];
-    if (o->causal && (p->right < 0 || p->right > 0))
-        p->right = 0;
+    p->prm.left = (or_ssize)lr[0];
+    p->prm.right = (or_ssize)lr[1];
+    if (o->causal && (p->prm.right < 0 || p->prm.right > 0))
+        p->prm.right = 0;
 
     if (o->seed == NULL)
         return 0;       /* seed 0 */
@@ -150,14 +149,14 @@ static int check_options(call_t *c, const opts_t *o)
                      o->seed);
         return -1;
     }
-    p->seed = (uint64_t)seed;
+    p->prm.seed = (uint64_t)seed;
     return 0;
 }
 
 static int check_scale(call_t *c, const opts_t *o)
 {
     if (o->scale == Py_None) {
-        c->p.scale = 1.0 / sqrt((double)c->p.d);
+        c->p.prm.scale = 1.0 / sqrt((double)c->p.d);
         return 0;
     }
     double s = PyFloat_AsDouble(o->scale);
@@ -171,7 +170,7 @@ static int check_scale(call_t *c, const opts_t *o)
         PyErr_Format(PyExc_ValueError, "%s(): 'scale' must be finite, got %R", c->func, o->scale);
         return -1;
     }
-    c->p.scale = s;
+    c->p.prm.scale = s;
     return 0;
 }
 
@@ -270,7 +269,7 @@ static int check_qkv(call_t *c)
         return shape_error(c, "q", "must have fewer than 2**32 query rows (dimension -2)");
     if (!c->varlen && PyArray_DIM(k, seq) > MAX_SEQ_LEN)
         return shape_error(c, "k", "must have fewer than 2**32 keys (dimension -2)");
-    c->p.group = 1;
+    c->p.prm.group = 1;
     c->heads = nd >= 3 ? PyArray_DIM(q, c->varlen ? 1 : nd - 3) : 1;
     if (c->heads > MAX_HEADS)
         return shape_error(c, "q", "must have fewer than 2**31 heads");
@@ -278,7 +277,7 @@ static int check_qkv(call_t *c)
         npy_intp h = PyArray_DIM(q, head), hkv = PyArray_DIM(k, head);
         if (hkv == 0 ? h != 0 : h % hkv != 0)
             return shape_error(c, "k", "must have a number of heads dividing q's (GQA/MQA)");
-        c->p.group = hkv ? h / hkv : 1;
+        c->p.prm.group = hkv ? h / hkv : 1;
     }
     return 0;
 }
@@ -454,7 +453,7 @@ static int check_varlen(call_t *c, const opts_t *o, PyObject *cuq_obj, PyObject 
 static int varlen_tables(call_t *c)
 {
     const int64_t *cq = PyArray_DATA(c->cu_q), *ck = PyArray_DATA(c->cu_k);
-    or_ssize nseq = PyArray_DIM(c->cu_q, 0) - 1, h = c->heads, hkv = h / c->p.group;
+    or_ssize nseq = PyArray_DIM(c->cu_q, 0) - 1, h = c->heads, hkv = h / c->p.prm.group;
     c->p.n_units = nseq * h;
     if (!(c->nq = alloc_units(nseq * h, sizeof(or_ssize)))
         || !(c->nk = alloc_units(nseq * h, sizeof(or_ssize))))
@@ -578,6 +577,7 @@ static PyObject *run(call_t *c, module_state *st, int backward)
     c->p.nq = c->nq;
     c->p.nk = c->nk;
     c->p.slopes = c->slopes;
+    c->p.prm.has_alibi = c->slopes != NULL;
 
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
@@ -807,8 +807,8 @@ static PyObject *dropout_mask(PyObject *module, PyObject *args, PyObject *kw)
         for (or_ssize i = 0; i < nq; i++)
             for (or_ssize j = 0; j < nk; j += INT_MAX) {    /* or_dropout_row counts in int */
                 int n = nk - j < INT_MAX ? (int)(nk - j) : INT_MAX;
-                or_dropout_row(c.p.seed, (uint64_t)u, (uint32_t)i, (uint32_t)j, n,
-                               c.p.drop_threshold, out);
+                or_dropout_row(c.p.prm.seed, (uint64_t)u, (uint32_t)i, (uint32_t)j, n,
+                               c.p.prm.threshold, out);
                 out += n;
             }
     Py_END_ALLOW_THREADS

@@ -11,12 +11,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "params.h"     /* kernels/: slots, score parameters, mask rule, Philox */
+
 typedef ptrdiff_t or_ssize;
 
 typedef enum { OR_F16 = 0, OR_F32 = 1, OR_F64 = 2 } or_dtype;
-
-/* Operand slots of a call; forward uses Q..LSE, backward all of them. */
-enum { OR_Q, OR_K, OR_V, OR_O, OR_LSE, OR_DO, OR_DQ, OR_DK, OR_DV, OR_NSLOTS };
 
 typedef struct {
     char *base;             /* data pointer of the array */
@@ -31,19 +30,11 @@ typedef struct {
 
 typedef struct {
     or_ssize n_units;       /* query batch-heads; unit index = dropout batch-head index */
-    or_ssize group;         /* query heads per kv head: unit u reads kv unit u / group */
     const or_ssize *nq;     /* per unit: query rows */
     const or_ssize *nk;     /* per unit: key rows */
     int d, dv;
-    double scale;
-    double softcap;         /* 0 = off */
-    const double *slopes;   /* per unit ALiBi slope, or NULL */
-    or_ssize left, right;   /* visible keys j - (i + nk - nq) in [-left, right]; -1 = unbounded;
-                               causal is already folded into right */
-    int dropout;            /* 0 = off */
-    uint32_t drop_threshold;/* keep iff philox word >= threshold */
-    double drop_scale;      /* 1 / (1 - p) */
-    uint64_t seed;
+    or_params prm;          /* scale, masks, softcap, dropout, GQA group: what kernels read */
+    const double *slopes;   /* per unit ALiBi slope when prm.has_alibi, else NULL */
     or_view view[OR_NSLOTS];
 } or_problem;
 

@@ -1,5 +1,5 @@
-/* common.cl - definitions shared by flash_fwd.cl and flash_bwd.cl (concatenated in that order
- * when the program is built).
+/* common.cl - definitions shared by the kernels of both families (setup.py concatenates
+ * params.h, this file, tiles.cl and the kernel files into one program source).
  *
  * Build-time constants (cl_runtime.c passes them as -D options):
  *   OR_STORAGE   16, 32 or 64: the element type of q, k, v, out and gradients in memory.
@@ -8,21 +8,17 @@
  *   HEAD_D, HEAD_DV   head dims of q/k and v; private rows are sized by them.
  *   VW           lanes of the vector type (realv) the head-dim loops use: 8 on CPUs, where
  *                one work-item is one SIMD thread, 4 on GPUs.
- *   BQ, BK       rows per work-group (one row per work-item) and rows per local-memory tile.
+ *   OR_FAMILY    the kernel family the program holds (params.h); only its kernels are built.
+ *   BQ, BK       the family's blocks. Rows: rows per work-group (one per work-item) and rows
+ *                per local-memory tile. Tiled: query rows per single-work-item group and keys
+ *                per block, multiples of the register tile (tiles.cl).
  *
- * Operands are addressed like the native path's views: `meta` holds OR_NSLOTS row strides (in
- * elements), then per unit OR_NSLOTS element offsets followed by nq and nk. The last dimension
- * of every operand is contiguous.
+ * Operands are addressed like the native path's views, through the meta table of params.h
+ * (embedded ahead of this file, with the parameter struct, the mask rule and Philox). The last
+ * dimension of every operand is contiguous.
  */
-#if OR_STORAGE == 64
-#pragma OPENCL EXTENSION cl_khr_fp64 : enable
-#define REAL_T double
-#else
-#define REAL_T float
-#endif
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
-typedef REAL_T real;
 typedef CAT(REAL_T, VW) realv;         /* VW lanes: the head-dim loops run on these */
 #if OR_STORAGE == 16
 typedef half storage_t;
@@ -38,52 +34,11 @@ typedef REAL_T storage_t;
 #define DP ((HEAD_D + VW - 1) / VW)     /* vectors per q or k row, zero-padded */
 #define DVP ((HEAD_DV + VW - 1) / VW)   /* vectors per v row */
 
-/* slots of the meta table: the order of orchard.h */
-#define S_Q 0
-#define S_K 1
-#define S_V 2
-#define S_O 3
-#define S_LSE 4
-#define S_DO 5
-#define S_DQ 6
-#define S_DK 7
-#define S_DV 8
-#define NSLOTS 9
-#define UNIT_WORDS (NSLOTS + 2)
-#define UNIT(meta, u) ((meta) + NSLOTS + (long)(u) * UNIT_WORDS)   /* offsets, then nq, nk */
-
-/* Philox4x32-10, exactly as csrc/philox.h: keep-decision of score (bh, row, col). */
-inline int dropout_keep(ulong seed, ulong bh, uint row, uint col, uint threshold)
-{
-    uint c0 = col / 4, c1 = row, c2 = (uint)bh, c3 = (uint)(bh >> 32);
-    uint k0 = (uint)seed, k1 = (uint)(seed >> 32);
-    for (int r = 0; r < 10; r++) {
-        ulong p0 = (ulong)0xD2511F53u * c0, p1 = (ulong)0xCD9E8D57u * c2;
-        uint n0 = (uint)(p1 >> 32) ^ c1 ^ k0, n2 = (uint)(p0 >> 32) ^ c3 ^ k1;
-        c0 = n0;
-        c1 = (uint)p1;
-        c2 = n2;
-        c3 = (uint)p0;
-        k0 += 0x9E3779B9u;
-        k1 += 0xBB67AE85u;
-    }
-    /* word col % 4, chosen bit by bit: Oclgrind 21.10 mis-simulates the lookup table that
-       LLVM makes of a four-way switch or ternary chain here */
-    const uint lo = (col & 1) ? c1 : c0, hi = (col & 1) ? c3 : c2;
-    return ((col & 2) ? hi : lo) >= threshold;
-}
-
-typedef struct {
-    real scale, softcap, drop_scale;
-    long left, right;       /* visible j - (i + nk - nq) in [-left, right], -1 = unbounded */
-    int has_alibi, dropout, group;
-    uint threshold;
-    ulong seed;
-} params_t;
+#define UNIT(meta, u) ((meta) + OR_NSLOTS + (long)(u) * OR_UNIT_WORDS)  /* a unit's meta words */
 
 /* The score of (row i, key j) after softcap, ALiBi and masks (the spec's order); *dcap is
  * d(capped)/d(raw). Masked scores are -INFINITY: build options never assume finite math. */
-inline real transform_score(real s, long i, long j, long off, real slope, const params_t *p,
+inline real transform_score(real s, long i, long j, long off, real slope, const or_params *p,
                             real *dcap)
 {
     *dcap = 1;
@@ -95,35 +50,9 @@ inline real transform_score(real s, long i, long j, long off, real slope, const 
     long diag = i + off;
     if (p->has_alibi)
         s -= slope * (real)(diag > j ? diag - j : j - diag);
-    if ((p->left >= 0 && j < diag - p->left) || (p->right >= 0 && j > diag + p->right))
+    if (!or_visible(p->left, p->right, diag, j))
         s = -INFINITY;
     return s;
-}
-
-/* Keys [*lo, *hi) that query rows [i0, i1) may see (as key_range in attn_native.c). */
-inline void key_range(const params_t *p, long nq, long nk, long i0, long i1, long *lo, long *hi)
-{
-    long off = nk - nq;
-    *lo = 0;
-    *hi = nk;
-    if (p->left >= 0 && i0 + off - p->left > 0)
-        *lo = i0 + off - p->left;
-    if (p->right >= 0 && i1 + off + p->right < nk)
-        *hi = i1 + off + p->right;
-    if (*hi < *lo)
-        *hi = *lo;
-}
-
-/* Query rows [*lo, *hi) that may see keys [j0, j1): the inverse of key_range. */
-inline void query_range(const params_t *p, long nq, long nk, long j0, long j1, long *lo, long *hi)
-{
-    long off = nk - nq;
-    *lo = 0;
-    *hi = nq;
-    if (p->right >= 0 && j0 - off - p->right > 0)
-        *lo = j0 - off - p->right;
-    if (p->left >= 0 && j1 - off + p->left < nq)
-        *hi = j1 - off + p->left;
 }
 
 /* Elements [x0, x0 + VW) of a row (those >= n are 0), times scale, as one vector. */
@@ -191,8 +120,18 @@ inline void load_tiles(__local realv (*a)[DP], __global const storage_t *x, long
         b[e / DVP][e % DVP] = load_vec(y, y_base + (r0 + e / DVP) * y_rs, e % DVP * VW, HEAD_DV, 1);
 }
 
-#define PARAMS_ARGS                                                                          \
-    real scale, real softcap, real drop_scale, long left, long right, int has_alibi,         \
-        int dropout, int group, uint threshold, ulong seed
-#define PARAMS_INIT                                                                          \
-    {scale, softcap, drop_scale, left, right, has_alibi, dropout, group, threshold, seed}
+/* The backward's first kernel, in both families: D_i = rowsum(dO_i * O_i), one work-item per
+ * query row, into di (unit, di_stride). */
+__kernel void flash_bwd_prep(__global const storage_t *dout, __global const storage_t *out,
+                             __global const long *meta, __global real *di, long di_stride)
+{
+    const long u = get_global_id(1), i = get_global_id(0);
+    __global const long *unit = UNIT(meta, u);
+    if (i >= unit[OR_UNIT_NQ])
+        return;
+    real acc = 0;
+    for (int x = 0; x < HEAD_DV; x++)
+        acc += (real)LOAD(dout, unit[OR_DO] + i * meta[OR_DO] + x)
+               * (real)LOAD(out, unit[OR_O] + i * meta[OR_O] + x);
+    di[u * di_stride + i] = acc;
+}

@@ -1,6 +1,6 @@
-/* flash_fwd_tiled.cl - attention forward for CPU devices: one work-item per work-group
- * computes TILE_Q query rows of one unit with register tiles, as the native path does
- * (csrc/attn_native_impl.h). Built instead of flash_fwd.cl's kernel when OR_TILED is 1.
+/* flash_fwd_tiled.cl - attention forward of the tiled family (CPU devices): one work-item per
+ * work-group computes BQ query rows of one unit with register tiles, as the native path
+ * does (csrc/attn_native_impl.h).
  *
  *   q   (unit, Nq, HEAD_D)   k (kv unit, Nk, HEAD_D)   v (kv unit, Nk, HEAD_DV)
  *   out (unit, Nq, HEAD_DV)  lse (unit, Nq), natural log, -inf for a row that sees no key
@@ -9,36 +9,34 @@
  * and sums it across the lanes (0.37x the native path on PoCL); this one forms scores and
  * outputs in register tiles (tiles.cl), about 0.9x the native path.
  *
- * Local tiles (row-major; TM, TN and DVT as in tiles.cl):
- *   qs  TILE_Q x HEAD_D     queries of the block, times scale
- *   kt  HEAD_D x TILE_K     key block transposed; columns past the block are zero
- *   vs  TILE_K x DVT        value block; DVT = HEAD_DV rounded up to TN, zero-padded
- *   s   TILE_Q x TILE_K     scores, then probabilities
- *   o   TILE_Q x DVT        output accumulator
+ * Local tiles (row-major; TM, TN and DVT as in tiles.cl; OR_TILED_FWD_TILES in params.h):
+ *   qs  BQ x HEAD_D     queries of the block, times scale
+ *   kt  HEAD_D x BK     key block transposed; columns past the block are zero
+ *   vs  BK x DVT        value block; DVT = HEAD_DV rounded up to TN, zero-padded
+ *   s   BQ x BK     scores, then probabilities
+ *   o   BQ x DVT        output accumulator
  *
  * A key block that the right edge of the mask cuts (a causal diagonal) goes in strips of
  * STRIP rows, each over the key columns (whole TN-wide tiles) some row of it can see.
  */
 #define STRIP (4 * TM)
-#if OR_TILED
+#if OR_FAMILY == OR_FAMILY_TILED
 __kernel __attribute__((reqd_work_group_size(1, 1, 1)))
-void flash_fwd(__global const storage_t *q, __global const storage_t *k,
+void flash_fwd_tiled(__global const storage_t *q, __global const storage_t *k,
                __global const storage_t *v, __global storage_t *out, __global real *lse,
-               __global const long *meta, __global const real *slopes, PARAMS_ARGS)
+               __global const long *meta, __global const real *slopes, const or_params p)
 {
-    const params_t p = PARAMS_INIT;
-    __local real qs[TILE_Q * HEAD_D], kt[HEAD_D * TILE_K], vs[TILE_K * DVT];
-    __local real s[TILE_Q * TILE_K], o[TILE_Q * DVT], m[TILE_Q], l[TILE_Q];
-    const long u = get_group_id(1), i0 = (long)get_group_id(0) * TILE_Q;
+    OR_TILED_FWD_TILES(LOCAL_TILE, HEAD_D, HEAD_DV, DT, DVT, BQ, BK)
+    const long u = get_group_id(1), i0 = (long)get_group_id(0) * BQ;
     __global const long *unit = UNIT(meta, u);
-    const long nq = unit[NSLOTS], nk = unit[NSLOTS + 1], off = nk - nq;
+    const long nq = unit[OR_UNIT_NQ], nk = unit[OR_UNIT_NK], off = nk - nq;
     __global const long *kvunit = UNIT(meta, u / p.group * p.group);
     if (i0 >= nq)
         return;
-    const int rows = (int)min((long)TILE_Q, nq - i0), rows_tm = (rows + TM - 1) / TM * TM;
+    const int rows = (int)min((long)BQ, nq - i0), rows_tm = (rows + TM - 1) / TM * TM;
     const real slope = p.has_alibi ? slopes[u] : 0;
 
-    load_block(qs, HEAD_D, q, unit[S_Q], meta[S_Q], i0, rows, rows_tm, HEAD_D, p.scale);
+    load_block(qs, HEAD_D, q, unit[OR_Q], meta[OR_Q], i0, rows, rows_tm, HEAD_D, p.scale);
     for (int r = 0; r < rows_tm; r++) {
         for (int x = 0; x < DVT; x++)
             o[r * DVT + x] = 0;
@@ -47,11 +45,11 @@ void flash_fwd(__global const storage_t *q, __global const storage_t *k,
     }
 
     long lo, hi;
-    key_range(&p, nq, nk, i0, i0 + rows, &lo, &hi);
-    for (long j0 = lo; j0 < hi; j0 += TILE_K) {
-        const int cols = (int)min((long)TILE_K, hi - j0), cols_tn = (cols + TN - 1) / TN * TN;
-        load_block_t(kt, TILE_K, k, kvunit[S_K], meta[S_K], j0, cols, cols_tn, HEAD_D);
-        load_block(vs, DVT, v, kvunit[S_V], meta[S_V], j0, cols, cols_tn, HEAD_DV, 1);
+    or_key_range(p.left, p.right, nq, nk, i0, i0 + rows, &lo, &hi);
+    for (long j0 = lo; j0 < hi; j0 += BK) {
+        const int cols = (int)min((long)BK, hi - j0), cols_tn = (cols + TN - 1) / TN * TN;
+        load_block_t(kt, BK, k, kvunit[OR_K], meta[OR_K], j0, cols, cols_tn, HEAD_D);
+        load_block(vs, DVT, v, kvunit[OR_V], meta[OR_V], j0, cols, cols_tn, HEAD_DV, 1);
         const long reach = i0 + off + p.right - j0;     /* row r sees columns <= r + reach */
         const int cut = p.right >= 0 && reach + 1 < cols, sr = cut ? STRIP : rows_tm;
         for (int r0 = 0; r0 < rows_tm; r0 += sr) {
@@ -61,11 +59,11 @@ void flash_fwd(__global const storage_t *q, __global const storage_t *k,
                                 : end <= 0 ? 0 : (int)min((long)cols_tn, (end + TN - 1) / TN * TN);
             if (nc == 0)
                 continue;   /* no row of the strip sees this block: nothing to add */
-            tile_product(s + r0 * TILE_K, TILE_K, qs + r0 * HEAD_D, HEAD_D, 1, kt, TILE_K, mr, nc,
+            tile_product(s + r0 * BK, BK, qs + r0 * HEAD_D, HEAD_D, 1, kt, BK, mr, nc,
                          HEAD_D, 0);
 
             for (int r = r0; r < min(rows, r0 + mr); r++) {
-                __local real *srow = s + r * TILE_K;
+                __local real *srow = s + r * BK;
                 const long i = i0 + r, diag = i + off;
                 /* the spec's transforms, where this row needs them; padding columns are masked */
                 if (needs_transform(&p, diag, j0, cols)) {
@@ -99,11 +97,11 @@ void flash_fwd(__global const storage_t *q, __global const storage_t *k,
                         o[r * DVT + x] *= alpha;
                 if (p.dropout)
                     for (int c = 0; c < min(cols, nc); c++)
-                        srow[c] = dropout_keep(p.seed, (ulong)u, (uint)i, (uint)(j0 + c),
+                        srow[c] = or_dropout_keep(p.seed, (ulong)u, (uint)i, (uint)(j0 + c),
                                                p.threshold) ? srow[c] * p.drop_scale : 0;
             }
             /* padding rows of s are the products of zero queries: finite, and never stored */
-            tile_product(o + r0 * DVT, DVT, s + r0 * TILE_K, TILE_K, 1, vs, DVT, mr, DVT, nc, 1);
+            tile_product(o + r0 * DVT, DVT, s + r0 * BK, BK, 1, vs, DVT, mr, DVT, nc, 1);
         }
     }
 
@@ -111,8 +109,8 @@ void flash_fwd(__global const storage_t *q, __global const storage_t *k,
         const long i = i0 + r;
         const real inv = l[r] > 0 ? 1 / l[r] : 0;
         for (int x = 0; x < HEAD_DV; x++)
-            STORE(out, unit[S_O] + i * meta[S_O] + x, o[r * DVT + x] * inv);
-        lse[unit[S_LSE] + i * meta[S_LSE]] = l[r] > 0 ? m[r] + log(l[r]) : -INFINITY;
+            STORE(out, unit[OR_O] + i * meta[OR_O] + x, o[r * DVT + x] * inv);
+        lse[unit[OR_LSE] + i * meta[OR_LSE]] = l[r] > 0 ? m[r] + log(l[r]) : -INFINITY;
     }
 }
 #endif

@@ -1,16 +1,17 @@
-/* tiles.cl - the register-tiled matrix product and the tile loads of the CPU kernels
- * (flash_fwd_tiled.cl, flash_bwd_tiled.cl), built when OR_TILED is 1.
+/* tiles.cl - the register-tiled matrix product and the tile loads of the tiled family
+ * (flash_fwd_tiled.cl, flash_bwd_tiled.cl).
  *
  * A CPU runs a work-group on one core and a work-item on its SIMD lanes, so a work-item there
  * does best what the native path does (csrc/attn_native_impl.h): hold a TM x TN block of the
  * result in registers (TM rows of two VW-lane vectors, 12 accumulators) while the inner
- * dimension streams through. TILE_Q and TILE_K are multiples of TM and TN.
+ * dimension streams through. BQ is a multiple of TM, BK of TM and TN.
  */
-#if OR_TILED
-#define TM 6
-#define TN (2 * VW)
+#if OR_FAMILY == OR_FAMILY_TILED
+#define TM OR_TM
+#define TN OR_TN(VW)
 #define DT ((HEAD_D + TN - 1) / TN * TN)       /* a q or k row padded to whole tiles */
 #define DVT ((HEAD_DV + TN - 1) / TN * TN)     /* a v row padded to whole tiles */
+#define LOCAL_TILE(name, reals) __local real name[reals];     /* params.h's tile lists */
 
 /* Rows [r0, r0 + rows) of an operand (row stride `stride`, from element `base`), times mul,
  * into a local tile of ld columns; columns [n, ld) and rows [rows, pad_rows) are zero. */
@@ -34,7 +35,7 @@ inline void load_block_t(__local real *dst, int ld, __global const storage_t *sr
 
 /* Whether scores of keys [j0, j0 + cols) in the row aligned with key `diag` need
  * transform_score: softcap or ALiBi, or a mask edge inside the block. */
-inline int needs_transform(const params_t *p, long diag, long j0, int cols)
+inline int needs_transform(const or_params *p, long diag, long j0, int cols)
 {
     return p->softcap > 0 || p->has_alibi || (p->left >= 0 && j0 < diag - p->left)
            || (p->right >= 0 && j0 + cols - 1 > diag + p->right);

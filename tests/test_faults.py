@@ -59,12 +59,12 @@ OOM, DEVICE = "OrchardOutOfMemory", "OrchardError"
 
 # (ORCHARD_FAULT, extra environment, expected exception, the CL error named in the message).
 # Call counts are per process, with a program cache already holding the binaries. With the
-# row-per-work-item kernels (ORCHARD_CL_TILED=0): the first forward makes a context and queue,
+# row-per-work-item kernels (ORCHARD_CL_FAMILY=rows): the first forward makes a context and queue,
 # loads the program (clCreateProgramWithBinary + clBuildProgram), creates 4 kernels to query
 # their work-group limits, then the flash_fwd kernel, 8 buffers (dummy, q, k, v, out, lse,
 # meta, slopes), sets arguments, enqueues one kernel and maps out and lse; backward makes 13
 # buffers (the D buffer last) and enqueues 3 kernels.
-ROWS = {"ORCHARD_CL_TILED": 0}
+ROWS = {"ORCHARD_CL_FAMILY": "rows"}
 CASES = [
     ("clCreateContext:1", {}, OOM, "CL_OUT_OF_HOST_MEMORY"),
     ("clCreateCommandQueue:1", {}, OOM, "CL_OUT_OF_RESOURCES"),
@@ -87,10 +87,10 @@ CASES = [
     ("clEnqueueReadBuffer:2", {"ORCHARD_CL_TRANSFERS": 1}, OOM, "CL_OUT_OF_RESOURCES"),
 ]
 CASES = [(fault, dict(ROWS, **env), exc, code) for fault, env, exc, code in CASES]
-# The register-tiled kernels (ORCHARD_CL_TILED=1): the work-group limit of flash_bwd_prep only,
+# The register-tiled kernels (ORCHARD_CL_FAMILY=tiled): the work-group limit of flash_bwd_prep only,
 # then the forward kernel (the 2nd kernel made); backward makes prep and flash_bwd_tiled (the
 # 4th), its dQ accumulator as the 14th buffer of the call (22nd in all), and enqueues 2 kernels.
-TILED = {"ORCHARD_CL_TILED": 1}
+TILED = {"ORCHARD_CL_FAMILY": "tiled"}
 CASES += [
     ("clGetKernelWorkGroupInfo:1", TILED, OOM, "CL_OUT_OF_RESOURCES"),
     ("clCreateKernel:2", TILED, OOM, "CL_OUT_OF_RESOURCES"),

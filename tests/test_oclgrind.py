@@ -77,17 +77,17 @@ REPORT = re.compile(r"Invalid (read|write)|data race|[Uu]ninitiali[sz]ed|FATAL|"
                     r"Oclgrind - |errors generated|out of bounds", re.I)
 
 
-@pytest.mark.parametrize("tiled", ["0", "1"])
+@pytest.mark.parametrize("family", ["rows", "tiled"])
 @pytest.mark.parametrize("mode", ["in-place", "transfers"])
-def test_kernels_clean_under_oclgrind(tmp_path, mode, tiled):
+def test_kernels_clean_under_oclgrind(tmp_path, mode, family):
     script = tmp_path / "kernels.py"
     script.write_text(textwrap.dedent(SCRIPT))
     checks = ["--data-races", "--check-api"]
     # tiled: 6-row, 16-key tiles (block sizes round up to the register tile)
-    env = dict(ORCHARD_CL_BLOCK_Q=8 if tiled == "0" else 6, ORCHARD_CL_BLOCK_K=4,
-               ORCHARD_CL_TILED=tiled, ORCHARD_NO_CACHE=1)
+    env = dict(ORCHARD_CL_BLOCK_Q=8 if family == "rows" else 6, ORCHARD_CL_BLOCK_K=4,
+               ORCHARD_CL_FAMILY=family, ORCHARD_NO_CACHE=1)
     if mode == "transfers":
-        if tiled == "0":
+        if family == "rows":
             checks.append("--uninitialized")
         env.update(ORCHARD_CL_TRANSFERS=1, ORCHARD_CL_OPTIONS="-cl-opt-disable")
     r = subprocess.run(["oclgrind", *checks, sys.executable, str(script)], capture_output=True,

@@ -187,14 +187,58 @@ FAMILY_RUN = """
 
 
 @needs_opencl
-@pytest.mark.parametrize("tiled", ["0", "1"])
-def test_kernel_families(tiled):
-    """Both OpenCL kernel families (ORCHARD_CL_TILED) on every feature, several blocks each
+@pytest.mark.parametrize("family", ["rows", "tiled"])
+def test_kernel_families(family):
+    """Both OpenCL kernel families (ORCHARD_CL_FAMILY) on every feature, several blocks each
     way, against the float64 reference; small blocks so that every edge is crossed."""
     dev = OPENCL_IDS[0]
-    checked = child(FAMILY_RUN % ((dev,) * 5), ORCHARD_CL_TILED=tiled, ORCHARD_CL_BLOCK_Q=30,
+    checked = child(FAMILY_RUN % ((dev,) * 5), ORCHARD_CL_FAMILY=family, ORCHARD_CL_BLOCK_Q=30,
                     ORCHARD_CL_BLOCK_K=20)
     assert checked == 4 * 5 + 5 + 5     # out, lse, dq, dk, dv of every case
+
+
+FAMILY_PROBE = """
+    import json, numpy as np, orchard_ops as o
+    q = np.ones((1, 2, 8, 16), np.float32)
+    try:
+        o.flash_attn_fwd(q, q, q, device="%s")
+        print(json.dumps(None))
+    except o.OrchardError as e:
+        print(json.dumps(str(e)))
+"""
+
+
+@needs_opencl
+def test_params_struct_checked_against_host():
+    """The host passes the size of the parameter struct it sends; a program whose struct
+    differs (here: a host that claims 7 bytes) fails to build instead of reading shifted
+    fields."""
+    dev = OPENCL_IDS[0]
+    assert child(FAMILY_PROBE % dev, ORCHARD_NO_CACHE=1) is None
+    err = child(FAMILY_PROBE % dev, ORCHARD_NO_CACHE=1, ORCHARD_CL_OPTIONS="-DOR_PARAMS_SIZE=7")
+    assert "CL_BUILD_PROGRAM_FAILURE" in err and "or_params_size_matches_host" in err
+
+
+@needs_opencl
+def test_kernel_family_listed_and_named():
+    """devices() says which family a device runs (the table's choice for its kind, or
+    ORCHARD_CL_FAMILY) and what orchard-tune times; an unknown family name is an error."""
+    dev = OPENCL_IDS[0]
+    listed = child("""
+        import json, orchard_ops as o
+        print(json.dumps([[d["kind"], d["kernel_family"], d["block_candidates"]]
+                          for d in o.devices() if d["backend"] == "opencl"]))
+    """)
+    for kind, family, blocks in listed:
+        assert family == ("tiled" if kind == "cpu" else "rows")
+        assert len(blocks) == 5 and all(bq >= 1 and bk >= 1 for bq, bk in blocks)
+    forced = child("""
+        import json, orchard_ops as o
+        print(json.dumps(o.devices()[1]["kernel_family"]))
+    """, ORCHARD_CL_FAMILY="rows")
+    assert forced == "rows"
+    err = child(FAMILY_PROBE % dev, ORCHARD_CL_FAMILY="blocked")
+    assert "ORCHARD_CL_FAMILY='blocked' names no kernel family" in err
 
 
 @needs_opencl

@@ -1,4 +1,4 @@
-/* flash_fwd.cl - attention forward: one work-group per (BQ query rows, unit), one work-item
+/* flash_fwd_rows.cl - attention forward of the rows family (GPUs): one work-group per (BQ query rows, unit), one work-item
  * per query row.
  *
  *   q   (unit, Nq, HEAD_D)   k (kv unit, Nk, HEAD_D)   v (kv unit, Nk, HEAD_DV)
@@ -6,22 +6,20 @@
  *
  * Each work-item keeps its query row (pre-scaled) and output accumulator in private vectors;
  * the work-group streams BK-key tiles of K and V through local memory and keeps an online
- * softmax (running max m, running sum l) per row, as FlashAttention-2. CPU devices build
- * flash_fwd_tiled.cl's kernel instead (OR_TILED).
+ * softmax (running max m, running sum l) per row, as FlashAttention-2.
  */
-#if !OR_TILED
-__kernel void flash_fwd(__global const storage_t *q, __global const storage_t *k,
+#if OR_FAMILY == OR_FAMILY_ROWS
+__kernel void flash_fwd_rows(__global const storage_t *q, __global const storage_t *k,
                         __global const storage_t *v, __global storage_t *out,
                         __global real *lse, __global const long *meta,
-                        __global const real *slopes, PARAMS_ARGS)
+                        __global const real *slopes, const or_params p)
 {
-    const params_t p = PARAMS_INIT;
     __local realv kt[BK][DP];
     __local realv vt[BK][DVP];
     const long u = get_group_id(1), i0 = (long)get_group_id(0) * BQ;
     const int lid = get_local_id(0);
     __global const long *unit = UNIT(meta, u);
-    const long nq = unit[NSLOTS], nk = unit[NSLOTS + 1], off = nk - nq, i = i0 + lid;
+    const long nq = unit[OR_UNIT_NQ], nk = unit[OR_UNIT_NK], off = nk - nq, i = i0 + lid;
     __global const long *kvunit = UNIT(meta, u / p.group * p.group);
     if (i0 >= nq)
         return;                 /* the whole work-group: no barrier is skipped by only some */
@@ -30,17 +28,17 @@ __kernel void flash_fwd(__global const storage_t *q, __global const storage_t *k
 
     realv qv[DP], acc[DVP];
     for (int x = 0; x < DP; x++)
-        qv[x] = valid ? load_vec(q, unit[S_Q] + i * meta[S_Q], x * VW, HEAD_D, p.scale) : 0;
+        qv[x] = valid ? load_vec(q, unit[OR_Q] + i * meta[OR_Q], x * VW, HEAD_D, p.scale) : 0;
     for (int x = 0; x < DVP; x++)
         acc[x] = 0;
     real m = -INFINITY, l = 0;
 
     long lo, hi;
-    key_range(&p, nq, nk, i0, min(i0 + BQ, nq), &lo, &hi);
+    or_key_range(p.left, p.right, nq, nk, i0, min(i0 + BQ, nq), &lo, &hi);
     for (long j0 = lo; j0 < hi; j0 += BK) {
         const int cols = (int)min((long)BK, hi - j0);
         barrier(CLK_LOCAL_MEM_FENCE);
-        load_tiles(kt, k, kvunit[S_K], meta[S_K], 1, vt, v, kvunit[S_V], meta[S_V], j0, cols, lid);
+        load_tiles(kt, k, kvunit[OR_K], meta[OR_K], 1, vt, v, kvunit[OR_V], meta[OR_V], j0, cols, lid);
         barrier(CLK_LOCAL_MEM_FENCE);
         if (!valid)
             continue;
@@ -68,7 +66,7 @@ __kernel void flash_fwd(__global const storage_t *q, __global const storage_t *k
         for (int c = 0; c < cols; c++) {
             real e = s[c];
             if (p.dropout)
-                e = dropout_keep(p.seed, (ulong)u, (uint)i, (uint)(j0 + c), p.threshold)
+                e = or_dropout_keep(p.seed, (ulong)u, (uint)i, (uint)(j0 + c), p.threshold)
                         ? e * p.drop_scale : 0;
             for (int x = 0; x < DVP; x++)
                 acc[x] += e * vt[c][x];
@@ -80,7 +78,7 @@ __kernel void flash_fwd(__global const storage_t *q, __global const storage_t *k
     const real inv = l > 0 ? 1 / l : 0;
     for (int x = 0; x < DVP; x++)
         acc[x] *= inv;
-    store_row(out, unit[S_O] + i * meta[S_O], acc, HEAD_DV);
-    lse[unit[S_LSE] + i * meta[S_LSE]] = l > 0 ? m + log(l) : -INFINITY;
+    store_row(out, unit[OR_O] + i * meta[OR_O], acc, HEAD_DV);
+    lse[unit[OR_LSE] + i * meta[OR_LSE]] = l > 0 ? m + log(l) : -INFINITY;
 }
 #endif
