@@ -15,8 +15,9 @@ __kernel void flash_bwd_rows_dq(__global const storage_t *q, __global const stor
                            __global const storage_t *v, __global const storage_t *dout,
                            __global const real *lse, __global const real *di, long di_stride,
                            __global storage_t *dq, __global const long *meta,
-                           __global const real *slopes, const or_params p)
+                           __global const real *slopes, const or_params params)
 {
+    const or_params p = params;     /* a private copy: its fields stay in registers */
     __local realv kt[BK][DP];
     __local realv vt[BK][DVP];
     const long u = get_group_id(1), i0 = (long)get_group_id(0) * BQ;
@@ -75,8 +76,9 @@ __kernel void flash_bwd_rows_dkdv(__global const storage_t *q, __global const st
                              __global const real *lse, __global const real *di, long di_stride,
                              __global storage_t *dk, __global storage_t *dv,
                              __global const long *meta, __global const real *slopes,
-                             const or_params p)
+                             const or_params params)
 {
+    const or_params p = params;     /* a private copy: its fields stay in registers */
     __local realv qt[BK][DP];
     __local realv dot_t[BK][DVP];
     __local real lse_t[BK], di_t[BK];

@@ -26,8 +26,9 @@ void flash_bwd_tiled(__global const storage_t *q, __global const storage_t *k,
                      __global const real *lse, __global const real *di, long di_stride,
                      __global storage_t *dq, __global storage_t *dk, __global storage_t *dv,
                      __global real *dqacc, __global const long *meta,
-                     __global const real *slopes, const or_params p)
+                     __global const real *slopes, const or_params params)
 {
+    const or_params p = params;     /* a private copy: its fields stay in registers */
     OR_TILED_BWD_TILES(LOCAL_TILE, HEAD_D, HEAD_DV, DT, DVT, BQ, BK)
     const long w = get_group_id(1);
     __global const long *kvunit = UNIT(meta, w * p.group);

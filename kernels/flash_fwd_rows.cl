@@ -12,8 +12,9 @@
 __kernel void flash_fwd_rows(__global const storage_t *q, __global const storage_t *k,
                         __global const storage_t *v, __global storage_t *out,
                         __global real *lse, __global const long *meta,
-                        __global const real *slopes, const or_params p)
+                        __global const real *slopes, const or_params params)
 {
+    const or_params p = params;     /* a private copy: its fields stay in registers */
     __local realv kt[BK][DP];
     __local realv vt[BK][DVP];
     const long u = get_group_id(1), i0 = (long)get_group_id(0) * BQ;

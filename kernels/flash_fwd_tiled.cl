@@ -24,8 +24,9 @@
 __kernel __attribute__((reqd_work_group_size(1, 1, 1)))
 void flash_fwd_tiled(__global const storage_t *q, __global const storage_t *k,
                __global const storage_t *v, __global storage_t *out, __global real *lse,
-               __global const long *meta, __global const real *slopes, const or_params p)
+               __global const long *meta, __global const real *slopes, const or_params params)
 {
+    const or_params p = params;     /* a private copy: its fields stay in registers */
     OR_TILED_FWD_TILES(LOCAL_TILE, HEAD_D, HEAD_DV, DT, DVT, BQ, BK)
     const long u = get_group_id(1), i0 = (long)get_group_id(0) * BQ;
     __global const long *unit = UNIT(meta, u);
