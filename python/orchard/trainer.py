@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from .checkpoint import save_checkpoint
 from .config import get_dtype_from_string
+from .data import DataError
 from .model import GPT, GPTConfig
 from .progress import ProgressBar
 
@@ -62,7 +63,7 @@ class Trainer:
         self.micro_batch = min(train["micro_batch"], self.rank_batch)
         self.steps_per_epoch = len(chunks) // train["batch_size"]
         if self.steps_per_epoch < 1:
-            raise ValueError("%d sequences of context %d are fewer than one batch of %d"
+            raise DataError("%d sequences of context %d are fewer than one batch of %d"
                              % (len(chunks), cfg["model"]["context"], train["batch_size"]))
 
         torch.manual_seed(seed)

@@ -103,7 +103,7 @@ def main(argv=None):
             seed = args.seed
         if vocab_size > requested["model"]["vocab_size"]:
             if state is not None:
-                raise ValueError("the data has token ids up to %d but the checkpoint's model "
+                raise DataError("the data has token ids up to %d but the checkpoint's model "
                                  "has a vocabulary of %d"
                                  % (vocab_size - 1, requested["model"]["vocab_size"]))
             log.info("config model.vocab_size: %d -> %d: the data's vocabulary",
