@@ -1,20 +1,98 @@
-"""Regenerates the README's Performance figures and plot with orchard-bench, in one run.
+"""Regenerates the README's Performance figures and plot, in one run.
 
-    python benchmarks/update_readme.py
+    python benchmarks/update_readme.py [--quick] [--readme README.md] [--json results.json]
+                                       [--plot attention_gflops.png]
 
-The grid is float32 and float16, causal and not, N from 256 to 2048 at B=4 (B=1 at 2048),
-H=8, D=64, on every device; plus training tokens/s of the demo model and the target figures
-(call overhead, staging cost, peak memory). Takes a few minutes on 2 cores.
+Measures what orchard-bench does (orchard.benchmark) on the grid float32 and float16, causal
+and not, N from 256 to 2048 at B=4 (B=1 at 2048), H=8, D=64, on every device, plus training
+tokens/s of the demo model and the figures of benchmarks/targets.py; writes them as JSON, the
+plot, and Markdown between "<!-- bench:start -->" and "<!-- bench:end -->" in the README.
+Takes a few minutes on 2 cores; --quick (or ORCHARD_BENCH_QUICK=1) is a tiny smoke run.
 """
+import argparse
+import json
 import os
+import re
 import sys
+import time
 
-from orchard import bench
+import numpy as np
+
+import orchard_ops
+import targets
+from orchard import benchmark
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
+
+def markdown(report):
+    """The results as Markdown: machine, table, comparisons, targets."""
+    m = report["machine"]
+    lines = ["Measured %s on %s (%d logical cores, %s SIMD, %.0f GiB), %d threads, Python %s, "
+             "NumPy %s; devices: %s. NumPy float32 matrix product (the roofline): %.1f GFLOP/s."
+             % (time.strftime("%Y-%m-%d"), m["cpu"], m["logical_cores"], m["simd"],
+                m["memory_gib"], m["threads"], m["python"], m["numpy"],
+                ", ".join("%s (%s)" % (d["id"], d["name"]) for d in m["devices"]),
+                report["sgemm_gflops"]), "",
+             "| backend | device | B,H,N,D | dtype | causal | fwd ms | fwd GFLOP/s | bwd ms | "
+             "bwd GFLOP/s | fwd / sgemm |", "|" + " --- |" * 10]
+    for r in report["results"]:
+        lines.append("| %s | %s | %d,%d,%d,%d | %s | %s | %.2f | %.1f | %s | %s | %.2f |" % (
+            r["backend"], r["device"], r["B"], r["H"], r["N"], r["D"], r["dtype"],
+            "yes" if r["causal"] else "no", r["fwd_ms"], r["fwd_gflops"],
+            "%.2f" % r["bwd_ms"] if "bwd_ms" in r else "-",
+            "%.1f" % r["bwd_gflops"] if "bwd_gflops" in r else "-",
+            r["fwd_gflops"] / report["sgemm_gflops"]))
+    lines += [""] + ["- " + c for c in report["comparisons"] if c.split(": ")[1].startswith(
+        "orchard") or " than orchard" in c]
+    if "training_tokens_per_s" in report:
+        t = report["training_tokens_per_s"]
+        lines.append("- training the demo model: orchard %.0f tokens/s, torch SDPA %.0f tokens/s"
+                     % (t["orchard"], t["torch-sdpa"]))
+    t = report["targets"]
+    lines += ["", "Targets (float32, B,H,N,D = %s; the calls alternate in one loop and a ratio "
+              "is the median of its ratios in each round; the matrix product at %.1f GFLOP/s):"
+              % (",".join(map(str, t["shape"])), t["sgemm_gflops"]), "",
+              "| target | bound | measured | |", "| --- | --- | --- | --- |"]
+    lines += ["| %s | %s | %s | %s |" % row for row in targets.target_rows(t)]
+    return "\n".join(lines)
+
+
+def write_readme(path, text):
+    with open(path) as f:
+        old = f.read()
+    new, count = re.subn(r"(<!-- bench:start -->\n).*?(<!-- bench:end -->)",
+                         lambda m: m.group(1) + text + "\n" + m.group(2), old, flags=re.S)
+    if count != 1:
+        raise SystemExit("%s has no <!-- bench:start --> ... <!-- bench:end --> block" % path)
+    with open(path, "w") as f:
+        f.write(new)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny float32 non-causal shapes, one repeat, no training")
+    parser.add_argument("--readme", default=os.path.join(HERE, "..", "README.md"))
+    parser.add_argument("--json", default=os.path.join(HERE, "results.json"))
+    parser.add_argument("--plot", default=os.path.join(HERE, "attention_gflops.png"))
+    args = parser.parse_args(argv)
+    devices = [d["id"] for d in orchard_ops.devices()]
+    if args.quick or os.environ.get("ORCHARD_BENCH_QUICK") == "1":
+        report = benchmark.run(benchmark.QUICK_SHAPES, devices, [np.float32], [False], 1)
+        report["targets"] = targets.target_figures(1, benchmark.QUICK_SHAPES[-1])
+    else:
+        report = benchmark.run(benchmark.DEFAULT_SHAPES, devices, [np.float32, np.float16],
+                               [False, True], 5, train_steps=12)
+        report["targets"] = targets.target_figures(5)
+    text = markdown(report)
+    print(text)
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=1)
+    benchmark.plot(report["results"], args.plot)
+    write_readme(args.readme, text)
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(bench.main(["--train", "--targets", "--repeats", "5",
-                         "--json", os.path.join(HERE, "results.json"),
-                         "--plot", os.path.join(HERE, "attention_gflops.png"),
-                         "--readme", os.path.join(HERE, "..", "README.md")]))
+    sys.exit(main())

@@ -19,9 +19,10 @@ import pytest
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
 
-# tests/ for `import reference`; the repo root and python/ for an in-place build
-# (`python setup.py build_ext --inplace` writes orchard_ops*.so into python/, the package
-# dir).  Without an in-place build the import falls through to site-packages.
+# tests/ for `import reference` (a re-export of orchard.reference); the repo root and python/
+# for an in-place build (`python setup.py build_ext --inplace` writes orchard_ops*.so into
+# python/, the package dir).  Without an in-place build the import falls through to
+# site-packages.
 for _p in (REPO_ROOT, os.path.join(REPO_ROOT, "python"), TESTS_DIR):
     if _p not in sys.path:
         sys.path.insert(0, _p)
@@ -227,7 +228,7 @@ def lse_dtype(dtype):
 
 
 def subprocess_env(**extra):
-    """Environment for a child python that can import orchard_ops and reference."""
+    """Environment for a child python that can import orchard_ops, orchard and reference."""
     env = dict(os.environ)
     paths = [TESTS_DIR, os.path.join(REPO_ROOT, "python"), REPO_ROOT]
     if _ops is not None and getattr(_ops, "__file__", None):
@@ -255,7 +256,7 @@ def run_python(code, timeout=120, **env):
 def check_forward(ops, device, q, k, v, what="", **kw):
     """Run orchard's forward, check dtype/shape/no-NaN and compare with ref_fwd (float64 on
     the values as stored).  Returns (out, lse) of orchard."""
-    from reference import ref_fwd
+    from orchard.reference import ref_fwd
     qa, ka, va = np.asarray(q), np.asarray(k), np.asarray(v)
     out, lse = ops.flash_attn_fwd(q, k, v, device=device, **kw)
     out, lse = np.asarray(out), np.asarray(lse)
@@ -273,7 +274,7 @@ def check_forward(ops, device, q, k, v, what="", **kw):
 
 def check_backward(ops, device, q, k, v, dout, what="", **kw):
     """Run orchard's forward + backward and compare the gradients with ref_bwd."""
-    from reference import ref_bwd
+    from orchard.reference import ref_bwd
     qa, ka, va = np.asarray(q), np.asarray(k), np.asarray(v)
     out, lse = ops.flash_attn_fwd(q, k, v, device=device, **kw)
     dq, dk, dv = (np.asarray(g) for g in ops.flash_attn_bwd(dout, q, k, v, out, lse,

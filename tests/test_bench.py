@@ -1,5 +1,5 @@
-"""orchard-bench and the benchmark notebook, at tiny sizes (timings are not checked here:
-benchmarks are not timed tests)."""
+"""orchard-bench, the README's benchmark helpers (benchmarks/) and the benchmark notebook, at
+tiny sizes (timings are not checked here: benchmarks are not timed tests)."""
 import json
 import os
 
@@ -11,14 +11,14 @@ from conftest import REPO_ROOT, run_python
 def test_bench_cli_json_and_table(tmp_path):
     out = tmp_path / "bench.json"
     r = run_python("""
-        from orchard import bench
+        from orchard.cli import bench
         bench.main(["--quick", "--dtypes", "float32", "--json", %r])
     """ % str(out), timeout=600)
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())
     assert report["sgemm_gflops"] > 0
     backends = {row["backend"] for row in report["results"]}
-    assert "orchard" in backends and "numpy-naive" in backends
+    assert "orchard" in backends and "numpy-reference" in backends
     for row in report["results"]:
         assert row["fwd_ms"] > 0 and row["fwd_gflops"] > 0
         if row["backend"] == "orchard":
@@ -27,16 +27,18 @@ def test_bench_cli_json_and_table(tmp_path):
     assert "GFLOP/s" in r.stdout
 
 
-def test_bench_targets_and_readme(tmp_path):
-    """--targets measures every target figure (at the quick shape) and --readme writes them,
-    with the grid, between the markers of a README."""
-    out, readme = tmp_path / "bench.json", tmp_path / "README.md"
+def test_update_readme_writes_targets_and_grid(tmp_path):
+    """benchmarks/update_readme.py measures the grid and every target figure (at the quick
+    shape) and writes them between the markers of a README, with the JSON and the plot."""
+    pytest.importorskip("matplotlib")
+    out, readme, png = tmp_path / "bench.json", tmp_path / "README.md", tmp_path / "plot.png"
     readme.write_text("# x\n<!-- bench:start -->\nold\n<!-- bench:end -->\ntail\n")
     r = run_python("""
-        from orchard import bench
-        bench.main(["--quick", "--dtypes", "float32", "--causal", "no", "--targets",
-                    "--json", %r, "--readme", %r])
-    """ % (str(out), str(readme)), timeout=600)
+        import sys
+        sys.path.insert(0, %r)
+        import update_readme
+        update_readme.main(["--quick", "--json", %r, "--readme", %r, "--plot", %r])
+    """ % (os.path.join(REPO_ROOT, "benchmarks"), str(out), str(readme), str(png)), timeout=600)
     assert r.returncode == 0, r.stderr
     targets = json.loads(out.read_text())["targets"]
     for key in ("fwd_vs_sgemm", "bwd_vs_sgemm", "causal_speedup", "staged_overhead_pct",
@@ -44,14 +46,24 @@ def test_bench_targets_and_readme(tmp_path):
         assert targets[key] > 0 or key == "staged_overhead_pct", key
     text = readme.read_text()
     assert "old" not in text and text.endswith("<!-- bench:end -->\ntail\n")
-    assert "| target | bound | measured |" in text and "targets at" in r.stdout
+    assert "| target | bound | measured |" in text and "| numpy-reference |" in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_has_no_readme_or_target_flags():
+    """Regenerating the README is a benchmark helper, not a flag of the installed command."""
+    r = run_python("""
+        from orchard.cli import bench
+        bench.main(["--readme", "README.md"])
+    """)
+    assert r.returncode == 2 and "unrecognized arguments: --readme" in r.stderr
 
 
 def test_bench_plot(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "plot.png"
     r = run_python("""
-        from orchard import bench
+        from orchard.cli import bench
         bench.main(["--quick", "--dtypes", "float32", "--causal", "no", "--plot", %r])
     """ % str(png), timeout=600)
     assert r.returncode == 0, r.stderr

@@ -1,4 +1,4 @@
-"""Training survives being killed: `python -m orchard.train` is stopped with SIGKILL at random
+"""Training survives being killed: `python -m orchard.cli.train` is stopped with SIGKILL at random
 moments and, in other rounds, the instant a checkpoint write is under way (its temporary file
 exists); after every kill the latest checkpoint loads, --resume goes on from it, and the run
 that was killed again and again ends with exactly the parameters and loss curve of a run that
@@ -38,7 +38,7 @@ def run_files(tmp_path_factory):
 
 def train_args(run_files, out, *extra):
     config, sequences = run_files
-    return ["-m", "orchard.train", "--config", config, "--sequences", sequences, "--output",
+    return ["-m", "orchard.cli.train", "--config", config, "--sequences", sequences, "--output",
             str(out), "--device", "cpu", "--max-steps", str(STEPS), *extra]
 
 
@@ -97,7 +97,7 @@ def test_sigkill_at_random_moments_and_mid_checkpoint_then_resume(run_files, tmp
 
 BAD_INPUTS = r"""
 import sys
-from orchard import train
+from orchard.cli import train
 for args in CASES:
     print("RC", train.main(args + ["--device", "cpu", "--max-steps", "1", "--output", OUT]))
 """

@@ -248,7 +248,7 @@ def test_tuned_blocks_stored_and_used(tmp_path):
     dev = OPENCL_IDS[0]
     r = run_python("""
         import sys
-        from orchard import tune
+        from orchard.cli import tune
         sys.exit(tune.main(["--device", "%s", "--shape", "1,2,100,16", "--repeats", "1",
                             "--candidates", "48x48", "96x96"]))
     """ % dev, timeout=600, ORCHARD_CACHE_DIR=tmp_path)
@@ -283,7 +283,7 @@ def test_tuned_blocks_errors(ops, tmp_path):
         print(json.dumps([o.save_tuned_blocks("%s", 48, 48), o.tuned_blocks("%s")]))
     """ % (OPENCL_IDS[0], OPENCL_IDS[0]), ORCHARD_CACHE_DIR=tmp_path, ORCHARD_NO_CACHE=1) \
         == [False, None]
-    r = run_python("from orchard import tune; raise SystemExit(tune.main(['--device', 'cpu']))")
+    r = run_python("from orchard.cli import tune; raise SystemExit(tune.main(['--device', 'cpu']))")
     assert r.returncode == 2 and "'device' must be an OpenCL device" in r.stderr
 
 

@@ -39,6 +39,8 @@ def test_partial_config_takes_defaults(tmp_path):
     ("training:\n  dtype: fp8\n", "training.dtype"),
     ("training:\n  micro_batch: 0\n", "training.micro_batch"),
     ("device:\n  memory_fraction: 1.5\n", "device.memory_fraction"),
+    ("training:\n  val_fraction: 1\n", "training.val_fraction"),
+    ("training:\n  eval_interval: 0\n", "training.eval_interval"),
     ("model:\n  n_embd: 100\n  n_head: 3\n", "model.n_embd"),
     ("model: 3\n", "model"),
 ])

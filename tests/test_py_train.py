@@ -1,5 +1,6 @@
-"""orchard-train end to end: falling loss, metrics, resume, the out-of-memory policy,
-crash-safe checkpoints, data parallelism, and --help of every command."""
+"""orchard-train end to end: falling loss, metrics, the validation split, resume, the
+out-of-memory policy, crash-safe checkpoints, data parallelism, and --help of every command."""
+import json
 import logging
 import os
 import re
@@ -10,13 +11,14 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import orchard_ops  # noqa: E402
-from orchard import train  # noqa: E402
+from orchard.cli import train  # noqa: E402
 from orchard.checkpoint import load_checkpoint  # noqa: E402
 from orchard.config import load_config  # noqa: E402
-from orchard.data import load_sequences, token_chunks  # noqa: E402
+from orchard.data import load_sequences, split_validation, token_chunks  # noqa: E402
 from orchard.device_backend import get_device_backend  # noqa: E402
 from orchard.trainer import Trainer  # noqa: E402
-from test_py_support import REPO_ROOT, read_metrics, run_python, write_tiny_run_files  # noqa: E402
+from test_py_support import (REPO_ROOT, TINY_CONFIG, read_metrics, run_python,  # noqa: E402
+                             write_tiny_run_files)
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +48,33 @@ def test_loss_falls_and_metrics_are_written(run_files, tmp_path):
     state = load_checkpoint(str(tmp_path / "checkpoint.pt"))
     assert state["step"] == 30 and set(state["rng"]) == {"torch", "python"}
     assert state["data"]["byte_level"] is True and state["config"]["model"]["n_layer"] == 2
+
+
+def test_validation_split_is_the_end_of_the_data():
+    chunks = torch.arange(200).view(100, 2)
+    train_part, val = split_validation(chunks, 0.05)
+    assert torch.equal(train_part, chunks[:95]) and torch.equal(val, chunks[95:])
+    train_part, val = split_validation(chunks, 0.0)
+    assert torch.equal(train_part, chunks) and len(val) == 0
+    assert len(split_validation(chunks[:10], 0.05)[1]) == 0     # under one window: none
+
+
+def test_validation_loss_is_measured_periodically(run_files, tmp_path, caplog):
+    import yaml
+
+    cfg = json.loads(json.dumps(TINY_CONFIG))
+    cfg["training"].update(eval_interval=4, val_fraction=0.1)
+    config = tmp_path / "val.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "run"
+    with caplog.at_level(logging.INFO, logger="orchard"):
+        assert train.main(["--config", str(config), "--sequences", run_files[1], "--output",
+                           str(out), "--device", "cpu", "--max-steps", "10"]) == 0
+    metrics = read_metrics(out)
+    val = {m["step"]: m["val_loss"] for m in metrics if "val_loss" in m}
+    assert sorted(val) == [4, 8, 10]         # every eval_interval steps and at the end
+    assert val[10] < val[4]
+    assert "held out for validation" in caplog.text and "val loss %.4f" % val[8] in caplog.text
 
 
 def test_interrupted_run_resumes_exactly(run_files, tmp_path, monkeypatch):
@@ -133,7 +162,7 @@ def test_writer_killed_mid_checkpoint_leaves_the_previous_one(tmp_path):
 def test_torchrun_two_processes_agree(run_files, tmp_path):
     config, sequences = run_files
     result = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                         "-m", "orchard.train", "--config", config,
+                         "-m", "orchard.cli.train", "--config", config,
                          "--sequences", sequences, "--output", str(tmp_path), "--max-steps",
                          "4", "--device", "cpu"], timeout=120, OMP_NUM_THREADS="1")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -144,13 +173,15 @@ def test_torchrun_two_processes_agree(run_files, tmp_path):
 
 
 @pytest.mark.parametrize("module, words", [
-    ("orchard.train", ["--config", "--sequences", "--epochs", "--device", "--resume",
+    ("orchard.cli.train", ["--config", "--sequences", "--epochs", "--device", "--resume",
                        "--max-steps", "--output", "--seed", "--fp16", "--grad-checkpointing"]),
-    ("orchard.generate", ["--checkpoint", "--prompt", "--device", "--max-new-tokens",
+    ("orchard.cli.generate", ["--checkpoint", "--prompt", "--device", "--max-new-tokens",
                           "--temperature", "--top-k"]),
-    ("orchard.list_devices", ["--json"]),
-    ("orchard.prepare", ["SRC_DIR", "--output"]),
-    ("orchard.demo", ["--device"]),
+    ("orchard.cli.devices", ["--json"]),
+    ("orchard.cli.prepare", ["SRC_DIR", "--output"]),
+    ("orchard.cli.demo", ["--device"]),
+    ("orchard.cli.bench", ["--shapes", "--devices", "--json", "--plot", "--train"]),
+    ("orchard.cli.tune", ["--device", "--shape", "--candidates"]),
 ])
 def test_help_of_every_command(module, words):
     result = run_python(["-m", module, "--help"])
@@ -164,7 +195,7 @@ def test_every_command_is_a_console_script():
         scripts = re.search(r"\[project\.scripts\]\n(.*?)\n\n", f.read(), re.S).group(1)
     names = dict(re.findall(r'^(\S+) = "(\S+)"$', scripts, re.M))
     assert set(names) >= {"orchard-demo", "orchard-train", "orchard-generate",
-                          "orchard-devices", "orchard-prepare"}
+                          "orchard-devices", "orchard-prepare", "orchard-bench", "orchard-tune"}
     import importlib
 
     for target in names.values():
@@ -178,14 +209,14 @@ def test_generate_and_prepare(run_files, tmp_path):
     (src / "a.py").write_text("print('hello')\n" * 50)
     (src / "b.bin").write_bytes(b"\0\1\2")
     seqs = tmp_path / "seqs.json"
-    result = run_python(["-m", "orchard.prepare", str(src), "-o", str(seqs)])
+    result = run_python(["-m", "orchard.cli.prepare", str(src), "-o", str(seqs)])
     assert result.returncode == 0 and "1 sequences" in result.stdout, result.stderr
     sequences, vocab = load_sequences(str(seqs))
     assert vocab == 256 and bytes(sequences[0]).startswith(b"print('hello')")
     out = tmp_path / "run"
     assert train.main(["--config", run_files[0], "--sequences", str(seqs), "--output", str(out),
                        "--max-steps", "2", "--device", "cpu"]) == 0
-    result = run_python(["-m", "orchard.generate", "--checkpoint", str(out), "--prompt",
+    result = run_python(["-m", "orchard.cli.generate", "--checkpoint", str(out), "--prompt",
                          "print", "--max-new-tokens", "20"])
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("print") and len(result.stdout) > len("print")

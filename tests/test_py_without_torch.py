@@ -5,12 +5,13 @@ WITHOUT_TORCH = r"""
 import sys
 sys.modules["torch"] = None  # any `import torch` now raises ImportError
 import orchard, orchard_ops
-import orchard.config, orchard.data, orchard.device_backend, orchard.list_devices, orchard.prepare
+import orchard.config, orchard.data, orchard.device_backend, orchard.reference
+import orchard.cli.bench, orchard.cli.demo, orchard.cli.devices, orchard.cli.prepare, orchard.cli.tune
 backend = orchard.device_backend.get_device_backend()
 cfg, reasons = backend.adapt_config(orchard.config.load_config("configs/universal.yaml"))
 assert cfg["training"]["micro_batch"] >= 1 and reasons
 backend.setup()
-assert orchard.list_devices.main([]) == 0
+assert orchard.cli.devices.main([]) == 0
 print("ok")
 """
 

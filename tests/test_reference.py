@@ -1,12 +1,12 @@
-"""Self-tests of the float64 reference (tests/reference.py).  These do not need orchard_ops."""
+"""Self-tests of the float64 reference (orchard.reference)."""
 
 import math
 
 import numpy as np
 import pytest
 
-from reference import (philox4x32, ref_bwd, ref_dropout_keep, ref_dropout_mask, ref_fwd,
-                       ref_varlen_bwd, ref_varlen_fwd, visible_mask)
+from orchard.reference import (philox4x32, ref_bwd, ref_dropout_keep, ref_dropout_mask,
+                               ref_fwd, ref_varlen_bwd, ref_varlen_fwd, visible_mask)
 
 
 # ---------------------------------------------------------------- Philox known answers

@@ -1,17 +1,22 @@
 """orchard: portable FlashAttention.
 
 The attention kernels live in the C extension `orchard_ops`; this package re-exports them.
-The submodules add the rest, and only orchard.torch, orchard.model and the trainer need
-PyTorch (the optional extra):
+The submodules add the rest; only orchard.torch, orchard.model, orchard.trainer,
+orchard.checkpoint and orchard.generation need PyTorch (the optional extra):
 
     orchard.device_backend   the device, its facts, a training config adapted to them
     orchard.config           loading and validation of configs/universal.yaml
+    orchard.reference        the float64 NumPy reference of the attention contract
     orchard.torch            flash_attention (autograd) and patch_model
     orchard.model            the GPT-style language model
-    orchard.data             token sequences; orchard.prepare is orchard-prepare
-    orchard.trainer          the training loop; orchard.train is orchard-train
+    orchard.data             token sequences: loading, validation, windows, validation split
+    orchard.trainer          the training loop
     orchard.checkpoint       atomic, device-neutral checkpoints
-    orchard.generate, orchard.list_devices   orchard-generate, orchard-devices
+    orchard.progress         the trainer's progress bar
+    orchard.generation       text generation from a checkpoint
+    orchard.benchmark        attention throughput of every device and backend
+    orchard.tuning           OpenCL block sizes picked by timing
+    orchard.cli              the console scripts (orchard-train, orchard-bench, ...)
 """
 from orchard_ops import (  # noqa: F401  (re-exported API)
     OrchardError,

@@ -53,6 +53,8 @@ SCHEMA = {
                                else "must be true, false or 'auto'"),
         "log_interval": (int, 10, _positive),
         "checkpoint_interval": (int, 100, _positive),
+        "val_fraction": ((int, float), 0.05, _fraction),
+        "eval_interval": (int, 100, _positive),
     },
     "device": {
         "memory_fraction": ((int, float), 0.8, _unit),

@@ -1,4 +1,5 @@
-"""Training data: token sequences, from a JSON file or built from a folder of text.
+"""Training data: token sequences loaded and validated, cut into windows of the model's
+context, and split into training and held-out validation windows.
 
 token_sequences.json is either a list of token-id lists or {"vocab_size": V, "sequences":
 [...]}. Text becomes byte-level tokens (vocabulary 256), so nothing needs a tokenizer, and
@@ -106,6 +107,18 @@ def stdlib_sequences(max_bytes=DEFAULT_MAX_BYTES):
     return text_file_sequences(paths, max_bytes)
 
 
+def load_training_data(path=None):
+    """(sequences, vocab_size, info) of a token_sequences.json, or of the standard library's
+    sources for None; info names the source and says whether the tokens are bytes (generation
+    then reads and writes text)."""
+    if path is None:
+        return stdlib_sequences(), BYTE_VOCAB, {"source": "python standard library",
+                                                "byte_level": True}
+    sequences, vocab_size = load_sequences(path)
+    # orchard-prepare's output is byte-level
+    return sequences, vocab_size, {"source": path, "byte_level": vocab_size == BYTE_VOCAB}
+
+
 def token_chunks(sequences, context):
     """LongTensor (n, context + 1): the sequences concatenated and cut into windows, each an
     input of `context` tokens and, shifted by one, its targets. Sequences run into each other
@@ -120,3 +133,11 @@ def token_chunks(sequences, context):
     inputs = stream[:n * context].view(n, context)
     targets = stream[1:n * context + 1].view(n, context)
     return torch.cat([inputs, targets[:, -1:]], dim=1)
+
+
+def split_validation(chunks, val_fraction):
+    """(train, val): the last floor(len(chunks) * val_fraction) windows are held out. The end
+    of the data, as in nanoGPT, so that the split is the same in every run and resume and no
+    training window shares text with a validation one (but for the one token at the seam)."""
+    n_val = int(len(chunks) * val_fraction)
+    return chunks[:len(chunks) - n_val], chunks[len(chunks) - n_val:]

@@ -1,9 +1,11 @@
 """The training loop: batches, mixed precision, gradient accumulation, the out-of-memory
-policy, metrics, checkpoints, resume, Ctrl-C, and data parallelism.
+policy, metrics, validation, checkpoints, resume, Ctrl-C, and data parallelism.
 
 One optimizer step consumes `batch_size` sequences (split evenly over data-parallel ranks),
 fed through the model `micro_batch` at a time. The batches of an epoch are a permutation
 seeded by (seed, epoch), so a resumed run sees exactly the batches the original would have.
+Every `eval_interval` steps and at the end, the mean loss over the held-out sequences
+(orchard.data.split_validation) is measured and reported as val_loss.
 """
 import contextlib
 import hashlib
@@ -21,6 +23,7 @@ import torch.distributed as dist
 
 from .checkpoint import save_checkpoint
 from .config import get_dtype_from_string
+from .data import DataError
 from .model import GPT, GPTConfig
 from .progress import ProgressBar
 
@@ -40,11 +43,12 @@ def is_out_of_memory(exc):
 
 class Trainer:
     def __init__(self, cfg, backend, chunks, output_dir, requested_cfg=None, seed=1337,
-                 data_info=None, resume_state=None):
+                 data_info=None, resume_state=None, val_chunks=None):
         self.cfg = cfg
         self.requested_cfg = requested_cfg if requested_cfg is not None else cfg
         self.backend = backend
         self.chunks = chunks
+        self.val_chunks = val_chunks if val_chunks is not None and len(val_chunks) else None
         self.output_dir = output_dir
         self.seed = seed
         self.data_info = data_info or {}
@@ -59,7 +63,7 @@ class Trainer:
         self.micro_batch = min(train["micro_batch"], self.rank_batch)
         self.steps_per_epoch = len(chunks) // train["batch_size"]
         if self.steps_per_epoch < 1:
-            raise ValueError("%d sequences of context %d are fewer than one batch of %d"
+            raise DataError("%d sequences of context %d are fewer than one batch of %d"
                              % (len(chunks), cfg["model"]["context"], train["batch_size"]))
 
         torch.manual_seed(seed)
@@ -151,11 +155,13 @@ class Trainer:
 
     # -- one optimizer step, with the out-of-memory policy -----------------------------------
 
+    def _autocast(self):
+        return torch.autocast("cpu", dtype=get_dtype_from_string(self.dtype),
+                              enabled=self.dtype != "fp32")
+
     def _accumulate(self, inputs, targets):
         micro_inputs = inputs.split(self.micro_batch)
         micro_targets = targets.split(self.micro_batch)
-        autocast = torch.autocast("cpu", dtype=get_dtype_from_string(self.dtype),
-                                  enabled=self.dtype != "fp32")
         total = 0.0
         for n, (x, y) in enumerate(zip(micro_inputs, micro_targets)):
             last = n == len(micro_inputs) - 1
@@ -163,7 +169,7 @@ class Trainer:
             sync = (self.forward_model.no_sync() if self.distributed and not last
                     else contextlib.nullcontext())
             with sync:
-                with autocast:
+                with self._autocast():
                     _, loss = self.forward_model(x, y)
                 loss = loss.float() * (len(x) / len(inputs))
                 self.scaler.scale(loss).backward()
@@ -200,6 +206,19 @@ class Trainer:
     def accumulation_steps(self):
         return math.ceil(self.rank_batch / self.micro_batch)
 
+    @torch.no_grad()
+    def evaluate(self):
+        """Mean loss over the held-out sequences, each rank taking its share. Dropout is off
+        in eval mode, so this draws no random numbers and a resumed run stays exact."""
+        self.model.eval()
+        total = 0.0
+        for batch in self.val_chunks[self.rank::self.world].split(self.micro_batch):
+            with self._autocast():
+                _, loss = self.model(batch[:, :-1], batch[:, 1:])
+            total += loss.float().item() * len(batch)
+        self.model.train()
+        return self._sum_over_ranks(total) / len(self.val_chunks)
+
     # -- the loop ----------------------------------------------------------------------------
 
     def _request_stop(self, signum, frame):
@@ -215,12 +234,12 @@ class Trainer:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
-    def _mean_over_ranks(self, value):
+    def _sum_over_ranks(self, value):
         if not self.distributed:
             return value
         t = torch.tensor([value], dtype=torch.float64)
         dist.all_reduce(t)
-        return t.item() / self.world
+        return t.item()
 
     def _write_metrics(self, record):
         self.history.append(record)
@@ -265,22 +284,28 @@ class Trainer:
                 lr = self.learning_rate(self.step, total)
                 losses.append(self.train_step(inputs, targets, lr))
                 self.step += 1
-                if self.step % train["log_interval"] == 0 or self.step == total:
+                validate = self.val_chunks is not None and (
+                    self.step % train["eval_interval"] == 0 or self.step == total)
+                if self.step % train["log_interval"] == 0 or validate or self.step == total:
                     elapsed = time.perf_counter() - t0
                     record = {
                         "step": self.step,
                         "epoch": (self.step - 1) // self.steps_per_epoch,
-                        "loss": round(self._mean_over_ranks(sum(losses) / len(losses)), 5),
+                        "loss": round(self._sum_over_ranks(sum(losses) / len(losses))
+                                      / self.world, 5),
                         "lr": lr,
                         "tokens_per_s": round(len(losses) * tokens_per_step / elapsed, 1),
                         "device": self.backend.device,
                         "micro_batch": self.micro_batch,
                         "grad_accum": self.accumulation_steps(),
                     }
+                    if validate:
+                        record["val_loss"] = round(self.evaluate(), 5)
                     self._write_metrics(record)
-                    log.info("step %d/%d  epoch %d  loss %.4f  lr %.2e  %.0f tokens/s  "
+                    log.info("step %d/%d  epoch %d  loss %.4f%s  lr %.2e  %.0f tokens/s  "
                              "micro-batch %d x %d", self.step, total, record["epoch"],
-                             record["loss"], lr, record["tokens_per_s"], self.micro_batch,
+                             record["loss"], "  val loss %.4f" % record["val_loss"]
+                             if validate else "", lr, record["tokens_per_s"], self.micro_batch,
                              self.accumulation_steps())
                     losses, t0 = [], time.perf_counter()
                 if bar:

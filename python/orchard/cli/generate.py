@@ -5,7 +5,7 @@
 
 Models trained on byte-level data (a vocabulary of 256: the default data and orchard-prepare's
 output) take the prompt as text and print text; others take and print space-separated token
-ids.
+ids (orchard.generation).
 """
 import argparse
 import sys
@@ -27,36 +27,20 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     args = parser.parse_args(argv)
 
-    import torch
-
-    from .checkpoint import CheckpointError, load_checkpoint
-    from .device_backend import get_device_backend
-    from .model import GPT, GPTConfig
+    from ..checkpoint import CheckpointError
+    from ..generation import decode, encode, generate, load_model
 
     try:
-        state = load_checkpoint(args.checkpoint)
+        model, byte_level = load_model(args.checkpoint, args.device)
     except CheckpointError as exc:
-        print("orchard-generate: %s" % exc, file=sys.stderr)
+        print("orchard-generate: error: %s" % exc, file=sys.stderr)
         return 2
-    model = GPT(GPTConfig.from_dict(state["model_config"]))
-    model.load_state_dict(state["model"])
-    model.eval()
-    get_device_backend(args.device).setup().patch_model(model)
-
-    byte_level = state["data"].get("byte_level", False)
-    if byte_level:
-        prompt = list(args.prompt.encode("utf-8"))
-    else:
-        prompt = [int(t) for t in args.prompt.split()]
-    if not prompt:
-        parser.error("--prompt is empty")
-    generator = torch.Generator().manual_seed(args.seed)
-    out = model.generate(torch.tensor([prompt]), args.max_new_tokens, args.temperature,
-                         args.top_k, generator=generator)[0].tolist()
-    if byte_level:
-        sys.stdout.write(bytes(out).decode("utf-8", errors="replace") + "\n")
-    else:
-        print(" ".join(map(str, out)))
+    try:
+        ids = encode(args.prompt, byte_level)
+    except ValueError as exc:
+        parser.error("argument --prompt: %s" % exc)
+    out = generate(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    print(decode(out, byte_level))
     return 0
 
 

@@ -9,8 +9,8 @@ import sys
 
 import orchard_ops
 
-from .config import load_config
-from .device_backend import GiB, auto_choice_reason, get_device_backend
+from ..config import ConfigError, load_config
+from ..device_backend import GiB, auto_choice_reason, get_device_backend
 
 _FACTS = ("kind", "backend", "vendor", "platform", "driver_version", "compute_units",
           "global_mem_bytes", "local_mem_bytes", "max_work_group_size", "fp16", "fp64",
@@ -27,7 +27,11 @@ def main(argv=None):
     listing = orchard_ops.devices()
     chosen, why = auto_choice_reason(listing)
     backend = get_device_backend(chosen)
-    cfg, reasons = backend.adapt_config(load_config(args.config))
+    try:
+        cfg, reasons = backend.adapt_config(load_config(args.config))
+    except ConfigError as exc:
+        print("orchard-devices: error: %s" % exc, file=sys.stderr)
+        return 2
     if args.json:
         json.dump({"devices": listing, "auto": chosen, "why": why, "config": cfg,
                    "reasons": reasons}, sys.stdout, indent=2)

@@ -6,7 +6,7 @@
                   [--micro-batch N] [--verbose]
 
 The config is adapted to the device (orchard-devices shows how, and --verbose logs every
-decision). Data parallel: `torchrun --nproc-per-node 2 -m orchard.train ...` (gloo); rank 0
+decision). Data parallel: `torchrun --nproc-per-node 2 -m orchard.cli.train ...` (gloo); rank 0
 writes the checkpoint and metrics.
 """
 import argparse
@@ -72,27 +72,15 @@ def setup_logging(rank):
                         level=logging.INFO if rank == 0 else logging.WARNING)
 
 
-def load_data(args):
-    from .data import BYTE_VOCAB, load_sequences, stdlib_sequences
-
-    if args.sequences:
-        sequences, vocab_size = load_sequences(args.sequences)
-        # orchard-prepare's output; generation then reads and writes text.
-        byte_level = vocab_size == BYTE_VOCAB
-        return sequences, vocab_size, {"source": args.sequences, "byte_level": byte_level}
-    sequences = stdlib_sequences()
-    return sequences, BYTE_VOCAB, {"source": "python standard library", "byte_level": True}
-
-
 def main(argv=None):
     args = parse_args(argv)
     import torch.distributed as dist
 
-    from .checkpoint import CheckpointError, load_checkpoint
-    from .config import ConfigError, load_config, validate
-    from .data import DataError, token_chunks
-    from .device_backend import auto_choice_reason, get_device_backend
-    from .trainer import Trainer
+    from ..checkpoint import CheckpointError, load_checkpoint
+    from ..config import ConfigError, load_config, validate
+    from ..data import DataError, load_training_data, split_validation, token_chunks
+    from ..device_backend import auto_choice_reason, get_device_backend
+    from ..trainer import Trainer
 
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
@@ -104,7 +92,7 @@ def main(argv=None):
         if args.device in (None, "auto"):
             log.info("device %s chosen automatically: %s", *auto_choice_reason())
         state = load_checkpoint(args.resume) if args.resume else None
-        sequences, vocab_size, data_info = load_data(args)
+        sequences, vocab_size, data_info = load_training_data(args.sequences)
         if state is not None:
             # The checkpoint fixes the model; the rest is re-adapted to this device.
             requested = validate(state["config"], "checkpoint %s" % args.resume)
@@ -115,7 +103,7 @@ def main(argv=None):
             seed = args.seed
         if vocab_size > requested["model"]["vocab_size"]:
             if state is not None:
-                raise ValueError("the data has token ids up to %d but the checkpoint's model "
+                raise DataError("the data has token ids up to %d but the checkpoint's model "
                                  "has a vocabulary of %d"
                                  % (vocab_size - 1, requested["model"]["vocab_size"]))
             log.info("config model.vocab_size: %d -> %d: the data's vocabulary",
@@ -131,10 +119,14 @@ def main(argv=None):
             chunks = token_chunks(sequences, cfg["model"]["context"])
         except DataError as exc:
             raise DataError("%s: %s" % (data_info["source"], exc)) from None
-        log.info("data: %s, %d tokens, %d sequences of %d", data_info["source"],
-                 len(chunks) * cfg["model"]["context"], len(chunks), cfg["model"]["context"])
+        chunks, val_chunks = split_validation(chunks, cfg["training"]["val_fraction"])
+        log.info("data: %s, %d tokens, %d sequences of %d for training, %d held out for "
+                 "validation", data_info["source"],
+                 (len(chunks) + len(val_chunks)) * cfg["model"]["context"], len(chunks),
+                 cfg["model"]["context"], len(val_chunks))
         trainer = Trainer(cfg, backend, chunks, args.output, requested_cfg=requested,
-                          seed=seed, data_info=data_info, resume_state=state)
+                          seed=seed, data_info=data_info, resume_state=state,
+                          val_chunks=val_chunks)
         code = trainer.run(args.epochs, args.max_steps)
         if distributed:
             digests = [None] * dist.get_world_size()
@@ -151,7 +143,7 @@ def main(argv=None):
         return code
     except (ConfigError, DataError, CheckpointError) as exc:
         # a mistake in what the user gave: one line that says so, not a traceback
-        log.error("orchard-train: %s", exc)
+        log.error("orchard-train: error: %s", exc)
         return 2
     except KeyboardInterrupt:
         log.info("interrupted")

@@ -8,7 +8,7 @@ recognised by a NUL byte, and hidden files are skipped), for orchard-train --seq
 import argparse
 import sys
 
-from .data import BYTE_VOCAB, folder_files, save_sequences, text_file_sequences
+from ..data import BYTE_VOCAB, folder_files, save_sequences, text_file_sequences
 
 
 def main(argv=None):
@@ -23,8 +23,8 @@ def main(argv=None):
 
     sequences = text_file_sequences(folder_files(args.src_dir, args.ext), args.max_bytes)
     if not sequences:
-        print("orchard-prepare: no text files under %s" % args.src_dir, file=sys.stderr)
-        return 1
+        print("orchard-prepare: error: no text files under %s" % args.src_dir, file=sys.stderr)
+        return 2
     save_sequences(args.output, sequences, BYTE_VOCAB)
     print("wrote %d sequences, %d tokens (vocabulary %d) to %s"
           % (len(sequences), sum(map(len, sequences)), BYTE_VOCAB, args.output))

@@ -1,0 +1,211 @@
+"""Attention throughput of every device and backend, measured side by side in one process.
+
+For each shape, dtype, causal flag and device it times orchard's forward and backward (one
+warm-up call, then the best of `repeats`) and reports ms and GFLOP/s with FlashAttention-2's
+accounting: forward 4*B*H*N*N*D flops, halved when causal; backward 2.5x the forward. In the
+same run it measures NumPy's float32 matrix product (the practical roofline of this machine),
+the NumPy reference (orchard.reference: float64, the N x N scores materialised) and PyTorch's
+scaled_dot_product_attention on the CPU when torch is installed, so every ratio compares
+figures taken side by side. orchard-bench prints these; benchmarks/ adds the README's figures.
+"""
+import platform
+import time
+
+import numpy as np
+
+import orchard_ops
+
+from .reference import ref_fwd
+
+DEFAULT_SHAPES = [(4, 8, 256, 64), (4, 8, 512, 64), (4, 8, 1024, 64), (1, 8, 2048, 64)]
+QUICK_SHAPES = [(1, 2, 64, 32), (1, 2, 128, 32)]
+
+
+def attention_flops(b, h, n, d, causal):
+    flops = 4.0 * b * h * n * n * d
+    return flops / 2 if causal else flops
+
+
+def best_time(fn, repeats):
+    """Seconds of the fastest of `repeats` calls, after one warm-up call."""
+    return float(round_robin({"fn": fn}, repeats)["fn"].min())
+
+
+def sgemm_gflops(repeats, n=1024):
+    a = np.random.default_rng(0).standard_normal((n, n)).astype(np.float32)
+    return 2.0 * n ** 3 / best_time(lambda: a @ a, repeats) / 1e9
+
+
+def machine_facts():
+    cpu = orchard_ops.devices()[0]
+    return {"cpu": cpu["name"], "logical_cores": cpu["compute_units"], "simd": cpu.get("simd"),
+            "memory_gib": round(cpu["global_mem_bytes"] / 2 ** 30, 1),
+            "threads": orchard_ops.get_num_threads(), "python": platform.python_version(),
+            "numpy": np.__version__, "orchard": orchard_ops.__version__,
+            "devices": [{k: d[k] for k in ("id", "name", "platform", "kind")}
+                        for d in orchard_ops.devices()]}
+
+
+def measure(shapes, devices, dtypes, causal_flags, repeats):
+    """One row per (backend, shape, dtype, causal); every figure from this process."""
+    rows = []
+    rng = np.random.default_rng(0)
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        torch = None
+    for b, h, n, d in shapes:
+        for dtype in dtypes:
+            q, k, v, dout = (rng.standard_normal((b, h, n, d)).astype(dtype) for _ in range(4))
+            for causal in causal_flags:
+                flops = attention_flops(b, h, n, d, causal)
+
+                def row(backend, device, fwd, bwd=None):
+                    r = {"backend": backend, "device": device, "B": b, "H": h, "N": n, "D": d,
+                         "dtype": np.dtype(dtype).name, "causal": causal}
+                    r["fwd_ms"] = best_time(fwd, repeats) * 1e3
+                    r["fwd_gflops"] = flops / r["fwd_ms"] / 1e6
+                    if bwd is not None:
+                        r["bwd_ms"] = best_time(bwd, repeats) * 1e3
+                        r["bwd_gflops"] = 2.5 * flops / r["bwd_ms"] / 1e6
+                    rows.append(r)
+
+                for dev in devices:
+                    out, lse = orchard_ops.flash_attn_fwd(q, k, v, causal=causal, device=dev)
+                    row("orchard", dev,
+                        lambda: orchard_ops.flash_attn_fwd(q, k, v, causal=causal, device=dev),
+                        lambda: orchard_ops.flash_attn_bwd(dout, q, k, v, out, lse,
+                                                           causal=causal, device=dev))
+                if n <= 2048 and dtype == np.float32:
+                    row("numpy-reference", "cpu", lambda: ref_fwd(q, k, v, causal=causal))
+                if torch is not None:
+                    tq, tk, tv, tdo = (torch.from_numpy(x) for x in (q, k, v, dout))
+                    tq.requires_grad_(True), tk.requires_grad_(True), tv.requires_grad_(True)
+                    tout = F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+                    row("torch-sdpa", "cpu",
+                        lambda: F.scaled_dot_product_attention(tq.detach(), tk.detach(),
+                                                               tv.detach(), is_causal=causal),
+                        lambda: torch.autograd.grad(tout, (tq, tk, tv), tdo, retain_graph=True))
+    return rows
+
+
+def comparisons(rows):
+    """Sentences "X is 1.7x faster than Y" for every pair of backends on the same problem."""
+    lines = []
+    key = lambda r: (r["B"], r["H"], r["N"], r["D"], r["dtype"], r["causal"])
+    for problem in sorted({key(r) for r in rows}):
+        same = [r for r in rows if key(r) == problem]
+        name = "B=%d H=%d N=%d D=%d %s%s" % (*problem[:5], " causal" if problem[5] else "")
+        for direction in ("fwd", "bwd"):
+            have = sorted((r for r in same if direction + "_ms" in r),
+                          key=lambda r: r[direction + "_ms"])
+            for slower in have[1:]:
+                fast = have[0]
+                lines.append("%s %s: %s %s is %.1fx faster than %s %s" % (
+                    name, direction, fast["backend"], fast["device"],
+                    slower[direction + "_ms"] / fast[direction + "_ms"], slower["backend"],
+                    slower["device"]))
+    return lines
+
+
+def table(rows, roofline):
+    out = ["%-12s %-9s %-17s %-8s %-6s %9s %8s %9s %8s %8s" % (
+        "backend", "device", "B,H,N,D", "dtype", "causal", "fwd ms", "GFLOP/s", "bwd ms",
+        "GFLOP/s", "fwd/sgemm")]
+    for r in rows:
+        out.append("%-12s %-9s %-17s %-8s %-6s %9.2f %8.1f %9s %8s %8.2f" % (
+            r["backend"], r["device"], "%d,%d,%d,%d" % (r["B"], r["H"], r["N"], r["D"]),
+            r["dtype"], "yes" if r["causal"] else "no", r["fwd_ms"], r["fwd_gflops"],
+            "%.2f" % r["bwd_ms"] if "bwd_ms" in r else "-",
+            "%.1f" % r["bwd_gflops"] if "bwd_gflops" in r else "-",
+            r["fwd_gflops"] / roofline))
+    return "\n".join(out)
+
+
+def plot(rows, path):
+    """GFLOP/s (forward) against N, one line per backend and device, float32 non-causal."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    picked = [r for r in rows if r["dtype"] == "float32" and not r["causal"]]
+    for label in sorted({(r["backend"], r["device"]) for r in picked}):
+        line = sorted((r for r in picked if (r["backend"], r["device"]) == label),
+                      key=lambda r: r["N"])
+        ax.plot([r["N"] for r in line], [r["fwd_gflops"] for r in line], marker="o",
+                label="%s (%s)" % label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length N")
+    ax.set_ylabel("forward GFLOP/s (FlashAttention-2 accounting)")
+    ax.set_title("attention forward, float32, non-causal")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def training_tokens_per_s(steps=6, batch=8, seq=256):
+    """Tokens/s of the demo model's training step, orchard attention versus torch SDPA: the
+    best step of each, the two models' steps interleaved so that both see the same machine."""
+    import torch
+
+    from orchard.model import GPT, GPTConfig
+    from orchard.torch import patch_model
+    x = torch.randint(0, 256, (batch, seq))
+    steps_of = {}
+    for backend in ("torch-sdpa", "orchard"):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(context=seq))
+        if backend == "orchard":
+            patch_model(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step(model=model, opt=opt):
+            _, loss = model(x, x)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+
+        step()                          # warm-up
+        steps_of[backend] = step
+    best = dict.fromkeys(steps_of, float("inf"))
+    for _ in range(steps):
+        for backend, step in steps_of.items():
+            start = time.perf_counter()
+            step()
+            best[backend] = min(best[backend], time.perf_counter() - start)
+    return {backend: batch * seq / t for backend, t in best.items()}
+
+
+def round_robin(calls, rounds, settle=()):
+    """Seconds of every call in each of `rounds` rounds of all of them in turn. A shared VM
+    drifts by 10 to 20 % over a minute; the ratio of two calls made side by side, taken in
+    every round, drifts much less (the median of those ratios is what the targets quote).
+    The calls named in `settle` are followed by a pause: after a NumPy matrix product
+    OpenBLAS's threads spin for about 0.1 s, and the next call would run on fewer cores."""
+    times = {name: [] for name in calls}
+    for n in range(rounds + 1):
+        for name, fn in calls.items():
+            start = time.perf_counter()
+            fn()
+            if n > 0:       # round 0 is the warm-up
+                times[name].append(time.perf_counter() - start)
+            if name in settle:
+                time.sleep(0.2)
+    return {name: np.array(t) for name, t in times.items()}
+
+
+def run(shapes, devices, dtypes, causal_flags, repeats, train_steps=0):
+    """The report orchard-bench prints and writes: machine facts, the roofline, one row per
+    measurement, the comparisons, and with train_steps > 0 the training tokens/s."""
+    report = {"machine": machine_facts(), "sgemm_gflops": sgemm_gflops(repeats)}
+    report["results"] = measure(shapes, devices, dtypes, causal_flags, repeats)
+    # the roofline is the best the machine did: measured before and after the grid, so that a
+    # busy moment of a shared machine at the start does not lower it
+    report["sgemm_gflops"] = max(report["sgemm_gflops"], sgemm_gflops(repeats))
+    report["comparisons"] = comparisons(report["results"])
+    if train_steps:
+        report["training_tokens_per_s"] = training_tokens_per_s(steps=train_steps)
+    return report

@@ -1,0 +1,73 @@
+"""Block sizes of an OpenCL device, picked by timing a few and stored beside the device's
+program binaries, where every later process finds them.
+
+Each candidate runs in a fresh process (a process builds its programs once) with
+ORCHARD_CL_BLOCK_Q / ORCHARD_CL_BLOCK_K set, and is timed on a float32 causal forward plus
+backward: the best of `repeats`, after a warm-up call that also builds and caches the program.
+The fastest is stored with orchard_ops.save_tuned_blocks(); the environment variables still
+override it. A candidate the device cannot run (too much local memory, a build failure) is
+reported and skipped. For the register-tiled kernels of CPU devices a block is (query rows,
+keys); for the row kernels of GPUs (work-group rows, keys per local tile).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import orchard_ops
+
+TILED_CANDIDATES = [(48, 48), (48, 96), (96, 48), (96, 96), (144, 96)]
+ROW_CANDIDATES = [(32, 32), (64, 32), (64, 64), (128, 32), (128, 64)]
+
+TIMING_SCRIPT = """
+import json, sys, time, numpy as np, orchard_ops
+device, (b, h, n, d), repeats = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+rng = np.random.default_rng(0)
+q, k, v, do = (rng.standard_normal((b, h, n, d)).astype(np.float32) for _ in range(4))
+def step():
+    out, lse = orchard_ops.flash_attn_fwd(q, k, v, causal=True, device=device)
+    orchard_ops.flash_attn_bwd(do, q, k, v, out, lse, causal=True, device=device)
+step()
+best = float("inf")
+for _ in range(repeats):
+    start = time.perf_counter()
+    step()
+    best = min(best, time.perf_counter() - start)
+print(json.dumps(best))
+"""
+
+
+def time_candidate(device, shape, block_q, block_k, repeats, report=print):
+    """Seconds of a forward plus backward with these blocks, or None if they do not run."""
+    env = dict(os.environ, ORCHARD_CL_BLOCK_Q=str(block_q), ORCHARD_CL_BLOCK_K=str(block_k))
+    r = subprocess.run([sys.executable, "-c", TIMING_SCRIPT, device, json.dumps(shape),
+                        str(repeats)], env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        report("  %d x %d: failed (%s)" % (block_q, block_k,
+                                           (r.stderr.strip().splitlines() or ["?"])[-1]))
+        return None
+    return json.loads(r.stdout.split()[-1])
+
+
+def tune(device, shape=(1, 8, 1024, 64), candidates=None, repeats=3, report=print):
+    """Times every candidate on `device`, stores the fastest; returns {(bq, bk): seconds}.
+    Each candidate's time (or failure) is passed to `report` as a line of text."""
+    info = next((d for d in orchard_ops.devices() if d["id"] == device), None)
+    if info is None or info["backend"] != "opencl":
+        raise ValueError("tune(): 'device' must be an OpenCL device id, such as opencl:0; "
+                         "got %r" % (device,))
+    tiled = os.environ.get("ORCHARD_CL_TILED", "1" if info["kind"] == "cpu" else "0") != "0"
+    if candidates is None:
+        candidates = TILED_CANDIDATES if tiled else ROW_CANDIDATES
+    times = {}
+    for bq, bk in candidates:
+        seconds = time_candidate(device, list(shape), bq, bk, repeats, report)
+        if seconds is not None:
+            times[(bq, bk)] = seconds
+            report("  %d x %d: %.2f ms" % (bq, bk, seconds * 1e3))
+    if not times:
+        raise RuntimeError("tune(): no candidate block size ran on %s" % device)
+    best = min(times, key=times.get)
+    if not orchard_ops.save_tuned_blocks(device, *best):
+        report("the OpenCL cache is off (ORCHARD_NO_CACHE) or not writable: nothing stored")
+    return times
