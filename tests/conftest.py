@@ -19,7 +19,7 @@ import pytest
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
 
-# tests/ for `import reference` (a re-export of orchard.reference); the repo root and python/
+# tests/ for `from conftest import ...` in child processes; the repo root and python/
 # for an in-place build (`python setup.py build_ext --inplace` writes orchard_ops*.so into
 # python/, the package dir).  Without an in-place build the import falls through to
 # site-packages.

@@ -3,7 +3,7 @@
 import numpy as np
 
 from conftest import assert_close, randn, run_python
-from reference import ref_fwd
+from orchard.reference import ref_fwd
 
 FIELDS = {
     "id": str, "name": str, "vendor": str, "kind": str, "backend": str, "platform": str,

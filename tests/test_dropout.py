@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_close, grad_floor, randn, rounded
-from reference import ref_bwd, ref_dropout_mask, ref_fwd
+from orchard.reference import ref_bwd, ref_dropout_mask, ref_fwd
 
 MASK_SHAPES = [
     ((2, 3, 17, 8), (2, 3, 33, 8)),

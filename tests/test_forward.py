@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_close, check_forward, lse_dtype, randn
-from reference import ref_fwd
+from orchard.reference import ref_fwd
 
 DTYPES = [np.float16, np.float32, np.float64]
 DT_IDS = ["f16", "f32", "f64"]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import aligned_empty
-from reference import ref_fwd
+from orchard.reference import ref_fwd
 
 
 def broadcast(shape, dtype=np.float32):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_close, check_backward, check_forward, randn
-from reference import ref_fwd
+from orchard.reference import ref_fwd
 
 COUNTERS = ["fwd_calls", "bwd_calls", "zero_copy_buffers", "staged_buffers", "bytes_staged",
             "kernel_builds", "cache_hits"]

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(shutil.which("oclgrind") is None, reason="oclgri
 
 SCRIPT = r"""
 import numpy as np, orchard_ops as o
-from reference import ref_fwd, ref_bwd, ref_varlen_fwd, ref_varlen_bwd
+from orchard.reference import ref_fwd, ref_bwd, ref_varlen_fwd, ref_varlen_bwd
 
 assert o.devices()[1]["platform"] == "Oclgrind", o.devices()
 rng = np.random.default_rng(0)

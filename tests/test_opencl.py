@@ -133,7 +133,7 @@ def test_no_cache_env(tmp_path):
 
 FAMILY_RUN = """
     import json, numpy as np, orchard_ops as o
-    from reference import ref_fwd, ref_bwd, ref_varlen_fwd, ref_varlen_bwd
+    from orchard.reference import ref_fwd, ref_bwd, ref_varlen_fwd, ref_varlen_bwd
     rng = np.random.default_rng(5)
     cases = [   # dtype, (B, H, Hkv, Nq, Nk, D, Dv), options
         (np.float32, (2, 4, 2, 130, 200, 64, 64), dict()),

@@ -14,7 +14,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from conftest import (assert_close, grad_floor, lse_dtype, native, rounded,  # noqa: E402
                       score_cond)
-from reference import ref_bwd, ref_fwd, ref_varlen_bwd, ref_varlen_fwd  # noqa: E402
+from orchard.reference import ref_bwd, ref_fwd, ref_varlen_bwd, ref_varlen_fwd  # noqa: E402
 
 EXAMPLES = int(os.environ.get("ORCHARD_HYPOTHESIS_EXAMPLES", "30"))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, database=None,

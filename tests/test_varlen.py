@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_close, grad_floor, lse_dtype, randn, rounded
-from reference import ref_fwd, ref_varlen_bwd, ref_varlen_fwd
+from orchard.reference import ref_fwd, ref_varlen_bwd, ref_varlen_fwd
 
 DTYPES = [np.float16, np.float32, np.float64]
 DT_IDS = ["f16", "f32", "f64"]

@@ -6,8 +6,9 @@ ORCHARD_CL_BLOCK_Q / ORCHARD_CL_BLOCK_K set, and is timed on a float32 causal fo
 backward: the best of `repeats`, after a warm-up call that also builds and caches the program.
 The fastest is stored with orchard_ops.save_tuned_blocks(); the environment variables still
 override it. A candidate the device cannot run (too much local memory, a build failure) is
-reported and skipped. For the register-tiled kernels of CPU devices a block is (query rows,
-keys); for the row kernels of GPUs (work-group rows, keys per local tile).
+reported and skipped. The candidates are those of the kernel family the device runs, as
+devices() lists them from orchard_ops' family table: for the tiled family a block is (query
+rows, keys); for the rows family (work-group rows, keys per local tile).
 """
 import json
 import os
@@ -15,9 +16,6 @@ import subprocess
 import sys
 
 import orchard_ops
-
-TILED_CANDIDATES = [(48, 48), (48, 96), (96, 48), (96, 96), (144, 96)]
-ROW_CANDIDATES = [(32, 32), (64, 32), (64, 64), (128, 32), (128, 64)]
 
 TIMING_SCRIPT = """
 import json, sys, time, numpy as np, orchard_ops
@@ -56,9 +54,8 @@ def tune(device, shape=(1, 8, 1024, 64), candidates=None, repeats=3, report=prin
     if info is None or info["backend"] != "opencl":
         raise ValueError("tune(): 'device' must be an OpenCL device id, such as opencl:0; "
                          "got %r" % (device,))
-    tiled = os.environ.get("ORCHARD_CL_TILED", "1" if info["kind"] == "cpu" else "0") != "0"
     if candidates is None:
-        candidates = TILED_CANDIDATES if tiled else ROW_CANDIDATES
+        candidates = info["block_candidates"]
     times = {}
     for bq, bk in candidates:
         seconds = time_candidate(device, list(shape), bq, bk, repeats, report)
