@@ -22,18 +22,19 @@ _MAX_HEAD_DIM = 256
 # The only two places where torch tensors meet orchard_ops. They will become a zero-copy
 # DLPack hand-over with native bfloat16; nothing else converts.
 def _to_ops(t):
-    """t as orchard_ops reads it: in place where orchard_ops has t's dtype (float16/32/64,
-    int32), a float32 copy for bfloat16."""
-    # NumPy's view of a CPU tensor, through which orchard_ops reads it, exists only for
-    # tensors outside autograd, hence detach().
-    t = t.detach()
-    return t.float() if t.dtype == torch.bfloat16 else t
+    """t as orchard_ops reads it: a NumPy view of t's memory (float16/32/64, int32; any
+    strides), or of a float32 copy for bfloat16."""
+    if t.dtype == torch.bfloat16:
+        t = t.float()
+    # NumPy views exist only for tensors outside autograd, hence detach(). Handing orchard_ops
+    # the view saves it a call of torch's Python-level __array__.
+    return (t.detach() if t.requires_grad else t).numpy()
 
 
 def _from_ops(a, dtype=None):
     """An orchard_ops result as a torch tensor, cast to dtype when given (no copy otherwise)."""
     t = torch.from_numpy(a)
-    return t if dtype is None else t.to(dtype)
+    return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
 
 # Everything one attention call needs besides q, k, v. cu_seqlens_q/k (int32 tensors) select
@@ -59,14 +60,18 @@ def _ops_call(dense, varlen, o, *arrays):
                   o.max_seqlen_k, o.scale, o.dropout_p, o.causal, **kw)
 
 
+def _forward(q, k, v, opts):
+    out, lse = _ops_call(orchard_ops.flash_attn_fwd, orchard_ops.flash_attn_varlen_fwd, opts,
+                         _to_ops(q), _to_ops(k), _to_ops(v))
+    return _from_ops(out, q.dtype), _from_ops(lse)
+
+
 class _FlashAttention(torch.autograd.Function):
     """(out, lse) of orchard attention with every option of _Options; lse has no gradient."""
 
     @staticmethod
     def forward(ctx, q, k, v, opts):
-        out, lse = _ops_call(orchard_ops.flash_attn_fwd, orchard_ops.flash_attn_varlen_fwd,
-                             opts, _to_ops(q), _to_ops(k), _to_ops(v))
-        out, lse = _from_ops(out, q.dtype), _from_ops(lse)
+        out, lse = _forward(q, k, v, opts)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.opts = opts
         ctx.mark_non_differentiable(lse)
@@ -84,7 +89,10 @@ class _FlashAttention(torch.autograd.Function):
 
 def _attention(q, k, v, opts):
     """(out, lse) by orchard, differentiable in q, k, v: the one way from torch to orchard_ops."""
-    return _FlashAttention.apply(q, k, v, opts)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _FlashAttention.apply(q, k, v, opts)
+    # No graph to record: autograd's bookkeeping (about 7 us a call) is skipped.
+    return _forward(q, k, v, opts)
 
 
 def _dropout_keep(q_shape, k_shape, dropout_p, seed):
@@ -99,16 +107,17 @@ def _check_tensors(fn, **tensors):
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError("%s: '%s' must be a torch.Tensor, got %s" % (fn, name, type(t).__name__))
-        if t.device.type != "cpu" or t.layout != torch.strided:
+        if not t.is_cpu or t.layout != torch.strided:
             raise ValueError("%s: '%s' is a %s tensor on %s: orchard reads host memory, pass "
                              "dense CPU tensors" % (fn, name, t.layout, t.device))
-        if t.dtype not in _ROUTABLE_DTYPES:
-            raise TypeError("%s: '%s' has dtype %s; orchard takes float16, bfloat16, float32 "
-                            "and float64" % (fn, name, t.dtype))
-        if dtype is not None and t.dtype != dtype:
+        if dtype is None:
+            if t.dtype not in _ROUTABLE_DTYPES:
+                raise TypeError("%s: '%s' has dtype %s; orchard takes float16, bfloat16, "
+                                "float32 and float64" % (fn, name, t.dtype))
+            dtype = t.dtype
+        elif t.dtype != dtype:
             raise TypeError("%s: '%s' has dtype %s, '%s' has %s: pass one dtype"
                             % (fn, name, t.dtype, next(iter(tensors)), dtype))
-        dtype = t.dtype
 
 
 def flash_attention(q, k, v, causal=False, dropout_p=0.0, scale=None, *, device=None):
