@@ -382,7 +382,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         table = _int32(fn, "block_table", block_table, (batch, None),
                        "(batch_size, max_num_blocks_per_seq) = (%d, ...)" % batch)
         page = k_cache.shape[1]
-        capacity = len(table[0]) * page
+        if page < 1:
+            _fail(fn, "k_cache", "has page_block_size 0")
+        capacity = block_table.shape[1] * page
         rows = list(range(batch))
     else:
         capacity = k_cache.shape[1]
