@@ -5,7 +5,10 @@ orchard_ops.flash_attn_fwd on the same data as (batch, nheads, seqlen, headdim) 
 and prints the difference in microseconds (target: at most 15): forward without autograd,
 and forward + backward with q, k, v requiring gradients.
 
-    python benchmarks/flash_attn_overhead.py [--repeats N]
+    ORCHARD_NUM_THREADS=1 python benchmarks/flash_attn_overhead.py [--repeats N]
+
+One thread keeps the figure steady on a busy machine: waking the thread pool then costs
+more than the tiny kernel, and varies.
 """
 import argparse
 import os
