@@ -3,6 +3,7 @@ scaled_dot_product_attention calls to it.
 
 orchard_ops reads and writes host memory, so this works on CPU tensors. Its kernels take
 float16/32/64; bfloat16 tensors are computed through float32 and the results cast back.
+_attention is the one path from torch to orchard_ops; orchard.flash_attn uses it too.
 """
 import collections
 import functools
@@ -14,48 +15,109 @@ from torch.overrides import TorchFunctionMode
 
 import orchard_ops
 
-_NATIVE_DTYPES = (torch.float16, torch.float32, torch.float64)
-_ROUTABLE_DTYPES = _NATIVE_DTYPES + (torch.bfloat16,)
+_ROUTABLE_DTYPES = (torch.float16, torch.float32, torch.float64, torch.bfloat16)
 _MAX_HEAD_DIM = 256
 
 
-def _compute_dtype(dtype):
-    return dtype if dtype in _NATIVE_DTYPES else torch.float32
+# The only two places where torch tensors meet orchard_ops. They will become a zero-copy
+# DLPack hand-over with native bfloat16; nothing else converts.
+def _to_ops(t):
+    """t as orchard_ops reads it: a NumPy view of t's memory (float16/32/64, int32; any
+    strides), or of a float32 copy for bfloat16."""
+    if t.dtype == torch.bfloat16:
+        t = t.float()
+    # NumPy views exist only for tensors outside autograd, hence detach(). Handing orchard_ops
+    # the view saves it a call of torch's Python-level __array__.
+    return (t.detach() if t.requires_grad else t).numpy()
 
 
-def _host(t, dtype):
-    # orchard_ops reads torch CPU tensors in place through NumPy's view of them; that view
-    # exists only for tensors outside autograd, hence detach().
-    return t.detach().to(dtype)
+def _from_ops(a, dtype=None):
+    """An orchard_ops result as a torch tensor, cast to dtype when given (no copy otherwise)."""
+    t = torch.from_numpy(a)
+    return t if dtype is None or t.dtype == dtype else t.to(dtype)
+
+
+# Everything one attention call needs besides q, k, v. cu_seqlens_q/k (int32 tensors) select
+# the packed (total, H, D) layout; otherwise tensors are (..., N, D) with optional GQA heads.
+_Options = collections.namedtuple(
+    "_Options", "scale dropout_p causal window alibi_slopes softcap seed device "
+                "cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k",
+    defaults=(None, 0.0, False, (-1, -1), None, 0.0, 0, None, None, None, None, None))
+
+
+def _seed(dropout_p):
+    """The dropout seed of one call, drawn from torch's default generator so that
+    torch.manual_seed reproduces the mask."""
+    return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64)) if dropout_p > 0.0 else 0
+
+
+def _ops_call(dense, varlen, o, *arrays):
+    kw = dict(window=o.window, softcap=o.softcap, seed=o.seed, device=o.device,
+              alibi_slopes=None if o.alibi_slopes is None else _to_ops(o.alibi_slopes))
+    if o.cu_seqlens_q is None:
+        return dense(*arrays, o.scale, o.dropout_p, o.causal, **kw)
+    return varlen(*arrays, _to_ops(o.cu_seqlens_q), _to_ops(o.cu_seqlens_k), o.max_seqlen_q,
+                  o.max_seqlen_k, o.scale, o.dropout_p, o.causal, **kw)
+
+
+def _forward(q, k, v, opts):
+    out, lse = _ops_call(orchard_ops.flash_attn_fwd, orchard_ops.flash_attn_varlen_fwd, opts,
+                         _to_ops(q), _to_ops(k), _to_ops(v))
+    return _from_ops(out, q.dtype), _from_ops(lse)
 
 
 class _FlashAttention(torch.autograd.Function):
+    """(out, lse) of orchard attention with every option of _Options; lse has no gradient."""
+
     @staticmethod
-    def forward(ctx, q, k, v, causal, dropout_p, scale, device):
-        cdtype = _compute_dtype(q.dtype)
-        seed = 0
-        if dropout_p > 0.0:
-            # Drawn from torch's default generator, so torch.manual_seed reproduces the mask.
-            seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
-        qc, kc, vc = (_host(t, cdtype) for t in (q, k, v))
-        out, lse = orchard_ops.flash_attn_fwd(qc, kc, vc, scale, dropout_p, causal, seed=seed,
-                                              device=device)
-        out, lse = torch.from_numpy(out), torch.from_numpy(lse)
-        ctx.save_for_backward(qc, kc, vc, out, lse)
-        ctx.options = (scale, dropout_p, causal, seed, device)
-        ctx.dtypes = (q.dtype, k.dtype, v.dtype)
+    def forward(ctx, q, k, v, opts):
+        out, lse = _forward(q, k, v, opts)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.opts = opts
         ctx.mark_non_differentiable(lse)
-        return out.to(q.dtype), lse
+        return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
-        qc, kc, vc, out, lse = ctx.saved_tensors
-        scale, dropout_p, causal, seed, device = ctx.options
-        grads = orchard_ops.flash_attn_bwd(_host(dout, qc.dtype), qc, kc, vc, out, lse, scale,
-                                           dropout_p, causal, seed=seed, device=device)
-        dq, dk, dv = (torch.from_numpy(g).to(dt) for g, dt in zip(grads, ctx.dtypes))
-        return dq, dk, dv, None, None, None, None
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = _ops_call(orchard_ops.flash_attn_bwd, orchard_ops.flash_attn_varlen_bwd,
+                          ctx.opts, *(_to_ops(t) for t in (dout, q, k, v, out, lse)))
+        dq, dk, dv = (_from_ops(g, t.dtype) for g, t in zip(grads, (q, k, v)))
+        return dq, dk, dv, None
+
+
+def _attention(q, k, v, opts):
+    """(out, lse) by orchard, differentiable in q, k, v: the one way from torch to orchard_ops."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _FlashAttention.apply(q, k, v, opts)
+    # No graph to record: autograd's bookkeeping (about 7 us a call) is skipped.
+    return _forward(q, k, v, opts)
+
+
+def _dropout_keep(q_shape, k_shape, dropout_p, seed):
+    """orchard's keep-mask (bool tensor q_shape[:-2] + (Nq, Nk)) for these shapes and seed."""
+    return _from_ops(orchard_ops.dropout_mask(tuple(q_shape), tuple(k_shape), dropout_p, seed))
+
+
+def _check_tensors(fn, **tensors):
+    """TypeError/ValueError naming the argument unless every value is a dense CPU tensor of
+    one floating dtype that orchard computes."""
+    dtype = None
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError("%s: '%s' must be a torch.Tensor, got %s" % (fn, name, type(t).__name__))
+        if not t.is_cpu or t.layout != torch.strided:
+            raise ValueError("%s: '%s' is a %s tensor on %s: orchard reads host memory, pass "
+                             "dense CPU tensors" % (fn, name, t.layout, t.device))
+        if dtype is None:
+            if t.dtype not in _ROUTABLE_DTYPES:
+                raise TypeError("%s: '%s' has dtype %s; orchard takes float16, bfloat16, "
+                                "float32 and float64" % (fn, name, t.dtype))
+            dtype = t.dtype
+        elif t.dtype != dtype:
+            raise TypeError("%s: '%s' has dtype %s, '%s' has %s: pass one dtype"
+                            % (fn, name, t.dtype, next(iter(tensors)), dtype))
 
 
 def flash_attention(q, k, v, causal=False, dropout_p=0.0, scale=None, *, device=None):
@@ -66,17 +128,11 @@ def flash_attention(q, k, v, causal=False, dropout_p=0.0, scale=None, *, device=
     it is the usual causal mask. scale defaults to 1/sqrt(D). device is an orchard device id
     (None: orchard_ops.default_device()).
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError("'%s' must be a torch.Tensor, got %s" % (name, type(t).__name__))
-        if t.device.type != "cpu":
-            raise ValueError("'%s' is on %s: orchard reads host memory, pass CPU tensors"
-                             % (name, t.device))
-        if t.dtype not in _ROUTABLE_DTYPES:
-            raise TypeError("'%s' has dtype %s; orchard takes float16, bfloat16, float32 and "
-                            "float64" % (name, t.dtype))
-    out, _ = _FlashAttention.apply(q, k, v, bool(causal), float(dropout_p), scale, device)
-    return out
+    _check_tensors("flash_attention", q=q, k=k, v=v)
+    dropout_p = float(dropout_p)
+    opts = _Options(scale=scale, dropout_p=dropout_p, causal=bool(causal),
+                    seed=_seed(dropout_p), device=device)
+    return _attention(q, k, v, opts)[0]
 
 
 def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,

@@ -1,0 +1,68 @@
+"""Per-call overhead of orchard.flash_attn over orchard_ops on a tiny shape.
+
+Times flash_attn_func(q, k, v) on (batch, seqlen, nheads, headdim) torch tensors against
+orchard_ops.flash_attn_fwd on the same data as (batch, nheads, seqlen, headdim) NumPy arrays,
+and prints the difference in microseconds (target: at most 15): forward without autograd,
+and forward + backward with q, k, v requiring gradients.
+
+    ORCHARD_NUM_THREADS=1 python benchmarks/flash_attn_overhead.py [--repeats N]
+
+One thread keeps the figure steady on a busy machine: waking the thread pool then costs
+more than the tiny kernel, and varies.
+"""
+import argparse
+import os
+import sys
+import timeit
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+
+import torch  # noqa: E402
+
+import orchard_ops  # noqa: E402
+from orchard.flash_attn import flash_attn_func  # noqa: E402
+
+
+def per_call_us(fns, number, repeats):
+    """Microseconds per call of each function: the fastest of several short runs, taken in
+    turn, since other processes on a shared machine only ever add time."""
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            best[i] = min(best[i], timeit.timeit(fn, number=number) / number * 1e6)
+    return best
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=15, help="timed runs (fastest taken)")
+    parser.add_argument("--number", type=int, default=1000, help="calls per timed run")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 2, 16) for _ in range(3))
+    qa, ka, va = (t.transpose(1, 2).contiguous().numpy() for t in (q, k, v))
+    device = orchard_ops.default_device()
+
+    def ops_fwd_bwd():
+        out, lse = orchard_ops.flash_attn_fwd(qa, ka, va, device=device)
+        orchard_ops.flash_attn_bwd(out, qa, ka, va, out, lse, device=device)
+
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+
+    def fwd_bwd():
+        flash_attn_func(qg, kg, vg, device=device).backward(q)
+
+    ops, ours, ops_b, ours_b = per_call_us(
+        [lambda: orchard_ops.flash_attn_fwd(qa, ka, va, device=device),
+         lambda: flash_attn_func(q, k, v, device=device), ops_fwd_bwd, fwd_bwd],
+        args.number, args.repeats)
+    print("shape (batch, seqlen, nheads, headdim) = (1, 4, 2, 16), float32, device %s" % device)
+    print("%-28s %10s %12s %9s" % ("us per call", "orchard_ops", "flash_attn", "overhead"))
+    print("%-28s %10.1f %12.1f %9.1f" % ("forward, no autograd", ops, ours, ours - ops))
+    print("%-28s %10.1f %12.1f %9.1f" % ("forward + backward", ops_b, ours_b, ours_b - ops_b))
+    print("torch layer overhead: %.1f us per forward call (target <= 15)" % (ours - ops))
+
+
+if __name__ == "__main__":
+    main()

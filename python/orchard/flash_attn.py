@@ -1,0 +1,474 @@
+"""FlashAttention-2's Python API (flash_attn 2.7/2.8) on orchard: same functions, arguments,
+defaults, (batch, seqlen, nheads, headdim) layout and results, on torch CPU tensors of
+float16, bfloat16, float32 and float64, plus a device= keyword (an orchard device id).
+
+    from orchard.flash_attn import flash_attn_func   # instead of: from flash_attn import ...
+
+orchard is always deterministic (deterministic= is accepted) and splits the keys itself
+(num_splits= is accepted). Every call goes through orchard.torch._attention.
+"""
+import math
+
+import torch
+
+from orchard.torch import _MAX_HEAD_DIM, _Options, _attention, _check_tensors, _dropout_keep, _seed
+
+__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+           "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
+           "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache"]
+
+_INT32 = torch.int32
+
+
+def _get_block_size_n(device=None, head_dim=None, is_dropout=False, is_causal=False):
+    """Key columns per block of S_dmask's scaling (orchard's native key block), the hook
+    FlashAttention-2's tests call to normalise S_dmask."""
+    return 96
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _fail(fn, name, why, error=ValueError):
+    raise error("%s: '%s' %s" % (fn, name, why))
+
+
+def _check_shape(fn, name, t, shape, layout):
+    """shape: the expected sizes, None where any size goes."""
+    if t.dim() != len(shape) or any(s is not None and s != n for s, n in zip(shape, t.shape)):
+        _fail(fn, name, "must be %s, got shape %s" % (layout, tuple(t.shape)))
+
+
+def _check_heads(fn, q, k, v, head_axis):
+    h, hk = q.shape[head_axis], k.shape[head_axis]
+    if hk == 0 or h % hk:
+        _fail(fn, "k", "has %d heads, which must divide the %d heads of q" % (hk, h))
+    for name, d in (("q", q.shape[-1]), ("v", v.shape[-1])):
+        if not 1 <= d <= _MAX_HEAD_DIM:
+            _fail(fn, name, "has headdim %d; orchard takes 1 to %d" % (d, _MAX_HEAD_DIM))
+
+
+def _int32(fn, name, t, shape, layout):
+    """t, an int32 CPU tensor of this shape, as a list (nested for 2-D)."""
+    if not isinstance(t, torch.Tensor) or t.dtype != _INT32:
+        _fail(fn, name, "must be a torch.int32 tensor, got %s"
+              % (t.dtype if isinstance(t, torch.Tensor) else type(t).__name__), TypeError)
+    if t.device.type != "cpu":
+        _fail(fn, name, "is on %s: pass CPU tensors" % t.device)
+    _check_shape(fn, name, t, shape, layout)
+    return t.tolist()
+
+
+def _cu_seqlens(fn, name, t, total):
+    cu = _int32(fn, name, t, (None,), "(batch_size + 1,)")
+    if (len(cu) < 2 or cu[0] != 0 or total is not None and cu[-1] != total
+            or any(a > b for a, b in zip(cu, cu[1:]))):
+        _fail(fn, name, "must start at 0, never decrease and end at %s (the number of tokens), "
+              "got %s" % (total, cu))
+    return cu
+
+
+def _options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
+             alibi_slopes, batch, device, **varlen):
+    if not 0.0 <= dropout_p < 1.0:
+        _fail(fn, "dropout_p", "must be in [0, 1), got %r" % (dropout_p,))
+    try:
+        left, right = window_size
+        left, right = int(left), int(right)
+    except (TypeError, ValueError):
+        _fail(fn, "window_size", "must be a pair of ints, got %r" % (window_size,), TypeError)
+    if left < -1 or right < -1:
+        _fail(fn, "window_size", "entries must be >= -1 (-1 = unbounded), got %r"
+              % ((left, right),))
+    # As FlashAttention-2: a window reaching past every key is no window.
+    window = (-1 if left >= seqlen_k else left, -1 if right >= seqlen_k else right)
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, torch.Tensor) or not alibi_slopes.is_floating_point():
+            _fail(fn, "alibi_slopes", "must be a float32 tensor", TypeError)
+        if alibi_slopes.device.type != "cpu":
+            _fail(fn, "alibi_slopes", "is on %s: pass CPU tensors" % alibi_slopes.device)
+        h = q.shape[-2]
+        if tuple(alibi_slopes.shape) not in ((h,), (batch, h)):
+            _fail(fn, "alibi_slopes", "must be (nheads,) = (%d,) or (batch_size, nheads) = "
+                  "(%d, %d), got shape %s" % (h, batch, h, tuple(alibi_slopes.shape)))
+    return _Options(scale=softmax_scale, dropout_p=float(dropout_p), causal=bool(causal),
+                    window=window, alibi_slopes=alibi_slopes, softcap=max(float(softcap), 0.0),
+                    seed=_seed(dropout_p), device=device, **varlen)
+
+
+# ----------------------------------------------------------------------------- S_dmask
+
+
+def _attn_probs(q, k, opts, keep):
+    """S_dmask of one batch of heads, q (B, H, Nq, D), k (B, Hkv, Nk, D), keep (B, H, Nq, Nk)
+    or None, as FlashAttention-2 encodes it: per block of _get_block_size_n key columns,
+    exp(score - m) with m the row maximum over that block and every block after it, and
+    negative where dropout dropped the entry. A plain torch computation: it is for tests."""
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q, k = q.detach().to(ct), k.detach().to(ct)
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    nq, nk = q.shape[2], k.shape[2]
+    scale = opts.scale if opts.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    s = scale * q @ k.transpose(-1, -2)
+    if opts.softcap > 0:
+        s = opts.softcap * torch.tanh(s / opts.softcap)
+    diag = torch.arange(nq)[:, None] + (nk - nq)
+    j = torch.arange(nk)[None, :]
+    if opts.alibi_slopes is not None:
+        s = s - opts.alibi_slopes.to(ct)[..., None, None] * (diag - j).abs()
+    left, right = opts.window
+    visible = torch.ones(nq, nk, dtype=torch.bool)
+    if left >= 0:
+        visible &= j >= diag - left
+    if right >= 0:
+        visible &= j <= diag + right
+    if opts.causal:
+        visible &= j <= diag
+    s = s.masked_fill(~visible, -math.inf)
+    blocks = s.split(_get_block_size_n(), dim=-1)
+    m = torch.stack([b.amax(-1) for b in blocks], -1).flip(-1).cummax(-1).values.flip(-1)
+    a = torch.cat([torch.exp(b - m[..., c, None]) for c, b in enumerate(blocks)], -1)
+    a = torch.where(visible, a, 0.0)
+    if keep is not None:
+        a = torch.where(keep, a, -a)
+    return a
+
+
+def _dense_probs(q, k, opts, dtype):
+    keep = None
+    if opts.dropout_p > 0:
+        keep = _dropout_keep(q.shape, k.shape, opts.dropout_p, opts.seed)
+    return _attn_probs(q, k, opts, keep).to(dtype)
+
+
+def _varlen_probs(q, k, opts, cu_q, cu_k, max_q, max_k):
+    batch, h = len(cu_q) - 1, q.shape[1]
+    keep = None
+    if opts.dropout_p > 0:
+        keep = _dropout_keep((batch, h, max_q, 1), (batch, h, max_k, 1), opts.dropout_p,
+                             opts.seed)
+    probs = q.new_zeros(batch, h, max_q, max_k)
+    for b in range(batch):
+        sq, eq, sk, ek = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
+        slopes = opts.alibi_slopes
+        o = opts._replace(alibi_slopes=slopes[b] if slopes is not None and slopes.dim() == 2
+                          else slopes)
+        kb = None if keep is None else keep[b:b + 1, :, :eq - sq, :ek - sk]
+        probs[b, :, :eq - sq, :ek - sk] = _attn_probs(
+            q[sq:eq].transpose(0, 1)[None], k[sk:ek].transpose(0, 1)[None], o, kb)[0]
+    return probs
+
+
+# ----------------------------------------------------------------------------- dense
+
+
+def _dense(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+           return_attn_probs, device):
+    _check_tensors(fn, q=q, k=k, v=v)
+    qs, ks, vs = q.shape, k.shape, v.shape
+    # Valid shapes in few comparisons (this runs on every call); the checks that name the
+    # argument only when they fail.
+    if not (len(qs) == len(ks) == len(vs) == 4 and ks[0] == qs[0] and ks[3] == qs[3]
+            and vs[:3] == ks[:3] and ks[2] and qs[2] % ks[2] == 0
+            and 0 < qs[3] <= _MAX_HEAD_DIM and 0 < vs[3] <= _MAX_HEAD_DIM):
+        layout = "(batch_size, seqlen, nheads, headdim)"
+        _check_shape(fn, "q", q, (None,) * 4, layout)
+        _check_shape(fn, "k", k, (qs[0], None, None, qs[3]), layout)
+        _check_shape(fn, "v", v, tuple(ks[:3]) + (None,), layout)
+        _check_heads(fn, q, k, v, 2)
+    opts = _options(fn, q, k.shape[1], dropout_p, softmax_scale, causal, window_size, softcap,
+                    alibi_slopes, q.shape[0], device)
+    # orchard reads the (batch, nheads, seqlen, headdim) views in place.
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    out, lse = _attention(qt, kt, vt, opts)
+    out = out.transpose(1, 2).contiguous()
+    if not return_attn_probs:
+        return out
+    return out, lse, _dense_probs(qt, kt, opts, q.dtype)
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                    return_attn_probs=False, *, device=None):
+    """Attention of q (batch, seqlen_q, nheads, headdim) over k, v (batch, seqlen_k, nheads_k,
+    headdim); nheads_k divides nheads (GQA/MQA). causal and window_size are bottom-right
+    aligned. Returns out (batch, seqlen_q, nheads, headdim), or with return_attn_probs
+    (out, softmax_lse (batch, nheads, seqlen_q), S_dmask (batch, nheads, seqlen_q, seqlen_k))."""
+    return _dense("flash_attn_func", q, k, v, dropout_p, softmax_scale, causal, window_size,
+                  softcap, alibi_slopes, return_attn_probs, device)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              deterministic=False, return_attn_probs=False, *, device=None):
+    """flash_attn_func on qkv (batch, seqlen, 3, nheads, headdim)."""
+    fn = "flash_attn_qkvpacked_func"
+    _check_tensors(fn, qkv=qkv)
+    _check_shape(fn, "qkv", qkv, (None, None, 3, None, None),
+                 "(batch_size, seqlen, 3, nheads, headdim)")
+    return _dense(fn, *qkv.unbind(2), dropout_p, softmax_scale, causal, window_size, softcap,
+                  alibi_slopes, return_attn_probs, device)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             deterministic=False, return_attn_probs=False, *, device=None):
+    """flash_attn_func on q and kv (batch, seqlen_k, 2, nheads_k, headdim)."""
+    fn = "flash_attn_kvpacked_func"
+    _check_tensors(fn, q=q, kv=kv)
+    _check_shape(fn, "kv", kv, (None, None, 2, None, None),
+                 "(batch_size, seqlen_k, 2, nheads_k, headdim)")
+    return _dense(fn, q, *kv.unbind(2), dropout_p, softmax_scale, causal, window_size, softcap,
+                  alibi_slopes, return_attn_probs, device)
+
+
+# ----------------------------------------------------------------------------- varlen
+
+
+def _paged_gather(fn, k, v, cu_k, block_table, d):
+    """The keys and values of every sequence, packed (total_k, nheads_k, headdim), from the
+    pages (num_blocks, page_block_size, nheads_k, headdim) that block_table lists; a copy
+    through torch indexing, so gradients reach the pages."""
+    layout = "(num_blocks, page_block_size, nheads_k, headdim) with a block_table"
+    _check_shape(fn, "k", k, (None, None, None, d), layout)
+    _check_shape(fn, "v", v, tuple(k.shape[:3]) + (None,), layout)
+    batch = len(cu_k) - 1
+    table = _int32(fn, "block_table", block_table, (batch, None),
+                   "(batch_size, max_num_blocks_per_seq) = (%d, ...)" % batch)
+    nblocks, page = k.shape[0], k.shape[1]
+    flat = []
+    for b, row in enumerate(table):
+        n = cu_k[b + 1] - cu_k[b]
+        used = row[:-(-n // page)] if page else []
+        if n > len(row) * page:
+            _fail(fn, "cu_seqlens_k", "gives sequence %d %d keys, more than its %d pages of %d "
+                  "in block_table hold" % (b, n, len(row), page))
+        if any(not 0 <= p < nblocks for p in used):
+            _fail(fn, "block_table", "row %d lists pages %s, outside [0, %d) (num_blocks)"
+                  % (b, used, nblocks))
+        flat += [p * page + i for p in used for i in range(page)][:n]
+    index = torch.tensor(flat, dtype=torch.long)
+    return k.flatten(0, 1)[index], v.flatten(0, 1)[index]
+
+
+def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+            softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+            block_table, device, cu_names=("cu_seqlens_q", "cu_seqlens_k")):
+    _check_tensors(fn, q=q, k=k, v=v)
+    _check_shape(fn, "q", q, (None,) * 3, "(total_q, nheads, headdim)")
+    cu_q = _cu_seqlens(fn, cu_names[0], cu_seqlens_q, q.shape[0])
+    if block_table is None:
+        layout = "(total_k, nheads_k, headdim)"
+        _check_shape(fn, "k", k, (None, None, q.shape[2]), layout)
+        _check_shape(fn, "v", v, tuple(k.shape[:2]) + (None,), layout)
+        cu_k = _cu_seqlens(fn, cu_names[1], cu_seqlens_k, k.shape[0])
+    else:
+        cu_k = _cu_seqlens(fn, cu_names[1], cu_seqlens_k, None)
+        k, v = _paged_gather(fn, k, v, cu_k, block_table, q.shape[2])
+    if len(cu_k) != len(cu_q):
+        _fail(fn, cu_names[1], "has %d entries, %s has %d: one per sequence plus one"
+              % (len(cu_k), cu_names[0], len(cu_q)))
+    _check_heads(fn, q, k, v, 1)
+    seqlen_k = max(b - a for a, b in zip(cu_k, cu_k[1:])) if max_seqlen_k is None else max_seqlen_k
+    opts = _options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
+                    alibi_slopes, len(cu_q) - 1, device, cu_seqlens_q=cu_seqlens_q,
+                    cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                    max_seqlen_k=max_seqlen_k)
+    out, lse = _attention(q, k, v, opts)
+    if not return_attn_probs:
+        return out
+    probs = _varlen_probs(q, k, opts, cu_q, cu_k, max_seqlen_q, max_seqlen_k).to(q.dtype)
+    return out, lse, probs
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False,
+                           return_attn_probs=False, block_table=None, *, device=None):
+    """Attention over packed sequences: q (total_q, nheads, headdim), k, v (total_k, nheads_k,
+    headdim), sequence b at rows cu_seqlens[b]:cu_seqlens[b + 1] (int32). With block_table
+    (batch, max_num_blocks_per_seq), k and v are pages (num_blocks, page_block_size, nheads_k,
+    headdim) of any page size, gathered per call (a copy). softmax_lse is (nheads, total_q);
+    S_dmask (batch, nheads, max_seqlen_q, max_seqlen_k)."""
+    return _varlen("flash_attn_varlen_func", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
+                   alibi_slopes, return_attn_probs, block_table, device)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
+                                     softmax_scale=None, causal=False, window_size=(-1, -1),
+                                     softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False, *, device=None):
+    """flash_attn_varlen_func on qkv (total, 3, nheads, headdim)."""
+    fn = "flash_attn_varlen_qkvpacked_func"
+    _check_tensors(fn, qkv=qkv)
+    _check_shape(fn, "qkv", qkv, (None, 3, None, None), "(total, 3, nheads, headdim)")
+    return _varlen(fn, *qkv.unbind(1), cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                   return_attn_probs, None, device, cu_names=("cu_seqlens", "cu_seqlens"))
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+                                    causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False,
+                                    return_attn_probs=False, *, device=None):
+    """flash_attn_varlen_func on q and kv (total_k, 2, nheads_k, headdim)."""
+    fn = "flash_attn_varlen_kvpacked_func"
+    _check_tensors(fn, q=q, kv=kv)
+    _check_shape(fn, "kv", kv, (None, 2, None, None), "(total_k, 2, nheads_k, headdim)")
+    return _varlen(fn, q, *kv.unbind(1), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                   return_attn_probs, None, device)
+
+
+# ----------------------------------------------------------------------------- KV cache
+
+
+def _rotary(x, cos, sin, pos, interleaved):
+    """x (N, H, D) with its first 2 * cos.shape[1] features rotated by the angles of rows pos
+    of cos/sin: pairs (0, 1), (2, 3), ... when interleaved, else (i, i + rotary_dim / 2)."""
+    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    rd = 2 * cos.shape[1]
+    c, s = cos[pos].to(ct)[:, None, :], sin[pos].to(ct)[:, None, :]
+    xr = x[..., :rd].to(ct)
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        xr = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), -1).flatten(-2)
+    else:
+        x1, x2 = xr.chunk(2, -1)
+        xr = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), -1)
+    return torch.cat((xr.to(x.dtype), x[..., rd:]), -1)
+
+
+@torch.no_grad()
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                            cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False, *, device=None):
+    """Attention of q (batch, seqlen_q, nheads, headdim) over a KV cache, after writing k, v
+    (batch, seqlen_new, nheads_k, headdim) into it in place at cache_seqlens (rotated first
+    when rotary_cos/rotary_sin are given). Sequence b uses cache row cache_batch_idx[b] from
+    cache_leftpad[b] to cache_seqlens[b] + seqlen_new. The cache is (batch_cache, seqlen_cache,
+    nheads_k, headdim), read in place, or with block_table pages (num_blocks, page_block_size,
+    nheads_k, headdim) of any page size, gathered per call (a copy) for now. Not
+    differentiable. Returns out, or (out, softmax_lse) with return_softmax_lse."""
+    fn = "flash_attn_with_kvcache"
+    if (k is None) != (v is None):
+        _fail(fn, "v" if v is None else "k", "must be given with '%s'" % ("k" if v is None else "v"))
+    new = {} if k is None else dict(k=k, v=v)
+    _check_tensors(fn, q=q, k_cache=k_cache, v_cache=v_cache, **new)
+    layout = "(batch_size, seqlen, nheads, headdim)"
+    _check_shape(fn, "q", q, (None,) * 4, layout)
+    batch, nq, _, d = q.shape
+    paged = block_table is not None
+    cache_layout = ("(num_blocks, page_block_size, nheads_k, headdim) with a block_table" if paged
+                    else "(batch_size_cache, seqlen_cache, nheads_k, headdim)")
+    _check_shape(fn, "k_cache", k_cache, (None, None, None, d), cache_layout)
+    _check_shape(fn, "v_cache", v_cache, tuple(k_cache.shape[:3]) + (None,), cache_layout)
+    _check_heads(fn, q, k_cache, v_cache, 2)
+    hk, dv = k_cache.shape[2], v_cache.shape[3]
+    n = 0
+    if k is not None:
+        _check_shape(fn, "k", k, (batch, None, hk, d), layout)
+        _check_shape(fn, "v", v, tuple(k.shape[:3]) + (dv,), layout)
+        n = k.shape[1]
+
+    if paged:
+        if cache_batch_idx is not None:
+            _fail(fn, "cache_batch_idx", "cannot be used with a block_table")
+        table = _int32(fn, "block_table", block_table, (batch, None),
+                       "(batch_size, max_num_blocks_per_seq) = (%d, ...)" % batch)
+        page = k_cache.shape[1]
+        if page < 1:
+            _fail(fn, "k_cache", "has page_block_size 0")
+        capacity = block_table.shape[1] * page
+        rows = list(range(batch))
+    else:
+        capacity = k_cache.shape[1]
+        rows = list(range(batch)) if cache_batch_idx is None else _int32(
+            fn, "cache_batch_idx", cache_batch_idx, (batch,), "(batch_size,) = (%d,)" % batch)
+        if any(not 0 <= r < k_cache.shape[0] for r in rows):
+            _fail(fn, "cache_batch_idx", "has entries outside [0, %d) (batch_size_cache): %s"
+                  % (k_cache.shape[0], rows))
+    if cache_seqlens is None:
+        if k is not None:
+            _fail(fn, "cache_seqlens", "must be given with new keys 'k' and values 'v'")
+        seqlens = [capacity] * batch
+    elif isinstance(cache_seqlens, int):
+        seqlens = [cache_seqlens] * batch
+    else:
+        seqlens = _int32(fn, "cache_seqlens", cache_seqlens, (batch,), "(batch_size,) = (%d,)"
+                         % batch)
+    if any(not 0 <= s <= capacity - n for s in seqlens):
+        _fail(fn, "cache_seqlens", "%s plus the %d new tokens must lie in [0, %d], the cache's "
+              "length" % (seqlens, n, capacity))
+    leftpad = [0] * batch if cache_leftpad is None else _int32(
+        fn, "cache_leftpad", cache_leftpad, (batch,), "(batch_size,) = (%d,)" % batch)
+    if any(not 0 <= p <= s + n for p, s in zip(leftpad, seqlens)):
+        _fail(fn, "cache_leftpad", "%s must lie in [0, cache_seqlens + seqlen_new]" % leftpad)
+    if paged:
+        nblocks = k_cache.shape[0]
+        for b, (row, s) in enumerate(zip(table, seqlens)):
+            used = row[:-(-(s + n) // page)]
+            if any(not 0 <= p < nblocks for p in used):
+                _fail(fn, "block_table", "row %d lists pages %s, outside [0, %d) (num_blocks)"
+                      % (b, used, nblocks))
+    opts = _options(fn, q, capacity, 0.0, softmax_scale, causal, window_size, softcap,
+                    alibi_slopes, batch, device)
+    if (rotary_cos is None) != (rotary_sin is None):
+        _fail(fn, "rotary_sin" if rotary_sin is None else "rotary_cos", "must be given with "
+              "'%s'" % ("rotary_cos" if rotary_sin is None else "rotary_sin"))
+    if rotary_cos is not None:
+        if k is None:
+            _fail(fn, "rotary_cos", "needs new keys 'k' and values 'v' to rotate")
+        _check_tensors(fn, rotary_cos=rotary_cos, rotary_sin=rotary_sin)
+        _check_shape(fn, "rotary_cos", rotary_cos, (None, None), "(seqlen_ro, rotary_dim / 2)")
+        _check_shape(fn, "rotary_sin", rotary_sin, rotary_cos.shape, "rotary_cos's shape")
+        if not 1 <= 2 * rotary_cos.shape[1] <= d:
+            _fail(fn, "rotary_cos", "gives rotary_dim %d; it must be in [2, headdim = %d]"
+                  % (2 * rotary_cos.shape[1], d))
+        last = max(s + max(n, nq) for s in seqlens)
+        if rotary_cos.shape[0] < last:
+            _fail(fn, "rotary_cos", "has %d positions; these tokens need %d"
+                  % (rotary_cos.shape[0], last))
+    # Checked: from here on nothing fails on the caller's input, so the cache is written only
+    # for a call that completes.
+
+    # As FlashAttention-2: queries sit at the new tokens' positions when masks place them,
+    # else all at cache_seqlens.
+    local = opts.causal or opts.window != (-1, -1)
+    out = q.new_empty(batch, nq, q.shape[2], dv)
+    lse = torch.empty(batch, q.shape[2], nq,
+                      dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+    for b, (r, s, p) in enumerate(zip(rows, seqlens, leftpad)):
+        pos = torch.arange(s, s + n)
+        if paged:
+            pages = torch.tensor(table[b][:-(-(s + n) // page)], dtype=torch.long)
+        if k is not None:
+            kb = k[b] if rotary_cos is None else _rotary(k[b], rotary_cos, rotary_sin, pos,
+                                                         rotary_interleaved)
+            if paged:
+                k_cache[pages[pos // page], pos % page] = kb
+                v_cache[pages[pos // page], pos % page] = v[b]
+            else:
+                k_cache[r, s:s + n] = kb
+                v_cache[r, s:s + n] = v[b]
+        if paged:
+            kc, vc = k_cache[pages].flatten(0, 1)[p:s + n], v_cache[pages].flatten(0, 1)[p:s + n]
+        else:
+            kc, vc = k_cache[r, p:s + n], v_cache[r, p:s + n]
+        qb = q[b]
+        if rotary_cos is not None:
+            qpos = torch.arange(s, s + nq) if local else torch.full((nq,), s)
+            qb = _rotary(qb, rotary_cos, rotary_sin, qpos, rotary_interleaved)
+        slopes = opts.alibi_slopes
+        ob, lb = _attention(qb.transpose(0, 1)[None], kc.transpose(0, 1)[None],
+                            vc.transpose(0, 1)[None], opts._replace(
+                                alibi_slopes=slopes[b] if slopes is not None and slopes.dim() == 2
+                                else slopes))
+        out[b] = ob[0].transpose(0, 1)
+        lse[b] = lb[0]
+    return (out, lse) if return_softmax_lse else out

@@ -1,0 +1,657 @@
+"""orchard.flash_attn: FlashAttention-2's API against float64 references.
+
+Low precision follows FlashAttention-2's rule: orchard's error against the float64 reference
+is at most twice (out, lse; three times for gradients, as FA-2's tests allow) the error of the
+same attention computed by plain torch in that dtype, plus a small absolute epsilon. Tensors are (batch, seqlen, nheads, headdim) as FA-2 has them.
+"""
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import orchard_ops  # noqa: E402
+from orchard.flash_attn import (  # noqa: E402
+    _get_block_size_n, flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
+    flash_attn_varlen_func, flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache)
+from reference import ref_bwd, ref_fwd  # noqa: E402
+
+LOW = [torch.float32, torch.float16, torch.bfloat16]
+EPS = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-5, torch.bfloat16: 1e-5}
+
+
+def randn(*shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def np64(t):
+    return t.detach().double().numpy()
+
+
+def ref(q, k, v, dout, keep=None, **kw):
+    """float64 out, lse, dq, dk, dv by tests/reference.py, for (batch, seqlen, nheads, headdim)
+    tensors; keep (batch, nheads, seqlen_q, seqlen_k) is the dropout keep-mask."""
+    qa, ka, va, da = (np64(t).transpose(0, 2, 1, 3) for t in (q, k, v, dout))
+    if keep is not None:
+        keep = keep.numpy()
+    out, lse = ref_fwd(qa, ka, va, keep=keep, **kw)
+    grads = ref_bwd(da, qa, ka, va, keep=keep, **kw)
+    back = lambda a: torch.from_numpy(np.ascontiguousarray(a.transpose(0, 2, 1, 3)))
+    return [back(out), torch.from_numpy(lse)] + [back(g) for g in grads]
+
+
+def torch_attn(q, k, v, scale=None, dropout_p=0.0, causal=False, window=(-1, -1),
+               alibi_slopes=None, softcap=0.0, keep=None):
+    """Plain torch attention in q's dtype (the baseline of the tolerance rule): out, lse."""
+    g = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)
+    nq, nk = q.shape[1], k.shape[1]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = torch.einsum("bqhd,bkhd->bhqk", q * scale, k)
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    diag = torch.arange(nq)[:, None] + nk - nq
+    j = torch.arange(nk)[None, :]
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.reshape(-1 if alibi_slopes.dim() == 1 else q.shape[0], q.shape[2])
+        s = s - (slopes[..., None, None] * (diag - j).abs()).to(s.dtype)
+    vis = torch.ones(nq, nk, dtype=torch.bool)
+    if window[0] >= 0:
+        vis &= j >= diag - window[0]
+    if window[1] >= 0:
+        vis &= j <= diag + window[1]
+    if causal:
+        vis &= j <= diag
+    s = s.masked_fill(~vis, -math.inf)
+    p = torch.softmax(s, -1).nan_to_num(0.0)  # rows that see no key
+    if keep is not None:
+        p = p.masked_fill(~keep, 0.0) / (1 - dropout_p)
+    return torch.einsum("bhqk,bkhd->bqhd", p, v), torch.logsumexp(s, -1)
+
+
+def assert_rule(name, got, ref64, low):
+    """|got - ref64| <= m |low - ref64| + eps (max over entries), m = 2 (3 for gradients);
+    -inf must match exactly."""
+    eps = EPS[low.dtype]
+    got, low = got.double(), low.double()
+    inf = torch.isinf(ref64)
+    assert torch.equal(torch.isinf(got), inf), "%s: -inf pattern differs" % name
+    assert not torch.isnan(got).any(), "%s: NaN" % name
+    got, low, ref64 = (t.masked_fill(inf, 0.0) for t in (got, low, ref64))
+    err = (got - ref64).abs().max().item()
+    base = (low - ref64).abs().max().item()
+    m = 3 if name.startswith("d") else 2
+    assert err <= m * base + eps, "%s: error %.3g, torch's %.3g" % (name, err, base)
+
+
+def keep_from(S):
+    """FlashAttention-2's tests read the dropout pattern from S_dmask's sign."""
+    return ~torch.signbit(S)
+
+
+def check_against_reference(q, k, v, out, lse, S, dtype, **opts):
+    """out, lse and the gradients of out (already computed, with q, k, v leaves) against the
+    float64 reference under the tolerance rule."""
+    fa2_to_ref = dict(scale=opts.get("softmax_scale"), causal=opts.get("causal", False),
+                      window=tuple(opts.get("window_size", (-1, -1))),
+                      alibi_slopes=None if opts.get("alibi_slopes") is None
+                      else opts["alibi_slopes"].double().numpy(),
+                      softcap=opts.get("softcap", 0.0), dropout_p=opts.get("dropout_p", 0.0))
+    keep = keep_from(S) if fa2_to_ref["dropout_p"] > 0 else None
+    dout = randn(*out.shape, dtype=dtype, seed=9)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    r = ref(q, k, v, dout, keep, **fa2_to_ref)
+    ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    ref_kw = dict(fa2_to_ref, window=fa2_to_ref["window"],
+                  alibi_slopes=opts.get("alibi_slopes"), keep=keep)
+    lo, llse = torch_attn(ql, kl, vl, **ref_kw)
+    lgrads = torch.autograd.grad(lo, (ql, kl, vl), dout)
+    for name, got, r64, low in zip(("out", "lse", "dq", "dk", "dv"), (out, lse) + grads, r,
+                                   (lo, llse) + lgrads):
+        assert_rule(name, got, r64, low)
+
+
+# ----------------------------------------------------------------------------- dense
+
+CASES = {
+    "plain": dict(),
+    "causal Nq<Nk": dict(causal=True, nq=5, nk=11),
+    "causal Nq>Nk (rows without keys)": dict(causal=True, nq=11, nk=5),
+    "window": dict(window_size=(3, 1), nq=9, nk=12),
+    "window edges": dict(window_size=(8, 9), nq=9, nk=10),
+    "window causal alibi (B, H)": dict(window_size=(4, 0), causal=True, alibi="bh"),
+    "softcap alibi (H,) scale": dict(softcap=2.5, alibi="h", softmax_scale=0.4),
+    "dropout causal": dict(dropout_p=0.2, causal=True),
+    "dropout window alibi MQA": dict(dropout_p=0.17, alibi="bh", window_size=(4, 2), hk=1),
+    "GQA headdim 40": dict(hk=2, d=40, causal=True),
+}
+
+
+def make_dense(case, dtype, seed=0):
+    case = dict(case)
+    b, h = 2, 4
+    nq, nk, hk, d = case.pop("nq", 8), case.pop("nk", 10), case.pop("hk", 4), case.pop("d", 16)
+    q = randn(b, nq, h, d, dtype=dtype, seed=seed).requires_grad_()
+    k = randn(b, nk, hk, d, dtype=dtype, seed=seed + 1).requires_grad_()
+    v = randn(b, nk, hk, d, dtype=dtype, seed=seed + 2).requires_grad_()
+    alibi = case.pop("alibi", None)
+    if alibi:
+        case["alibi_slopes"] = torch.rand(*((b, h) if alibi == "bh" else (h,)),
+                                          generator=torch.Generator().manual_seed(3)) * 0.5
+    return q, k, v, case
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_func_against_reference(case, dtype):
+    q, k, v, opts = make_dense(CASES[case], dtype)
+    torch.manual_seed(0)
+    out, lse, S = flash_attn_func(q, k, v, return_attn_probs=True, **opts)
+    assert out.dtype == dtype and out.shape == q.shape and out.is_contiguous()
+    assert lse.dtype == torch.float32 and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    check_against_reference(q, k, v, out, lse, S, dtype, **opts)
+
+
+def test_func_on_every_device(device):
+    q, k, v, opts = make_dense(CASES["dropout window alibi MQA"], torch.float32)
+    out, lse, S = flash_attn_func(q, k, v, return_attn_probs=True, device=device, **opts)
+    check_against_reference(q, k, v, out, lse, S, torch.float32, **opts)
+
+
+@pytest.mark.parametrize("packing", ["qkv", "kv"])
+def test_packed_equal_unpacked(packing):
+    q, k, v, opts = make_dense(dict(causal=True, alibi="h", dropout_p=0.1, nk=8, nq=8,
+                                    hk=4 if packing == "qkv" else 2), torch.float32)
+    dout = randn(*q.shape, seed=5)
+    torch.manual_seed(1)
+    want = flash_attn_func(q, k, v, return_attn_probs=True, **opts)
+    want_grads = torch.autograd.grad(want[0], (q, k, v), dout)
+    torch.manual_seed(1)
+    if packing == "qkv":
+        qkv = torch.stack((q, k, v), 2).detach().requires_grad_()
+        got = flash_attn_qkvpacked_func(qkv, opts.pop("dropout_p"), return_attn_probs=True, **opts)
+        (dqkv,) = torch.autograd.grad(got[0], qkv, dout)
+        grads = dqkv.unbind(2)
+    else:
+        q2 = q.detach().clone().requires_grad_()
+        kv = torch.stack((k, v), 2).detach().requires_grad_()
+        got = flash_attn_kvpacked_func(q2, kv, opts.pop("dropout_p"), return_attn_probs=True,
+                                       **opts)
+        dq, dkv = torch.autograd.grad(got[0], (q2, kv), dout)
+        grads = (dq,) + dkv.unbind(2)
+    for a, b in zip(got + grads, want + want_grads):
+        assert torch.equal(a, b)
+
+
+def test_gradcheck_float64_every_option():
+    q, k, v, opts = make_dense(dict(causal=True, window_size=(3, 2), alibi="bh", softcap=3.0,
+                                    dropout_p=0.2, hk=2, nq=5, nk=7, d=8), torch.float64)
+
+    def f(q, k, v):
+        torch.manual_seed(4)  # the same dropout mask in every evaluation
+        return flash_attn_func(q, k, v, **opts)
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+def test_strided_inputs_are_read_in_place():
+    big = randn(2, 9, 4, 3, 16)  # a (batch, seqlen, nheads, 3, headdim) buffer
+    q, k, v = big[:, :, :, 0], big[:, :, :, 1], big[:, :, :2, 2]  # GQA slice for v
+    k = k[:, :, :2]
+    assert not q.is_contiguous() and q.stride(-1) == 1
+    orchard_ops.reset_stats()
+    out = flash_attn_func(q, k, v, causal=True, device="cpu")
+    assert orchard_ops.stats()["staged_buffers"] == 0
+    want = flash_attn_func(q.contiguous(), k.contiguous(), v.contiguous(), causal=True)
+    assert torch.equal(out, want)
+
+
+def test_return_values_and_keywords():
+    q, k, v, _ = make_dense({}, torch.float32)
+    out = flash_attn_func(q, k, v, 0.0, None, False, (-1, -1), 0.0, None, True, False,
+                          device="cpu")
+    assert isinstance(out, torch.Tensor)
+    assert torch.equal(out, flash_attn_func(q, k, v, deterministic=False))
+    torch.manual_seed(3)
+    a = flash_attn_func(q, k, v, dropout_p=0.5)
+    torch.manual_seed(3)
+    assert torch.equal(a, flash_attn_func(q, k, v, dropout_p=0.5))
+    assert not torch.equal(a, flash_attn_func(q, k, v, dropout_p=0.5))
+    # Window sizes as FA-2's tests pass them (a tensor), and a window past every key.
+    w = torch.tensor([3, 1])
+    assert torch.equal(flash_attn_func(q, k, v, window_size=w),
+                       flash_attn_func(q, k, v, window_size=(3, 1)))
+    assert torch.equal(flash_attn_func(q, k, v, window_size=(10, 10)), out)
+
+
+def test_S_dmask_normalises_to_the_probabilities_as_fa2_tests_do():
+    # Several key blocks, so the per-block scaling matters.
+    nk = 2 * _get_block_size_n(None, 8, True, False) + 7
+    q, k, v, opts = make_dense(dict(nq=3, nk=nk, d=8, dropout_p=0.3, alibi="h"), torch.float32)
+    torch.manual_seed(2)
+    out, lse, S = flash_attn_func(q, k, v, return_attn_probs=True, **opts)
+    assert S.shape == (2, 4, 3, nk) and S.dtype == torch.float32
+    keep = keep_from(S)
+    assert abs((~keep).float().mean().item() - 0.3) < 0.05
+    # FA-2's normalize_flash_attn_S: block c times exp(max over blocks c.. - lse).
+    qa, ka = np64(q).transpose(0, 2, 1, 3), np64(k).transpose(0, 2, 1, 3)
+    s = torch.from_numpy(qa @ ka.transpose(0, 1, 3, 2)) / math.sqrt(8)
+    dist = (torch.arange(3)[:, None] + nk - 3 - torch.arange(nk)[None, :]).abs()
+    s = s - opts["alibi_slopes"].double()[:, None, None] * dist
+    bn = _get_block_size_n(None, 8, True, False)
+    blocks = s.split(bn, -1)
+    m = torch.stack([b.amax(-1) for b in blocks], -1).flip(-1).cummax(-1).values.flip(-1)
+    ref_lse = torch.logsumexp(s, -1)
+    probs = torch.cat([a.double() * torch.exp(m[..., c] - ref_lse)[..., None]
+                       for c, a in enumerate(S.abs().split(bn, -1))], -1)
+    torch.testing.assert_close(probs, torch.softmax(s, -1), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- varlen
+
+
+def varlen_inputs(dtype, lens_q, lens_k, h=4, hk=2, d=16, seed=0):
+    q = randn(sum(lens_q), h, d, dtype=dtype, seed=seed).requires_grad_()
+    k = randn(sum(lens_k), hk, d, dtype=dtype, seed=seed + 1).requires_grad_()
+    v = randn(sum(lens_k), hk, d, dtype=dtype, seed=seed + 2).requires_grad_()
+    cu = lambda lens: torch.tensor(np.cumsum([0] + lens), dtype=torch.int32)
+    return q, k, v, cu(lens_q), cu(lens_k)
+
+
+VARLEN_CASES = {
+    "causal GQA": dict(causal=True),
+    "window alibi (B, H) softcap": dict(window_size=(2, 1), alibi="bh", softcap=2.0),
+    "dropout causal alibi (H,)": dict(dropout_p=0.2, causal=True, alibi="h"),
+}
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("case", list(VARLEN_CASES), ids=list(VARLEN_CASES))
+def test_varlen_against_reference(case, dtype):
+    lens_q, lens_k = [3, 0, 7, 5], [6, 4, 7, 2]
+    q, k, v, cu_q, cu_k = varlen_inputs(dtype, lens_q, lens_k)
+    opts = dict(VARLEN_CASES[case])
+    alibi = opts.pop("alibi", None)
+    if alibi:
+        opts["alibi_slopes"] = torch.rand(*((4, 4) if alibi == "bh" else (4,))) * 0.5
+    torch.manual_seed(0)
+    out, lse, S = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                         return_attn_probs=True, **opts)
+    assert out.shape == q.shape and lse.shape == (4, q.shape[0]) and lse.dtype == torch.float32
+    assert S.shape == (4, 4, max(lens_q), max(lens_k))
+    dout = randn(*out.shape, dtype=dtype, seed=7)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    # Each sequence against the dense references, as a batch of one.
+    for b in range(4):
+        sq, eq, sk, ek = cu_q[b].item(), cu_q[b + 1].item(), cu_k[b].item(), cu_k[b + 1].item()
+        seq = dict(opts)
+        if alibi == "bh":
+            seq["alibi_slopes"] = opts["alibi_slopes"][b]
+        keep = S[b:b + 1, :, :eq - sq, :ek - sk]
+        qb, kb, vb = (t[s:e].detach()[None].requires_grad_()
+                      for t, s, e in ((q, sq, eq), (k, sk, ek), (v, sk, ek)))
+        ob, lb = out[sq:eq][None], lse[:, sq:eq][None]
+        # Gradients of this sequence alone: the other sequences' rows of dout are zero.
+        check_sequence(qb, kb, vb, ob, lb, keep, dout[sq:eq][None],
+                       [g[s:e][None] for g, s, e in zip(grads, (sq, sk, sk), (eq, ek, ek))],
+                       dtype, seq)
+
+
+def check_sequence(q, k, v, out, lse, S, dout, grads, dtype, opts):
+    kw = dict(scale=opts.get("softmax_scale"), causal=opts.get("causal", False),
+              window=tuple(opts.get("window_size", (-1, -1))), softcap=opts.get("softcap", 0.0),
+              dropout_p=opts.get("dropout_p", 0.0))
+    keep = keep_from(S) if kw["dropout_p"] > 0 else None
+    slopes = opts.get("alibi_slopes")
+    r = ref(q, k, v, dout, keep, alibi_slopes=None if slopes is None else np64(slopes), **kw)
+    lo, llse = torch_attn(q, k, v, alibi_slopes=slopes, keep=keep, **kw)
+    lgrads = torch.autograd.grad(lo, (q, k, v), dout) if lo.numel() else (q, k, v)
+    for name, got, r64, low in zip(("out", "lse", "dq", "dk", "dv"), [out, lse] + grads, r,
+                                   (lo, llse) + tuple(lgrads)):
+        if got.numel():
+            assert_rule(name, got, r64, low)
+
+
+def test_varlen_gradcheck_float64():
+    q, k, v, cu_q, cu_k = varlen_inputs(torch.float64, [2, 4], [3, 5], d=4)
+    slopes = torch.rand(2, 4)
+
+    def f(q, k, v):
+        torch.manual_seed(1)
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 5, 0.2, causal=True,
+                                      window_size=(2, -1), alibi_slopes=slopes, softcap=2.0)
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+@pytest.mark.parametrize("packing", ["qkv", "kv"])
+def test_varlen_packed_equal_unpacked(packing):
+    lens = [3, 5, 1]
+    q, k, v, cu, _ = varlen_inputs(torch.float32, lens, lens, hk=4 if packing == "qkv" else 2)
+    dout = randn(*q.shape, seed=5)
+    want = flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, causal=True)
+    want_grads = torch.autograd.grad(want, (q, k, v), dout)
+    if packing == "qkv":
+        qkv = torch.stack((q, k, v), 1).detach().requires_grad_()
+        got = flash_attn_varlen_qkvpacked_func(qkv, cu, 5, causal=True)
+        grads = torch.autograd.grad(got, qkv, dout)[0].unbind(1)
+    else:
+        q2 = q.detach().clone().requires_grad_()
+        kv = torch.stack((k, v), 1).detach().requires_grad_()
+        got = flash_attn_varlen_kvpacked_func(q2, kv, cu, cu, 5, 5, causal=True)
+        dq, dkv = torch.autograd.grad(got, (q2, kv), dout)
+        grads = (dq,) + dkv.unbind(1)
+    assert torch.equal(got, want)
+    for a, b in zip(grads, want_grads):
+        assert torch.equal(a, b)
+
+
+def paged(k, lens, page, seed=0):
+    """k (total, Hkv, D) packed as pages (num_blocks, page, Hkv, D) in shuffled order, and the
+    block_table of each sequence (unused table entries and pages hold garbage)."""
+    g = torch.Generator().manual_seed(seed)
+    per_seq = max(-(-n // page) for n in lens)
+    nblocks = per_seq * len(lens) + 2
+    order = torch.randperm(nblocks, generator=g, dtype=torch.int32)
+    table = order[:per_seq * len(lens)].reshape(len(lens), per_seq)
+    pages = torch.randn(nblocks, page, *k.shape[1:], generator=g).to(k.dtype)
+    start = 0
+    for b, n in enumerate(lens):
+        for i in range(n):
+            pages[table[b, i // page], i % page] = k[start + i].detach()
+        start += n
+    return pages, table
+
+
+def test_varlen_paged_kv_equals_packed_with_gradients():
+    lens_q, lens_k = [2, 4, 3], [5, 8, 1]
+    q, k, v, cu_q, cu_k = varlen_inputs(torch.float32, lens_q, lens_k)
+    kp, table = paged(k, lens_k, page=3, seed=1)
+    vp, table_v = paged(v, lens_k, page=3, seed=1)
+    assert torch.equal(table, table_v)
+    kp.requires_grad_(), vp.requires_grad_()
+    slopes = torch.rand(4) * 0.3
+    want = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 8, causal=True, alibi_slopes=slopes)
+    got = flash_attn_varlen_func(q, kp, vp, cu_q, cu_k, 4, 8, causal=True, alibi_slopes=slopes,
+                                 block_table=table)
+    assert torch.equal(got, want)
+    dout = randn(*q.shape, seed=3)
+    dk, dv = torch.autograd.grad(want, (k, v), dout)
+    dkp, dvp = torch.autograd.grad(got, (kp, vp), dout)
+    dk_paged, _ = paged(dk, lens_k, page=3, seed=1)
+    dv_paged, _ = paged(dv, lens_k, page=3, seed=1)
+    used = torch.zeros(kp.shape[0], 3, dtype=torch.bool)
+    for b, n in enumerate(lens_k):
+        for i in range(n):
+            used[table[b, i // 3], i % 3] = True
+    torch.testing.assert_close(dkp[used], dk_paged[used], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(dvp[used], dv_paged[used], atol=1e-6, rtol=1e-6)
+    assert not dkp[~used].any() and not dvp[~used].any()
+
+
+# ----------------------------------------------------------------------------- KV cache
+
+
+def rope_ref(x, cos, sin, pos, interleaved):
+    """Rotary embedding as complex multiplication, in float64: x (N, H, D), pos (N,)."""
+    rd = 2 * cos.shape[1]
+    x = x.double()
+    rot = x[..., :rd]
+    pairs = (rot.unflatten(-1, (rd // 2, 2)) if interleaved
+             else torch.stack(rot.chunk(2, -1), -1))
+    z = torch.view_as_complex(pairs.contiguous())
+    z = z * torch.polar(torch.ones(()).double(), torch.atan2(sin.double(), cos.double())[pos])[:, None]
+    r = torch.view_as_real(z)
+    r = r.flatten(-2) if interleaved else torch.cat(r.unbind(-1), -1)
+    return torch.cat((r, x[..., rd:]), -1)
+
+
+def kvcache_ref(dtype, q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                causal=False, window_size=(-1, -1), alibi_slopes=None, softcap=0.0,
+                rotary_interleaved=True):
+    """Plain torch: the caches after the update, and out, lse computed in dtype."""
+    kc, vc = k_cache.clone(), v_cache.clone()
+    batch, nq = q.shape[:2]
+    n = 0 if k is None else k.shape[1]
+    page = kc.shape[1]
+
+    def where(b, p):  # cache location of token p of sequence b
+        if block_table is not None:
+            return block_table[b, p // page].item(), p % page
+        return (b if cache_batch_idx is None else cache_batch_idx[b].item()), p
+
+    outs, lses = [], []
+    for b in range(batch):
+        s = kc.shape[1] if cache_seqlens is None else int(
+            cache_seqlens if isinstance(cache_seqlens, int) else cache_seqlens[b])
+        for t in range(n):
+            kt = k[b, t]
+            if rotary_cos is not None:
+                kt = rope_ref(k[b, t:t + 1], rotary_cos, rotary_sin, torch.tensor([s + t]),
+                              rotary_interleaved)[0]
+            kc[where(b, s + t)] = kt.to(kc.dtype)
+            vc[where(b, s + t)] = v[b, t]
+        lp = 0 if cache_leftpad is None else cache_leftpad[b].item()
+        keys = torch.stack([kc[where(b, p)] for p in range(lp, s + n)]) if s + n > lp else \
+            kc.new_zeros(0, *kc.shape[2:])
+        vals = torch.stack([vc[where(b, p)] for p in range(lp, s + n)]) if s + n > lp else \
+            vc.new_zeros(0, *vc.shape[2:])
+        qb = q[b]
+        if rotary_cos is not None:
+            local = causal or tuple(window_size) != (-1, -1)
+            pos = torch.arange(s, s + nq) if local else torch.full((nq,), s)
+            qb = rope_ref(qb, rotary_cos, rotary_sin, pos, rotary_interleaved).to(q.dtype)
+        slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 \
+            else alibi_slopes[b]
+        o, lse = torch_attn(qb[None].to(dtype), keys[None].to(dtype), vals[None].to(dtype),
+                            causal=causal, window=tuple(window_size), alibi_slopes=slopes,
+                            softcap=softcap)
+        outs.append(o[0])
+        lses.append(lse[0])
+    return kc, vc, torch.stack(outs), torch.stack(lses)
+
+
+KV_CASES = {
+    "decode one token GQA causal": dict(new=1, causal=True),
+    "three tokens rotary interleaved": dict(new=3, nq=3, rotary=True, causal=True),
+    "rotary not interleaved, not causal": dict(new=2, nq=2, rotary=True, interleaved=False),
+    "rotary window, more queries than new tokens": dict(new=1, nq=3, rotary=True,
+                                                        window_size=(3, 0)),
+    "leftpad batch_idx alibi softcap": dict(new=2, nq=2, leftpad=True, batch_idx=True,
+                                            alibi=True, softcap=2.0, causal=True),
+    "paged rotary leftpad": dict(new=2, nq=2, paged=True, rotary=True, leftpad=True, causal=True),
+    "paged no new keys": dict(new=0, nq=2, paged=True, causal=True, seqlens_int=True),
+    "no new keys, whole cache": dict(new=0, nq=1, whole=True),
+}
+
+
+def make_kvcache(case, dtype):
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g).to(dtype)
+    batch, h, hk, d, cap = 2, 4, 2, 16, 12
+    nq, n = case.get("nq", 1), case["new"]
+    q = r(batch, nq, h, d)
+    kw = dict(causal=case.get("causal", False), window_size=case.get("window_size", (-1, -1)),
+              softcap=case.get("softcap", 0.0))
+    rows = batch * 2 if case.get("batch_idx") else batch
+    if case.get("paged"):
+        page = 4
+        nblocks = 3 * batch + 1
+        k_cache, v_cache = r(nblocks, page, hk, d), r(nblocks, page, hk, d)
+        kw["block_table"] = torch.randperm(nblocks, generator=g, dtype=torch.int32)[
+            :3 * batch].reshape(batch, 3)
+    else:
+        k_cache, v_cache = r(rows, cap, hk, d), r(rows, cap, hk, d)
+    if n:
+        kw["k"], kw["v"] = r(batch, n, hk, d), r(batch, n, hk, d)
+    if not case.get("whole"):
+        seqlens = torch.tensor([5, 9 - n], dtype=torch.int32)
+        kw["cache_seqlens"] = 5 if case.get("seqlens_int") else seqlens
+    if case.get("leftpad"):
+        kw["cache_leftpad"] = torch.tensor([2, 0], dtype=torch.int32)
+    if case.get("batch_idx"):
+        kw["cache_batch_idx"] = torch.tensor([3, 1], dtype=torch.int32)
+    if case.get("alibi"):
+        kw["alibi_slopes"] = torch.rand(batch, h, generator=g) * 0.5
+    if case.get("rotary"):
+        angle = torch.rand(cap, 6, generator=g) * 2 * math.pi  # rotary_dim 12 < headdim
+        kw["rotary_cos"], kw["rotary_sin"] = angle.cos().to(dtype), angle.sin().to(dtype)
+        kw["rotary_interleaved"] = case.get("interleaved", True)
+    return q, k_cache, v_cache, kw
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", list(KV_CASES), ids=list(KV_CASES))
+def test_kvcache_against_torch(case, dtype):
+    if dtype == torch.bfloat16 and case not in ("three tokens rotary interleaved",
+                                                "paged rotary leftpad"):
+        pytest.skip("bfloat16 on two representative cases only (time)")
+    q, k_cache, v_cache, kw = make_kvcache(KV_CASES[case], dtype)
+    kc64, vc64, out64, lse64 = kvcache_ref(torch.float64, q, k_cache, v_cache, **kw)
+    _, _, out_low, lse_low = kvcache_ref(dtype, q, k_cache, v_cache, **kw)
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, return_softmax_lse=True, **kw)
+    # The caches were written in place, exactly where and as the reference writes.
+    tol = dict(atol=0, rtol=0) if "rotary_cos" not in kw else {}
+    torch.testing.assert_close(k_cache, kc64, **tol)
+    assert torch.equal(v_cache, vc64)
+    assert out.shape == q.shape and out.dtype == dtype and lse.dtype == torch.float32
+    assert_rule("out", out, out64, out_low)
+    assert_rule("lse", lse, lse64, lse_low)
+
+
+def test_kvcache_reads_the_cache_in_place():
+    q, k_cache, v_cache, kw = make_kvcache(KV_CASES["decode one token GQA causal"],
+                                           torch.float32)
+    orchard_ops.reset_stats()
+    flash_attn_with_kvcache(q, k_cache, v_cache, device="cpu", num_splits=4, **kw)
+    assert orchard_ops.stats()["staged_buffers"] == 0
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def dense_qkv(**shapes):
+    s = dict(q=(1, 4, 2, 8), k=(1, 5, 2, 8), v=(1, 5, 2, 8))
+    s.update(shapes)
+    return [torch.randn(*s[n]) for n in ("q", "k", "v")]
+
+
+def test_bad_dense_input_names_the_argument():
+    q, k, v = dense_qkv()
+    bad = [
+        (TypeError, "'q'", lambda: flash_attn_func([1.0], k, v)),
+        (TypeError, "'q'", lambda: flash_attn_func(q.int(), k, v)),
+        (TypeError, "'k'", lambda: flash_attn_func(q, k.half(), v)),
+        (ValueError, "'q'", lambda: flash_attn_func(q[0], k, v)),
+        (ValueError, "'k'", lambda: flash_attn_func(*dense_qkv(k=(1, 5, 2, 4)))),
+        (ValueError, "'v'", lambda: flash_attn_func(*dense_qkv(v=(1, 6, 2, 8)))),
+        (ValueError, "'k'", lambda: flash_attn_func(*dense_qkv(q=(1, 4, 3, 8)))),
+        (ValueError, "'q'", lambda: flash_attn_func(*dense_qkv(q=(1, 4, 2, 300),
+                                                               k=(1, 5, 2, 300),
+                                                               v=(1, 5, 2, 8)))),
+        (ValueError, "'q'", lambda: flash_attn_func(q.to("meta"), k, v)),
+        (ValueError, "'v'", lambda: flash_attn_func(q, k, v.to_sparse())),
+        (ValueError, "'window_size'", lambda: flash_attn_func(q, k, v, window_size=(-2, 0))),
+        (TypeError, "'window_size'", lambda: flash_attn_func(q, k, v, window_size=3)),
+        (ValueError, "'dropout_p'", lambda: flash_attn_func(q, k, v, dropout_p=1.0)),
+        (ValueError, "'alibi_slopes'",
+         lambda: flash_attn_func(q, k, v, alibi_slopes=torch.rand(3))),
+        (TypeError, "'alibi_slopes'",
+         lambda: flash_attn_func(q, k, v, alibi_slopes=torch.ones(2, dtype=torch.int32))),
+        (ValueError, "'qkv'", lambda: flash_attn_qkvpacked_func(torch.randn(1, 4, 2, 2, 8))),
+        (ValueError, "'kv'", lambda: flash_attn_kvpacked_func(q, torch.randn(1, 5, 3, 2, 8))),
+    ]
+    for error, name, call in bad:
+        with pytest.raises(error, match=name):
+            call()
+
+
+def test_bad_varlen_input_names_the_argument():
+    q, k, v, cu_q, cu_k = varlen_inputs(torch.float32, [2, 3], [3, 4])
+    q, k, v = q.detach(), k.detach(), v.detach()
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)
+    kp, table = paged(k, [3, 4], page=2)
+    vp, _ = paged(v, [3, 4], page=2)
+    bad = [
+        (TypeError, "'cu_seqlens_q'", lambda: flash_attn_varlen_func(
+            q, k, v, cu_q.long(), cu_k, 3, 4)),
+        (ValueError, "'cu_seqlens_q'", lambda: flash_attn_varlen_func(
+            q, k, v, i32(0, 3, 2, 5), i32(0, 3, 3, 7), 3, 4)),
+        (ValueError, "'cu_seqlens_k'", lambda: flash_attn_varlen_func(
+            q, k, v, cu_q, i32(0, 3, 6), 3, 4)),
+        (ValueError, "'cu_seqlens_k'", lambda: flash_attn_varlen_func(
+            q, k, v, cu_q, i32(0, 7), 3, 7)),
+        (ValueError, "'q'", lambda: flash_attn_varlen_func(q[None], k, v, cu_q, cu_k, 3, 4)),
+        (ValueError, "'k'", lambda: flash_attn_varlen_func(q, k[:, :1].expand(7, 3, 16),
+                                                           v[:, :1].expand(7, 3, 16),
+                                                           cu_q, cu_k, 3, 4)),
+        (ValueError, "'max_seqlen_q'", lambda: flash_attn_varlen_func(q, k, v, cu_q, cu_k, 2, 4)),
+        (TypeError, "'block_table'", lambda: flash_attn_varlen_func(
+            q, kp, vp, cu_q, cu_k, 3, 4, block_table=table.long())),
+        (ValueError, "'block_table'", lambda: flash_attn_varlen_func(
+            q, kp, vp, cu_q, cu_k, 3, 4, block_table=table + 100)),
+        (ValueError, "'cu_seqlens_k'", lambda: flash_attn_varlen_func(
+            q, kp, vp, cu_q, i32(0, 3, 9), 3, 6, block_table=table)),
+        (ValueError, "'cu_seqlens'", lambda: flash_attn_varlen_qkvpacked_func(
+            torch.stack((q, q, q), 1), i32(0, 2, 4), 3)),
+    ]
+    for error, name, call in bad:
+        with pytest.raises(error, match=name):
+            call()
+
+
+def test_bad_kvcache_input_names_the_argument_and_writes_nothing():
+    q, k_cache, v_cache, kw = make_kvcache(KV_CASES["three tokens rotary interleaved"],
+                                           torch.float32)
+    pq, pk_cache, pv_cache, pkw = make_kvcache(KV_CASES["paged rotary leftpad"], torch.float32)
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)
+    drop = lambda d, *names: {n: a for n, a in d.items() if n not in names}
+    bad = [
+        (ValueError, "'cache_seqlens'", dict(kw, cache_seqlens=i32(5, 10))),
+        (ValueError, "'cache_seqlens'", dict(kw, cache_seqlens=i32(-1, 2))),
+        (TypeError, "'cache_seqlens'", dict(kw, cache_seqlens=kw["cache_seqlens"].long())),
+        (ValueError, "'cache_seqlens'", drop(kw, "cache_seqlens")),
+        (ValueError, "'v'", drop(kw, "v")),
+        (ValueError, "'k'", dict(kw, k=kw["k"][:, :, :1])),
+        (TypeError, "'k'", dict(kw, k=kw["k"].double())),
+        (ValueError, "'rotary_cos'", dict(kw, rotary_cos=kw["rotary_cos"][:6],
+                                          rotary_sin=kw["rotary_sin"][:6])),
+        (ValueError, "'rotary_sin'", drop(kw, "rotary_sin")),
+        (ValueError, "'cache_batch_idx'", dict(kw, cache_batch_idx=i32(0, 2))),
+        (ValueError, "'cache_leftpad'", dict(kw, cache_leftpad=i32(0, 11))),
+        (ValueError, "'window_size'", dict(kw, window_size=(0, -3))),
+        (ValueError, "'alibi_slopes'", dict(kw, alibi_slopes=torch.rand(3, 4))),
+    ]
+    for error, name, args in bad:
+        before = k_cache.clone(), v_cache.clone()
+        with pytest.raises(error, match=name):
+            flash_attn_with_kvcache(q, k_cache, v_cache, **args)
+        assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1]), name
+    with pytest.raises(ValueError, match="'k_cache'"):
+        flash_attn_with_kvcache(q, k_cache.to("meta"), v_cache, **drop(kw, "k", "v", "rotary_cos",
+                                                                     "rotary_sin"))
+    with pytest.raises(ValueError, match="'rotary_cos'"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, **drop(kw, "k", "v"))
+    paged_bad = [
+        (ValueError, "'block_table'", dict(pkw, block_table=pkw["block_table"] + 100)),
+        (TypeError, "'block_table'", dict(pkw, block_table=pkw["block_table"].long())),
+        (ValueError, "'cache_seqlens'", dict(pkw, cache_seqlens=i32(5, 11))),
+        (ValueError, "'cache_batch_idx'", dict(pkw, cache_batch_idx=i32(0, 1))),
+        (ValueError, "'v_cache'", dict(pkw, v_cache=pv_cache[:, :2])),
+        (ValueError, "'k_cache'", dict(pkw, k_cache=pk_cache[:, :0], v_cache=pv_cache[:, :0])),
+    ]
+    for error, name, args in paged_bad:
+        before = pk_cache.clone(), pv_cache.clone()
+        args.setdefault("v_cache", pv_cache)
+        args.setdefault("k_cache", pk_cache)
+        with pytest.raises(error, match=name):
+            flash_attn_with_kvcache(pq, **args)
+        assert torch.equal(pk_cache, before[0]) and torch.equal(pv_cache, before[1]), name
