@@ -13,6 +13,14 @@
 
 typedef ptrdiff_t or_ssize;
 
+/* Limits, checked by args.c before anything is allocated. The dropout stream numbers a
+ * score's row and column with 32 bits each (philox.h, kernels/common.cl) and the OpenCL
+ * kernels count the query heads of a GQA group in an int; larger sizes are refused with
+ * ValueError rather than computed wrongly. Everything else is indexed with 64 bits. */
+#define OR_MAX_HEAD_DIM 256                 /* D and Dv: 1..256 */
+#define OR_MAX_SEQ_LEN 0xFFFFFFFFLL         /* rows or keys of one sequence: < 2**32 */
+#define OR_MAX_HEADS 0x7FFFFFFFLL           /* query heads: < 2**31 */
+
 typedef enum { OR_F16 = 0, OR_F32 = 1, OR_F64 = 2 } or_dtype;
 
 /* Operand slots of a call; forward uses Q..LSE, backward all of them. */
