@@ -137,14 +137,14 @@ int or_load_operands(or_call *c, PyObject **objs, const int *slots, int n)
     or_dtype dt = OR_F32;
     or_dtype_of(c->arr[OR_Q], &dt);     /* or_operand checked it */
     c->p.view[OR_Q].dtype = dt;
+    const or_dtype lse = or_dtypes[dt].lse;
     for (int i = 0; i < n; i++) {
         int s = slots[i];
         or_dtype got = OR_F32;
         or_dtype_of(c->arr[s], &got);
-        if (s == OR_LSE && got != (dt == OR_F64 ? OR_F64 : OR_F32)) {
+        if (s == OR_LSE && got != lse) {
             /* lse of another float type is accepted and converted to the kernels' own */
-            PyArrayObject *cast = or_staged_copy(c->arr[s], dt == OR_F64 ? NPY_FLOAT64 : NPY_FLOAT32,
-                                                 align);
+            PyArrayObject *cast = or_staged_copy(c->arr[s], or_dtypes[lse].typenum, align);
             if (cast == NULL)
                 return -1;
             OR_COUNT(c->ct, staged_buffers, 1);
@@ -157,12 +157,12 @@ int or_load_operands(or_call *c, PyObject **objs, const int *slots, int n)
             return -1;
         }
     }
-    if (dt == OR_F64 && !or_device_fp64(c->device.index)) {
+    if (or_dtypes[dt].compute_size == sizeof(double) && !or_device_fp64(c->device.index)) {
         PyObject *id = or_device_id(c->device.index);
         if (id != NULL)
             PyErr_Format(PyExc_TypeError,
-                         "%s(): float64 needs cl_khr_fp64, which device %S lacks; use float32 "
-                         "or device='cpu'", c->func, id);
+                         "%s(): %s needs cl_khr_fp64, which device %S lacks; use float32 "
+                         "or device='cpu'", c->func, or_dtypes[dt].name, id);
         Py_XDECREF(id);
         return -1;
     }

@@ -36,8 +36,6 @@
 #define OR_CLONES "default"
 #endif
 
-typedef _Float16 or_half;
-
 typedef struct {
     const or_problem *p;
     char *scratch;          /* nworkers slices of per_worker bytes */
@@ -130,7 +128,7 @@ static int run_job(or_job *job, or_ssize n_items, or_task fn)
 
 int or_native_fwd(const or_problem *p)
 {
-    const int dbl = p->view[OR_Q].dtype == OR_F64;
+    const int dbl = or_dtypes[p->view[OR_Q].dtype].compute_size == sizeof(double);
     const size_t real = dbl ? sizeof(double) : sizeof(float);
     const or_ssize n_kv = p->n_units / p->group;
     or_job job = {.p = p, .blocks = 0};
@@ -163,7 +161,7 @@ int or_native_fwd(const or_problem *p)
 
 int or_native_bwd(const or_problem *p)
 {
-    const int dbl = p->view[OR_Q].dtype == OR_F64;
+    const int dbl = or_dtypes[p->view[OR_Q].dtype].compute_size == sizeof(double);
     const size_t real = dbl ? sizeof(double) : sizeof(float);
     or_job job = {.p = p, .nk_max = 0};
     for (or_ssize u = 0; u < p->n_units; u++)

@@ -354,7 +354,7 @@ int or_cl_save_tuned_blocks(int i, int bq, int bk)
 static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *ct,
                         or_cl_program *out, or_error *err)
 {
-    static const int storage_bits[] = {16, 32, 64};
+    static const int storage_bits[] = {OR_DTYPES(OR_DTYPE_CL_BITS)};
     const size_t real = dt == OR_F64 ? 8 : 4;
     const int cpu = strcmp(dev->info.kind, "cpu") == 0;
     /* a CPU work-item is one SIMD thread: 8 lanes fill AVX; GPU lanes are work-items */
@@ -409,9 +409,8 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
                                    (d + 2 * vw - 1) / (2 * vw) * (2 * vw)};
             if (or_log_enabled("ORCHARD_DEBUG_FLASH_ATN"))
                 or_log("orchard: OpenCL program for %s D=%d Dv=%d on %s: %s kernels, "
-                       "blocks %d x %d%s", dt == OR_F16 ? "float16" : dt == OR_F32 ? "float32"
-                       : "float64", d, dv, dev->info.name, tiled ? "tiled" : "row",
-                       tiled ? tq : bq, tiled ? tk : bk,
+                       "blocks %d x %d%s", or_dtypes[dt].name, d, dv, dev->info.name,
+                       tiled ? "tiled" : "row", tiled ? tq : bq, tiled ? tk : bk,
                        (tiled ? tuned_tiles : tuned_rows) && !overridden ? " (tuned)" : "");
             return OR_OK;
         }

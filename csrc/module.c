@@ -92,8 +92,7 @@ static PyObject *run(or_call *c, module_state *st, int backward)
         }
         or_log("orchard: %s device=%s q=%s k=%s dv=%d dtype=%s time=%.3f ms", c->func,
                PyUnicode_AsUTF8(id), PyUnicode_AsUTF8(qs), PyUnicode_AsUTF8(ks), c->p.dv,
-               c->p.view[OR_Q].dtype == OR_F16 ? "float16"
-               : c->p.view[OR_Q].dtype == OR_F32 ? "float32" : "float64",
+               or_dtypes[c->p.view[OR_Q].dtype].name,
                (t1.tv_sec - t0.tv_sec) * 1e3 + (t1.tv_nsec - t0.tv_nsec) * 1e-6);
         Py_DECREF(qs);
         Py_DECREF(ks);
@@ -134,7 +133,7 @@ static PyObject *attention(PyObject *module, or_call *c, or_opts *o, PyObject **
                 goto done;
         }
     } else if (or_new_output(c, OR_O, ond, oshape, dt) < 0
-               || or_new_output(c, OR_LSE, lnd, lshape, dt == OR_F64 ? OR_F64 : OR_F32) < 0) {
+               || or_new_output(c, OR_LSE, lnd, lshape, or_dtypes[dt].lse) < 0) {
         goto done;
     }
     if (or_build_problem(c, o->alibi) < 0)

@@ -11,6 +11,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "dtypes.h"
+
 typedef ptrdiff_t or_ssize;
 
 /* Limits, checked by args.c before anything is allocated. The dropout stream numbers a
@@ -20,8 +22,6 @@ typedef ptrdiff_t or_ssize;
 #define OR_MAX_HEAD_DIM 256                 /* D and Dv: 1..256 */
 #define OR_MAX_SEQ_LEN 0xFFFFFFFFLL         /* rows or keys of one sequence: < 2**32 */
 #define OR_MAX_HEADS 0x7FFFFFFFLL           /* query heads: < 2**31 */
-
-typedef enum { OR_F16 = 0, OR_F32 = 1, OR_F64 = 2 } or_dtype;
 
 /* Operand slots of a call; forward uses Q..LSE, backward all of them. */
 enum { OR_Q, OR_K, OR_V, OR_O, OR_LSE, OR_DO, OR_DQ, OR_DK, OR_DV, OR_NSLOTS };

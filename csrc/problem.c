@@ -45,8 +45,8 @@ void or_out_shapes(or_call *c, npy_intp *oshape, npy_intp *lshape, int *ond, int
 /* Outputs are aligned for the device, so that kernels can write them in place. */
 int or_new_output(or_call *c, int slot, int nd, const npy_intp *shape, or_dtype dt)
 {
-    static const int typenum[] = {NPY_FLOAT16, NPY_FLOAT32, NPY_FLOAT64};
-    c->arr[slot] = or_new_aligned(nd, shape, typenum[dt], or_device_align(c->device.index));
+    c->arr[slot] = or_new_aligned(nd, shape, or_dtypes[dt].typenum,
+                                  or_device_align(c->device.index));
     return c->arr[slot] ? 0 : -1;
 }
 
