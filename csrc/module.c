@@ -390,6 +390,41 @@ static PyObject *save_tuned_blocks(PyObject *module, PyObject *args, PyObject *k
     return PyBool_FromLong(or_device_save_tuned_blocks(index, bq, bk));
 }
 
+PyDoc_STRVAR(build_info_doc,
+"build_info() -> dict: how this orchard_ops was built. 'version'; 'opencl': the OpenCL backend\n"
+"is compiled in; 'test_hooks': built with ORCHARD_TEST_HOOKS=1, so that ORCHARD_FAULT,\n"
+"ORCHARD_AUTO_ANY_OPENCL and ORCHARD_CL_TRANSFERS take effect; 'max_head_dim': the largest\n"
+"D and Dv; 'dtypes': the array dtypes read and written.");
+
+static PyObject *build_info(PyObject *module, PyObject *unused)
+{
+#ifdef ORCHARD_HAVE_OPENCL
+    PyObject *opencl = Py_True;
+#else
+    PyObject *opencl = Py_False;
+#endif
+#ifdef ORCHARD_TEST_HOOKS
+    PyObject *test_hooks = Py_True;
+#else
+    PyObject *test_hooks = Py_False;
+#endif
+    PyObject *dtypes = PyTuple_New(OR_NDTYPES);
+    for (int i = 0; dtypes != NULL && i < OR_NDTYPES; i++) {
+        PyObject *name = PyUnicode_FromString(or_dtypes[i].name);
+        if (name == NULL)
+            Py_CLEAR(dtypes);
+        else
+            PyTuple_SET_ITEM(dtypes, i, name);
+    }
+    if (dtypes == NULL)
+        return NULL;
+    PyObject *info = Py_BuildValue("{s:s, s:O, s:O, s:i, s:O}", "version", ORCHARD_VERSION,
+                                   "opencl", opencl, "test_hooks", test_hooks,
+                                   "max_head_dim", OR_MAX_HEAD_DIM, "dtypes", dtypes);
+    Py_DECREF(dtypes);
+    return info;
+}
+
 PyDoc_STRVAR(fwd_doc,
 "flash_attn_fwd(q, k, v, scale=None, dropout_p=0.0, causal=False, *, window=(-1, -1),\n"
 "               alibi_slopes=None, softcap=0.0, seed=0, device=None) -> (out, lse)\n\n"
@@ -433,6 +468,7 @@ static PyMethodDef methods[] = {
      METH_VARARGS | METH_KEYWORDS,
      "save_tuned_blocks(device, block_q, block_k) -> bool; stores the block sizes that programs\n"
      "built later (in new processes) use, beside the program binaries; False if the cache is off"},
+    {"build_info", build_info, METH_NOARGS, build_info_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,8 +1,9 @@
-"""devices(), default_device() and ORCHARD_DEVICE."""
+"""devices(), default_device(), ORCHARD_DEVICE and build_info()."""
 
 import numpy as np
+import pytest
 
-from conftest import assert_close, randn, run_python
+from conftest import TEST_HOOKS, assert_close, randn, run_python
 from reference import ref_fwd
 
 FIELDS = {
@@ -77,3 +78,26 @@ def test_explicit_device_counts_there(ops, device, rng):
     st = ops.stats()
     assert st["per_device"][device]["fwd_calls"] == 1, st
     assert st["fwd_calls"] == 1
+
+
+def test_build_info(ops):
+    info = ops.build_info()
+    assert info["version"] == ops.__version__
+    assert isinstance(info["opencl"], bool) and isinstance(info["test_hooks"], bool)
+    assert info["max_head_dim"] == 256
+    assert info["dtypes"] == ("float16", "float32", "float64")
+    if not info["opencl"]:
+        assert [d["id"] for d in ops.devices()] == ["cpu"]
+
+
+@pytest.mark.skipif(TEST_HOOKS, reason="built with ORCHARD_TEST_HOOKS=1")
+def test_test_switches_are_compiled_out():
+    """Without ORCHARD_TEST_HOOKS=1 at build time the test switches do nothing: a malformed
+    ORCHARD_FAULT neither disables OpenCL nor says a word, and ORCHARD_AUTO_ANY_OPENCL does
+    not change the automatic choice."""
+    code = "import orchard_ops as o; print(o.default_device(), len(o.devices()))"
+    plain = run_python(code, ORCHARD_DEVICE=None, ORCHARD_FAULT=None, ORCHARD_AUTO_ANY_OPENCL=None)
+    hooked = run_python(code, ORCHARD_DEVICE=None, ORCHARD_FAULT="clNoSuchCall:1",
+                        ORCHARD_AUTO_ANY_OPENCL=1)
+    assert plain.returncode == 0 and hooked.returncode == 0, plain.stderr + hooked.stderr
+    assert hooked.stdout == plain.stdout and hooked.stderr == plain.stderr == ""

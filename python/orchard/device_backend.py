@@ -74,7 +74,8 @@ def auto_choice_reason(listing=None):
     if os.environ.get("ORCHARD_DEVICE"):
         why = "ORCHARD_DEVICE=%s is set" % os.environ["ORCHARD_DEVICE"]
     elif chosen["backend"] == "opencl" and chosen["kind"] != "gpu":
-        why = "ORCHARD_AUTO_ANY_OPENCL is set, so OpenCL CPU devices may be chosen (a test setting)"
+        why = ("ORCHARD_AUTO_ANY_OPENCL is set, so OpenCL CPU devices may be chosen (a test "
+               "setting of builds with ORCHARD_TEST_HOOKS=1)")
     elif chosen["kind"] == "gpu":
         why = ("it is the OpenCL GPU with the most compute units (%d), and a GPU is faster "
                "for attention than the CPU" % chosen["compute_units"])
