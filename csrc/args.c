@@ -184,11 +184,13 @@ int or_check_qkv(or_call *c)
         return shape_error(c, "v", "must have as many dimensions as q");
     npy_intp d = PyArray_DIM(q, nd - 1), dv = PyArray_DIM(v, nd - 1);
     if (d < 1 || d > OR_MAX_HEAD_DIM)
-        return shape_error(c, "q", "must have a head dim (last dimension) in 1..256");
+        return shape_error(c, "q", "must have a head dim (last dimension) in 1.."
+                                   OR_STR(OR_MAX_HEAD_DIM));
     if (PyArray_DIM(k, nd - 1) != d)
         return shape_error(c, "k", "must have the head dim (last dimension) of q");
     if (dv < 1 || dv > OR_MAX_HEAD_DIM)
-        return shape_error(c, "v", "must have a head dim (last dimension) in 1..256");
+        return shape_error(c, "v", "must have a head dim (last dimension) in 1.."
+                                   OR_STR(OR_MAX_HEAD_DIM));
     c->p.d = (int)d;
     c->p.dv = (int)dv;
     /* the key-sequence axis: varlen packs (total, H, D), dense is (..., N, D) */

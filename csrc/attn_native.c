@@ -21,7 +21,7 @@
 
 #define BR 96   /* query rows per block */
 #define BC 96   /* key rows per block */
-#define MAX_D 256   /* largest head dim the module accepts */
+#define MAX_D OR_MAX_HEAD_DIM
 #define MR 6    /* rows of the matrix-product micro-kernel; BR and BC are multiples */
 #ifndef SR
 #define SR 24   /* forward rows per strip (a multiple of MR) */

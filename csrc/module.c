@@ -278,6 +278,33 @@ static PyObject *default_device(PyObject *module, PyObject *unused)
     return or_device_id(choice.index);
 }
 
+PyDoc_STRVAR(resolve_device_doc,
+"resolve_device(device) -> the id of the device that device= names: None or \"auto\" (the\n"
+"automatic choice, default_device()), \"cpu\", \"opencl\" (the best OpenCL device),\n"
+"\"opencl:N\" or \"opencl:NAME\" (a substring of a device or platform name). ValueError when it\n"
+"names no available device, TypeError when it is not a str or None.");
+
+static PyObject *resolve_device(PyObject *module, PyObject *device)
+{
+    or_device_choice choice;
+    if (or_resolve_device("resolve_device", device, &choice) < 0)
+        return NULL;
+    return or_device_id(choice.index);
+}
+
+PyDoc_STRVAR(cache_dir_doc,
+"cache_dir() -> str or None: the folder of the OpenCL program cache and tuned block sizes,\n"
+"made private to the user if missing: ORCHARD_CACHE_DIR, else $XDG_CACHE_HOME/orchard, else\n"
+"~/.cache/orchard. None when the cache is off (ORCHARD_NO_CACHE=1) or no folder can be made.");
+
+static PyObject *cache_dir(PyObject *module, PyObject *unused)
+{
+    char dir[4096];
+    if (!or_cache_dir(dir, sizeof(dir)))
+        Py_RETURN_NONE;
+    return PyUnicode_DecodeFSDefault(dir);
+}
+
 #define OR_COUNTER_FIELDS(X) X(fwd_calls) X(bwd_calls) X(zero_copy_buffers) X(staged_buffers) \
     X(bytes_staged) X(kernel_builds) X(cache_hits)
 
@@ -457,6 +484,8 @@ static PyMethodDef methods[] = {
     {"devices", devices, METH_NOARGS, "devices() -> list of dicts describing every usable device"},
     {"default_device", default_device, METH_NOARGS,
      "default_device() -> the device id used for device=None (ORCHARD_DEVICE if set)"},
+    {"resolve_device", resolve_device, METH_O, resolve_device_doc},
+    {"cache_dir", cache_dir, METH_NOARGS, cache_dir_doc},
     {"stats", stats, METH_NOARGS, stats_doc},
     {"reset_stats", reset_stats, METH_NOARGS, "reset_stats() -> None; zeroes every counter"},
     {"set_num_threads", set_num_threads, METH_O,

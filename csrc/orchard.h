@@ -19,9 +19,11 @@ typedef ptrdiff_t or_ssize;
  * score's row and column with 32 bits each (philox.h, kernels/common.cl) and the OpenCL
  * kernels count the query heads of a GQA group in an int; larger sizes are refused with
  * ValueError rather than computed wrongly. Everything else is indexed with 64 bits. */
-#define OR_MAX_HEAD_DIM 256                 /* D and Dv: 1..256 */
+#define OR_MAX_HEAD_DIM 256                 /* D and Dv: 1..256; build_info() tells Python */
 #define OR_MAX_SEQ_LEN 0xFFFFFFFFLL         /* rows or keys of one sequence: < 2**32 */
 #define OR_MAX_HEADS 0x7FFFFFFFLL           /* query heads: < 2**31 */
+#define OR_STR(x) OR_STR_(x)                /* a macro's value as a string literal */
+#define OR_STR_(x) #x
 
 /* Operand slots of a call; forward uses Q..LSE, backward all of them. */
 enum { OR_Q, OR_K, OR_V, OR_O, OR_LSE, OR_DO, OR_DQ, OR_DK, OR_DV, OR_NSLOTS };
@@ -93,6 +95,9 @@ void or_pool_release(int nworkers);
 void or_set_num_threads(int n);
 int  or_get_num_threads(void);
 int  or_cpu_count(void);
+
+/* cl_cache.c: the cache directory (made, 0700) in out; 0 when the cache is off or impossible */
+int or_cache_dir(char *out, size_t size);
 
 /* log.c: the optional diagnostic logs */
 int or_log_enabled(const char *env_name);

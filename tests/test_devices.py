@@ -1,4 +1,7 @@
-"""devices(), default_device(), ORCHARD_DEVICE and build_info()."""
+"""devices(), default_device(), resolve_device(), ORCHARD_DEVICE, cache_dir() and
+build_info()."""
+import os
+import stat
 
 import numpy as np
 import pytest
@@ -59,6 +62,53 @@ def test_default_device_env_does_not_change_environment():
     r = run_python(code, ORCHARD_DEVICE="cpu", PYOPENCL_CTX=None)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "cpu None"
+
+
+def test_resolve_device(ops):
+    devs = ops.devices()
+    for d in devs:
+        assert ops.resolve_device(d["id"]) == d["id"]
+    assert ops.resolve_device(None) == ops.resolve_device("auto") == ops.default_device()
+    opencl = [d for d in devs if d["backend"] == "opencl"]
+    if opencl:
+        best = max(opencl, key=lambda d: (d["kind"] == "gpu", d["compute_units"]))
+        assert ops.resolve_device("opencl") == best["id"]
+        assert ops.resolve_device("opencl:" + opencl[0]["name"].upper()) == opencl[0]["id"]
+    for name in ["tpu:7", "opencl:%d" % len(opencl), "opencl:no such device", "opencl:", "CPU"]:
+        with pytest.raises(ValueError, match="resolve_device\\(\\): 'device' '.*' is not an "
+                                             "available device \\(available: \\['cpu'"):
+            ops.resolve_device(name)
+    if not opencl:
+        with pytest.raises(ValueError, match="not an available device"):
+            ops.resolve_device("opencl")
+    with pytest.raises(TypeError, match="'device' must be a str or None, not int"):
+        ops.resolve_device(0)
+
+
+def test_resolve_device_honours_env():
+    code = "import orchard_ops as o; print(o.resolve_device(None), o.resolve_device('cpu'))"
+    r = run_python(code, ORCHARD_DEVICE="cpu")
+    assert r.returncode == 0 and r.stdout.split() == ["cpu", "cpu"], r.stdout + r.stderr
+    r = run_python("import orchard_ops as o; o.resolve_device(None)", ORCHARD_DEVICE="tpu:1")
+    assert "ValueError: resolve_device(): ORCHARD_DEVICE 'tpu:1' is not an available" in r.stderr
+
+
+def test_cache_dir(ops, tmp_path, monkeypatch):
+    """ORCHARD_CACHE_DIR, else $XDG_CACHE_HOME/orchard, else ~/.cache/orchard, made 0700 with
+    its parents; None when the cache is off."""
+    for var in ("ORCHARD_CACHE_DIR", "XDG_CACHE_HOME", "ORCHARD_NO_CACHE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    expected = str(tmp_path / "home" / ".cache" / "orchard")
+    assert ops.cache_dir() == expected
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert ops.cache_dir() == str(tmp_path / "xdg" / "orchard")
+    monkeypatch.setenv("ORCHARD_CACHE_DIR", str(tmp_path / "a" / "b"))
+    assert ops.cache_dir() == str(tmp_path / "a" / "b")
+    for made in (expected, str(tmp_path / "xdg" / "orchard"), str(tmp_path / "a" / "b")):
+        assert os.path.isdir(made) and stat.S_IMODE(os.stat(made).st_mode) == 0o700, made
+    monkeypatch.setenv("ORCHARD_NO_CACHE", "1")
+    assert ops.cache_dir() is None
 
 
 def test_default_device_used_for_none(ops, rng):

@@ -16,7 +16,7 @@ import orchard_ops
 
 _NATIVE_DTYPES = (torch.float16, torch.float32, torch.float64)
 _ROUTABLE_DTYPES = _NATIVE_DTYPES + (torch.bfloat16,)
-_MAX_HEAD_DIM = 256
+_MAX_HEAD_DIM = orchard_ops.build_info()["max_head_dim"]
 
 
 def _compute_dtype(dtype):
