@@ -5,7 +5,9 @@ ocl-icd-opencl-dev or opencl-headers, or a folder named by ORCHARD_OPENCL_INCLUD
 extension never links libOpenCL; it opens the ICD loader at run time. ORCHARD_NO_OPENCL=1
 builds the native path only. kernels/*.cl are embedded into a generated header.
 ORCHARD_SANITIZE=1 builds with AddressSanitizer and UndefinedBehaviorSanitizer for
-tools/sanitize.sh (which also says how to run Python with it).
+tools/sanitize.sh (which also says how to run Python with it). ORCHARD_TEST_HOOKS=1 compiles
+in the switches only tests use (ORCHARD_FAULT, ORCHARD_AUTO_ANY_OPENCL, ORCHARD_CL_TRANSFERS);
+without it they have no effect. orchard_ops.build_info() says how the extension was built.
 """
 import glob
 import os
@@ -22,8 +24,12 @@ KERNELS = ["kernels/params.h", "kernels/common.cl", "kernels/tiles.cl",
 GENERATED = os.path.join("build", "generated")
 
 
+def flag(name):
+    return os.environ.get(name, "0") not in ("", "0")
+
+
 def opencl_include_dir():
-    if os.environ.get("ORCHARD_NO_OPENCL", "0") not in ("", "0"):
+    if flag("ORCHARD_NO_OPENCL"):
         return None
     candidates = [os.environ.get("ORCHARD_OPENCL_INCLUDE", ""), "/usr/include",
                   "/usr/local/include", *os.environ.get("CPATH", "").split(os.pathsep)]
@@ -48,12 +54,23 @@ def embed_kernels():
             f.write(text)
 
 
+def record_flags(macros, compile_args):
+    """Writes the build flags to a file the extension depends on, so that building with other
+    flags rebuilds it, even in place over a build that is up to date with the sources."""
+    path = os.path.join(GENERATED, "build_flags.txt")
+    text = repr((macros, compile_args)) + "\n"
+    if not os.path.exists(path) or open(path).read() != text:
+        with open(path, "w") as f:
+            f.write(text)
+    return path
+
+
 embed_kernels()
 cl_include = opencl_include_dir()
 extra_compile_args = ["-std=gnu11", "-O3", "-fno-math-errno", "-fno-trapping-math", "-fvisibility=hidden", "-Wall",
                       "-Wno-unused-function"]
 extra_link_args = []
-if os.environ.get("ORCHARD_SANITIZE", "0") not in ("", "0"):
+if flag("ORCHARD_SANITIZE"):
     # -O1 keeps reports readable; no recovery, so that every UBSan finding fails the run
     sanitize = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all",
                 "-fno-omit-frame-pointer", "-O1", "-g"]
@@ -64,11 +81,13 @@ include_dirs = [numpy.get_include(), "csrc", "kernels", GENERATED]
 if cl_include:
     macros.append(("ORCHARD_HAVE_OPENCL", "1"))
     include_dirs.append(cl_include)
+if flag("ORCHARD_TEST_HOOKS"):
+    macros.append(("ORCHARD_TEST_HOOKS", "1"))
 
 orchard_ops = Extension(
     "orchard_ops",
     sources=sorted(glob.glob("csrc/*.c")),
-    depends=sorted(glob.glob("csrc/*.h")) + KERNELS,
+    depends=sorted(glob.glob("csrc/*.h")) + KERNELS + [record_flags(macros, extra_compile_args)],
     include_dirs=include_dirs,
     define_macros=macros,
     extra_compile_args=extra_compile_args,

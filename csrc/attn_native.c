@@ -20,7 +20,7 @@
 
 #define BR 96   /* query rows per block */
 #define BC 96   /* key rows per block */
-#define MAX_D 256   /* largest head dim the module accepts */
+#define MAX_D OR_MAX_HEAD_DIM
 #define MR 6    /* rows of the matrix-product micro-kernel; BR and BC are multiples */
 #ifndef SR
 #define SR 24   /* forward rows per strip (a multiple of MR) */
@@ -34,8 +34,6 @@
 #else
 #define OR_CLONES "default"
 #endif
-
-typedef _Float16 or_half;
 
 typedef struct {
     const or_problem *p;
@@ -114,7 +112,7 @@ static int run_job(or_job *job, or_ssize n_items, or_task fn)
 
 int or_native_fwd(const or_problem *p)
 {
-    const int dbl = p->view[OR_Q].dtype == OR_F64;
+    const int dbl = or_dtypes[p->view[OR_Q].dtype].compute_size == sizeof(double);
     const size_t real = dbl ? sizeof(double) : sizeof(float);
     const or_ssize n_kv = p->n_units / p->prm.group;
     or_job job = {.p = p, .blocks = 0};
@@ -147,7 +145,7 @@ int or_native_fwd(const or_problem *p)
 
 int or_native_bwd(const or_problem *p)
 {
-    const int dbl = p->view[OR_Q].dtype == OR_F64;
+    const int dbl = or_dtypes[p->view[OR_Q].dtype].compute_size == sizeof(double);
     const size_t real = dbl ? sizeof(double) : sizeof(float);
     or_job job = {.p = p, .nk_max = 0};
     for (or_ssize u = 0; u < p->n_units; u++)

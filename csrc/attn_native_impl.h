@@ -28,9 +28,10 @@ FN(load_rows)(REAL *dst, int ld, const char *src, or_ssize stride, or_ssize rows
     for (or_ssize r = 0; r < rows; r++, src += stride) {
         REAL *out = dst + r * ld;
         switch (dt) {
-        case OR_F16: for (int c = 0; c < cols; c++) out[c] = (REAL)((const or_half *)src)[c] * mul; break;
-        case OR_F32: for (int c = 0; c < cols; c++) out[c] = (REAL)((const float *)src)[c] * mul; break;
-        case OR_F64: for (int c = 0; c < cols; c++) out[c] = (REAL)((const double *)src)[c] * mul; break;
+#define OR_LOAD(id, tag, ...) \
+        case id: for (int c = 0; c < cols; c++) out[c] = (REAL)or_load_##tag(src, c) * mul; break;
+        OR_DTYPES(OR_LOAD)
+#undef OR_LOAD
         }
         for (int c = cols; c < ld; c++)
             out[c] = 0;
@@ -49,9 +50,11 @@ static void FN(load_cols)(REAL *dst, or_ssize ld, const char *src, or_ssize stri
         memset(dst + c * ld + rows, 0, sizeof(REAL) * (size_t)(ld - rows));
     for (or_ssize r = 0; r < rows; r++, src += stride) {
         switch (dt) {
-        case OR_F16: for (int c = 0; c < cols; c++) dst[c * ld + r] = (REAL)((const or_half *)src)[c]; break;
-        case OR_F32: for (int c = 0; c < cols; c++) dst[c * ld + r] = (REAL)((const float *)src)[c]; break;
-        case OR_F64: for (int c = 0; c < cols; c++) dst[c * ld + r] = (REAL)((const double *)src)[c]; break;
+#define OR_LOAD(id, tag, ...) \
+        case id: for (int c = 0; c < cols; c++) dst[c * ld + r] = (REAL)or_load_##tag(src, c); \
+                 break;
+        OR_DTYPES(OR_LOAD)
+#undef OR_LOAD
         }
     }
 }
@@ -74,9 +77,10 @@ FN(store_rows)(char *dst, or_ssize stride, const REAL *src, int ld, or_ssize row
     for (or_ssize r = 0; r < rows; r++, dst += stride) {
         const REAL *in = src + r * ld;
         switch (dt) {
-        case OR_F16: for (int c = 0; c < cols; c++) ((or_half *)dst)[c] = (or_half)in[c]; break;
-        case OR_F32: for (int c = 0; c < cols; c++) ((float *)dst)[c] = (float)in[c]; break;
-        case OR_F64: for (int c = 0; c < cols; c++) ((double *)dst)[c] = (double)in[c]; break;
+#define OR_STORE(id, tag, ...) \
+        case id: for (int c = 0; c < cols; c++) or_store_##tag(dst, c, in[c]); break;
+        OR_DTYPES(OR_STORE)
+#undef OR_STORE
         }
     }
 }

@@ -104,7 +104,7 @@ static int meta_buffer(launch_t *L)
     return rc;
 }
 
-static int dbl(const launch_t *L) { return L->p->view[OR_Q].dtype == OR_F64; }
+static int dbl(const launch_t *L) { return or_dtypes[L->p->view[OR_Q].dtype].compute_size == 8; }
 
 static int slopes_buffer(launch_t *L)
 {
@@ -260,10 +260,13 @@ static int prepare(launch_t *L, int i, const or_problem *p, unsigned outputs, or
     L->err = err;
     L->outputs = outputs;
     L->info = or_cl_info_get(i);
+    L->in_place = L->info->unified;
+#ifdef ORCHARD_TEST_HOOKS
     /* ORCHARD_CL_TRANSFERS=1: explicit copies as on a discrete GPU, to test that path on any
      * device (and to give Oclgrind's uninitialised-read checker memory it has seen written) */
     const char *transfers = getenv("ORCHARD_CL_TRANSFERS");
-    L->in_place = L->info->unified && !(transfers && transfers[0] && strcmp(transfers, "0") != 0);
+    L->in_place = L->in_place && !(transfers && transfers[0] && strcmp(transfers, "0") != 0);
+#endif
     int rc = or_cl_get_program(i, p->view[OR_Q].dtype, p->d, p->dv, ct, &L->prog, err);
     if (rc == OR_OK)
         rc = operand_buffers(L);

@@ -31,11 +31,14 @@ typedef struct {
 /* The table, or NULL when no usable OpenCL library was found (the reason is in *why). */
 const or_cl_api *or_cl_load(const char **why);
 
+/* cl_errors.c */
 const char *or_cl_error_name(cl_int err);
 
+#ifdef ORCHARD_TEST_HOOKS
 /* cl_fault.c: when ORCHARD_FAULT is set, replaces the entries it names with wrappers that fail
  * on their Nth use (for tests). Returns -1, with *why set, when the variable is malformed. */
 int or_cl_fault_install(or_cl_api *api, const char **why);
+#endif
 
 #endif
 #endif

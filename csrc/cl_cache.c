@@ -2,14 +2,14 @@
  * compiler.
  *
  * Directory: ORCHARD_CACHE_DIR, else $XDG_CACHE_HOME/orchard, else ~/.cache/orchard (made
- * 0700; files 0600). ORCHARD_NO_CACHE=1 turns the cache off. A file is
+ * 0700; files 0600), the one answer for Python too (orchard_ops.cache_dir(), also in a build
+ * without OpenCL). ORCHARD_NO_CACHE=1 turns the cache off. A file is
  *   "ORCHARD-CL-BIN-1\n", u64 size, u64 checksum (FNV-1a of the binary), the binary
  * named by a 128-bit hash of the kernel source, build options, device, driver and platform.
  * Tuned block sizes (cl_runtime.c) are entries of the same kind, holding "BQ BK".
  * Anything that does not check out (truncated, corrupt, foreign) is ignored and rebuilt;
  * files are written to a temporary name, synced and renamed, so readers never see half a file.
  */
-#ifdef ORCHARD_HAVE_OPENCL
 #include <errno.h>
 #include <fcntl.h>
 #include <stdint.h>
@@ -20,32 +20,10 @@
 #include <unistd.h>
 
 #include "cl_runtime.h"
-
-static const char MAGIC[16] = "ORCHARD-CL-BIN-1";
-
-static uint64_t fnv1a(uint64_t h, const void *data, size_t n)
-{
-    const unsigned char *p = data;
-    for (size_t i = 0; i < n; i++) {
-        h ^= p[i];
-        h *= 0x100000001b3ULL;
-    }
-    return h;
-}
-
-void or_cache_key(char out[33], const char *const *parts, int nparts)
-{
-    uint64_t a = 0xcbf29ce484222325ULL, b = 0x84222325cbf29ce4ULL;
-    for (int i = 0; i < nparts; i++) {
-        size_t n = strlen(parts[i]) + 1;        /* the NUL separates the parts */
-        a = fnv1a(a, parts[i], n);
-        b = fnv1a(b ^ (uint64_t)i, parts[i], n);
-    }
-    snprintf(out, 33, "%016llx%016llx", (unsigned long long)a, (unsigned long long)b);
-}
+#include "orchard.h"
 
 /* The cache directory (created), or 0 when caching is off or impossible. */
-static int cache_dir(char *out, size_t size)
+int or_cache_dir(char *out, size_t size)
 {
     const char *off = getenv("ORCHARD_NO_CACHE");
     if (off != NULL && off[0] != '\0' && strcmp(off, "0") != 0)
@@ -75,10 +53,34 @@ static int cache_dir(char *out, size_t size)
     return mkdir(out, 0700) == 0 || errno == EEXIST;
 }
 
+#ifdef ORCHARD_HAVE_OPENCL
+static const char MAGIC[16] = "ORCHARD-CL-BIN-1";
+
+static uint64_t fnv1a(uint64_t h, const void *data, size_t n)
+{
+    const unsigned char *p = data;
+    for (size_t i = 0; i < n; i++) {
+        h ^= p[i];
+        h *= 0x100000001b3ULL;
+    }
+    return h;
+}
+
+void or_cache_key(char out[33], const char *const *parts, int nparts)
+{
+    uint64_t a = 0xcbf29ce484222325ULL, b = 0x84222325cbf29ce4ULL;
+    for (int i = 0; i < nparts; i++) {
+        size_t n = strlen(parts[i]) + 1;        /* the NUL separates the parts */
+        a = fnv1a(a, parts[i], n);
+        b = fnv1a(b ^ (uint64_t)i, parts[i], n);
+    }
+    snprintf(out, 33, "%016llx%016llx", (unsigned long long)a, (unsigned long long)b);
+}
+
 unsigned char *or_cache_load(const char *key, size_t *size)
 {
     char dir[4096], path[4200];
-    if (!cache_dir(dir, sizeof(dir)))
+    if (!or_cache_dir(dir, sizeof(dir)))
         return NULL;
     snprintf(path, sizeof(path), "%s/%s.clbin", dir, key);
     FILE *f = fopen(path, "rb");
@@ -105,7 +107,7 @@ unsigned char *or_cache_load(const char *key, size_t *size)
 int or_cache_store(const char *key, const unsigned char *binary, size_t size)
 {
     char dir[4096], path[4200], tmp[4300];
-    if (!cache_dir(dir, sizeof(dir)))
+    if (!or_cache_dir(dir, sizeof(dir)))
         return 0;
     snprintf(path, sizeof(path), "%s/%s.clbin", dir, key);
     snprintf(tmp, sizeof(tmp), "%s.XXXXXX", path);

@@ -13,8 +13,10 @@
  * call has a default code of its kind: allocation -> CL_MEM_OBJECT_ALLOCATION_FAILURE or
  * CL_OUT_OF_RESOURCES/CL_OUT_OF_HOST_MEMORY, build -> CL_BUILD_PROGRAM_FAILURE, enqueue ->
  * CL_OUT_OF_RESOURCES, map -> CL_MAP_FAILURE.
+ *
+ * A test hook: compiled in only when setup.py runs with ORCHARD_TEST_HOOKS=1.
  */
-#ifdef ORCHARD_HAVE_OPENCL
+#if defined(ORCHARD_HAVE_OPENCL) && defined(ORCHARD_TEST_HOOKS)
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

@@ -412,8 +412,8 @@ const or_cl_family or_cl_families[OR_NFAMILIES] = {
 static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *ct,
                         or_cl_program *out, or_error *err)
 {
-    static const int storage_bits[] = {16, 32, 64};
-    const size_t real = dt == OR_F64 ? 8 : 4;
+    static const int storage_bits[] = {OR_DTYPES(OR_DTYPE_CL_BITS)};
+    const size_t real = (size_t)or_dtypes[dt].compute_size;
     /* a CPU work-item is one SIMD thread: 8 lanes fill AVX; GPU lanes are work-items */
     const int vw = env_int("ORCHARD_CL_VECTOR", strcmp(dev->info.kind, "cpu") == 0 ? 8 : 4) == 4
                        ? 4 : 8;
@@ -443,7 +443,7 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
                  "-cl-std=CL1.2 -DOR_STORAGE=%d -DHEAD_D=%d -DHEAD_DV=%d -DVW=%d -DOR_FAMILY=%d "
                  "-DBQ=%d -DBK=%d -DOR_PARAMS_SIZE=%d %s",
                  storage_bits[dt], d, dv, vw, family, bq, bk,
-                 (int)(dt == OR_F64 ? sizeof(or_params) : sizeof(or_params_f)),
+                 (int)(real == 8 ? sizeof(or_params) : sizeof(or_params_f)),
                  extra ? extra : "");
         cl_program prog;
         size_t limit;
@@ -461,9 +461,8 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
                                    prep > 1 ? prep : 1, round_up_to(d, OR_TN(vw))};
             if (or_log_enabled("ORCHARD_DEBUG_FLASH_ATN"))
                 or_log("orchard: OpenCL program for %s D=%d Dv=%d on %s: %s kernels, "
-                       "blocks %d x %d%s", dt == OR_F16 ? "float16" : dt == OR_F32 ? "float32"
-                       : "float64", d, dv, dev->info.name, or_cl_families[family].name, bq, bk,
-                       tuned && !overridden ? " (tuned)" : "");
+                       "blocks %d x %d%s", or_dtypes[dt].name, d, dv, dev->info.name,
+                       or_cl_families[family].name, bq, bk, tuned && !overridden ? " (tuned)" : "");
             return OR_OK;
         }
         api->clReleaseProgram(prog);    /* the kernels cannot run bq wide here: narrower */

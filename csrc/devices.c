@@ -5,9 +5,9 @@
  * Auto choice: ORCHARD_DEVICE when set, else the OpenCL GPU with the most compute units, else
  * the native path. CPUs through OpenCL (PoCL) are never chosen automatically: on the machines
  * measured (README, Performance) the native path is faster on the same cores.
- * ORCHARD_AUTO_ANY_OPENCL=1 lets auto consider OpenCL devices of every kind: a test setting,
- * so that the fallback of an automatically chosen device can be exercised on PoCL where no
- * GPU is present.
+ * ORCHARD_AUTO_ANY_OPENCL=1 lets auto consider OpenCL devices of every kind: a test hook
+ * (builds with ORCHARD_TEST_HOOKS=1 only), so that the fallback of an automatically chosen
+ * device can be exercised on PoCL where no GPU is present.
  */
 #include <ctype.h>
 #include <pthread.h>
@@ -180,8 +180,12 @@ int or_resolve_device(const char *func, PyObject *device, or_device_choice *out)
         out->index = lookup(env);
         return out->index >= 0 ? 0 : unknown_device(func, "ORCHARD_DEVICE", env);
     }
+    int gpus_only = 1;
+#ifdef ORCHARD_TEST_HOOKS
     const char *any = getenv("ORCHARD_AUTO_ANY_OPENCL");
-    int best = best_opencl(!(any != NULL && any[0] != '\0' && strcmp(any, "0") != 0));
+    gpus_only = !(any != NULL && any[0] != '\0' && strcmp(any, "0") != 0);
+#endif
+    int best = best_opencl(gpus_only);
     out->index = best > 0 ? best : 0;
     out->automatic = 1;
     return 0;

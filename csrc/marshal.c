@@ -11,15 +11,22 @@
 
 int or_dtype_of(PyArrayObject *a, or_dtype *dt)
 {
-    PyArray_Descr *descr = PyArray_DESCR(a);
-    if (descr->kind != 'f')
-        return -1;
-    switch (PyArray_ITEMSIZE(a)) {
-    case 2: *dt = OR_F16; return 0;
-    case 4: *dt = OR_F32; return 0;
-    case 8: *dt = OR_F64; return 0;
-    default: return -1;
-    }
+    for (int i = 0; i < OR_NDTYPES; i++)
+        if (PyArray_TYPE(a) == or_dtypes[i].typenum) {
+            *dt = (or_dtype)i;
+            return 0;
+        }
+    return -1;
+}
+
+/* "float16, float32 or float64": the dtypes of dtypes.h, for messages. */
+static PyObject *dtype_names(void)
+{
+    PyObject *names = PyUnicode_FromString(or_dtypes[0].name);
+    for (int i = 1; names != NULL && i < OR_NDTYPES; i++)
+        Py_SETREF(names, PyUnicode_FromFormat("%U%s%s", names, i < OR_NDTYPES - 1 ? ", " : " or ",
+                                              or_dtypes[i].name));
+    return names;
 }
 
 /* The memory an array touches: its lowest address and the bytes from there to its end. */
@@ -133,9 +140,11 @@ PyArrayObject *or_operand(PyObject *obj, const char *func, const char *name, or_
     }
     or_dtype dt;
     if (or_dtype_of(a, &dt) < 0) {
-        PyErr_Format(PyExc_TypeError,
-                     "%s(): argument '%s' must be a float16, float32 or float64 array, not %S",
-                     func, name, (PyObject *)PyArray_DESCR(a));
+        PyObject *names = dtype_names();
+        if (names != NULL)
+            PyErr_Format(PyExc_TypeError, "%s(): argument '%s' must be a %U array, not %S", func,
+                         name, names, (PyObject *)PyArray_DESCR(a));
+        Py_XDECREF(names);
         Py_DECREF(a);
         return NULL;
     }

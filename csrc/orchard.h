@@ -11,11 +11,19 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "dtypes.h"
 #include "params.h"     /* kernels/: slots, score parameters, mask rule, Philox */
 
 typedef ptrdiff_t or_ssize;
 
-typedef enum { OR_F16 = 0, OR_F32 = 1, OR_F64 = 2 } or_dtype;
+/* Limits, checked by args.c before anything is allocated. The dropout stream numbers a
+ * score's row and column with 32 bits each (kernels/params.h) and the OpenCL
+ * kernels count the query heads of a GQA group in an int; larger sizes are refused with
+ * ValueError rather than computed wrongly. Everything else is indexed with 64 bits. */
+#define OR_MAX_SEQ_LEN 0xFFFFFFFFLL         /* rows or keys of one sequence: < 2**32 */
+#define OR_MAX_HEADS 0x7FFFFFFFLL           /* query heads: < 2**31 */
+#define OR_STR(x) OR_STR_(x)                /* a macro's value as a string literal */
+#define OR_STR_(x) #x
 
 typedef struct {
     char *base;             /* data pointer of the array */
@@ -76,6 +84,9 @@ void or_pool_release(int nworkers);
 void or_set_num_threads(int n);
 int  or_get_num_threads(void);
 int  or_cpu_count(void);
+
+/* cl_cache.c: the cache directory (made, 0700) in out; 0 when the cache is off or impossible */
+int or_cache_dir(char *out, size_t size);
 
 /* log.c: the optional diagnostic logs */
 int or_log_enabled(const char *env_name);

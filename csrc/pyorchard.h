@@ -1,5 +1,6 @@
 /* pyorchard.h - declarations shared by the Python-facing files of orchard_ops
- * (module.c, marshal.c, cpu_info.c, log.c). The kernels include orchard.h only. */
+ * (module.c, args.c, problem.c, marshal.c, devices.c, cpu_info.c, log.c). The kernels
+ * include orchard.h only. */
 #ifndef ORCHARD_PY_H
 #define ORCHARD_PY_H
 
@@ -41,5 +42,43 @@ size_t or_device_align(int index);
 int or_device_fp64(int index);
 int or_device_tuned_blocks(int index, int *bq, int *bk);
 int or_device_save_tuned_blocks(int index, int bq, int bk);
+
+/* The options of an attention call as parsed; window NULL = (-1, -1), seed NULL = 0. */
+typedef struct {
+    PyObject *scale, *window, *alibi, *seed, *device, *max_q, *max_k;
+    double dropout_p, softcap;
+    int causal;
+} or_opts;
+
+/* One attention call in flight: what it owns and the problem handed to the kernels. */
+typedef struct {
+    const char *func;
+    int varlen;
+    PyArrayObject *arr[OR_NSLOTS];
+    or_ssize *offs[OR_NSLOTS];
+    PyArrayObject *cu_q, *cu_k;     /* int64 copies of cu_seqlens */
+    or_ssize *nq, *nk;
+    double *slopes;
+    or_ssize heads;                 /* query heads H (dense: size of dim -3, or 1) */
+    or_device_choice device;
+    or_counters *ct;                /* the chosen device's counters */
+    or_problem p;
+} or_call;
+
+/* args.c: each returns 0, or -1 with the exception set */
+int or_as_integer(PyObject *obj, long long *out);      /* -1 with no exception set */
+int or_check_options(or_call *c, const or_opts *o);
+int or_load_operands(or_call *c, PyObject **objs, const int *slots, int n);
+int or_check_qkv(or_call *c);
+int or_check_scale(or_call *c, const or_opts *o);
+int or_check_varlen(or_call *c, const or_opts *o, PyObject *cuq_obj, PyObject *cuk_obj);
+int or_check_like(or_call *c, int slot, const npy_intp *shape, int nd);
+int or_parse_shape(PyObject *obj, const char *name, npy_intp *dims);    /* its length or -1 */
+
+/* problem.c */
+void or_out_shapes(or_call *c, npy_intp *oshape, npy_intp *lshape, int *ond, int *lnd);
+int or_new_output(or_call *c, int slot, int nd, const npy_intp *shape, or_dtype dt);
+int or_build_problem(or_call *c, PyObject *alibi_slopes);
+void or_call_clear(or_call *c);
 
 #endif

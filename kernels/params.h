@@ -39,7 +39,7 @@ typedef uint32_t or_u32;
 #define OR_FN static inline
 #endif
 
-#define OR_MAX_HEAD_DIM 256     /* largest head dim (q/k and v) any backend accepts */
+#define OR_MAX_HEAD_DIM 256     /* largest head dim (q/k and v); build_info() tells Python */
 
 /* Operand slots of a call; forward uses Q..LSE, backward all of them. */
 #define OR_Q 0

@@ -47,6 +47,13 @@ def _device_ids():
 
 DEVICE_IDS = _device_ids()
 
+# ORCHARD_FAULT, ORCHARD_AUTO_ANY_OPENCL and ORCHARD_CL_TRANSFERS take effect only in a build
+# made with ORCHARD_TEST_HOOKS=1 (setup.py); the tests that set them skip elsewhere.
+TEST_HOOKS = _ops is not None and _ops.build_info()["test_hooks"]
+needs_test_hooks = pytest.mark.skipif(
+    not TEST_HOOKS, reason="orchard_ops was built without ORCHARD_TEST_HOOKS=1 (setup.py), "
+                           "so its test switches (ORCHARD_FAULT, ...) are compiled out")
+
 
 @pytest.fixture(scope="session")
 def ops():

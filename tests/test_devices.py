@@ -1,8 +1,12 @@
-"""devices(), default_device() and ORCHARD_DEVICE."""
+"""devices(), default_device(), resolve_device(), ORCHARD_DEVICE, cache_dir() and
+build_info()."""
+import os
+import stat
 
 import numpy as np
+import pytest
 
-from conftest import assert_close, randn, run_python
+from conftest import TEST_HOOKS, assert_close, randn, run_python
 from orchard.reference import ref_fwd
 
 FIELDS = {
@@ -60,6 +64,53 @@ def test_default_device_env_does_not_change_environment():
     assert r.stdout.strip() == "cpu None"
 
 
+def test_resolve_device(ops):
+    devs = ops.devices()
+    for d in devs:
+        assert ops.resolve_device(d["id"]) == d["id"]
+    assert ops.resolve_device(None) == ops.resolve_device("auto") == ops.default_device()
+    opencl = [d for d in devs if d["backend"] == "opencl"]
+    if opencl:
+        best = max(opencl, key=lambda d: (d["kind"] == "gpu", d["compute_units"]))
+        assert ops.resolve_device("opencl") == best["id"]
+        assert ops.resolve_device("opencl:" + opencl[0]["name"].upper()) == opencl[0]["id"]
+    for name in ["tpu:7", "opencl:%d" % len(opencl), "opencl:no such device", "opencl:", "CPU"]:
+        with pytest.raises(ValueError, match="resolve_device\\(\\): 'device' '.*' is not an "
+                                             "available device \\(available: \\['cpu'"):
+            ops.resolve_device(name)
+    if not opencl:
+        with pytest.raises(ValueError, match="not an available device"):
+            ops.resolve_device("opencl")
+    with pytest.raises(TypeError, match="'device' must be a str or None, not int"):
+        ops.resolve_device(0)
+
+
+def test_resolve_device_honours_env():
+    code = "import orchard_ops as o; print(o.resolve_device(None), o.resolve_device('cpu'))"
+    r = run_python(code, ORCHARD_DEVICE="cpu")
+    assert r.returncode == 0 and r.stdout.split() == ["cpu", "cpu"], r.stdout + r.stderr
+    r = run_python("import orchard_ops as o; o.resolve_device(None)", ORCHARD_DEVICE="tpu:1")
+    assert "ValueError: resolve_device(): ORCHARD_DEVICE 'tpu:1' is not an available" in r.stderr
+
+
+def test_cache_dir(ops, tmp_path, monkeypatch):
+    """ORCHARD_CACHE_DIR, else $XDG_CACHE_HOME/orchard, else ~/.cache/orchard, made 0700 with
+    its parents; None when the cache is off."""
+    for var in ("ORCHARD_CACHE_DIR", "XDG_CACHE_HOME", "ORCHARD_NO_CACHE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    expected = str(tmp_path / "home" / ".cache" / "orchard")
+    assert ops.cache_dir() == expected
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert ops.cache_dir() == str(tmp_path / "xdg" / "orchard")
+    monkeypatch.setenv("ORCHARD_CACHE_DIR", str(tmp_path / "a" / "b"))
+    assert ops.cache_dir() == str(tmp_path / "a" / "b")
+    for made in (expected, str(tmp_path / "xdg" / "orchard"), str(tmp_path / "a" / "b")):
+        assert os.path.isdir(made) and stat.S_IMODE(os.stat(made).st_mode) == 0o700, made
+    monkeypatch.setenv("ORCHARD_NO_CACHE", "1")
+    assert ops.cache_dir() is None
+
+
 def test_default_device_used_for_none(ops, rng):
     """device=None runs on default_device(): its per-device counters move."""
     q, k, v = (randn(rng, (1, 2, 5, 8), np.float32) for _ in range(3))
@@ -77,3 +128,26 @@ def test_explicit_device_counts_there(ops, device, rng):
     st = ops.stats()
     assert st["per_device"][device]["fwd_calls"] == 1, st
     assert st["fwd_calls"] == 1
+
+
+def test_build_info(ops):
+    info = ops.build_info()
+    assert info["version"] == ops.__version__
+    assert isinstance(info["opencl"], bool) and isinstance(info["test_hooks"], bool)
+    assert info["max_head_dim"] == 256
+    assert info["dtypes"] == ("float16", "float32", "float64")
+    if not info["opencl"]:
+        assert [d["id"] for d in ops.devices()] == ["cpu"]
+
+
+@pytest.mark.skipif(TEST_HOOKS, reason="built with ORCHARD_TEST_HOOKS=1")
+def test_test_switches_are_compiled_out():
+    """Without ORCHARD_TEST_HOOKS=1 at build time the test switches do nothing: a malformed
+    ORCHARD_FAULT neither disables OpenCL nor says a word, and ORCHARD_AUTO_ANY_OPENCL does
+    not change the automatic choice."""
+    code = "import orchard_ops as o; print(o.default_device(), len(o.devices()))"
+    plain = run_python(code, ORCHARD_DEVICE=None, ORCHARD_FAULT=None, ORCHARD_AUTO_ANY_OPENCL=None)
+    hooked = run_python(code, ORCHARD_DEVICE=None, ORCHARD_FAULT="clNoSuchCall:1",
+                        ORCHARD_AUTO_ANY_OPENCL=1)
+    assert plain.returncode == 0 and hooked.returncode == 0, plain.stderr + hooked.stderr
+    assert hooked.stdout == plain.stdout and hooked.stderr == plain.stderr == ""

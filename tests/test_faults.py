@@ -1,5 +1,5 @@
 """Fault injection: ORCHARD_FAULT="CALL:N[+][:CL_ERROR]" makes the Nth use of an OpenCL call
-fail (csrc/cl_fault.c). Each case runs in a fresh interpreter, since the variable is read once
+fail (csrc/cl_fault.c, in builds with ORCHARD_TEST_HOOKS=1). Each case runs in a fresh interpreter, since the variable is read once
 per process. A failure must raise the documented exception (OrchardError naming the call and
 the CL error; OrchardOutOfMemory, also a MemoryError, for the out-of-memory codes), leak
 nothing (reference counts; resident memory over a loop of failing calls), and leave the device
@@ -10,9 +10,10 @@ import os
 
 import pytest
 
-from conftest import DEVICE_IDS, run_python
+from conftest import DEVICE_IDS, needs_test_hooks, run_python
 
-pytestmark = pytest.mark.skipif("opencl:0" not in DEVICE_IDS, reason="no OpenCL device")
+pytestmark = [pytest.mark.skipif("opencl:0" not in DEVICE_IDS, reason="no OpenCL device"),
+              needs_test_hooks]
 
 PRELUDE = r"""
 import gc, json, os, sys

@@ -16,7 +16,7 @@ from orchard.flash_attn import (  # noqa: E402
     _get_block_size_n, flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
     flash_attn_varlen_func, flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func,
     flash_attn_with_kvcache)
-from reference import ref_bwd, ref_fwd  # noqa: E402
+from orchard.reference import ref_bwd, ref_fwd  # noqa: E402
 
 LOW = [torch.float32, torch.float16, torch.bfloat16]
 EPS = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-5, torch.bfloat16: 1e-5}

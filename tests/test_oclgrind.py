@@ -5,7 +5,8 @@ races and uninitialised reads (Debian package oclgrind; skipped when it is not i
 any ICD loader, so "opencl:0" is the simulated device. Small blocks (8-row work-groups, 4-row
 tiles) make every kernel cross tile and work-group boundaries. Two runs: buffers over host
 memory (the unified-memory path) with race and API checks, and explicit transfers (the
-discrete-GPU path) with the uninitialised-read checker too, which needs unoptimised kernels:
+discrete-GPU path, ORCHARD_CL_TRANSFERS=1: builds with ORCHARD_TEST_HOOKS=1) with the
+uninitialised-read checker too, which needs unoptimised kernels:
 Debian's Oclgrind 21.10 cannot simulate the LLVM `freeze` instruction that optimisation emits.
 Each with the row-per-work-item kernels (GPUs) and the register-tiled ones (CPUs). The tiled
 kernels skip the uninitialised-read checker: on them it reports values that are initialised
@@ -23,7 +24,7 @@ import textwrap
 
 import pytest
 
-from conftest import TESTS_DIR, subprocess_env
+from conftest import TESTS_DIR, needs_test_hooks, subprocess_env
 
 pytestmark = pytest.mark.skipif(shutil.which("oclgrind") is None, reason="oclgrind not installed")
 
@@ -78,7 +79,7 @@ REPORT = re.compile(r"Invalid (read|write)|data race|[Uu]ninitiali[sz]ed|FATAL|"
 
 
 @pytest.mark.parametrize("family", ["rows", "tiled"])
-@pytest.mark.parametrize("mode", ["in-place", "transfers"])
+@pytest.mark.parametrize("mode", ["in-place", pytest.param("transfers", marks=needs_test_hooks)])
 def test_kernels_clean_under_oclgrind(tmp_path, mode, family):
     script = tmp_path / "kernels.py"
     script.write_text(textwrap.dedent(SCRIPT))

@@ -14,7 +14,7 @@ import stat
 import numpy as np
 import pytest
 
-from conftest import DEVICE_IDS, randn, run_python
+from conftest import DEVICE_IDS, needs_test_hooks, randn, run_python
 
 OPENCL_IDS = [d for d in DEVICE_IDS if isinstance(d, str) and d.startswith("opencl:")]
 needs_opencl = pytest.mark.skipif(not OPENCL_IDS, reason="no OpenCL device listed")
@@ -288,6 +288,7 @@ def test_tuned_blocks_errors(ops, tmp_path):
 
 
 @needs_opencl
+@needs_test_hooks
 def test_explicit_transfers_match_in_place():
     """ORCHARD_CL_TRANSFERS=1 takes the discrete-GPU path (copies in and out) on any device."""
     code = """

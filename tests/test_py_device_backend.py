@@ -139,3 +139,30 @@ def test_check_limitations():
     assert any("copied" in n for n in gpu.check_limitations("fp32"))
     assert any("through float32" in n for n in gpu.check_limitations("bf16"))
     assert DeviceBackend(HOST, HOST).check_limitations("fp32") == []
+
+
+def test_resolve_device_is_orchard_ops_own():
+    """One resolution of device strings: orchard_ops.resolve_device, looked up in devices()."""
+    listing = orchard_ops.devices()
+    for device in [None, "auto", "cpu", "opencl", "opencl:0"] + [d["id"] for d in listing]:
+        try:
+            expected = orchard_ops.resolve_device(device)
+        except ValueError:
+            with pytest.raises(ValueError, match="unknown device"):
+                resolve_device(device, listing)
+            continue
+        assert resolve_device(device, listing)["id"] == expected
+    with pytest.raises(TypeError):
+        resolve_device(0)
+
+
+def test_setup_makes_the_program_cache_folder(tmp_path, monkeypatch):
+    """An OpenCL backend's setup() makes orchard_ops.cache_dir(), which honours XDG_CACHE_HOME."""
+    for var in ("ORCHARD_CACHE_DIR", "ORCHARD_NO_CACHE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    # thread counts as they are: setup() reads them instead of setting them
+    monkeypatch.setenv("ORCHARD_NUM_THREADS", str(orchard_ops.get_num_threads()))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    DeviceBackend(SMALL_GPU, HOST).setup()
+    assert (tmp_path / "orchard").is_dir()

@@ -5,10 +5,11 @@
 #     tools/sanitize.sh                               # the whole suite
 #     tools/sanitize.sh tests/test_errors.py -x       # any pytest arguments
 #
-# The extension is built (ORCHARD_SANITIZE=1, see setup.py) into a temporary folder that goes
-# first on PYTHONPATH, so the in-place build in python/ is neither used nor touched; child
-# interpreters started by the tests inherit it. Python itself is not instrumented, so the ASan
-# runtime is preloaded, and PYTHONMALLOC=malloc sends Python's objects through it too.
+# The extension is built (ORCHARD_SANITIZE=1, and ORCHARD_TEST_HOOKS=1 for the fault-injection
+# tests; see setup.py) into a temporary folder that goes first on PYTHONPATH, so the in-place
+# build in python/ is neither used nor touched; child interpreters started by the tests
+# inherit it. Python itself is not instrumented, so the ASan runtime is preloaded, and
+# PYTHONMALLOC=malloc sends Python's objects through it too.
 #
 # ASAN_OPTIONS: detect_leaks=0, because CPython and the OpenCL ICD/PoCL keep allocations for
 # the life of the process on purpose and free few at exit; leaks of orchard's own are checked
@@ -23,7 +24,7 @@ cd "$repo"
 work=$(mktemp -d "${TMPDIR:-/tmp}/orchard-sanitize.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 
-if ! ORCHARD_SANITIZE=1 python3 setup.py build_ext --build-lib "$work/lib" \
+if ! ORCHARD_SANITIZE=1 ORCHARD_TEST_HOOKS=1 python3 setup.py build_ext --build-lib "$work/lib" \
         --build-temp "$work/obj" >"$work/build.log" 2>&1; then
     cat "$work/build.log" >&2
     exit 1

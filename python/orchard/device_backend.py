@@ -47,23 +47,19 @@ def _bytes_per_element(dtype):
 
 def resolve_device(device, listing=None):
     """The devices() entry for a device string: None/"auto", "cpu", "opencl", "opencl:N"
-    or "opencl:NAME" (a substring of a device or platform name, as PYOPENCL_CTX)."""
+    or "opencl:NAME" (a substring of a device or platform name, as PYOPENCL_CTX), as
+    orchard_ops.resolve_device resolves it."""
     listing = orchard_ops.devices() if listing is None else listing
-    if device in (None, AUTO):
-        device = orchard_ops.default_device()
     by_id = {d["id"]: d for d in listing}
-    if device in by_id:
-        return by_id[device]
-    opencl = [d for d in listing if d["backend"] == "opencl"]
-    if device == "opencl" and opencl:
-        # As orchard_ops: GPUs first, then the most compute units.
-        return max(opencl, key=lambda d: (d["kind"] == "gpu", d["compute_units"]))
-    if device.startswith("opencl:"):
-        wanted = device.split(":", 1)[1].lower()
-        for d in opencl:
-            if wanted in d["name"].lower() or wanted in d.get("platform", "").lower():
-                return d
-    raise ValueError("unknown device %r; available: %s" % (device, ", ".join(by_id) or "none"))
+    try:
+        chosen = orchard_ops.resolve_device(device)
+    except ValueError:
+        if device in (None, AUTO):
+            raise  # ORCHARD_DEVICE names no device: orchard_ops's message says so
+        chosen = None
+    if chosen not in by_id:
+        raise ValueError("unknown device %r; available: %s" % (device, ", ".join(by_id) or "none"))
+    return by_id[chosen]
 
 
 def auto_choice_reason(listing=None):
@@ -74,7 +70,8 @@ def auto_choice_reason(listing=None):
     if os.environ.get("ORCHARD_DEVICE"):
         why = "ORCHARD_DEVICE=%s is set" % os.environ["ORCHARD_DEVICE"]
     elif chosen["backend"] == "opencl" and chosen["kind"] != "gpu":
-        why = "ORCHARD_AUTO_ANY_OPENCL is set, so OpenCL CPU devices may be chosen (a test setting)"
+        why = ("ORCHARD_AUTO_ANY_OPENCL is set, so OpenCL CPU devices may be chosen (a test "
+               "setting of builds with ORCHARD_TEST_HOOKS=1)")
     elif chosen["kind"] == "gpu":
         why = ("it is the OpenCL GPU with the most compute units (%d), and a GPU is faster "
                "for attention than the CPU" % chosen["compute_units"])
@@ -130,9 +127,7 @@ class DeviceBackend:
         if torch is not None and not os.environ.get("OMP_NUM_THREADS"):
             torch.set_num_threads(threads)
         if self.attention_backend == "opencl":
-            cache = os.environ.get("ORCHARD_CACHE_DIR") or os.path.join(
-                os.path.expanduser("~"), ".cache", "orchard")
-            os.makedirs(cache, exist_ok=True)
+            orchard_ops.cache_dir()  # made now, private to the user, where programs will go
         if self.verbose:
             log.info("orchard threads: %d", threads)
         return self

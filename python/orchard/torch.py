@@ -16,7 +16,7 @@ from torch.overrides import TorchFunctionMode
 import orchard_ops
 
 _ROUTABLE_DTYPES = (torch.float16, torch.float32, torch.float64, torch.bfloat16)
-_MAX_HEAD_DIM = 256
+_MAX_HEAD_DIM = orchard_ops.build_info()["max_head_dim"]
 
 
 # The only two places where torch tensors meet orchard_ops. They will become a zero-copy

@@ -1,0 +1,350 @@
+/* args.c - the arguments of an attention call, checked before anything is allocated for it.
+ *
+ * Options that do not depend on shapes (dropout_p, softcap, window, seed), the operands (their
+ * dtypes, q/k/v shapes with GQA, the shapes out, lse and dout must have), scale, and the
+ * cu_seqlens/max_seqlen of a varlen call; the shapes given to dropout_mask(). Every check that
+ * fails raises one exception naming the argument and returns -1.
+ */
+#include <math.h>
+
+#include "pyorchard.h"
+
+static const char *slot_name[OR_NSLOTS] = {"q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv"};
+
+/* An integer argument (int, numpy integer, anything with __index__) as a long long; returns
+ * 0, or -1 with no exception set when it is not an integer or does not fit. */
+int or_as_integer(PyObject *obj, long long *out)
+{
+    PyObject *i = PyNumber_Index(obj);
+    if (i == NULL) {
+        PyErr_Clear();
+        return -1;
+    }
+    *out = PyLong_AsLongLong(i);
+    Py_DECREF(i);
+    if (*out == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return -1;
+    }
+    return 0;
+}
+
+/* Checks the options that do not depend on shapes and stores them in c->p. */
+int or_check_options(or_call *c, const or_opts *o)
+{
+    or_problem *p = &c->p;
+    if (!(o->dropout_p >= 0.0 && o->dropout_p < 1.0)) {
+        PyErr_Format(PyExc_ValueError, "%s(): 'dropout_p' must be in [0, 1)", c->func);
+        return -1;
+    }
+    if (!(o->softcap >= 0.0 && isfinite(o->softcap))) {
+        PyErr_Format(PyExc_ValueError, "%s(): 'softcap' must be a finite number >= 0", c->func);
+        return -1;
+    }
+    p->prm.softcap = o->softcap;
+    p->prm.dropout = o->dropout_p > 0.0;
+    p->prm.threshold = or_dropout_threshold(o->dropout_p);
+    p->prm.drop_scale = 1.0 / (1.0 - o->dropout_p);
+
+    p->prm.left = p->prm.right = -1;
+    if (o->window != NULL && (!PySequence_Check(o->window) || PySequence_Size(o->window) != 2)) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s(): 'window' must be a pair (left, right) of ints",
+                     c->func);
+        return -1;
+    }
+    long long lr[2] = {-1, -1};
+    for (int i = 0; o->window != NULL && i < 2; i++) {
+        PyObject *item = PySequence_GetItem(o->window, i);
+        if (item == NULL)
+            return -1;
+        int bad = or_as_integer(item, &lr[i]) < 0;
+        Py_DECREF(item);
+        if (bad || lr[i] < -1) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s(): 'window' entries must be ints >= -1 (-1 = unbounded), got %R",
+                         c->func, o->window);
+            return -1;
+        }
+    }
+    p->prm.left = (or_ssize)lr[0];
+    p->prm.right = (or_ssize)lr[1];
+    if (o->causal && (p->prm.right < 0 || p->prm.right > 0))
+        p->prm.right = 0;
+
+    if (o->seed == NULL)
+        return 0;       /* seed 0 */
+    PyObject *seed_int = PyNumber_Index(o->seed);
+    if (seed_int == NULL) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s(): 'seed' must be an int, not %.100s", c->func,
+                     Py_TYPE(o->seed)->tp_name);
+        return -1;
+    }
+    unsigned long long seed = PyLong_AsUnsignedLongLong(seed_int);
+    Py_DECREF(seed_int);
+    if (seed == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s(): 'seed' must be in [0, 2**64), got %R", c->func,
+                     o->seed);
+        return -1;
+    }
+    p->prm.seed = (uint64_t)seed;
+    return 0;
+}
+
+int or_check_scale(or_call *c, const or_opts *o)
+{
+    if (o->scale == Py_None) {
+        c->p.prm.scale = 1.0 / sqrt((double)c->p.d);
+        return 0;
+    }
+    double s = PyFloat_AsDouble(o->scale);
+    if (s == -1.0 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s(): 'scale' must be a number or None, not %.100s",
+                     c->func, Py_TYPE(o->scale)->tp_name);
+        return -1;
+    }
+    if (!isfinite(s)) {
+        PyErr_Format(PyExc_ValueError, "%s(): 'scale' must be finite, got %R", c->func, o->scale);
+        return -1;
+    }
+    c->p.prm.scale = s;
+    return 0;
+}
+
+static int shape_error(or_call *c, const char *name, const char *what)
+{
+    PyObject *shape = c->arr[OR_Q] ? or_shape_str(c->arr[OR_Q]) : NULL;
+    PyErr_Format(PyExc_ValueError, "%s(): argument '%s' %s (q has shape %S)", c->func, name, what,
+                 shape ? shape : Py_None);
+    Py_XDECREF(shape);
+    return -1;
+}
+
+/* Converts the input operands named in `slots` and checks that they share q's dtype. */
+int or_load_operands(or_call *c, PyObject **objs, const int *slots, int n)
+{
+    const size_t align = or_device_align(c->device.index);
+    for (int i = 0; i < n; i++) {
+        int s = slots[i];
+        c->arr[s] = or_operand(objs[i], c->func, slot_name[s], c->ct, align);
+        if (c->arr[s] == NULL)
+            return -1;
+    }
+    or_dtype dt = OR_F32;
+    or_dtype_of(c->arr[OR_Q], &dt);     /* or_operand checked it */
+    c->p.view[OR_Q].dtype = dt;
+    const or_dtype lse = or_dtypes[dt].lse;
+    for (int i = 0; i < n; i++) {
+        int s = slots[i];
+        or_dtype got = OR_F32;
+        or_dtype_of(c->arr[s], &got);
+        if (s == OR_LSE && got != lse) {
+            /* lse of another float type is accepted and converted to the kernels' own */
+            PyArrayObject *cast = or_staged_copy(c->arr[s], or_dtypes[lse].typenum, align);
+            if (cast == NULL)
+                return -1;
+            OR_COUNT(c->ct, staged_buffers, 1);
+            OR_COUNT(c->ct, bytes_staged, PyArray_NBYTES(cast));
+            Py_SETREF(c->arr[s], cast);
+        } else if (s != OR_LSE && got != dt) {
+            PyErr_Format(PyExc_TypeError, "%s(): argument '%s' has dtype %S but 'q' has %S",
+                         c->func, slot_name[s], (PyObject *)PyArray_DESCR(c->arr[s]),
+                         (PyObject *)PyArray_DESCR(c->arr[OR_Q]));
+            return -1;
+        }
+    }
+    if (or_dtypes[dt].compute_size == sizeof(double) && !or_device_fp64(c->device.index)) {
+        PyObject *id = or_device_id(c->device.index);
+        if (id != NULL)
+            PyErr_Format(PyExc_TypeError,
+                         "%s(): %s needs cl_khr_fp64, which device %S lacks; use float32 "
+                         "or device='cpu'", c->func, or_dtypes[dt].name, id);
+        Py_XDECREF(id);
+        return -1;
+    }
+    return 0;
+}
+
+/* Checks q, k, v and fills d, dv, group. Dense layout: (..., N, D) with matching leading
+ * dims, or 4-D GQA. Varlen: (total, H, D). */
+int or_check_qkv(or_call *c)
+{
+    PyArrayObject *q = c->arr[OR_Q], *k = c->arr[OR_K], *v = c->arr[OR_V];
+    int nd = PyArray_NDIM(q);
+    if (c->varlen ? nd != 3 : nd < 2)
+        return shape_error(c, "q", c->varlen ? "must be 3-D (total_q, H, D)"
+                                              : "must have at least 2 dimensions (..., N, D)");
+    if (PyArray_NDIM(k) != nd)
+        return shape_error(c, "k", "must have as many dimensions as q");
+    if (PyArray_NDIM(v) != nd)
+        return shape_error(c, "v", "must have as many dimensions as q");
+    npy_intp d = PyArray_DIM(q, nd - 1), dv = PyArray_DIM(v, nd - 1);
+    if (d < 1 || d > OR_MAX_HEAD_DIM)
+        return shape_error(c, "q", "must have a head dim (last dimension) in 1.."
+                                   OR_STR(OR_MAX_HEAD_DIM));
+    if (PyArray_DIM(k, nd - 1) != d)
+        return shape_error(c, "k", "must have the head dim (last dimension) of q");
+    if (dv < 1 || dv > OR_MAX_HEAD_DIM)
+        return shape_error(c, "v", "must have a head dim (last dimension) in 1.."
+                                   OR_STR(OR_MAX_HEAD_DIM));
+    c->p.d = (int)d;
+    c->p.dv = (int)dv;
+    /* the key-sequence axis: varlen packs (total, H, D), dense is (..., N, D) */
+    int seq = c->varlen ? 0 : nd - 2;
+    if (PyArray_DIM(v, seq) != PyArray_DIM(k, seq))
+        return shape_error(c, "v", "must have as many keys as k");
+    int head = c->varlen ? 1 : nd == 4 ? 1 : -1;    /* the axis where GQA may differ */
+    for (int i = 0; i < nd - 1; i++) {
+        if (i == seq || (c->varlen && i == 0))
+            continue;
+        if (i != head && PyArray_DIM(k, i) != PyArray_DIM(q, i))
+            return shape_error(c, "k", "must have the batch dimensions of q");
+        if (PyArray_DIM(v, i) != PyArray_DIM(k, i))
+            return shape_error(c, "v", "must have the batch and head dimensions of k");
+    }
+    if (!c->varlen && PyArray_DIM(q, seq) > OR_MAX_SEQ_LEN)
+        return shape_error(c, "q", "must have fewer than 2**32 query rows (dimension -2)");
+    if (!c->varlen && PyArray_DIM(k, seq) > OR_MAX_SEQ_LEN)
+        return shape_error(c, "k", "must have fewer than 2**32 keys (dimension -2)");
+    c->p.prm.group = 1;
+    c->heads = nd >= 3 ? PyArray_DIM(q, c->varlen ? 1 : nd - 3) : 1;
+    if (c->heads > OR_MAX_HEADS)
+        return shape_error(c, "q", "must have fewer than 2**31 heads");
+    if (head >= 0) {
+        npy_intp h = PyArray_DIM(q, head), hkv = PyArray_DIM(k, head);
+        if (hkv == 0 ? h != 0 : h % hkv != 0)
+            return shape_error(c, "k", "must have a number of heads dividing q's (GQA/MQA)");
+        c->p.prm.group = hkv ? h / hkv : 1;
+    }
+    return 0;
+}
+
+/* Checks an extra operand (dout, out, lse) against the shape it must have. */
+int or_check_like(or_call *c, int slot, const npy_intp *shape, int nd)
+{
+    PyArrayObject *a = c->arr[slot];
+    int ok = PyArray_NDIM(a) == nd;
+    for (int i = 0; ok && i < nd; i++)
+        ok = PyArray_DIM(a, i) == shape[i];
+    if (ok)
+        return 0;
+    PyObject *want = PyTuple_New(nd);
+    if (want == NULL)
+        return -1;
+    for (int i = 0; i < nd; i++)
+        PyTuple_SET_ITEM(want, i, PyLong_FromSsize_t(shape[i]));
+    PyObject *got = or_shape_str(a);
+    PyErr_Format(PyExc_ValueError, "%s(): argument '%s' must have shape %S, got %S", c->func,
+                 slot_name[slot], want, got ? got : Py_None);
+    Py_DECREF(want);
+    Py_XDECREF(got);
+    return -1;
+}
+
+/* cu_seqlens as a validated int64 array of B + 1 offsets ending at `total`. */
+static PyArrayObject *check_cu_seqlens(or_call *c, PyObject *obj, const char *name,
+                                       npy_intp total, npy_intp *max_len)
+{
+    PyArrayObject *raw = (PyArrayObject *)PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
+    if (raw == NULL)
+        return NULL;
+    if (!PyArray_ISINTEGER(raw) || PyArray_NDIM(raw) != 1 || PyArray_DIM(raw, 0) < 1) {
+        PyErr_Format(PyExc_ValueError, "%s(): '%s' must be a 1-D integer array of B + 1 offsets",
+                     c->func, name);
+        Py_DECREF(raw);
+        return NULL;
+    }
+    PyArrayObject *cu = (PyArrayObject *)PyArray_FromAny(
+        (PyObject *)raw, PyArray_DescrFromType(NPY_INT64), 1, 1,
+        NPY_ARRAY_CARRAY | NPY_ARRAY_FORCECAST, NULL);
+    Py_DECREF(raw);
+    if (cu == NULL)
+        return NULL;
+    const int64_t *v = PyArray_DATA(cu);
+    npy_intp n = PyArray_DIM(cu, 0);
+    *max_len = 0;
+    int ok = v[0] == 0 && v[n - 1] == total;
+    for (npy_intp i = 1; ok && i < n; i++) {
+        ok = v[i] >= v[i - 1];
+        *max_len = v[i] - v[i - 1] > *max_len ? v[i] - v[i - 1] : *max_len;
+    }
+    if (!ok) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): '%s' must start at 0, never decrease and end at %zd (the packed "
+                     "length)", c->func, name, total);
+        Py_DECREF(cu);
+        return NULL;
+    }
+    if (*max_len > OR_MAX_SEQ_LEN) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): '%s' must describe sequences shorter than 2**32, got one of %zd",
+                     c->func, name, *max_len);
+        Py_DECREF(cu);
+        return NULL;
+    }
+    return cu;
+}
+
+static int check_max_seqlen(or_call *c, PyObject *given, const char *name, npy_intp actual)
+{
+    if (given == Py_None)
+        return 0;
+    long long m;
+    if (or_as_integer(given, &m) < 0 || m < actual) {
+        PyErr_Format(PyExc_ValueError, "%s(): '%s' must be an int >= %zd, the longest sequence",
+                     c->func, name, actual);
+        return -1;
+    }
+    return 0;
+}
+
+/* cu_seqlens and max_seqlen of a varlen call, checked before any output is allocated. */
+int or_check_varlen(or_call *c, const or_opts *o, PyObject *cuq_obj, PyObject *cuk_obj)
+{
+    npy_intp maxq, maxk;
+    c->cu_q = check_cu_seqlens(c, cuq_obj, "cu_seqlens_q", PyArray_DIM(c->arr[OR_Q], 0), &maxq);
+    if (c->cu_q == NULL)
+        return -1;
+    c->cu_k = check_cu_seqlens(c, cuk_obj, "cu_seqlens_k", PyArray_DIM(c->arr[OR_K], 0), &maxk);
+    if (c->cu_k == NULL)
+        return -1;
+    if (PyArray_DIM(c->cu_q, 0) != PyArray_DIM(c->cu_k, 0)) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): 'cu_seqlens_k' must have as many entries as 'cu_seqlens_q'", c->func);
+        return -1;
+    }
+    if (check_max_seqlen(c, o->max_q, "max_seqlen_q", maxq) < 0
+        || check_max_seqlen(c, o->max_k, "max_seqlen_k", maxk) < 0)
+        return -1;
+    return 0;
+}
+
+/* A shape argument as a list of non-negative sizes; returns its length or -1. */
+int or_parse_shape(PyObject *obj, const char *name, npy_intp *dims)
+{
+    PyObject *seq = PySequence_Check(obj) ? PySequence_Fast(obj, "") : NULL;
+    if (seq == NULL) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "dropout_mask(): '%s' must be a sequence of ints", name);
+        return -1;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    int ok = n >= 2 && n <= NPY_MAXDIMS;
+    for (Py_ssize_t i = 0; ok && i < n; i++) {
+        long long v;
+        ok = or_as_integer(PySequence_Fast_GET_ITEM(seq, i), &v) == 0 && v >= 0
+             && v <= NPY_MAX_INTP;
+        dims[i] = ok ? (npy_intp)v : 0;
+    }
+    Py_DECREF(seq);
+    if (!ok) {
+        PyErr_Format(PyExc_ValueError,
+                     "dropout_mask(): '%s' must be a shape (..., N, D) of at least 2 sizes >= 0",
+                     name);
+        return -1;
+    }
+    return (int)n;
+}

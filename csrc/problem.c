@@ -1,0 +1,190 @@
+/* problem.c - from checked arguments to the or_problem the kernels read (orchard.h).
+ *
+ * The outputs, allocated aligned for the device; the per-unit tables (query and key lengths,
+ * each operand's offset of every unit, ALiBi slopes) of the dense and varlen layouts; and the
+ * view of every operand. An or_call owns all of it until or_call_clear.
+ */
+#include "pyorchard.h"
+
+void or_call_clear(or_call *c)
+{
+    for (int s = 0; s < OR_NSLOTS; s++) {
+        Py_CLEAR(c->arr[s]);
+        PyMem_Free(c->offs[s]);
+        c->offs[s] = NULL;
+    }
+    Py_CLEAR(c->cu_q);
+    Py_CLEAR(c->cu_k);
+    PyMem_Free(c->nq);
+    PyMem_Free(c->nk);
+    PyMem_Free(c->slopes);
+    c->nq = c->nk = NULL;
+    c->slopes = NULL;
+}
+
+/* The shapes of out and lse implied by q and v. */
+void or_out_shapes(or_call *c, npy_intp *oshape, npy_intp *lshape, int *ond, int *lnd)
+{
+    PyArrayObject *q = c->arr[OR_Q];
+    int nd = PyArray_NDIM(q);
+    for (int i = 0; i < nd - 1; i++)
+        oshape[i] = PyArray_DIM(q, i);
+    oshape[nd - 1] = c->p.dv;
+    *ond = nd;
+    if (c->varlen) {            /* (H, total_q), as FlashAttention-2 */
+        lshape[0] = PyArray_DIM(q, 1);
+        lshape[1] = PyArray_DIM(q, 0);
+        *lnd = 2;
+    } else {
+        for (int i = 0; i < nd - 1; i++)
+            lshape[i] = PyArray_DIM(q, i);
+        *lnd = nd - 1;
+    }
+}
+
+/* Outputs are aligned for the device, so that kernels can write them in place. */
+int or_new_output(or_call *c, int slot, int nd, const npy_intp *shape, or_dtype dt)
+{
+    c->arr[slot] = or_new_aligned(nd, shape, or_dtypes[dt].typenum,
+                                  or_device_align(c->device.index));
+    return c->arr[slot] ? 0 : -1;
+}
+
+static or_ssize *alloc_units(or_ssize n, size_t elsize)
+{
+    /* n comes from a product of dimensions that a stride-0 view can make huge */
+    void *mem = (size_t)n < PY_SSIZE_T_MAX / elsize ? PyMem_Malloc(elsize * (size_t)(n + 1))
+                                                   : NULL;
+    if (mem == NULL)
+        PyErr_NoMemory();
+    return mem;
+}
+
+/* Dense layout: views over the leading dims, constant lengths. */
+static int dense_tables(or_call *c)
+{
+    PyArrayObject *q = c->arr[OR_Q];
+    int nd = PyArray_NDIM(q);
+    or_ssize n = 1;
+    for (int i = 0; i < nd - 2; i++)
+        n *= PyArray_DIM(q, i);
+    c->p.n_units = n;
+    if (!(c->nq = alloc_units(n, sizeof(or_ssize))) || !(c->nk = alloc_units(n, sizeof(or_ssize))))
+        return -1;
+    for (or_ssize u = 0; u < n; u++) {
+        c->nq[u] = PyArray_DIM(q, nd - 2);
+        c->nk[u] = PyArray_DIM(c->arr[OR_K], nd - 2);
+    }
+    for (int s = 0; s < OR_NSLOTS; s++) {
+        if (c->arr[s] == NULL)
+            continue;
+        /* lse has one dimension less: its "rows" are its elements */
+        int nlead = s == OR_LSE ? PyArray_NDIM(c->arr[s]) - 1 : PyArray_NDIM(c->arr[s]) - 2;
+        if (!(c->offs[s] = or_lead_offsets(c->arr[s], nlead)))
+            return -1;
+        c->p.view[s].row_stride = PyArray_STRIDE(c->arr[s], nlead);
+    }
+    return 0;
+}
+
+/* Varlen layout: unit (b, h) is sequence b of head h. */
+static int varlen_tables(or_call *c)
+{
+    const int64_t *cq = PyArray_DATA(c->cu_q), *ck = PyArray_DATA(c->cu_k);
+    or_ssize nseq = PyArray_DIM(c->cu_q, 0) - 1, h = c->heads, hkv = h / c->p.prm.group;
+    c->p.n_units = nseq * h;
+    if (!(c->nq = alloc_units(nseq * h, sizeof(or_ssize)))
+        || !(c->nk = alloc_units(nseq * h, sizeof(or_ssize))))
+        return -1;
+    for (or_ssize b = 0; b < nseq; b++)
+        for (or_ssize i = 0; i < h; i++) {
+            c->nq[b * h + i] = cq[b + 1] - cq[b];
+            c->nk[b * h + i] = ck[b + 1] - ck[b];
+        }
+    for (int s = 0; s < OR_NSLOTS; s++) {
+        if (c->arr[s] == NULL)
+            continue;
+        int kv_side = s == OR_K || s == OR_V || s == OR_DK || s == OR_DV;
+        int seq_axis = s == OR_LSE ? 1 : 0, head_axis = s == OR_LSE ? 0 : 1;
+        c->offs[s] = or_varlen_offsets(c->arr[s], kv_side ? ck : cq, nseq, kv_side ? hkv : h,
+                                       seq_axis, head_axis);
+        if (c->offs[s] == NULL)
+            return -1;
+        c->p.view[s].row_stride = PyArray_STRIDE(c->arr[s], seq_axis);
+    }
+    return 0;
+}
+
+/* ALiBi slopes, one per unit. Accepted shapes: (H,) or the unit grid (dense: q.shape[:-2];
+ * varlen: (B, H)). */
+static int alibi_table(or_call *c, PyObject *obj)
+{
+    if (obj == Py_None)
+        return 0;
+    PyArrayObject *a = (PyArrayObject *)PyArray_FromAny(
+        obj, PyArray_DescrFromType(NPY_FLOAT64), 0, 0, NPY_ARRAY_CARRAY | NPY_ARRAY_FORCECAST,
+        NULL);
+    if (a == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_MemoryError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError, "%s(): 'alibi_slopes' must be an array of floats",
+                         c->func);
+        }
+        return -1;
+    }
+    or_ssize n = c->p.n_units, h = c->heads, size = PyArray_SIZE(a);
+    int nd = PyArray_NDIM(a), per_head = nd <= 1 && size == h, per_unit = 0;
+    if (!per_head) {
+        npy_intp grid[2];
+        int gnd;
+        if (c->varlen) {
+            grid[0] = PyArray_DIM(c->cu_q, 0) - 1;
+            grid[1] = h;
+            gnd = 2;
+        } else {
+            gnd = PyArray_NDIM(c->arr[OR_Q]) - 2;
+        }
+        per_unit = nd == gnd;
+        for (int i = 0; per_unit && i < nd; i++)
+            per_unit = PyArray_DIM(a, i) == (c->varlen ? grid[i] : PyArray_DIM(c->arr[OR_Q], i));
+    }
+    if (!per_head && !per_unit) {
+        PyObject *got = or_shape_str(a);
+        PyErr_Format(PyExc_ValueError,
+                     "%s(): 'alibi_slopes' must have shape (H,) or (B, H) (one slope per query "
+                     "head), got %S", c->func, got ? got : Py_None);
+        Py_XDECREF(got);
+        Py_DECREF(a);
+        return -1;
+    }
+    c->slopes = (double *)alloc_units(n, sizeof(double));
+    if (c->slopes != NULL) {
+        const double *v = PyArray_DATA(a);
+        for (or_ssize u = 0; u < n; u++)
+            c->slopes[u] = per_head ? v[h > 0 ? u % h : 0] : v[u];
+    }
+    Py_DECREF(a);
+    return c->slopes ? 0 : -1;
+}
+
+/* Fills the per-unit tables and the views: after this, c->p is what the kernels read. */
+int or_build_problem(or_call *c, PyObject *alibi_slopes)
+{
+    if ((c->varlen ? varlen_tables(c) : dense_tables(c)) < 0 || alibi_table(c, alibi_slopes) < 0)
+        return -1;
+    for (int s = 0; s < OR_NSLOTS; s++) {
+        if (c->arr[s] == NULL)
+            continue;
+        or_view *w = &c->p.view[s];
+        w->base = PyArray_BYTES(c->arr[s]);
+        w->offs = c->offs[s];
+        w->itemsize = (int)PyArray_ITEMSIZE(c->arr[s]);
+        or_extent(c->arr[s], &w->lo, &w->nbytes);
+        or_dtype_of(c->arr[s], &w->dtype);
+    }
+    c->p.nq = c->nq;
+    c->p.nk = c->nk;
+    c->p.slopes = c->slopes;
+    c->p.prm.has_alibi = c->slopes != NULL;
+    return 0;
+}
