@@ -16,7 +16,6 @@ import re
 import sys
 import time
 
-import numpy as np
 
 import orchard_ops
 import targets
@@ -79,10 +78,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     devices = [d["id"] for d in orchard_ops.devices()]
     if args.quick or os.environ.get("ORCHARD_BENCH_QUICK") == "1":
-        report = benchmark.run(benchmark.QUICK_SHAPES, devices, [np.float32], [False], 1)
+        report = benchmark.run(benchmark.QUICK_SHAPES, devices, ["float32"], [False], 1)
         report["targets"] = targets.target_figures(1, benchmark.QUICK_SHAPES[-1])
     else:
-        report = benchmark.run(benchmark.DEFAULT_SHAPES, devices, [np.float32, np.float16],
+        report = benchmark.run(benchmark.DEFAULT_SHAPES, devices, ["float32", "float16", "bfloat16"],
                                [False, True], 5, train_steps=12)
         report["targets"] = targets.target_figures(5)
     text = markdown(report)

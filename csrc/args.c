@@ -129,19 +129,20 @@ int or_load_operands(or_call *c, PyObject **objs, const int *slots, int n)
     const size_t align = or_device_align(c->device.index);
     for (int i = 0; i < n; i++) {
         int s = slots[i];
-        c->arr[s] = or_operand(objs[i], c->func, slot_name[s], c->ct, align);
+        c->arr[s] = or_operand(objs[i], c->func, slot_name[s], c->ct, align, &c->dt[s]);
         if (c->arr[s] == NULL)
             return -1;
     }
-    or_dtype dt = OR_F32;
-    or_dtype_of(c->arr[OR_Q], &dt);     /* or_operand checked it */
+    const or_dtype dt = c->dt[OR_Q], lse = or_dtypes[dt].lse;
     c->p.view[OR_Q].dtype = dt;
-    const or_dtype lse = or_dtypes[dt].lse;
     for (int i = 0; i < n; i++) {
         int s = slots[i];
-        or_dtype got = OR_F32;
-        or_dtype_of(c->arr[s], &got);
-        if (s == OR_LSE && got != lse) {
+        const or_dtype got = c->dt[s];
+        if (s == OR_LSE && got != lse && !or_dtypes[got].numpy) {
+            PyErr_Format(PyExc_TypeError, "%s(): argument 'lse' has dtype %s; it must be %s",
+                         c->func, or_dtypes[got].name, or_dtypes[lse].name);
+            return -1;
+        } else if (s == OR_LSE && got != lse) {
             /* lse of another float type is accepted and converted to the kernels' own */
             PyArrayObject *cast = or_staged_copy(c->arr[s], or_dtypes[lse].typenum, align);
             if (cast == NULL)
@@ -149,10 +150,10 @@ int or_load_operands(or_call *c, PyObject **objs, const int *slots, int n)
             OR_COUNT(c->ct, staged_buffers, 1);
             OR_COUNT(c->ct, bytes_staged, PyArray_NBYTES(cast));
             Py_SETREF(c->arr[s], cast);
+            c->dt[s] = lse;
         } else if (s != OR_LSE && got != dt) {
-            PyErr_Format(PyExc_TypeError, "%s(): argument '%s' has dtype %S but 'q' has %S",
-                         c->func, slot_name[s], (PyObject *)PyArray_DESCR(c->arr[s]),
-                         (PyObject *)PyArray_DESCR(c->arr[OR_Q]));
+            PyErr_Format(PyExc_TypeError, "%s(): argument '%s' has dtype %s but 'q' has %s",
+                         c->func, slot_name[s], or_dtypes[got].name, or_dtypes[dt].name);
             return -1;
         }
     }

@@ -42,6 +42,9 @@ typedef struct {
     or_ssize blocks;        /* forward: query blocks per unit */
     char *kt;               /* forward: every kv unit's keys transposed (see transpose_keys) */
     or_ssize *kt_off;       /* forward: offset of each kv unit in kt, in REALs */
+    char *vc;               /* forward: values converted to REAL rows of dvp, or NULL when they
+                               are read in place */
+    or_ssize *vc_off;       /* forward: offset of each kv unit in vc, in REALs */
     or_ssize nk_max;        /* backward: longest key sequence */
 } or_job;
 
@@ -115,30 +118,40 @@ int or_native_fwd(const or_problem *p)
     const int dbl = or_dtypes[p->view[OR_Q].dtype].compute_size == sizeof(double);
     const size_t real = dbl ? sizeof(double) : sizeof(float);
     const or_ssize n_kv = p->n_units / p->prm.group;
+    const size_t lanes = 64 / real, dp = (p->d + lanes - 1) / lanes * lanes,
+                 dvp = (p->dv + lanes - 1) / lanes * lanes;
+    /* values already REAL, in rows of whole vectors, are read in place; others (float16,
+     * bfloat16) are converted once per call, not once per query block */
+    const or_view *v = &p->view[OR_V];
+    const int v_in_place = v->dtype == (dbl ? OR_F64 : OR_F32) && (size_t)p->dv == dvp
+                           && v->row_stride % (or_ssize)real == 0;
     or_job job = {.p = p, .blocks = 0};
-    job.kt_off = malloc(sizeof(or_ssize) * (size_t)(n_kv + 1));
+    job.kt_off = malloc(sizeof(or_ssize) * (size_t)(n_kv + 1) * 2);
     if (job.kt_off == NULL)
         return OR_ENOMEM;
-    job.kt_off[0] = 0;
-    for (or_ssize w = 0; w < n_kv; w++)
+    job.vc_off = job.kt_off + n_kv + 1;
+    job.kt_off[0] = job.vc_off[0] = 0;
+    for (or_ssize w = 0; w < n_kv; w++) {
         job.kt_off[w + 1] = job.kt_off[w] + (p->nk[w * p->prm.group] + BC) * p->d;
+        job.vc_off[w + 1] = job.vc_off[w] + p->nk[w * p->prm.group] * (or_ssize)dvp;
+    }
     job.kt = malloc(real * (size_t)job.kt_off[n_kv] + 64);
+    job.vc = v_in_place ? NULL : aligned_alloc(64, round_up(real * (size_t)job.vc_off[n_kv]));
     for (or_ssize u = 0; u < p->n_units; u++) {
         or_ssize b = (p->nq[u] + BR - 1) / BR;
         job.blocks = b > job.blocks ? b : job.blocks;
     }
-    const size_t lanes = 64 / real, dp = (p->d + lanes - 1) / lanes * lanes,
-                 dvp = (p->dv + lanes - 1) / lanes * lanes;
-    /* q, v, s, o, m, l tiles (attn_native_impl.h) and the dropout keep row */
-    job.per_worker = round_up(real * (BR * dp + BC * dvp + BR * BC + BR * dvp + 2 * BR) + BC);
+    /* q, s, o, m, l tiles (attn_native_impl.h) and the dropout keep row */
+    job.per_worker = round_up(real * (BR * dp + BR * BC + BR * dvp + 2 * BR) + BC);
     int rc = OR_ENOMEM;
-    if (job.kt != NULL) {
+    if (job.kt != NULL && (v_in_place || job.vc != NULL)) {
         /* the pre-pass needs no scratch, but run_job hands every worker a slice of its size */
         rc = run_job(&job, n_kv, dbl ? transpose_keys_item_d : transpose_keys_item_f);
         if (rc == OR_OK)
             rc = run_job(&job, p->n_units * job.blocks, dbl ? fwd_item_d : fwd_item_f);
     }
     free(job.kt);
+    free(job.vc);
     free(job.kt_off);
     return rc;
 }

@@ -22,11 +22,11 @@ static inline int FN(pad)(int n) { return (n + W - 1) / W * W; }
 /* Rows of a strided operand into a tile of leading dimension ld: converts to REAL, multiplies
  * by mul, zero-fills columns [cols, ld) and rows [rows, pad_rows). */
 static inline __attribute__((always_inline)) void
-FN(load_rows)(REAL *dst, int ld, const char *src, or_ssize stride, or_ssize rows, int cols,
-              or_ssize pad_rows, or_dtype dt, REAL mul)
+FN(load_rows)(REAL *restrict dst, int ld, const char *restrict src, or_ssize stride, or_ssize rows,
+              int cols, or_ssize pad_rows, or_dtype dt, REAL mul)
 {
     for (or_ssize r = 0; r < rows; r++, src += stride) {
-        REAL *out = dst + r * ld;
+        REAL *restrict out = dst + r * ld;     /* restrict: so that conversions vectorise */
         switch (dt) {
 #define OR_LOAD(id, tag, ...) \
         case id: for (int c = 0; c < cols; c++) out[c] = (REAL)or_load_##tag(src, c) * mul; break;
@@ -43,7 +43,8 @@ FN(load_rows)(REAL *dst, int ld, const char *src, or_ssize stride, or_ssize rows
 /* The same rows transposed: dst[c * ld + r] = row r, column c; columns [rows, ld) zeroed.
  * Strided stores are slow, so each key is transposed once per call (forward) or per work
  * item (backward), never per block pair. */
-static void FN(load_cols)(REAL *dst, or_ssize ld, const char *src, or_ssize stride, or_ssize rows,
+static inline __attribute__((always_inline)) void
+FN(load_cols)(REAL *dst, or_ssize ld, const char *src, or_ssize stride, or_ssize rows,
                           int cols, or_dtype dt)
 {
     for (int c = 0; c < cols; c++)
@@ -62,7 +63,8 @@ static void FN(load_cols)(REAL *dst, or_ssize ld, const char *src, or_ssize stri
 /* Rows [0, rows) as blocks of BC rows, each transposed (cols x BC, zero-padded past the last
  * row), block b at dst + b * BC * cols. A matrix product then reads a block's cols rows from
  * BC * cols contiguous REALs instead of one page each (about 4 % of the forward, measured). */
-static void FN(load_cols_blocked)(REAL *dst, const char *src, or_ssize stride, or_ssize rows,
+static inline __attribute__((always_inline)) void
+FN(load_cols_blocked)(REAL *dst, const char *src, or_ssize stride, or_ssize rows,
                                   int cols, or_dtype dt)
 {
     for (or_ssize j0 = 0; j0 < rows; j0 += BC)
@@ -225,7 +227,7 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
     const REAL drop_scale = (REAL)p->prm.drop_scale;
 
     REAL *q = (REAL *)(job->scratch + (size_t)worker * job->per_worker);
-    REAL *v = q + BR * dp, *s = v + BC * dvp, *o = s + BR * BC, *m = o + BR * dvp, *l = m + BR;
+    REAL *s = q + BR * dp, *o = s + BR * BC, *m = o + BR * dvp, *l = m + BR;
     const REAL *kt = (const REAL *)job->kt + job->kt_off[kvu];     /* blocked, d x BC each */
     unsigned char *keep = (unsigned char *)(l + BR);
 
@@ -242,18 +244,11 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
     or_key_range(p->prm.left, p->prm.right, nq, nk, i0, i0 + rows, &lo, &hi);
     for (or_ssize j0 = lo - lo % BC; j0 < hi; j0 += BC) {
         const int cols = (int)(hi - j0 < BC ? hi - j0 : BC), skip = (int)(j0 < lo ? lo - j0 : 0);
-        /* values already in REAL and W-wide rows are read in place, others converted; rows
-         * before lo (the block starts on a multiple of BC) are never read */
-        const REAL *vb = v;
-        or_ssize ldv = dvp;
-        if (w[OR_V].dtype == (sizeof(REAL) == 4 ? OR_F32 : OR_F64) && dv == dvp
-            && w[OR_V].row_stride % (or_ssize)sizeof(REAL) == 0) {
-            vb = (const REAL *)FN(row_ptr)(p, OR_V, kvu, j0);
-            ldv = w[OR_V].row_stride / (or_ssize)sizeof(REAL);
-        } else {
-            FN(load_rows)(v + (or_ssize)skip * dvp, dvp, FN(row_ptr)(p, OR_V, kvu, lo > j0 ? lo : j0),
-                          w[OR_V].row_stride, cols - skip, dv, cols - skip, w[OR_V].dtype, 1);
-        }
+        /* values in place, or converted by the pre-pass; rows before lo (the block starts on
+         * a multiple of BC) are never read */
+        const REAL *vb = job->vc ? (const REAL *)job->vc + job->vc_off[kvu] + j0 * dvp
+                                 : (const REAL *)FN(row_ptr)(p, OR_V, kvu, j0);
+        const or_ssize ldv = job->vc ? dvp : w[OR_V].row_stride / (or_ssize)sizeof(REAL);
         /* SR rows at a time, each over the key columns some row of the strip may see: on the
          * diagonal of a causal mask that is about half the block */
         for (int r0 = 0; r0 < rows_mr; r0 += SR) {
@@ -307,7 +302,11 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
                    w[OR_LSE].dtype);
 }
 
-/* Forward pre-pass, one item per kv unit: its keys transposed, in blocks (load_cols_blocked). */
+/* Forward pre-pass, one item per kv unit: its keys transposed, in blocks (load_cols_blocked),
+ * and its values converted when they are not read in place. Cloned (and the loads inlined) as
+ * the kernels are, so that float16 converts with the CPU's F16C instructions rather than a
+ * library call per element (that call was 20 % of a float16 forward). */
+__attribute__((target_clones(OR_CLONES)))
 static void FN(transpose_keys_item)(void *vjob, or_ssize kvu, int worker)
 {
     const or_job *job = vjob;
@@ -315,6 +314,10 @@ static void FN(transpose_keys_item)(void *vjob, or_ssize kvu, int worker)
     const or_ssize nk = p->nk[kvu * p->prm.group];
     FN(load_cols_blocked)((REAL *)job->kt + job->kt_off[kvu], FN(row_ptr)(p, OR_K, kvu, 0),
                           p->view[OR_K].row_stride, nk, p->d, p->view[OR_K].dtype);
+    if (job->vc)
+        FN(load_rows)((REAL *)job->vc + job->vc_off[kvu], FN(pad)(p->dv),
+                      FN(row_ptr)(p, OR_V, kvu, 0), p->view[OR_V].row_stride, nk, p->dv, nk,
+                      p->view[OR_V].dtype, 1);
 }
 
 /* One work item: a block of BR query rows of one unit. */

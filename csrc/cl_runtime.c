@@ -412,7 +412,7 @@ const or_cl_family or_cl_families[OR_NFAMILIES] = {
 static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *ct,
                         or_cl_program *out, or_error *err)
 {
-    static const int storage_bits[] = {OR_DTYPES(OR_DTYPE_CL_BITS)};
+    static const int storage[] = {OR_DTYPES(OR_DTYPE_CL_STORAGE)};
     const size_t real = (size_t)or_dtypes[dt].compute_size;
     /* a CPU work-item is one SIMD thread: 8 lanes fill AVX; GPU lanes are work-items */
     const int vw = env_int("ORCHARD_CL_VECTOR", strcmp(dev->info.kind, "cpu") == 0 ? 8 : 4) == 4
@@ -442,7 +442,7 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
         snprintf(options, sizeof(options),
                  "-cl-std=CL1.2 -DOR_STORAGE=%d -DHEAD_D=%d -DHEAD_DV=%d -DVW=%d -DOR_FAMILY=%d "
                  "-DBQ=%d -DBK=%d -DOR_PARAMS_SIZE=%d %s",
-                 storage_bits[dt], d, dv, vw, family, bq, bk,
+                 storage[dt], d, dv, vw, family, bq, bk,
                  (int)(real == 8 ? sizeof(or_params) : sizeof(or_params_f)),
                  extra ? extra : "");
         cl_program prog;

@@ -2,8 +2,8 @@
 #include "pyorchard.h"
 
 const or_dtype_info or_dtypes[OR_NDTYPES] = {
-#define OR_DTYPE_INFO(dt, tag, name, npy, size, bits, compute, lse) \
-    [dt] = {name, npy, size, sizeof(compute), lse},
+#define OR_DTYPE_INFO(dt, tag, name, npy, numpy, dlpack, size, storage, compute, lse) \
+    [dt] = {name, npy, numpy, dlpack, size, sizeof(compute), lse},
     OR_DTYPES(OR_DTYPE_INFO)
 #undef OR_DTYPE_INFO
 };

@@ -1,6 +1,6 @@
 /* marshal.c - from Python objects to the views the kernels read (orchard.h).
  *
- * Anything NumPy can view as an array is accepted. An array whose last dimension is
+ * Anything NumPy can view as an array is accepted, and DLPack producers (dlpack.c). An array whose last dimension is
  * contiguous, aligned and in native byte order is read in place through its strides
  * (zero-copy); anything else is copied once into an aligned, C-contiguous staging array.
  * Both decisions are counted, and logged under ORCHARD_TENSOR_PROFILE=1.
@@ -9,10 +9,11 @@
 
 #include "pyorchard.h"
 
-int or_dtype_of(PyArrayObject *a, or_dtype *dt)
+/* The dtype of a NumPy array (bfloat16 arrives only through DLPack: dlpack.c). */
+static int or_dtype_of(PyArrayObject *a, or_dtype *dt)
 {
     for (int i = 0; i < OR_NDTYPES; i++)
-        if (PyArray_TYPE(a) == or_dtypes[i].typenum) {
+        if (or_dtypes[i].numpy && PyArray_TYPE(a) == or_dtypes[i].typenum) {
             *dt = (or_dtype)i;
             return 0;
         }
@@ -123,11 +124,16 @@ PyArrayObject *or_staged_copy(PyArrayObject *a, int typenum, size_t align)
 }
 
 PyArrayObject *or_operand(PyObject *obj, const char *func, const char *name, or_counters *ct,
-                          size_t align)
+                          size_t align, or_dtype *dt)
 {
-    PyArrayObject *a = (PyArrayObject *)PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
+    const int dlpack = !PyArray_Check(obj) && PyObject_HasAttrString(obj, "__dlpack__");
+    PyArrayObject *a = dlpack ? or_from_dlpack(obj, func, name, dt)
+                              : (PyArrayObject *)PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
     if (a == NULL) {
-        if (PyErr_ExceptionMatches(PyExc_MemoryError))
+        /* MemoryError, and dlpack.c's own errors (they name the argument), pass through */
+        if (PyErr_ExceptionMatches(PyExc_MemoryError)
+            || (dlpack && (PyErr_ExceptionMatches(PyExc_TypeError)
+                           || PyErr_ExceptionMatches(PyExc_ValueError))))
             return NULL;
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
@@ -138,8 +144,7 @@ PyArrayObject *or_operand(PyObject *obj, const char *func, const char *name, or_
         Py_XDECREF(tb);
         return NULL;
     }
-    or_dtype dt;
-    if (or_dtype_of(a, &dt) < 0) {
+    if (!dlpack && or_dtype_of(a, dt) < 0) {
         PyObject *names = dtype_names();
         if (names != NULL)
             PyErr_Format(PyExc_TypeError, "%s(): argument '%s' must be a %U array, not %S", func,

@@ -97,9 +97,17 @@ static PyObject *run(or_call *c, module_state *st, int backward)
         Py_DECREF(ks);
         Py_DECREF(id);
     }
-    if (backward)
-        return PyTuple_Pack(3, c->arr[OR_DQ], c->arr[OR_DK], c->arr[OR_DV]);
-    return PyTuple_Pack(2, c->arr[OR_O], c->arr[OR_LSE]);
+    /* (out, lse) or (dq, dk, dv), as torch tensors when the operands were */
+    const int first = backward ? OR_DQ : OR_O, count = backward ? 3 : 2;
+    PyObject *result = PyTuple_New(count);
+    for (int i = 0; result != NULL && i < count; i++) {
+        PyObject *r = or_result_like(c->like, c->arr[first + i], c->dt[first + i]);
+        if (r == NULL)
+            Py_CLEAR(result);
+        else
+            PyTuple_SET_ITEM(result, i, r);
+    }
+    return result;
 }
 
 /* Shared by the four attention entry points once arguments are parsed. objs holds the
@@ -113,6 +121,7 @@ static PyObject *attention(PyObject *module, or_call *c, or_opts *o, PyObject **
     npy_intp oshape[NPY_MAXDIMS], lshape[NPY_MAXDIMS];
     int ond, lnd;
 
+    c->like = objs[0];
     if (or_check_options(c, o) < 0 || or_resolve_device(c->func, o->device, &c->device) < 0)
         goto done;
     c->ct = or_device_counters(c->device.index);

@@ -47,6 +47,7 @@ int or_new_output(or_call *c, int slot, int nd, const npy_intp *shape, or_dtype 
 {
     c->arr[slot] = or_new_aligned(nd, shape, or_dtypes[dt].typenum,
                                   or_device_align(c->device.index));
+    c->dt[slot] = dt;
     return c->arr[slot] ? 0 : -1;
 }
 
@@ -180,7 +181,7 @@ int or_build_problem(or_call *c, PyObject *alibi_slopes)
         w->offs = c->offs[s];
         w->itemsize = (int)PyArray_ITEMSIZE(c->arr[s]);
         or_extent(c->arr[s], &w->lo, &w->nbytes);
-        or_dtype_of(c->arr[s], &w->dtype);
+        w->dtype = c->dt[s];
     }
     c->p.nq = c->nq;
     c->p.nk = c->nk;

@@ -17,15 +17,18 @@
 
 /* marshal.c */
 PyArrayObject *or_operand(PyObject *obj, const char *func, const char *name, or_counters *ct,
-                          size_t align);
+                          size_t align, or_dtype *dt);
 void or_extent(PyArrayObject *a, char **lo, size_t *nbytes);
 PyArrayObject *or_staged_copy(PyArrayObject *a, int typenum, size_t align);
 PyArrayObject *or_new_aligned(int nd, const npy_intp *dims, int typenum, size_t align);
-int or_dtype_of(PyArrayObject *a, or_dtype *dt);
 or_ssize *or_lead_offsets(PyArrayObject *a, int nlead);
 or_ssize *or_varlen_offsets(PyArrayObject *a, const int64_t *cu, or_ssize nseq, or_ssize heads,
                             int seq_axis, int head_axis);
 PyObject *or_shape_str(PyArrayObject *a);
+
+/* dlpack.c */
+PyArrayObject *or_from_dlpack(PyObject *obj, const char *func, const char *name, or_dtype *dt);
+PyObject *or_result_like(PyObject *like, PyArrayObject *a, or_dtype dt);
 
 /* cpu_info.c */
 PyObject *or_cpu_device_info(void);
@@ -55,6 +58,8 @@ typedef struct {
     const char *func;
     int varlen;
     PyArrayObject *arr[OR_NSLOTS];
+    or_dtype dt[OR_NSLOTS];         /* each operand's (bfloat16 arrays hold uint16 bits) */
+    PyObject *like;                 /* the first operand: results come back as its kind */
     or_ssize *offs[OR_NSLOTS];
     PyArrayObject *cu_q, *cu_k;     /* int64 copies of cu_seqlens */
     or_ssize *nq, *nk;

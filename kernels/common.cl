@@ -2,9 +2,10 @@
  * params.h, this file, tiles.cl and the kernel files into one program source).
  *
  * Build-time constants (cl_runtime.c passes them as -D options):
- *   OR_STORAGE   16, 32 or 64: the element type of q, k, v, out and gradients in memory.
+ *   OR_STORAGE   the element type of q, k, v, out and gradients in memory (params.h's codes).
  *                float16 is read with vload_half / written with vstore_half_rte, so devices
- *                without cl_khr_fp16 work; it is computed in float.
+ *                without cl_khr_fp16 work; bfloat16 is the top half of a float, read by a
+ *                shift and written rounded to nearest even; both are computed in float.
  *   HEAD_D, HEAD_DV   head dims of q/k and v; private rows are sized by them.
  *   VW           lanes of the vector type (realv) the head-dim loops use: 8 on CPUs, where
  *                one work-item is one SIMD thread, 4 on GPUs.
@@ -20,11 +21,22 @@
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
 typedef CAT(REAL_T, VW) realv;         /* VW lanes: the head-dim loops run on these */
-#if OR_STORAGE == 16
+#if OR_STORAGE == OR_STORAGE_F16
 typedef half storage_t;
 #define LOAD(p, i) vload_half((i), (p))
 #define LOADV(p, i) CAT(vload_half, VW)(0, (p) + (i))
 #define STORE(p, i, x) vstore_half_rte((x), (i), (p))
+#elif OR_STORAGE == OR_STORAGE_BF16
+typedef ushort storage_t;
+#define LOAD(p, i) as_float((uint)(p)[i] << 16)
+#define LOADV(p, i) CAT(as_float, VW)(CAT(convert_uint, VW)(CAT(vload, VW)(0, (p) + (i))) << 16)
+#define STORE(p, i, x) ((p)[i] = bfloat16_rne(x))
+inline ushort bfloat16_rne(float x)     /* NaN stays NaN */
+{
+    const uint u = as_uint(x);
+    return (u & 0x7FFFFFFFu) > 0x7F800000u ? (ushort)((u >> 16) | 0x40)
+                                           : (ushort)((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);
+}
 #else
 typedef REAL_T storage_t;
 #define LOAD(p, i) ((p)[i])

@@ -16,14 +16,20 @@
 #ifndef ORCHARD_PARAMS_H
 #define ORCHARD_PARAMS_H
 
+/* OpenCL storage codes (-DOR_STORAGE), one per row of csrc/dtypes.h */
+#define OR_STORAGE_F16 16
+#define OR_STORAGE_F32 32
+#define OR_STORAGE_F64 64
+#define OR_STORAGE_BF16 116
+
 #ifdef __OPENCL_C_VERSION__
 typedef long or_i64;
 typedef ulong or_u64;
 typedef int or_i32;
 typedef uint or_u32;
 #define OR_FN inline
-/* the compute type of a program: double for float64 storage (-DOR_STORAGE=64), else float */
-#if OR_STORAGE == 64
+/* the compute type of a program: double for float64 storage, else float */
+#if OR_STORAGE == OR_STORAGE_F64
 #pragma OPENCL EXTENSION cl_khr_fp64 : enable
 #define REAL_T double
 #else

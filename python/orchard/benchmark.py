@@ -46,8 +46,13 @@ def machine_facts():
                         for d in orchard_ops.devices()]}
 
 
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
 def measure(shapes, devices, dtypes, causal_flags, repeats):
-    """One row per (backend, shape, dtype, causal); every figure from this process."""
+    """One row per (backend, shape, dtype, causal); every figure from this process. dtypes
+    are names from DTYPES; the operands are torch tensors when torch is installed (bfloat16
+    needs it: NumPy has no such type), else NumPy arrays."""
     rows = []
     rng = np.random.default_rng(0)
     try:
@@ -57,13 +62,17 @@ def measure(shapes, devices, dtypes, causal_flags, repeats):
         torch = None
     for b, h, n, d in shapes:
         for dtype in dtypes:
-            q, k, v, dout = (rng.standard_normal((b, h, n, d)).astype(dtype) for _ in range(4))
+            arrays = [rng.standard_normal((b, h, n, d)).astype(np.float32) for _ in range(4)]
+            if torch is None:
+                q, k, v, dout = (a.astype(dtype) for a in arrays)
+            else:
+                q, k, v, dout = (torch.from_numpy(a).to(getattr(torch, dtype)) for a in arrays)
             for causal in causal_flags:
                 flops = attention_flops(b, h, n, d, causal)
 
                 def row(backend, device, fwd, bwd=None):
                     r = {"backend": backend, "device": device, "B": b, "H": h, "N": n, "D": d,
-                         "dtype": np.dtype(dtype).name, "causal": causal}
+                         "dtype": dtype, "causal": causal}
                     r["fwd_ms"] = best_time(fwd, repeats) * 1e3
                     r["fwd_gflops"] = flops / r["fwd_ms"] / 1e6
                     if bwd is not None:
@@ -77,11 +86,11 @@ def measure(shapes, devices, dtypes, causal_flags, repeats):
                         lambda: orchard_ops.flash_attn_fwd(q, k, v, causal=causal, device=dev),
                         lambda: orchard_ops.flash_attn_bwd(dout, q, k, v, out, lse,
                                                            causal=causal, device=dev))
-                if n <= 2048 and dtype == np.float32:
-                    row("numpy-reference", "cpu", lambda: ref_fwd(q, k, v, causal=causal))
+                if n <= 2048 and dtype == "float32":
+                    row("numpy-reference", "cpu", lambda: ref_fwd(*arrays[:3], causal=causal))
                 if torch is not None:
-                    tq, tk, tv, tdo = (torch.from_numpy(x) for x in (q, k, v, dout))
-                    tq.requires_grad_(True), tk.requires_grad_(True), tv.requires_grad_(True)
+                    tq, tk, tv = (t.clone().requires_grad_(True) for t in (q, k, v))
+                    tdo = dout
                     tout = F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
                     row("torch-sdpa", "cpu",
                         lambda: F.scaled_dot_product_attention(tq.detach(), tk.detach(),

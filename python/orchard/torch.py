@@ -1,9 +1,10 @@
 """PyTorch integration: orchard attention as an autograd Function, and routing of a model's
 scaled_dot_product_attention calls to it.
 
-orchard_ops reads and writes host memory, so this works on CPU tensors. Its kernels take
-float16/32/64; bfloat16 tensors are computed through float32 and the results cast back.
-_attention is the one path from torch to orchard_ops; orchard.flash_attn uses it too.
+orchard_ops reads and writes host memory, so this works on CPU tensors of float16, bfloat16,
+float32 and float64: it reads them in place (DLPack) and returns its results as tensors, with
+no copy either way. _attention is the one path from torch to orchard_ops; orchard.flash_attn
+uses it too.
 """
 import collections
 import functools
@@ -17,24 +18,6 @@ import orchard_ops
 
 _ROUTABLE_DTYPES = (torch.float16, torch.float32, torch.float64, torch.bfloat16)
 _MAX_HEAD_DIM = orchard_ops.build_info()["max_head_dim"]
-
-
-# The only two places where torch tensors meet orchard_ops. They will become a zero-copy
-# DLPack hand-over with native bfloat16; nothing else converts.
-def _to_ops(t):
-    """t as orchard_ops reads it: a NumPy view of t's memory (float16/32/64, int32; any
-    strides), or of a float32 copy for bfloat16."""
-    if t.dtype == torch.bfloat16:
-        t = t.float()
-    # NumPy views exist only for tensors outside autograd, hence detach(). Handing orchard_ops
-    # the view saves it a call of torch's Python-level __array__.
-    return (t.detach() if t.requires_grad else t).numpy()
-
-
-def _from_ops(a, dtype=None):
-    """An orchard_ops result as a torch tensor, cast to dtype when given (no copy otherwise)."""
-    t = torch.from_numpy(a)
-    return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
 
 # Everything one attention call needs besides q, k, v. cu_seqlens_q/k (int32 tensors) select
@@ -53,17 +36,15 @@ def _seed(dropout_p):
 
 def _ops_call(dense, varlen, o, *arrays):
     kw = dict(window=o.window, softcap=o.softcap, seed=o.seed, device=o.device,
-              alibi_slopes=None if o.alibi_slopes is None else _to_ops(o.alibi_slopes))
+              alibi_slopes=o.alibi_slopes)
     if o.cu_seqlens_q is None:
         return dense(*arrays, o.scale, o.dropout_p, o.causal, **kw)
-    return varlen(*arrays, _to_ops(o.cu_seqlens_q), _to_ops(o.cu_seqlens_k), o.max_seqlen_q,
-                  o.max_seqlen_k, o.scale, o.dropout_p, o.causal, **kw)
+    return varlen(*arrays, o.cu_seqlens_q, o.cu_seqlens_k, o.max_seqlen_q, o.max_seqlen_k,
+                  o.scale, o.dropout_p, o.causal, **kw)
 
 
 def _forward(q, k, v, opts):
-    out, lse = _ops_call(orchard_ops.flash_attn_fwd, orchard_ops.flash_attn_varlen_fwd, opts,
-                         _to_ops(q), _to_ops(k), _to_ops(v))
-    return _from_ops(out, q.dtype), _from_ops(lse)
+    return _ops_call(orchard_ops.flash_attn_fwd, orchard_ops.flash_attn_varlen_fwd, opts, q, k, v)
 
 
 class _FlashAttention(torch.autograd.Function):
@@ -81,9 +62,8 @@ class _FlashAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        grads = _ops_call(orchard_ops.flash_attn_bwd, orchard_ops.flash_attn_varlen_bwd,
-                          ctx.opts, *(_to_ops(t) for t in (dout, q, k, v, out, lse)))
-        dq, dk, dv = (_from_ops(g, t.dtype) for g, t in zip(grads, (q, k, v)))
+        dq, dk, dv = _ops_call(orchard_ops.flash_attn_bwd, orchard_ops.flash_attn_varlen_bwd,
+                               ctx.opts, dout, q, k, v, out, lse)
         return dq, dk, dv, None
 
 
@@ -97,7 +77,8 @@ def _attention(q, k, v, opts):
 
 def _dropout_keep(q_shape, k_shape, dropout_p, seed):
     """orchard's keep-mask (bool tensor q_shape[:-2] + (Nq, Nk)) for these shapes and seed."""
-    return _from_ops(orchard_ops.dropout_mask(tuple(q_shape), tuple(k_shape), dropout_p, seed))
+    return torch.from_numpy(orchard_ops.dropout_mask(tuple(q_shape), tuple(k_shape), dropout_p,
+                                                     seed))
 
 
 def _check_tensors(fn, **tensors):

@@ -1,6 +1,6 @@
 """orchard-bench: attention throughput of every device and backend, measured in one run.
 
-    orchard-bench [--shapes B,H,N,D ...] [--devices cpu,opencl:0] [--dtypes float32,float16]
+    orchard-bench [--shapes B,H,N,D ...] [--devices cpu,opencl:0] [--dtypes float32,float16,bfloat16]
                   [--causal both] [--repeats 5] [--quick] [--json FILE] [--plot FILE.png]
                   [--train]
 
@@ -10,11 +10,11 @@ how); --train adds the tokens/s of the demo model trained with orchard's attenti
 the same model on torch SDPA.
 """
 import argparse
+import importlib.util
 import json
 import os
 import sys
 
-import numpy as np
 
 import orchard_ops
 
@@ -35,7 +35,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="orchard-bench", description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", type=parse_shape, nargs="+", help="B,H,N,D ...")
     parser.add_argument("--devices", help="comma-separated orchard devices (default: all)")
-    parser.add_argument("--dtypes", default="float32,float16")
+    parser.add_argument("--dtypes", default="float32,float16,bfloat16",
+                        help="comma-separated, of %s" % ", ".join(benchmark.DTYPES))
     parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="tiny shapes, one repeat")
@@ -49,10 +50,12 @@ def main(argv=None):
     repeats = 1 if quick else args.repeats
     devices = args.devices.split(",") if args.devices else [d["id"] for d in orchard_ops.devices()]
     causal_flags = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
-    try:
-        dtypes = [np.dtype(t).type for t in args.dtypes.split(",")]
-    except TypeError:
-        parser.error("argument --dtypes: not a list of NumPy dtypes: %r" % args.dtypes)
+    dtypes = args.dtypes.split(",")
+    if not set(dtypes) <= set(benchmark.DTYPES):
+        parser.error("argument --dtypes: not a list of %s: %r"
+                     % (", ".join(benchmark.DTYPES), args.dtypes))
+    if "bfloat16" in dtypes and importlib.util.find_spec("torch") is None:
+        parser.error("argument --dtypes: bfloat16 needs torch (pip install '.[torch]')")
 
     report = benchmark.run(shapes, devices, dtypes, causal_flags, repeats,
                            train_steps=(2 if quick else 12) if args.train else 0)

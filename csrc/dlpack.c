@@ -1,0 +1,153 @@
+/* dlpack.c - operands handed over through DLPack (torch tensors, JAX arrays, ...), and results
+ * handed back as torch tensors when the inputs were.
+ *
+ * An object with __dlpack__ (other than a NumPy array, which NumPy reads directly) gives a
+ * DLManagedTensor: its memory becomes a NumPy array of the same shape and strides, no copy,
+ * whose base owns the tensor and calls its deleter when the array goes. That is how bfloat16
+ * comes in: NumPy has no such type, so the array holds its bits as uint16 and the dtype
+ * travels beside it (dtypes.h). The structs below are DLPack's stable ABI (dlpack.h, v0.8).
+ */
+#include "pyorchard.h"
+
+typedef struct {
+    int32_t device_type;        /* kDLCPU = 1; CUDA, OpenCL, ... otherwise */
+    int32_t device_id;
+} DLDevice;
+
+typedef struct {
+    uint8_t code;               /* kDLFloat = 2, kDLBfloat = 4 (dtypes.h's DLPack column) */
+    uint8_t bits;
+    uint16_t lanes;
+} DLDataType;
+
+typedef struct {
+    void *data;
+    DLDevice device;
+    int32_t ndim;
+    DLDataType dtype;
+    int64_t *shape;
+    int64_t *strides;           /* in elements; NULL: C-contiguous */
+    uint64_t byte_offset;
+} DLTensor;
+
+typedef struct DLManagedTensor {
+    DLTensor dl_tensor;
+    void *manager_ctx;
+    void (*deleter)(struct DLManagedTensor *self);
+} DLManagedTensor;
+
+enum { DL_CPU = 1 };
+
+static void release_managed(PyObject *capsule)
+{
+    DLManagedTensor *m = PyCapsule_GetPointer(capsule, "orchard.dltensor");
+    if (m != NULL && m->deleter != NULL)
+        m->deleter(m);
+}
+
+/* torch, if this process has imported it (borrowed), and whether obj is a torch.Tensor:
+ * 1, 0, or -1 with an exception. torch is never imported here: a tensor implies it. */
+static int torch_tensor(PyObject *obj, PyObject **torch)
+{
+    *torch = PyDict_GetItemString(PyImport_GetModuleDict(), "torch");
+    if (*torch == NULL)
+        return 0;
+    PyObject *tensor = PyObject_GetAttrString(*torch, "Tensor");
+    int is = tensor ? PyObject_IsInstance(obj, tensor) : -1;
+    Py_XDECREF(tensor);
+    return is;
+}
+
+/* The NumPy view of a DLPack producer's memory, with its dtype; NULL with TypeError or
+ * ValueError naming the argument. A torch tensor is exported with torch.to_dlpack, a C
+ * function (its __dlpack__ method costs ten times as much, 2.6 against 0.3 us here). */
+PyArrayObject *or_from_dlpack(PyObject *obj, const char *func, const char *name, or_dtype *dt)
+{
+    PyObject *torch;
+    const int is_torch = torch_tensor(obj, &torch);
+    if (is_torch < 0)
+        return NULL;
+    PyObject *capsule = is_torch ? PyObject_CallMethod(torch, "to_dlpack", "O", obj)
+                                 : PyObject_CallMethod(obj, "__dlpack__", NULL);
+    if (capsule == NULL)
+        return NULL;
+    DLManagedTensor *m = PyCapsule_GetPointer(capsule, "dltensor");
+    if (m == NULL) {
+        Py_DECREF(capsule);
+        return NULL;
+    }
+    const DLTensor *t = &m->dl_tensor;
+    PyObject *owner = NULL;
+    PyArrayObject *a = NULL;
+    int found = -1;
+    for (int i = 0; i < OR_NDTYPES; i++)
+        if (t->dtype.code == or_dtypes[i].dlpack && t->dtype.bits == 8 * or_dtypes[i].itemsize
+            && t->dtype.lanes == 1)
+            found = i;
+    if (t->device.device_type != DL_CPU) {
+        PyErr_Format(PyExc_ValueError, "%s(): argument '%s' is in device memory (DLPack device "
+                     "type %d): orchard reads host memory, pass CPU tensors", func, name,
+                     (int)t->device.device_type);
+        goto done;
+    }
+    if (found < 0) {
+        PyErr_Format(PyExc_TypeError, "%s(): argument '%s' must be a float16, float32, float64 or "
+                     "bfloat16 array, not DLPack type code %d with %d bits", func, name,
+                     (int)t->dtype.code, (int)t->dtype.bits);
+        goto done;
+    }
+    if (t->ndim < 0 || t->ndim > NPY_MAXDIMS) {
+        PyErr_Format(PyExc_ValueError, "%s(): argument '%s' has %d dimensions", func, name,
+                     (int)t->ndim);
+        goto done;
+    }
+    /* from here the capsule's tensor is ours: the protocol marks it used, and our capsule
+     * (the array's base) calls its deleter */
+    if (PyCapsule_SetName(capsule, "used_dltensor") < 0)
+        goto done;
+    owner = PyCapsule_New(m, "orchard.dltensor", release_managed);
+    if (owner == NULL) {
+        m->deleter(m);
+        goto done;
+    }
+    *dt = (or_dtype)found;
+    npy_intp dims[NPY_MAXDIMS], strides[NPY_MAXDIMS];
+    const int itemsize = or_dtypes[found].itemsize;
+    for (int i = t->ndim - 1; i >= 0; i--) {
+        dims[i] = (npy_intp)t->shape[i];
+        strides[i] = t->strides ? (npy_intp)t->strides[i] * itemsize
+                     : i == t->ndim - 1 ? itemsize : strides[i + 1] * dims[i + 1];
+    }
+    a = (PyArrayObject *)PyArray_NewFromDescr(
+        &PyArray_Type, PyArray_DescrFromType(or_dtypes[found].typenum), t->ndim, dims, strides,
+        (char *)t->data + t->byte_offset, 0, NULL);
+    if (a != NULL && PyArray_SetBaseObject(a, owner) < 0)   /* steals owner */
+        Py_CLEAR(a);
+    else if (a == NULL)
+        Py_DECREF(owner);
+done:
+    Py_DECREF(capsule);
+    return a;
+}
+
+/* A result as a torch tensor over the same memory when `like` (the call's first operand) is a
+ * torch tensor (torch in, torch out), else `a` itself; bfloat16 results, held as uint16 bits,
+ * are viewed as torch.bfloat16. A new reference, or NULL with an exception. */
+PyObject *or_result_like(PyObject *like, PyArrayObject *a, or_dtype dt)
+{
+    PyObject *torch;
+    const int is_torch = torch_tensor(like, &torch);
+    if (is_torch <= 0) {
+        if (is_torch < 0)
+            return NULL;
+        Py_INCREF(a);
+        return (PyObject *)a;
+    }
+    PyObject *t = PyObject_CallMethod(torch, "from_numpy", "O", (PyObject *)a);
+    if (t != NULL && !or_dtypes[dt].numpy) {
+        PyObject *type = PyObject_GetAttrString(torch, or_dtypes[dt].name);
+        Py_SETREF(t, type ? PyObject_CallMethod(t, "view", "O", type) : NULL);
+        Py_XDECREF(type);
+    }
+    return t;
+}

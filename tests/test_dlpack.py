@@ -1,0 +1,168 @@
+"""DLPack producers and bfloat16: torch tensors (bfloat16 included) read in place on every
+device and both OpenCL kernel families, results back as torch tensors of the input dtype,
+against the float64 reference with FlashAttention-2's rule for low precision (error at most
+twice that of torch's own attention at that dtype, plus a small epsilon)."""
+import json
+
+import numpy as np
+import pytest
+
+from conftest import DEVICE_IDS, run_python
+from orchard.reference import ref_bwd, ref_fwd
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+OPENCL_IDS = [d for d in DEVICE_IDS if isinstance(d, str) and d.startswith("opencl:")]
+LOW = [torch.float16, torch.bfloat16]
+FEATURES = {"plain": {}, "causal": dict(causal=True), "window": dict(window=(7, 2)),
+            "softcap": dict(softcap=3.0), "alibi": dict(alibi_slopes=np.linspace(0.1, 0.5, 4))}
+
+
+class DLPackOnly:
+    """A producer that only speaks DLPack (as a JAX array would)."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack__(self, **kw):
+        return self.array.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
+def torch_reference(q, k, v, dout, causal=False, window=(-1, -1), softcap=0.0,
+                    alibi_slopes=None):
+    """The same attention computed by plain torch at the tensors' dtype (the yardstick of the
+    rule), with its gradients."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    nq, nk = q.shape[-2], k.shape[-2]
+    i = torch.arange(nq)[:, None] + nk - nq
+    j = torch.arange(nk)[None, :]
+    if alibi_slopes is not None:
+        s = s - torch.tensor(alibi_slopes, dtype=s.dtype)[:, None, None] * (i - j).abs()
+    left, right = window
+    if causal:
+        right = 0
+    mask = ((left >= 0) & (j < i - left)) | ((right >= 0) & (j > i + right))
+    out = torch.softmax(s.masked_fill(mask, float("-inf")), dim=-1) @ v
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def check(got, ref, mine, name):
+    """FlashAttention-2's rule: |orchard - ref| <= 2 |torch at that dtype - ref| + eps."""
+    err = (got.double() - torch.from_numpy(ref)).abs().max().item()
+    base = (mine.double() - torch.from_numpy(ref)).abs().max().item()
+    assert err <= 2 * base + 1e-3, "%s: error %.3g against torch's %.3g" % (name, err, base)
+
+
+@pytest.mark.parametrize("device", DEVICE_IDS)
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_low_precision_tensors(ops, device, dtype, feature):
+    kw = FEATURES[feature]
+    g = torch.Generator().manual_seed(len(feature))
+    q, k, v, dout = (torch.randn(2, 4, 70, 40, generator=g).to(dtype) for _ in range(4))
+    ops.reset_stats()
+    out, lse = ops.flash_attn_fwd(q, k, v, device=device, **kw)
+    dq, dk, dv = ops.flash_attn_bwd(dout, q, k, v, out, lse, device=device, **kw)
+    for t in (out, dq, dk, dv):
+        assert isinstance(t, torch.Tensor) and t.dtype == dtype
+    assert isinstance(lse, torch.Tensor) and lse.dtype == torch.float32
+    if device == "cpu":     # read in place: nothing staged on the native path
+        assert ops.stats()["per_device"]["cpu"]["staged_buffers"] == 0
+    q64, k64, v64, do64 = (t.double().numpy() for t in (q, k, v, dout))
+    ro, rl = ref_fwd(q64, k64, v64, **kw)
+    rq, rk, rv = ref_bwd(do64, q64, k64, v64, **kw)
+    mo, mq, mk, mv = torch_reference(q, k, v, dout, **kw)
+    check(out, ro, mo, "out")
+    np.testing.assert_allclose(lse.numpy(), rl, atol=2e-2)
+    for got, ref, mine, name in ((dq, rq, mq, "dq"), (dk, rk, mk, "dk"), (dv, rv, mv, "dv")):
+        check(got, ref, mine, name)
+
+
+FAMILY_RUN = """
+import json, torch, orchard_ops as o
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(1, 2, 130, 24, generator=g).to(torch.bfloat16) for _ in range(3))
+out, lse = o.flash_attn_fwd(q, k, v, causal=True, device="%s")
+ref, _ = o.flash_attn_fwd(q, k, v, causal=True, device="cpu")
+dq = o.flash_attn_bwd(out, q, k, v, out, lse, causal=True, device="%s")[0]
+dqr = o.flash_attn_bwd(out, q, k, v, out, lse, causal=True, device="cpu")[0]
+print(json.dumps([str(out.dtype), (out.float() - ref.float()).abs().max().item(),
+                  (dq.float() - dqr.float()).abs().max().item()]))
+"""
+
+
+@pytest.mark.skipif(not OPENCL_IDS, reason="no OpenCL device listed")
+@pytest.mark.parametrize("family", ["rows", "tiled"])
+def test_bfloat16_kernel_families(family):
+    """bfloat16 storage in both OpenCL kernel families agrees with the native path to a
+    bfloat16 rounding."""
+    dev = OPENCL_IDS[0]
+    r = run_python(FAMILY_RUN % (dev, dev), timeout=300, ORCHARD_CL_FAMILY=family)
+    assert r.returncode == 0, r.stderr
+    dtype, err_out, err_dq = json.loads(r.stdout.splitlines()[-1])
+    assert dtype == "torch.bfloat16" and err_out <= 2 ** -7 and err_dq <= 2 ** -5
+
+
+@pytest.mark.parametrize("device", DEVICE_IDS)
+def test_bfloat16_rounds_to_nearest_even(ops, device):
+    """Results are computed in float32 and rounded once, to nearest even, as torch rounds:
+    two keys of equal score make out the mean of their values, which here falls halfway
+    between two bfloat16 numbers (truncation would give the lower, odd one)."""
+    e = 2.0 ** -7
+    v = torch.tensor([[[1 + e, -(1 + e), 3.0], [1 + 2 * e, -(1 + 2 * e), 3.0 + 32 * e]]])
+    q = torch.zeros(1, 1, 3)
+    k = torch.zeros(1, 2, 3)
+    bf = torch.bfloat16
+    out, _ = ops.flash_attn_fwd(q.to(bf), k.to(bf), v.to(bf), device=device)
+    expected = v.to(bf).float().mean(dim=1, keepdim=True).to(bf)
+    assert torch.equal(out, expected)
+    assert out[0, 0, 0].item() == 1 + 2 * e
+
+
+def test_dlpack_only_producer(ops, device):
+    """Any object with __dlpack__ is read in place; its results come back as NumPy arrays."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 3, 20, 8)).astype(np.float32) for _ in range(3))
+    out, lse = ops.flash_attn_fwd(DLPackOnly(q), DLPackOnly(k), DLPackOnly(v), device=device)
+    expected, _ = ops.flash_attn_fwd(q, k, v, device=device)
+    assert isinstance(out, np.ndarray)
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_strided_tensor_views_in_place(ops):
+    """A (B, N, H, D) tensor seen as (B, H, N, D) is read through its strides, no copy."""
+    x = torch.randn(2, 50, 4, 16, dtype=torch.bfloat16)[:, 3:]
+    q = x.transpose(1, 2)
+    ops.reset_stats()
+    out, _ = ops.flash_attn_fwd(q, q, q, device="cpu")
+    assert ops.stats()["per_device"]["cpu"]["staged_buffers"] == 0
+    expected, _ = ops.flash_attn_fwd(q.contiguous(), q.contiguous(), q.contiguous(),
+                                     device="cpu")
+    assert torch.equal(out, expected)
+
+
+def test_dlpack_errors(ops):
+    """Device memory, unsupported dtypes, mixed dtypes and a NumPy uint16 array are refused,
+    naming the argument."""
+    q = torch.randn(1, 2, 4, 8)
+    meta = torch.empty(1, 2, 4, 8, device="meta")
+    with pytest.raises((ValueError, TypeError), match="'k'"):
+        ops.flash_attn_fwd(q, meta, q)
+    with pytest.raises(TypeError, match="argument 'v' must be a float16, float32, float64 or "
+                                        "bfloat16 array"):
+        ops.flash_attn_fwd(q, q, q.to(torch.int32))
+    with pytest.raises(TypeError, match="argument 'k' has dtype bfloat16 but 'q' has float32"):
+        ops.flash_attn_fwd(q, q.to(torch.bfloat16), q)
+    with pytest.raises(TypeError, match="argument 'q' must be"):
+        ops.flash_attn_fwd(q.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16), q, q)
+    out, lse = ops.flash_attn_fwd(q.to(torch.bfloat16), q.to(torch.bfloat16), q.to(torch.bfloat16))
+    with pytest.raises(TypeError, match="argument 'lse' has dtype bfloat16"):
+        ops.flash_attn_bwd(out, q.to(torch.bfloat16), q.to(torch.bfloat16),
+                           q.to(torch.bfloat16), out, lse.to(torch.bfloat16))
