@@ -69,7 +69,7 @@ int or_check_options(or_call *c, const or_opts *o)
     }
     p->prm.left = (or_ssize)lr[0];
     p->prm.right = (or_ssize)lr[1];
-    if (o->causal && (p->prm.right < 0 || p->prm.right > 0))
+    if (o->causal)
         p->prm.right = 0;
 
     if (o->seed == NULL)
@@ -235,8 +235,14 @@ int or_check_like(or_call *c, int slot, const npy_intp *shape, int nd)
     PyObject *want = PyTuple_New(nd);
     if (want == NULL)
         return -1;
-    for (int i = 0; i < nd; i++)
-        PyTuple_SET_ITEM(want, i, PyLong_FromSsize_t(shape[i]));
+    for (int i = 0; i < nd; i++) {
+        PyObject *n = PyLong_FromSsize_t(shape[i]);
+        if (n == NULL) {
+            Py_DECREF(want);
+            return -1;
+        }
+        PyTuple_SET_ITEM(want, i, n);
+    }
     PyObject *got = or_shape_str(a);
     PyErr_Format(PyExc_ValueError, "%s(): argument '%s' must have shape %S, got %S", c->func,
                  slot_name[slot], want, got ? got : Py_None);

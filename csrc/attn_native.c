@@ -136,7 +136,7 @@ int or_native_fwd(const or_problem *p)
         job.vc_off[w + 1] = job.vc_off[w] + p->nk[w * p->prm.group] * (or_ssize)dvp;
     }
     job.kt = malloc(real * (size_t)job.kt_off[n_kv] + 64);
-    job.vc = v_in_place ? NULL : aligned_alloc(64, round_up(real * (size_t)job.vc_off[n_kv]));
+    job.vc = v_in_place ? NULL : aligned_alloc(64, round_up(real * (size_t)job.vc_off[n_kv] + 1));
     for (or_ssize u = 0; u < p->n_units; u++) {
         or_ssize b = (p->nq[u] + BR - 1) / BR;
         job.blocks = b > job.blocks ? b : job.blocks;

@@ -300,7 +300,7 @@ static const int bwd_args[] = {OR_Q, OR_K, OR_V, OR_DO, OR_LSE, -1};   /* -1: th
 /* The rows family: dQ per query row, then dK, dV per key row. */
 static int row_bwd_kernels(launch_t *L, or_ssize nq_max)
 {
-    const or_cl_family *f = &or_cl_families[OR_FAMILY_ROWS];
+    const or_cl_family *f = &or_cl_families[L->prog.family];
     int idx, rc = kernel_with(L, 1, f->bwd, bwd_args, 6, &idx);
     if (rc == OR_OK)
         rc = set_long(L, L->kernel[1], &idx, nq_max);
@@ -332,7 +332,7 @@ static int tiled_bwd_kernel(launch_t *L, or_ssize nq_max)
     int idx, rc = new_buffer(L, CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR, size, zeros, &L->dqacc);
     free(zeros);
     if (rc == OR_OK)
-        rc = kernel_with(L, 1, or_cl_families[OR_FAMILY_TILED].bwd, bwd_args, 6, &idx);
+        rc = kernel_with(L, 1, or_cl_families[L->prog.family].bwd, bwd_args, 6, &idx);
     if (rc == OR_OK)
         rc = set_long(L, L->kernel[1], &idx, nq_max);
     for (int s = OR_DQ; rc == OR_OK && s <= OR_DV; s++)

@@ -203,8 +203,15 @@ static int add_family(PyObject *item, int cl_index)
         blocks = PyList_New(0);
     } else {
         const int(*c)[2] = or_cl_families[f].candidates;
-        blocks = Py_BuildValue("[(ii)(ii)(ii)(ii)(ii)]", c[0][0], c[0][1], c[1][0], c[1][1],
-                               c[2][0], c[2][1], c[3][0], c[3][1], c[4][0], c[4][1]);
+        const int n = (int)(sizeof(or_cl_families[f].candidates) / sizeof(*c));
+        blocks = PyList_New(n);
+        for (int i = 0; blocks != NULL && i < n; i++) {
+            PyObject *pair = Py_BuildValue("(ii)", c[i][0], c[i][1]);
+            if (pair == NULL)
+                Py_CLEAR(blocks);
+            else
+                PyList_SET_ITEM(blocks, i, pair);
+        }
     }
     int rc = name && blocks ? PyDict_SetItemString(item, "kernel_family", name) : -1;
     if (rc == 0)

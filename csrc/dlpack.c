@@ -49,12 +49,16 @@ static void release_managed(PyObject *capsule)
  * 1, 0, or -1 with an exception. torch is never imported here: a tensor implies it. */
 static int torch_tensor(PyObject *obj, PyObject **torch)
 {
-    *torch = PyDict_GetItemString(PyImport_GetModuleDict(), "torch");
-    if (*torch == NULL)
+    *torch = PyArray_Check(obj) ? NULL : PyDict_GetItemString(PyImport_GetModuleDict(), "torch");
+    if (*torch == NULL || *torch == Py_None)    /* None: torch blocked in sys.modules */
         return 0;
     PyObject *tensor = PyObject_GetAttrString(*torch, "Tensor");
-    int is = tensor ? PyObject_IsInstance(obj, tensor) : -1;
-    Py_XDECREF(tensor);
+    if (tensor == NULL) {                       /* a torch module without tensors: none here */
+        PyErr_Clear();
+        return 0;
+    }
+    int is = PyObject_IsInstance(obj, tensor);
+    Py_DECREF(tensor);
     return is;
 }
 
@@ -80,7 +84,7 @@ PyArrayObject *or_from_dlpack(PyObject *obj, const char *func, const char *name,
     PyObject *owner = NULL;
     PyArrayObject *a = NULL;
     int found = -1;
-    for (int i = 0; i < OR_NDTYPES; i++)
+    for (int i = 0; i < OR_NDTYPES && found < 0; i++)
         if (t->dtype.code == or_dtypes[i].dlpack && t->dtype.bits == 8 * or_dtypes[i].itemsize
             && t->dtype.lanes == 1)
             found = i;
@@ -107,7 +111,8 @@ PyArrayObject *or_from_dlpack(PyObject *obj, const char *func, const char *name,
         goto done;
     owner = PyCapsule_New(m, "orchard.dltensor", release_managed);
     if (owner == NULL) {
-        m->deleter(m);
+        if (m->deleter != NULL)
+            m->deleter(m);
         goto done;
     }
     *dt = (or_dtype)found;

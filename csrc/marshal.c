@@ -1,8 +1,9 @@
 /* marshal.c - from Python objects to the views the kernels read (orchard.h).
  *
- * Anything NumPy can view as an array is accepted, and DLPack producers (dlpack.c). An array whose last dimension is
- * contiguous, aligned and in native byte order is read in place through its strides
- * (zero-copy); anything else is copied once into an aligned, C-contiguous staging array.
+ * DLPack producers (dlpack.c) and anything NumPy can view as an array are accepted. An array
+ * whose last dimension is contiguous, aligned and in native byte order is read in place
+ * through its strides (zero-copy); anything else is copied once into an aligned,
+ * C-contiguous staging array.
  * Both decisions are counted, and logged under ORCHARD_TENSOR_PROFILE=1.
  */
 #include <string.h>
@@ -20,13 +21,18 @@ static int or_dtype_of(PyArrayObject *a, or_dtype *dt)
     return -1;
 }
 
-/* "float16, float32 or float64": the dtypes of dtypes.h, for messages. */
+/* "float16, float32 or float64": the dtypes of dtypes.h that NumPy arrays can hold, for
+ * messages (bfloat16 comes through DLPack only). */
 static PyObject *dtype_names(void)
 {
+    int last = 0;
+    for (int i = 0; i < OR_NDTYPES; i++)
+        last = or_dtypes[i].numpy ? i : last;
     PyObject *names = PyUnicode_FromString(or_dtypes[0].name);
-    for (int i = 1; names != NULL && i < OR_NDTYPES; i++)
-        Py_SETREF(names, PyUnicode_FromFormat("%U%s%s", names, i < OR_NDTYPES - 1 ? ", " : " or ",
-                                              or_dtypes[i].name));
+    for (int i = 1; names != NULL && i <= last; i++)
+        if (or_dtypes[i].numpy)
+            Py_SETREF(names, PyUnicode_FromFormat("%U%s%s", names, i < last ? ", " : " or ",
+                                                  or_dtypes[i].name));
     return names;
 }
 

@@ -278,12 +278,18 @@ static PyObject *devices(PyObject *module, PyObject *unused)
     return or_devices_list();
 }
 
-static PyObject *default_device(PyObject *module, PyObject *unused)
+/* The id of the device that `device` names, errors reported as func's. */
+static PyObject *device_id_of(const char *func, PyObject *device)
 {
     or_device_choice choice;
-    if (or_resolve_device("default_device", Py_None, &choice) < 0)
+    if (or_resolve_device(func, device, &choice) < 0)
         return NULL;
     return or_device_id(choice.index);
+}
+
+static PyObject *default_device(PyObject *module, PyObject *unused)
+{
+    return device_id_of("default_device", Py_None);
 }
 
 PyDoc_STRVAR(resolve_device_doc,
@@ -294,10 +300,7 @@ PyDoc_STRVAR(resolve_device_doc,
 
 static PyObject *resolve_device(PyObject *module, PyObject *device)
 {
-    or_device_choice choice;
-    if (or_resolve_device("resolve_device", device, &choice) < 0)
-        return NULL;
-    return or_device_id(choice.index);
+    return device_id_of("resolve_device", device);
 }
 
 PyDoc_STRVAR(cache_dir_doc,

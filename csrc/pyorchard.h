@@ -1,5 +1,6 @@
 /* pyorchard.h - declarations shared by the Python-facing files of orchard_ops
- * (module.c, args.c, problem.c, marshal.c, devices.c, cpu_info.c, log.c). The kernels
+ * (module.c, args.c, problem.c, marshal.c, dlpack.c, dtypes.c, devices.c, cpu_info.c, log.c).
+ * The kernels
  * include orchard.h only. */
 #ifndef ORCHARD_PY_H
 #define ORCHARD_PY_H

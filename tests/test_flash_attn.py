@@ -35,7 +35,7 @@ def np64(t):
 
 
 def ref(q, k, v, dout, keep=None, **kw):
-    """float64 out, lse, dq, dk, dv by tests/reference.py, for (batch, seqlen, nheads, headdim)
+    """float64 out, lse, dq, dk, dv by orchard.reference, for (batch, seqlen, nheads, headdim)
     tensors; keep (batch, nheads, seqlen_q, seqlen_k) is the dropout keep-mask."""
     qa, ka, va, da = (np64(t).transpose(0, 2, 1, 3) for t in (q, k, v, dout))
     if keep is not None:

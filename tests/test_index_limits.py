@@ -3,7 +3,7 @@ with a ValueError naming the argument before anything is allocated or run; a buf
 cannot be allocated is a MemoryError. Stride-0 (broadcast) views reach the huge sizes without
 the memory: an (N, D) view of one row costs one row.
 
-The limits (csrc/module.c): a sequence has fewer than 2**32 rows or keys (the dropout stream
+The limits (csrc/orchard.h, checked in csrc/args.c): a sequence has fewer than 2**32 rows or keys (the dropout stream
 numbers rows and columns with 32 bits), q fewer than 2**31 heads (the OpenCL kernels count a
 GQA group in an int)."""
 import numpy as np

@@ -137,7 +137,7 @@ def test_check_limitations():
     gpu = DeviceBackend(NO_FP16_GPU, HOST)
     assert any("does not support float16" in n for n in gpu.check_limitations("fp16"))
     assert any("copied" in n for n in gpu.check_limitations("fp32"))
-    assert any("through float32" in n for n in gpu.check_limitations("bf16"))
+    assert any("accumulated in float32" in n for n in gpu.check_limitations("bf16"))
     assert DeviceBackend(HOST, HOST).check_limitations("fp32") == []
 
 

@@ -12,6 +12,12 @@ cfg, reasons = backend.adapt_config(orchard.config.load_config("configs/universa
 assert cfg["training"]["micro_batch"] >= 1 and reasons
 backend.setup()
 assert orchard.cli.devices.main([]) == 0
+import numpy as np   # attention on NumPy arrays: results come back as NumPy arrays
+q = np.ones((1, 2, 4, 8), np.float32)
+for device in [d["id"] for d in orchard_ops.devices()]:
+    out, lse = orchard_ops.flash_attn_fwd(q, q, q, device=device)
+    dq, dk, dv = orchard_ops.flash_attn_bwd(out, q, q, q, out, lse, device=device)
+    assert type(out) is np.ndarray and type(dq) is np.ndarray
 print("ok")
 """
 

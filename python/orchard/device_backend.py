@@ -274,8 +274,8 @@ class DeviceBackend:
             notes.append("float16 attention accumulates in float32; training needs loss "
                          "scaling (the trainer uses a GradScaler)")
         if name == "bf16":
-            notes.append("orchard's kernels take float16/32/64: bfloat16 attention is "
-                         "computed through float32 and cast back")
+            notes.append("bfloat16 attention is read and written as bfloat16 and "
+                         "accumulated in float32")
         if name == "fp64" and not self.info["fp64"]:
             notes.append("%s does not support float64 (use the cpu device for gradient "
                          "checks)" % self.device)
