@@ -137,11 +137,11 @@ static PyObject *attention(PyObject *module, or_call *c, or_opts *o, PyObject **
             goto done;
         for (int s = OR_DQ; s <= OR_DV; s++) {
             PyArrayObject *like = c->arr[s - OR_DQ + OR_Q];
-            if (or_new_output(c, s, PyArray_NDIM(like), PyArray_DIMS(like), dt) < 0)
+            if (or_new_output(c, s, PyArray_NDIM(like), PyArray_DIMS(like), dt, like) < 0)
                 goto done;
         }
-    } else if (or_new_output(c, OR_O, ond, oshape, dt) < 0
-               || or_new_output(c, OR_LSE, lnd, lshape, or_dtypes[dt].lse) < 0) {
+    } else if (or_new_output(c, OR_O, ond, oshape, dt, c->arr[OR_Q]) < 0
+               || or_new_output(c, OR_LSE, lnd, lshape, or_dtypes[dt].lse, NULL) < 0) {
         goto done;
     }
     if (or_build_problem(c, o->alibi) < 0)

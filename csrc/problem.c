@@ -42,11 +42,39 @@ void or_out_shapes(or_call *c, npy_intp *oshape, npy_intp *lshape, int *ond, int
     }
 }
 
-/* Outputs are aligned for the device, so that kernels can write them in place. */
-int or_new_output(or_call *c, int slot, int nd, const npy_intp *shape, or_dtype dt)
+/* Outputs are aligned for the device, so that kernels can write them in place, and laid out
+ * in memory in the axis order of `like` (an operand of the same rank, or NULL for C order),
+ * as torch's empty_like: for a (B, N, H, D) tensor seen as (B, H, N, D), the output is the
+ * same view of contiguous (B, N, H, D) memory, so that its caller's transpose back needs no
+ * copy. The last axis stays innermost. */
+int or_new_output(or_call *c, int slot, int nd, const npy_intp *shape, or_dtype dt,
+                  PyArrayObject *like)
 {
-    c->arr[slot] = or_new_aligned(nd, shape, or_dtypes[dt].typenum,
-                                  or_device_align(c->device.index));
+    npy_intp dims[NPY_MAXDIMS];
+    int order[NPY_MAXDIMS];     /* memory order: outermost axis first */
+    for (int i = 0; i < nd; i++)
+        order[i] = i;
+    for (int i = 1; like != NULL && i < nd - 1; i++)    /* insertion sort, by stride, stable */
+        for (int j = i; j > 0; j--) {
+            const npy_intp a = PyArray_STRIDE(like, order[j - 1]), b = PyArray_STRIDE(like, order[j]);
+            if ((a < 0 ? -a : a) >= (b < 0 ? -b : b))
+                break;
+            const int t = order[j];
+            order[j] = order[j - 1];
+            order[j - 1] = t;
+        }
+    for (int i = 0; i < nd; i++)
+        dims[i] = shape[order[i]];
+    PyArrayObject *mem = or_new_aligned(nd, dims, or_dtypes[dt].typenum,
+                                        or_device_align(c->device.index));
+    if (mem != NULL) {
+        npy_intp axes[NPY_MAXDIMS];     /* axis order[i] of the output is axis i of mem */
+        for (int i = 0; i < nd; i++)
+            axes[order[i]] = i;
+        PyArray_Dims perm = {axes, nd};
+        c->arr[slot] = (PyArrayObject *)PyArray_Transpose(mem, &perm);
+        Py_DECREF(mem);
+    }
     c->dt[slot] = dt;
     return c->arr[slot] ? 0 : -1;
 }

@@ -83,7 +83,8 @@ int or_parse_shape(PyObject *obj, const char *name, npy_intp *dims);    /* its l
 
 /* problem.c */
 void or_out_shapes(or_call *c, npy_intp *oshape, npy_intp *lshape, int *ond, int *lnd);
-int or_new_output(or_call *c, int slot, int nd, const npy_intp *shape, or_dtype dt);
+int or_new_output(or_call *c, int slot, int nd, const npy_intp *shape, or_dtype dt,
+                  PyArrayObject *like);
 int or_build_problem(or_call *c, PyObject *alibi_slopes);
 void or_call_clear(or_call *c);
 

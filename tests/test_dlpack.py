@@ -137,12 +137,17 @@ def test_dlpack_only_producer(ops, device):
 
 
 def test_strided_tensor_views_in_place(ops):
-    """A (B, N, H, D) tensor seen as (B, H, N, D) is read through its strides, no copy."""
+    """A (B, N, H, D) tensor seen as (B, H, N, D) is read through its strides, no copy, and
+    the results are laid out as their operands (as torch's empty_like): seen back as
+    (B, N, H, D) they are contiguous."""
     x = torch.randn(2, 50, 4, 16, dtype=torch.bfloat16)[:, 3:]
     q = x.transpose(1, 2)
     ops.reset_stats()
-    out, _ = ops.flash_attn_fwd(q, q, q, device="cpu")
+    out, lse = ops.flash_attn_fwd(q, q, q, device="cpu")
     assert ops.stats()["per_device"]["cpu"]["staged_buffers"] == 0
+    assert out.transpose(1, 2).is_contiguous() and lse.is_contiguous()
+    dq = ops.flash_attn_bwd(out, q, q, q, out, lse, device="cpu")[0]
+    assert dq.transpose(1, 2).is_contiguous()
     expected, _ = ops.flash_attn_fwd(q.contiguous(), q.contiguous(), q.contiguous(),
                                      device="cpu")
     assert torch.equal(out, expected)
