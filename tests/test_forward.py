@@ -316,3 +316,16 @@ def test_float16_large_magnitudes(ops, device, rng):
     v = (rng.uniform(-6e4, 6e4, v.shape)).astype(np.float16)
     out, _ = check_forward(ops, device, q, k, v, what="f16 large values")
     assert np.all(np.isfinite(out))
+
+
+def test_every_float16_read_exactly(ops, device):
+    """Each of the 65,536 float16 bit patterns is widened exactly (subnormals, inf, NaN): one
+    key of weight 1 makes out equal v, stored back bit for bit (but -0, which the float
+    accumulator's +0 absorbs)."""
+    v = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).reshape(256, 1, 256)
+    q = np.zeros((256, 1, 8), np.float16)
+    out, _ = ops.flash_attn_fwd(q, q, v, device=device)
+    nan = np.isnan(v)
+    assert np.isnan(out[nan]).all()
+    same = out.view(np.uint16) == v.view(np.uint16)
+    assert (same | nan | (v == 0)).all() and (out[v == 0] == 0).all()
