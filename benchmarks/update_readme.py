@@ -4,8 +4,8 @@
                                        [--plot attention_gflops.png]
 
 Measures what orchard-bench does (orchard.benchmark) on the grid float32, float16 and
-bfloat16, causal
-and not, N from 256 to 2048 at B=4 (B=1 at 2048), H=8, D=64, on every device, plus training
+bfloat16, causal and not, N from 256 to 2048 at B=4 (B=1 at 2048), H=8, D=64, on every
+device, plus training
 tokens/s of the demo model and the figures of benchmarks/targets.py; writes them as JSON, the
 plot, and Markdown between "<!-- bench:start -->" and "<!-- bench:end -->" in the README.
 Takes a few minutes on 2 cores; --quick (or ORCHARD_BENCH_QUICK=1) is a tiny smoke run.
