@@ -6,24 +6,14 @@ per-round ratios).
 """
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 import orchard_ops
+from orchard.benchmark import best_time
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def best_of(fn, n=3):
-    fn()
-    best = float("inf")
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def main():
@@ -39,10 +29,10 @@ def main():
     for _ in range(args.rounds):
         for dt in DTYPES:
             q, k, v = (t.to(dt) for t in base)
-            times[dt, "orchard"].append(best_of(
-                lambda: orchard_ops.flash_attn_fwd(q, k, v, causal=True, device=args.device)))
-            times[dt, "torch"].append(best_of(
-                lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)))
+            times[dt, "orchard"].append(best_time(
+                lambda: orchard_ops.flash_attn_fwd(q, k, v, causal=True, device=args.device), 3))
+            times[dt, "torch"].append(best_time(
+                lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), 3))
     f32 = times[torch.float32, "orchard"]
     print("causal forward, B,H,N,D = %s, orchard device %s, %d rounds"
           % (args.shape, args.device, args.rounds))
