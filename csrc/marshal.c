@@ -6,6 +6,7 @@
  * C-contiguous staging array.
  * Both decisions are counted, and logged under ORCHARD_TENSOR_PROFILE=1.
  */
+#include <stdio.h>
 #include <string.h>
 
 #include "pyorchard.h"
@@ -76,6 +77,20 @@ static void free_staging(PyObject *capsule)
 
 /* A new C-contiguous array of zeros in memory aligned to `align` bytes (a power of two), as
  * devices sharing host memory want it; a capsule frees the memory with the array. */
+/* MemoryError for an array that cannot be allocated, with its size (in a double: the exact
+ * product may overflow). Steals descr. */
+static PyArrayObject *no_memory(int nd, const npy_intp *dims, PyArray_Descr *descr)
+{
+    double bytes = (double)PyDataType_ELSIZE(descr);
+    for (int i = 0; i < nd; i++)
+        bytes *= (double)dims[i];
+    Py_DECREF(descr);
+    char text[64];      /* PyErr_Format has no %g */
+    snprintf(text, sizeof(text), "cannot allocate an array of %.4g bytes", bytes);
+    PyErr_SetString(PyExc_MemoryError, text);
+    return NULL;
+}
+
 PyArrayObject *or_new_aligned(int nd, const npy_intp *dims, int typenum, size_t align)
 {
     PyArray_Descr *descr = PyArray_DescrFromType(typenum);
@@ -83,23 +98,17 @@ PyArrayObject *or_new_aligned(int nd, const npy_intp *dims, int typenum, size_t 
         return NULL;
     size_t size = 1, limit = (size_t)NPY_MAX_INTP / 2;
     for (int i = 0; i < nd; i++) {
-        if (dims[i] != 0 && size > limit / (size_t)dims[i]) {
-            Py_DECREF(descr);
-            return (PyArrayObject *)PyErr_NoMemory();
-        }
+        if (dims[i] != 0 && size > limit / (size_t)dims[i])
+            return no_memory(nd, dims, descr);
         size *= (size_t)dims[i];
     }
     align = align < 64 ? 64 : align;
-    if (size > (limit - align) / (size_t)PyDataType_ELSIZE(descr)) {
-        Py_DECREF(descr);
-        return (PyArrayObject *)PyErr_NoMemory();
-    }
+    if (size > (limit - align) / (size_t)PyDataType_ELSIZE(descr))
+        return no_memory(nd, dims, descr);
     size_t nbytes = (size * (size_t)PyDataType_ELSIZE(descr) + align - 1) / align * align;
     void *mem = aligned_alloc(align, nbytes ? nbytes : align);
-    if (mem == NULL) {
-        Py_DECREF(descr);
-        return (PyArrayObject *)PyErr_NoMemory();
-    }
+    if (mem == NULL)
+        return no_memory(nd, dims, descr);
     memset(mem, 0, nbytes);
     PyObject *capsule = PyCapsule_New(mem, "orchard.staging", free_staging);
     if (capsule == NULL) {
@@ -167,6 +176,16 @@ PyArrayObject *or_operand(PyObject *obj, const char *func, const char *name, or_
     }
     PyArrayObject *staged = or_staged_copy(a, PyArray_TYPE(a), align);   /* native byte order */
     Py_DECREF(a);
+    if (staged == NULL && PyErr_ExceptionMatches(PyExc_MemoryError)) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_Format(PyExc_MemoryError, "%s(): argument '%s' must be copied (it is not "
+                     "contiguous in its last dimension, aligned and in native byte order), and "
+                     "the copy fails: %S", func, name, value ? value : Py_None);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+    }
     if (staged == NULL)
         return NULL;
     OR_COUNT(ct, staged_buffers, 1);
@@ -176,16 +195,15 @@ PyArrayObject *or_operand(PyObject *obj, const char *func, const char *name, or_
     return staged;
 }
 
-static or_ssize *alloc_offsets(or_ssize n)
+/* n + 1 entries of elsize bytes, the per-unit tables, or NULL with MemoryError: n comes from
+ * a product of dimensions that a stride-0 view can make huge. */
+void *or_alloc_units(or_ssize n, size_t elsize)
 {
-    if (n < 0 || (size_t)n >= PY_SSIZE_T_MAX / sizeof(or_ssize)) {
-        PyErr_NoMemory();
-        return NULL;
-    }
-    or_ssize *offs = PyMem_Malloc(sizeof(or_ssize) * (size_t)(n + 1));
-    if (offs == NULL)
-        PyErr_NoMemory();
-    return offs;
+    void *mem = n >= 0 && (size_t)n < PY_SSIZE_T_MAX / elsize
+                    ? PyMem_Malloc(elsize * (size_t)(n + 1)) : NULL;
+    if (mem == NULL)
+        PyErr_Format(PyExc_MemoryError, "cannot allocate the tables of %zd batch-heads", n);
+    return mem;
 }
 
 /* Byte offset of element [i0, ..., i_{nlead-1}, 0, ...] for every index over the first nlead
@@ -195,7 +213,7 @@ or_ssize *or_lead_offsets(PyArrayObject *a, int nlead)
     or_ssize n = 1;
     for (int i = 0; i < nlead; i++)
         n *= PyArray_DIM(a, i);     /* cannot overflow: the array exists */
-    or_ssize *offs = alloc_offsets(n);
+    or_ssize *offs = or_alloc_units(n, sizeof(or_ssize));
     if (offs == NULL)
         return NULL;
     npy_intp idx[NPY_MAXDIMS] = {0};
@@ -218,7 +236,7 @@ or_ssize *or_lead_offsets(PyArrayObject *a, int nlead)
 or_ssize *or_varlen_offsets(PyArrayObject *a, const int64_t *cu, or_ssize nseq, or_ssize heads,
                             int seq_axis, int head_axis)
 {
-    or_ssize *offs = alloc_offsets(nseq * heads);
+    or_ssize *offs = or_alloc_units(nseq * heads, sizeof(or_ssize));
     if (offs == NULL)
         return NULL;
     for (or_ssize b = 0; b < nseq; b++)

@@ -73,7 +73,10 @@ static PyObject *run(or_call *c, module_state *st, int backward)
     }
     clock_gettime(CLOCK_MONOTONIC, &t1);
     if (rc != OR_OK) {
-        PyObject *none = rc == OR_ENOMEM ? PyErr_NoMemory() : device_error(st, c, &err);
+        PyObject *none = rc == OR_ENOMEM
+                             ? PyErr_Format(PyExc_MemoryError, "%s(): the kernels' working "
+                                            "memory cannot be allocated", c->func)
+                             : device_error(st, c, &err);
         free(err.log);
         return none;
     }

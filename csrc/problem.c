@@ -79,16 +79,6 @@ int or_new_output(or_call *c, int slot, int nd, const npy_intp *shape, or_dtype 
     return c->arr[slot] ? 0 : -1;
 }
 
-static or_ssize *alloc_units(or_ssize n, size_t elsize)
-{
-    /* n comes from a product of dimensions that a stride-0 view can make huge */
-    void *mem = (size_t)n < PY_SSIZE_T_MAX / elsize ? PyMem_Malloc(elsize * (size_t)(n + 1))
-                                                   : NULL;
-    if (mem == NULL)
-        PyErr_NoMemory();
-    return mem;
-}
-
 /* Dense layout: views over the leading dims, constant lengths. */
 static int dense_tables(or_call *c)
 {
@@ -98,7 +88,8 @@ static int dense_tables(or_call *c)
     for (int i = 0; i < nd - 2; i++)
         n *= PyArray_DIM(q, i);
     c->p.n_units = n;
-    if (!(c->nq = alloc_units(n, sizeof(or_ssize))) || !(c->nk = alloc_units(n, sizeof(or_ssize))))
+    if (!(c->nq = or_alloc_units(n, sizeof(or_ssize)))
+        || !(c->nk = or_alloc_units(n, sizeof(or_ssize))))
         return -1;
     for (or_ssize u = 0; u < n; u++) {
         c->nq[u] = PyArray_DIM(q, nd - 2);
@@ -122,8 +113,8 @@ static int varlen_tables(or_call *c)
     const int64_t *cq = PyArray_DATA(c->cu_q), *ck = PyArray_DATA(c->cu_k);
     or_ssize nseq = PyArray_DIM(c->cu_q, 0) - 1, h = c->heads, hkv = h / c->p.prm.group;
     c->p.n_units = nseq * h;
-    if (!(c->nq = alloc_units(nseq * h, sizeof(or_ssize)))
-        || !(c->nk = alloc_units(nseq * h, sizeof(or_ssize))))
+    if (!(c->nq = or_alloc_units(nseq * h, sizeof(or_ssize)))
+        || !(c->nk = or_alloc_units(nseq * h, sizeof(or_ssize))))
         return -1;
     for (or_ssize b = 0; b < nseq; b++)
         for (or_ssize i = 0; i < h; i++) {
@@ -186,7 +177,7 @@ static int alibi_table(or_call *c, PyObject *obj)
         Py_DECREF(a);
         return -1;
     }
-    c->slopes = (double *)alloc_units(n, sizeof(double));
+    c->slopes = (double *)or_alloc_units(n, sizeof(double));
     if (c->slopes != NULL) {
         const double *v = PyArray_DATA(a);
         for (or_ssize u = 0; u < n; u++)
