@@ -35,6 +35,7 @@ typedef struct {
     cl_kernel kernel[3];
     unsigned outputs;           /* bit per slot written by the kernels */
     int in_place;               /* buffers over host memory, else explicit copies */
+    size_t shift[OR_NSLOTS];    /* bytes an in-place buffer starts before its array */
 } launch_t;
 
 #define TRY(L, expr, name)                                                                   \
@@ -65,11 +66,18 @@ static int operand_buffers(launch_t *L)
             continue;
         }
         cl_mem_flags flags = out ? CL_MEM_READ_WRITE : CL_MEM_READ_ONLY;
-        if (L->in_place)
+        char *host = w->lo;
+        if (L->in_place) {
+            /* the device takes host memory on its base alignment: the buffer starts there,
+             * before the array (in the same page), and the kernels' offsets skip the gap */
+            host -= (uintptr_t)w->lo % L->info->base_align;
             flags |= CL_MEM_USE_HOST_PTR;
-        else if (!out)
+        } else if (!out) {
             flags |= CL_MEM_COPY_HOST_PTR;
-        rc = new_buffer(L, flags, w->nbytes, (L->in_place || !out) ? w->lo : NULL, &L->mem[s]);
+        }
+        L->shift[s] = (size_t)(w->lo - host);
+        rc = new_buffer(L, flags, w->nbytes + L->shift[s], (L->in_place || !out) ? host : NULL,
+                        &L->mem[s]);
     }
     return rc;
 }
@@ -93,7 +101,8 @@ static int meta_buffer(launch_t *L)
             const or_view *w = &p->view[s];
             int kv_side = s == OR_K || s == OR_V || s == OR_DK || s == OR_DV;
             if (w->offs != NULL && w->nbytes > 0)
-                row[s] = (w->base + w->offs[kv_side ? u / p->prm.group : u] - w->lo) / w->itemsize;
+                row[s] = (w->base + w->offs[kv_side ? u / p->prm.group : u] - w->lo
+                          + (or_ssize)L->shift[s]) / w->itemsize;
         }
         row[OR_UNIT_NQ] = p->nq[u];
         row[OR_UNIT_NK] = p->nk[u];
@@ -205,8 +214,8 @@ static int finish_outputs(launch_t *L)
             continue;
         }
         cl_int rc;      /* mapping makes the device's writes visible in the host memory */
-        void *ptr = api->clEnqueueMapBuffer(L->prog.queue, L->mem[s], CL_TRUE, CL_MAP_READ, 0,
-                                            w->nbytes, 0, NULL, NULL, &rc);
+        void *ptr = api->clEnqueueMapBuffer(L->prog.queue, L->mem[s], CL_TRUE, CL_MAP_READ,
+                                            L->shift[s], w->nbytes, 0, NULL, NULL, &rc);
         if (ptr == NULL)
             return or_cl_fail(L->err, rc, "clEnqueueMapBuffer");
         TRY(L, api->clEnqueueUnmapMemObject(L->prog.queue, L->mem[s], ptr, 0, NULL, NULL),

@@ -56,15 +56,13 @@ void or_extent(PyArrayObject *a, char **lo, size_t *nbytes)
     *nbytes = (size_t)(high - low) + (size_t)PyArray_ITEMSIZE(a);
 }
 
-static int readable_in_place(PyArrayObject *a, size_t align)
+/* Whether the kernels can read a's memory as it is: aligned elements in native byte order, the
+ * last dimension contiguous. (A device that wants more alignment gets a buffer that starts
+ * before the array: attn_opencl.c.) */
+static int readable_in_place(PyArrayObject *a)
 {
     int nd = PyArray_NDIM(a);
-    char *lo;
-    size_t nbytes;
     if (!PyArray_ISNOTSWAPPED(a) || !PyArray_ISALIGNED(a))
-        return 0;
-    or_extent(a, &lo, &nbytes);
-    if ((uintptr_t)lo % align != 0)
         return 0;
     return nd == 0 || PyArray_DIM(a, nd - 1) <= 1
            || PyArray_STRIDE(a, nd - 1) == PyArray_ITEMSIZE(a);
@@ -168,7 +166,7 @@ PyArrayObject *or_operand(PyObject *obj, const char *func, const char *name, or_
         Py_DECREF(a);
         return NULL;
     }
-    if (readable_in_place(a, align)) {
+    if (readable_in_place(a)) {
         OR_COUNT(ct, zero_copy_buffers, 1);
         if (or_log_enabled("ORCHARD_TENSOR_PROFILE"))
             or_log("orchard: %s %s: zero-copy, %zd bytes in place", func, name, PyArray_NBYTES(a));
