@@ -46,6 +46,19 @@ typedef struct {
     or_view view[OR_NSLOTS];
 } or_problem;
 
+/* Decoding: a forward whose units all have at most OR_DECODE_MAX_QUERIES query rows (one
+ * new token, or a few speculative ones) takes the split-KV path of its backend (Flash-Decoding):
+ * the keys of every kv unit are split across threads or work-groups, all query rows of a GQA
+ * group share one read of each key and value, and one exact pass combines the splits. */
+#define OR_DECODE_MAX_QUERIES 16
+static inline int or_is_decode(const or_problem *p)
+{
+    for (or_ssize u = 0; u < p->n_units; u++)
+        if (p->nq[u] > OR_DECODE_MAX_QUERIES)
+            return 0;
+    return p->n_units > 0;
+}
+
 /* Status codes of the compute functions (they run without the GIL). */
 enum { OR_OK = 0, OR_ENOMEM = 1, OR_EDEVICE = 2 };
 
