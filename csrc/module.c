@@ -81,6 +81,7 @@ static PyObject *run(or_call *c, module_state *st, int backward)
         return none;
     }
     OR_COUNT(c->ct, fwd_calls, !backward);
+    OR_COUNT(c->ct, decode_calls, !backward && or_is_decode(&c->p));
     OR_COUNT(c->ct, bwd_calls, backward);
 
     if (or_log_enabled("ORCHARD_DEBUG_FLASH_ATN")) {
@@ -319,7 +320,7 @@ static PyObject *cache_dir(PyObject *module, PyObject *unused)
     return PyUnicode_DecodeFSDefault(dir);
 }
 
-#define OR_COUNTER_FIELDS(X) X(fwd_calls) X(bwd_calls) X(zero_copy_buffers) X(staged_buffers) \
+#define OR_COUNTER_FIELDS(X) X(fwd_calls) X(decode_calls) X(bwd_calls) X(zero_copy_buffers) X(staged_buffers) \
     X(bytes_staged) X(kernel_builds) X(cache_hits)
 
 static PyObject *counters_dict(const or_counters *ct)
@@ -336,8 +337,8 @@ static PyObject *counters_dict(const or_counters *ct)
 }
 
 PyDoc_STRVAR(stats_doc,
-"stats() -> dict of counters (fwd_calls, bwd_calls, zero_copy_buffers, staged_buffers,\n"
-"bytes_staged, kernel_builds, cache_hits), totals over all devices, and 'per_device':\n"
+"stats() -> dict of counters (fwd_calls, decode_calls, bwd_calls, zero_copy_buffers,\n"
+"staged_buffers, bytes_staged, kernel_builds, cache_hits), totals over all devices, and 'per_device':\n"
 "{device id: the same counters}.");
 
 static PyObject *stats(PyObject *module, PyObject *unused)

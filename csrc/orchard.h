@@ -72,7 +72,7 @@ typedef struct {
 
 /* Counters of stats(), one set per device; updated with atomics, from any thread. */
 typedef struct {
-    long long fwd_calls, bwd_calls, zero_copy_buffers, staged_buffers, bytes_staged,
+    long long fwd_calls, decode_calls, bwd_calls, zero_copy_buffers, staged_buffers, bytes_staged,
         kernel_builds, cache_hits;
 } or_counters;
 #define OR_COUNT(ct, field, n) __atomic_fetch_add(&(ct)->field, (long long)(n), __ATOMIC_RELAXED)

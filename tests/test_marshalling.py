@@ -7,7 +7,7 @@ import pytest
 from conftest import aligned_empty, assert_close, check_backward, check_forward, randn
 from orchard.reference import ref_fwd
 
-COUNTERS = ["fwd_calls", "bwd_calls", "zero_copy_buffers", "staged_buffers", "bytes_staged",
+COUNTERS = ["fwd_calls", "decode_calls", "bwd_calls", "zero_copy_buffers", "staged_buffers", "bytes_staged",
             "kernel_builds", "cache_hits"]
 
 
