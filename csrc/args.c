@@ -308,6 +308,41 @@ static int check_max_seqlen(or_call *c, PyObject *given, const char *name, npy_i
     return 0;
 }
 
+/* seqused_k as an int64 array of B key counts, each within its sequence's slot of
+ * cu_seqlens_k; returns the largest, or -1. */
+static npy_intp check_seqused_k(or_call *c, PyObject *obj)
+{
+    const npy_intp nseq = PyArray_DIM(c->cu_k, 0) - 1;
+    PyArrayObject *raw = (PyArrayObject *)PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
+    if (raw == NULL)
+        return -1;
+    if (!PyArray_ISINTEGER(raw) || PyArray_NDIM(raw) != 1 || PyArray_DIM(raw, 0) != nseq) {
+        PyObject *got = or_shape_str(raw);
+        PyErr_Format(PyExc_ValueError, "%s(): 'seqused_k' must be a 1-D integer array of %zd "
+                     "key counts (one per sequence), got %S", c->func, nseq, got ? got : Py_None);
+        Py_XDECREF(got);
+        Py_DECREF(raw);
+        return -1;
+    }
+    c->used_k = (PyArrayObject *)PyArray_FromAny((PyObject *)raw, PyArray_DescrFromType(NPY_INT64),
+                                                 1, 1, NPY_ARRAY_CARRAY | NPY_ARRAY_FORCECAST, NULL);
+    Py_DECREF(raw);
+    if (c->used_k == NULL)
+        return -1;
+    const int64_t *used = PyArray_DATA(c->used_k), *ck = PyArray_DATA(c->cu_k);
+    npy_intp max_len = 0;
+    for (npy_intp b = 0; b < nseq; b++) {
+        if (used[b] < 0 || used[b] > ck[b + 1] - ck[b]) {
+            PyErr_Format(PyExc_ValueError, "%s(): 'seqused_k'[%zd] = %lld must lie in [0, %lld], "
+                         "the keys of that sequence in cu_seqlens_k", c->func, b,
+                         (long long)used[b], (long long)(ck[b + 1] - ck[b]));
+            return -1;
+        }
+        max_len = used[b] > max_len ? used[b] : max_len;
+    }
+    return max_len;
+}
+
 /* cu_seqlens and max_seqlen of a varlen call, checked before any output is allocated. */
 int or_check_varlen(or_call *c, const or_opts *o, PyObject *cuq_obj, PyObject *cuk_obj)
 {
@@ -323,6 +358,8 @@ int or_check_varlen(or_call *c, const or_opts *o, PyObject *cuq_obj, PyObject *c
                      "%s(): 'cu_seqlens_k' must have as many entries as 'cu_seqlens_q'", c->func);
         return -1;
     }
+    if (o->seqused_k != Py_None && (maxk = check_seqused_k(c, o->seqused_k)) < 0)
+        return -1;
     if (check_max_seqlen(c, o->max_q, "max_seqlen_q", maxq) < 0
         || check_max_seqlen(c, o->max_k, "max_seqlen_k", maxk) < 0)
         return -1;

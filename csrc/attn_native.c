@@ -46,6 +46,10 @@ typedef struct {
                                are read in place */
     or_ssize *vc_off;       /* forward: offset of each kv unit in vc, in REALs */
     or_ssize nk_max;        /* backward: longest key sequence */
+    or_ssize splits;        /* decode: splits per kv unit, of split_keys keys each */
+    or_ssize split_keys;
+    char *part;             /* decode: every item's partial results (attn_decode_impl.h) */
+    or_ssize part_stride;   /* decode: REALs per item in part */
 } or_job;
 
 #define CAT_(a, b) a##b
@@ -81,6 +85,7 @@ static inline __attribute__((always_inline)) float or_expf(float x)
 #define LOG logf
 #define TANH tanhf
 #include "attn_native_impl.h"
+#include "attn_decode_impl.h"
 #undef REAL
 #undef SFX
 #undef EXP
@@ -93,6 +98,7 @@ static inline __attribute__((always_inline)) float or_expf(float x)
 #define LOG log
 #define TANH tanh
 #include "attn_native_impl.h"
+#include "attn_decode_impl.h"
 
 static size_t round_up(size_t n) { return (n + 63) & ~(size_t)63; }
 
@@ -113,10 +119,52 @@ static int run_job(or_job *job, or_ssize n_items, or_task fn)
     return OR_OK;
 }
 
+/* Decoding (attn_decode_impl.h): enough (kv unit, split) items to keep every core busy on one
+ * token, each at least a few blocks of keys long, so that the combine stays cheap. */
+#define DECODE_ITEMS 128
+#define DECODE_MIN_KEYS (3 * BC)
+
+static int decode_fwd(const or_problem *p, int dbl)
+{
+    const size_t real = dbl ? sizeof(double) : sizeof(float), lanes = 64 / real;
+    const or_ssize group = p->prm.group, n_kv = p->n_units / group;
+    const size_t dp = (p->d + lanes - 1) / lanes * lanes, dvp = (p->dv + lanes - 1) / lanes * lanes;
+    or_ssize nk_max = 0, nq_max = 0;
+    for (or_ssize u = 0; u < p->n_units; u++) {
+        nk_max = p->nk[u] > nk_max ? p->nk[u] : nk_max;
+        nq_max = p->nq[u] > nq_max ? p->nq[u] : nq_max;
+    }
+    if (nq_max == 0)
+        return OR_OK;   /* no output rows */
+    const or_ssize per_unit = (DECODE_ITEMS + n_kv - 1) / n_kv;
+    or_ssize keys = (nk_max + per_unit - 1) / per_unit;
+    keys = keys < DECODE_MIN_KEYS ? DECODE_MIN_KEYS : (keys + BC - 1) / BC * BC;
+    const size_t rows = (size_t)(group * nq_max);
+    or_job job = {.p = p, .split_keys = keys, .splits = nk_max > 0 ? (nk_max + keys - 1) / keys : 1};
+    job.part_stride = (or_ssize)((rows * (dvp + 2) + lanes - 1) / lanes * lanes);
+    const size_t items = (size_t)(n_kv * job.splits);
+    if (items > SIZE_MAX / real / (size_t)job.part_stride)
+        return OR_ENOMEM;
+    job.part = aligned_alloc(64, real * (size_t)job.part_stride * items);
+    if (job.part == NULL)
+        return OR_ENOMEM;
+    /* q, s, k and v tiles and the dropout keep row */
+    job.per_worker = round_up(real * (rows * dp + rows * BC + BC * (dp + dvp)) + BC);
+    int rc = run_job(&job, (or_ssize)items, dbl ? decode_item_d : decode_item_f);
+    if (rc == OR_OK) {
+        job.per_worker = round_up(real * dvp);      /* a row of out */
+        rc = run_job(&job, n_kv, dbl ? decode_combine_item_d : decode_combine_item_f);
+    }
+    free(job.part);
+    return rc;
+}
+
 int or_native_fwd(const or_problem *p)
 {
     const int dbl = or_dtypes[p->view[OR_Q].dtype].compute_size == sizeof(double);
     const size_t real = dbl ? sizeof(double) : sizeof(float);
+    if (or_is_decode(p))
+        return decode_fwd(p, dbl);
     const or_ssize n_kv = p->n_units / p->prm.group;
     const size_t lanes = 64 / real, dp = (p->d + lanes - 1) / lanes * lanes,
                  dvp = (p->dv + lanes - 1) / lanes * lanes;

@@ -161,7 +161,7 @@ done:
 #define OPTION_ARGS &o.window, &o.alibi, &o.softcap, &o.seed, &o.device
 /* window NULL = (-1, -1), seed NULL = 0 */
 #define OPTS_INIT {.scale = Py_None, .window = NULL, .alibi = Py_None, .seed = NULL, \
-                   .device = Py_None, .max_q = Py_None, .max_k = Py_None}
+                   .device = Py_None, .max_q = Py_None, .max_k = Py_None, .seqused_k = Py_None}
 
 static const int FWD_SLOTS[] = {OR_Q, OR_K, OR_V};
 static const int BWD_SLOTS[] = {OR_DO, OR_Q, OR_K, OR_V, OR_O, OR_LSE};
@@ -196,13 +196,16 @@ static PyObject *flash_attn_bwd(PyObject *module, PyObject *args, PyObject *kw)
 static PyObject *flash_attn_varlen_fwd(PyObject *module, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
-                             "max_seqlen_k", "scale", "dropout_p", "causal", OPTION_KWLIST, NULL};
+                             "max_seqlen_k", "scale", "dropout_p", "causal", OPTION_KWLIST,
+                             "seqused_k", NULL};
     or_opts o = OPTS_INIT;
     PyObject *x[3], *cuq, *cuk;
     or_call c = {.func = "flash_attn_varlen_fwd", .varlen = 1};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO|OOOdp" OPTION_FORMAT ":flash_attn_varlen_fwd",
+    if (!PyArg_ParseTupleAndKeywords(args, kw,
+                                     "OOOOO|OOOdp" OPTION_FORMAT "O:flash_attn_varlen_fwd",
                                      kwlist, &x[0], &x[1], &x[2], &cuq, &cuk, &o.max_q, &o.max_k,
-                                     &o.scale, &o.dropout_p, &o.causal, OPTION_ARGS))
+                                     &o.scale, &o.dropout_p, &o.causal, OPTION_ARGS,
+                                     &o.seqused_k))
         return NULL;
     return attention(module, &c, &o, x, FWD_SLOTS, 3, cuq, cuk);
 }
@@ -479,9 +482,11 @@ PyDoc_STRVAR(bwd_doc,
 "-> (dq, dk, dv)\n\nGradients of flash_attn_fwd; pass the same options and seed.");
 PyDoc_STRVAR(varlen_fwd_doc,
 "flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,\n"
-"                      max_seqlen_k=None, scale=None, dropout_p=0.0, causal=False, *, ...)\n"
-"-> (out, lse)\n\nPacked sequences: q (total_q, H, D), k/v (total_k, Hkv, D/Dv); "
-"out (total_q, H, Dv), lse (H, total_q).");
+"                      max_seqlen_k=None, scale=None, dropout_p=0.0, causal=False, *, ...,\n"
+"                      seqused_k=None) -> (out, lse)\n\n"
+"Packed sequences: q (total_q, H, D), k/v (total_k, Hkv, D/Dv); out (total_q, H, Dv),\n"
+"lse (H, total_q). seqused_k (B,) uses only the first seqused_k[b] keys of sequence b (its\n"
+"slot in k/v, from cu_seqlens_k, may be longer: a KV cache with room to grow).");
 PyDoc_STRVAR(varlen_bwd_doc,
 "flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,\n"
 "                      max_seqlen_q=None, max_seqlen_k=None, scale=None, dropout_p=0.0,\n"

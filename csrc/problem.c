@@ -15,6 +15,7 @@ void or_call_clear(or_call *c)
     }
     Py_CLEAR(c->cu_q);
     Py_CLEAR(c->cu_k);
+    Py_CLEAR(c->used_k);
     PyMem_Free(c->nq);
     PyMem_Free(c->nk);
     PyMem_Free(c->slopes);
@@ -111,6 +112,7 @@ static int dense_tables(or_call *c)
 static int varlen_tables(or_call *c)
 {
     const int64_t *cq = PyArray_DATA(c->cu_q), *ck = PyArray_DATA(c->cu_k);
+    const int64_t *used = c->used_k ? PyArray_DATA(c->used_k) : NULL;
     or_ssize nseq = PyArray_DIM(c->cu_q, 0) - 1, h = c->heads, hkv = h / c->p.prm.group;
     c->p.n_units = nseq * h;
     if (!(c->nq = or_alloc_units(nseq * h, sizeof(or_ssize)))
@@ -119,7 +121,7 @@ static int varlen_tables(or_call *c)
     for (or_ssize b = 0; b < nseq; b++)
         for (or_ssize i = 0; i < h; i++) {
             c->nq[b * h + i] = cq[b + 1] - cq[b];
-            c->nk[b * h + i] = ck[b + 1] - ck[b];
+            c->nk[b * h + i] = used ? used[b] : ck[b + 1] - ck[b];
         }
     for (int s = 0; s < OR_NSLOTS; s++) {
         if (c->arr[s] == NULL)

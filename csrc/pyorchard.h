@@ -50,7 +50,7 @@ int or_device_save_tuned_blocks(int index, int bq, int bk);
 
 /* The options of an attention call as parsed; window NULL = (-1, -1), seed NULL = 0. */
 typedef struct {
-    PyObject *scale, *window, *alibi, *seed, *device, *max_q, *max_k;
+    PyObject *scale, *window, *alibi, *seed, *device, *max_q, *max_k, *seqused_k;
     double dropout_p, softcap;
     int causal;
 } or_opts;
@@ -64,6 +64,7 @@ typedef struct {
     PyObject *like;                 /* the first operand: results come back as its kind */
     or_ssize *offs[OR_NSLOTS];
     PyArrayObject *cu_q, *cu_k;     /* int64 copies of cu_seqlens */
+    PyArrayObject *used_k;          /* int64 copy of seqused_k, or NULL */
     or_ssize *nq, *nk;
     double *slopes;
     or_ssize heads;                 /* query heads H (dense: size of dim -3, or 1) */

@@ -7,11 +7,12 @@ float16, bfloat16, float32 and float64, plus a device= keyword (an orchard devic
 orchard is always deterministic (deterministic= is accepted) and splits the keys itself
 (num_splits= is accepted). Every call goes through orchard.torch._attention.
 """
+import itertools
 import math
 
 import torch
 
-from orchard.torch import _MAX_HEAD_DIM, _Options, _attention, _check_tensors, _dropout_keep, _seed
+from orchard.torch import _MAX_HEAD_DIM, _Options, _attention, _forward, _check_tensors, _dropout_keep, _seed
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
            "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
@@ -353,8 +354,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     when rotary_cos/rotary_sin are given). Sequence b uses cache row cache_batch_idx[b] from
     cache_leftpad[b] to cache_seqlens[b] + seqlen_new. The cache is (batch_cache, seqlen_cache,
     nheads_k, headdim), read in place, or with block_table pages (num_blocks, page_block_size,
-    nheads_k, headdim) of any page size, gathered per call (a copy) for now. Not
-    differentiable. Returns out, or (out, softmax_lse) with return_softmax_lse."""
+    nheads_k, headdim) of any page size, gathered per call (a copy). One call for the
+    whole batch; a decode step (seqlen_q <= 16) takes the split-KV path. Not differentiable.
+    Returns out, or (out, softmax_lse) with return_softmax_lse."""
     fn = "flash_attn_with_kvcache"
     if (k is None) != (v is None):
         _fail(fn, "v" if v is None else "k", "must be given with '%s'" % ("k" if v is None else "v"))
@@ -440,35 +442,45 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # As FlashAttention-2: queries sit at the new tokens' positions when masks place them,
     # else all at cache_seqlens.
     local = opts.causal or opts.window != (-1, -1)
-    out = q.new_empty(batch, nq, q.shape[2], dv)
-    lse = torch.empty(batch, q.shape[2], nq,
-                      dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
-    for b, (r, s, p) in enumerate(zip(rows, seqlens, leftpad)):
+    qs = []
+    for b, (r, s) in enumerate(zip(rows, seqlens)):
         pos = torch.arange(s, s + n)
-        if paged:
-            pages = torch.tensor(table[b][:-(-(s + n) // page)], dtype=torch.long)
         if k is not None:
             kb = k[b] if rotary_cos is None else _rotary(k[b], rotary_cos, rotary_sin, pos,
                                                          rotary_interleaved)
             if paged:
+                pages = torch.tensor(table[b][:-(-(s + n) // page)], dtype=torch.long)
                 k_cache[pages[pos // page], pos % page] = kb
                 v_cache[pages[pos // page], pos % page] = v[b]
             else:
                 k_cache[r, s:s + n] = kb
                 v_cache[r, s:s + n] = v[b]
-        if paged:
-            kc, vc = k_cache[pages].flatten(0, 1)[p:s + n], v_cache[pages].flatten(0, 1)[p:s + n]
-        else:
-            kc, vc = k_cache[r, p:s + n], v_cache[r, p:s + n]
-        qb = q[b]
         if rotary_cos is not None:
             qpos = torch.arange(s, s + nq) if local else torch.full((nq,), s)
-            qb = _rotary(qb, rotary_cos, rotary_sin, qpos, rotary_interleaved)
-        slopes = opts.alibi_slopes
-        ob, lb = _attention(qb.transpose(0, 1)[None], kc.transpose(0, 1)[None],
-                            vc.transpose(0, 1)[None], opts._replace(
-                                alibi_slopes=slopes[b] if slopes is not None and slopes.dim() == 2
-                                else slopes))
-        out[b] = ob[0].transpose(0, 1)
-        lse[b] = lb[0]
+            qs.append(_rotary(q[b], rotary_cos, rotary_sin, qpos, rotary_interleaved))
+    if qs:
+        q = torch.stack(qs)
+
+    # One varlen call over the whole batch: sequence b's keys are cache rows [leftpad, seqlen
+    # + n), read in place from its slot of the flattened cache (seqused_k says how many are
+    # used); a paged or reordered cache is gathered first (a copy).
+    used = [s + n - p for s, p in zip(seqlens, leftpad)]
+    if paged:
+        index = torch.cat([(torch.tensor(table[b], dtype=torch.long)[:, None] * page
+                            + torch.arange(page)).flatten()[p:s + n]
+                           for b, (s, p) in enumerate(zip(seqlens, leftpad))])
+        kc, vc = k_cache.flatten(0, 1)[index], v_cache.flatten(0, 1)[index]
+        starts = [0] + list(itertools.accumulate(used))
+    else:
+        slots = slice(0, batch) if rows == list(range(batch)) else rows
+        k_cache, v_cache = k_cache[slots], v_cache[slots]
+        # offsets from the first used row, where cu_seqlens_k must start
+        kc, vc = k_cache.flatten(0, 1)[leftpad[0]:], v_cache.flatten(0, 1)[leftpad[0]:]
+        starts = [b * capacity + p - leftpad[0] for b, p in enumerate(leftpad + [0])]
+    cu_q = torch.arange(0, (batch + 1) * nq, nq, dtype=torch.int32)
+    out, lse = _forward(q.flatten(0, 1), kc, vc, opts._replace(
+        cu_seqlens_q=cu_q, cu_seqlens_k=torch.tensor(starts, dtype=torch.int32),
+        seqused_k=None if paged else torch.tensor(used, dtype=torch.int32)))
+    out = out.unflatten(0, (batch, nq))
+    lse = lse.unflatten(1, (batch, nq)).transpose(0, 1)
     return (out, lse) if return_softmax_lse else out

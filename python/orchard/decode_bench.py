@@ -1,0 +1,68 @@
+"""Decode-step benchmark: one new query token over a long KV cache, orchard against torch's
+scaled_dot_product_attention on the same tensors, and both against the machine's read
+bandwidth (a large multithreaded sum measured in the same run). orchard-bench --decode and
+benchmarks/decode.py print it.
+
+A decode step reads every key and value once and does little arithmetic with them, so its
+roof is memory bandwidth: GB/s here are bytes of K and V per second.
+"""
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+import orchard_ops
+from orchard.benchmark import best_time
+
+# (query heads, kv heads, head dim, cache length): the issue's shapes, a Llama-style model
+CASES = [(32, 8, 128, 4096), (32, 8, 128, 16384), (32, 32, 128, 4096), (32, 32, 128, 16384)]
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def read_bandwidth(repeats=5, nbytes=1 << 30):
+    """GB/s of a sum over `nbytes` of float32 with all of torch's threads: the machine's
+    read bandwidth as a program sees it."""
+    x = torch.ones(nbytes // 4)
+    return nbytes / best_time(lambda: x.sum(), repeats) / 1e9
+
+
+def measure(cases=CASES, dtypes=DTYPES, rounds=5, device="cpu"):
+    """One row per (case, dtype): orchard and torch ms (medians over rounds of the best of 3),
+    their GB/s of K and V read, the ratio, and the fraction of the machine's bandwidth."""
+    bandwidth = read_bandwidth()
+    rows = []
+    for h, hkv, d, n in cases:
+        g = torch.Generator().manual_seed(0)
+        for dt in dtypes:
+            q = torch.randn(1, h, 1, d, generator=g).to(dt)
+            k = torch.randn(1, hkv, n, d, generator=g).to(dt)
+            v = torch.randn(1, hkv, n, d, generator=g).to(dt)
+            gqa = hkv != h
+            ours, theirs = [], []
+            for _ in range(rounds):
+                ours.append(best_time(lambda: orchard_ops.flash_attn_fwd(
+                    q, k, v, causal=True, device=device), 3))
+                theirs.append(best_time(lambda: F.scaled_dot_product_attention(
+                    q, k, v, enable_gqa=gqa), 3))
+            t_o, t_t = statistics.median(ours), statistics.median(theirs)
+            kv_bytes = 2 * hkv * n * d * k.element_size()
+            rows.append(dict(heads=h, kv_heads=hkv, d=d, n=n, dtype=str(dt).split(".")[-1],
+                             orchard_ms=t_o * 1e3, torch_ms=t_t * 1e3,
+                             orchard_gbs=kv_bytes / t_o / 1e9, torch_gbs=kv_bytes / t_t / 1e9,
+                             speedup=t_t / t_o, bandwidth_fraction=kv_bytes / t_o / 1e9 / bandwidth))
+    return bandwidth, rows
+
+
+def table(bandwidth, rows, device="cpu"):
+    """Markdown table of measure()'s rows."""
+    lines = ["decode, batch 1, one query token, orchard device %s; machine read bandwidth "
+             "%.1f GB/s (multithreaded sum, this run)" % (device, bandwidth), "",
+             "| heads / kv heads | D | cache | dtype | orchard ms | torch SDPA ms | orchard GB/s "
+             "| torch GB/s | orchard vs torch | orchard / bandwidth |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append("| %d / %d | %d | %d | %s | %.3f | %.3f | %.1f | %.1f | %.2fx | %.0f %% |" % (
+            r["heads"], r["kv_heads"], r["d"], r["n"], r["dtype"], r["orchard_ms"],
+            r["torch_ms"], r["orchard_gbs"], r["torch_gbs"], r["speedup"],
+            100 * r["bandwidth_fraction"]))
+    return "\n".join(lines)
