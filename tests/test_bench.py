@@ -27,6 +27,22 @@ def test_bench_cli_json_and_table(tmp_path):
     assert "GFLOP/s" in r.stdout
 
 
+def test_bench_decode_table(tmp_path):
+    out = tmp_path / "bench.json"
+    r = run_python("""
+        from orchard.cli import bench
+        bench.main(["--quick", "--dtypes", "float32", "--devices", "cpu", "--causal", "no",
+                    "--decode", "--json", %r])
+    """ % str(out), timeout=600)
+    assert r.returncode == 0, r.stderr
+    decode = json.loads(out.read_text())["decode"]["cpu"]
+    assert decode["read_bandwidth_gbs"] > 0
+    assert {row["dtype"] for row in decode["results"]} == {"float32", "bfloat16"}
+    for row in decode["results"]:
+        assert row["orchard_ms"] > 0 and row["torch_ms"] > 0 and row["speedup"] > 0
+    assert "orchard / bandwidth" in r.stdout
+
+
 def test_update_readme_writes_targets_and_grid(tmp_path):
     """benchmarks/update_readme.py measures the grid and every target figure (at the quick
     shape) and writes them between the markers of a README, with the JSON and the plot."""

@@ -2,12 +2,13 @@
 
     orchard-bench [--shapes B,H,N,D ...] [--devices cpu,opencl:0] [--dtypes float32,float16,bfloat16]
                   [--causal both] [--repeats 5] [--quick] [--json FILE] [--plot FILE.png]
-                  [--train]
+                  [--train] [--decode]
 
 A table of forward and backward ms and GFLOP/s of orchard on every device, beside NumPy's
 matrix product (the roofline), the NumPy reference and torch SDPA (orchard.benchmark says
 how); --train adds the tokens/s of the demo model trained with orchard's attention against
-the same model on torch SDPA.
+the same model on torch SDPA; --decode adds the decode-step table (one query token over a KV
+cache, orchard against torch SDPA and the machine's read bandwidth: orchard.decode_bench).
 """
 import argparse
 import importlib.util
@@ -44,6 +45,8 @@ def main(argv=None):
     parser.add_argument("--plot", help="write a PNG of GFLOP/s against N here")
     parser.add_argument("--train", action="store_true",
                         help="also time training steps of the demo model (needs torch)")
+    parser.add_argument("--decode", action="store_true",
+                        help="also time decode steps over a KV cache (needs torch)")
     args = parser.parse_args(argv)
     quick = args.quick or os.environ.get("ORCHARD_BENCH_QUICK") == "1"
     shapes = args.shapes or (benchmark.QUICK_SHAPES if quick else benchmark.DEFAULT_SHAPES)
@@ -68,6 +71,14 @@ def main(argv=None):
         t = report["training_tokens_per_s"]
         print("training, demo model: orchard %.0f tokens/s, torch SDPA %.0f tokens/s (%.2fx)"
               % (t["orchard"], t["torch-sdpa"], t["orchard"] / t["torch-sdpa"]))
+    if args.decode:
+        from .. import decode_bench
+        cases = [(8, 2, 64, 1024)] if quick else decode_bench.CASES
+        report["decode"] = {}
+        for device in devices:
+            bandwidth, rows = decode_bench.measure(cases, rounds=1 if quick else 5, device=device)
+            report["decode"][device] = dict(read_bandwidth_gbs=bandwidth, results=rows)
+            print(decode_bench.table(bandwidth, rows, device))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
