@@ -8,8 +8,9 @@
  * contiguous range of keys, read once, in order, a block of BC keys at a time:
  *   q    R x dp        the group's query rows, pre-multiplied by scale (row g * nq + i is
  *                      query row i of the group's head g)
- *   k    BC x dp       the key block, converted, or read in place when already REAL rows
- *   v    BC x dvp      the value block, likewise
+ *   k, v               read in place through their strides, in their own dtype, widened to
+ *                      REAL in registers (no tile: a float16/bfloat16 step would otherwise
+ *                      write and reread a float copy of the cache)
  *   s    R x BC        scores, then probabilities (the forward's s tile)
  * and leaves, per row, its partial (unnormalised output o, running max m, sum l) in part.
  * The combine item of a kv unit then merges its splits exactly, in split order:
@@ -26,28 +27,75 @@ static inline REAL *FN(decode_part)(const or_job *job, or_ssize item)
     return (REAL *)job->part + item * job->part_stride;
 }
 
-static inline __attribute__((always_inline)) REAL FN(hsum)(FN(vec) a)
+/* The sum of a vector's lanes (a pointer: vector arguments would change the ABI between the
+ * clones). */
+static inline __attribute__((always_inline)) REAL FN(hsum)(const FN(vec) *a)
 {
     REAL t = 0;
     for (int l = 0; l < DVL; l++)
-        t += a[l];
+        t += (*a)[l];
     return t;
 }
 
-/* s[r * BC + c] = q row r . key row c, for r < rows, c < cols; both padded with zeros to a
- * multiple of DVL (dlen). Four keys at a time: four independent sums hide the FMA latency
- * that one dot product's chain exposes (about 2x the decode step, measured). */
-static inline __attribute__((always_inline)) void
-FN(decode_scores)(REAL *s, const REAL *q, int rows, int dp, const REAL *k, or_ssize ldk,
-                  int cols, int dlen)
+/* n rows of a key or value block (len elements of dtype dt, stride bytes apart) as REAL rows
+ * of *ld: in place when they already are REAL, else widened into buf (n x len, in L1): once
+ * per key for all the rows of the group, not once per row. dt is a constant wherever this is
+ * inlined (decode_item's dispatch), so the switch folds away. */
+static inline __attribute__((always_inline)) const REAL *
+FN(decode_rows)(REAL *buf, const char *src, or_ssize stride, int n, int len, or_dtype dt,
+                or_ssize *ld)
 {
+    if (dt == (sizeof(REAL) == sizeof(double) ? OR_F64 : OR_F32)) {
+        *ld = stride / (or_ssize)sizeof(REAL);
+        return (const REAL *)src;
+    }
+    for (int t = 0; t < n; t++, src += stride) {
+        REAL *restrict out = buf + t * len;
+        switch (dt) {
+#define OR_LOAD(id, tag, ...) \
+        case id: for (int i = 0; i < len; i++) out[i] = (REAL)or_load_##tag(src, i); break;
+        OR_DTYPES(OR_LOAD)
+#undef OR_LOAD
+        }
+    }
+    *ld = len;
+    return buf;
+}
+
+/* q row . key row over d elements: whole vectors into acc, then the tail. */
+static inline __attribute__((always_inline)) REAL
+FN(dot)(const REAL *qrow, const REAL *krow, int d)
+{
+    const int dvec = d - d % DVL;
+    FN(vec) a = {0}, x, y;
+    for (int i = 0; i < dvec; i += DVL) {
+        memcpy(&x, qrow + i, sizeof(x));
+        memcpy(&y, krow + i, sizeof(y));
+        a += x * y;
+    }
+    REAL t = FN(hsum)(&a);
+    for (int i = dvec; i < d; i++)
+        t += qrow[i] * krow[i];
+    return t;
+}
+
+/* s[r * BC + c] = q row r . key row c, for r < rows, c < cols (keys of dtype dt, ks bytes
+ * apart). Four keys at a time: four independent sums hide the FMA latency that one dot
+ * product's chain exposes (about 2x the decode step, measured). */
+static inline __attribute__((always_inline)) void
+FN(decode_scores)(REAL *s, const REAL *q, int rows, int dp, const char *k, or_ssize ks,
+                  int cols, int d, or_dtype dt, REAL *buf)
+{
+    const int dvec = d - d % DVL;
+    or_ssize ld;
     int c = 0;
     for (; c + 4 <= cols; c += 4) {
-        const REAL *k0 = k + (or_ssize)c * ldk, *k1 = k0 + ldk, *k2 = k1 + ldk, *k3 = k2 + ldk;
+        const REAL *k0 = FN(decode_rows)(buf, k + c * ks, ks, 4, d, dt, &ld);
+        const REAL *k1 = k0 + ld, *k2 = k1 + ld, *k3 = k2 + ld;
         for (int r = 0; r < rows; r++) {
             const REAL *qrow = q + (or_ssize)r * dp;
             FN(vec) a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, x, y;
-            for (int i = 0; i < dlen; i += DVL) {
+            for (int i = 0; i < dvec; i += DVL) {
                 memcpy(&x, qrow + i, sizeof(x));
                 memcpy(&y, k0 + i, sizeof(y));
                 a0 += x * y;
@@ -58,37 +106,35 @@ FN(decode_scores)(REAL *s, const REAL *q, int rows, int dp, const REAL *k, or_ss
                 memcpy(&y, k3 + i, sizeof(y));
                 a3 += x * y;
             }
-            REAL *srow = s + (or_ssize)r * BC + c;
-            srow[0] = FN(hsum)(a0);
-            srow[1] = FN(hsum)(a1);
-            srow[2] = FN(hsum)(a2);
-            srow[3] = FN(hsum)(a3);
+            REAL t[4] = {FN(hsum)(&a0), FN(hsum)(&a1), FN(hsum)(&a2), FN(hsum)(&a3)};
+            for (int i = dvec; i < d; i++) {
+                t[0] += qrow[i] * k0[i];
+                t[1] += qrow[i] * k1[i];
+                t[2] += qrow[i] * k2[i];
+                t[3] += qrow[i] * k3[i];
+            }
+            memcpy(s + (or_ssize)r * BC + c, t, sizeof(t));
         }
     }
     for (; c < cols; c++) {
-        const REAL *krow = k + (or_ssize)c * ldk;
-        for (int r = 0; r < rows; r++) {
-            const REAL *qrow = q + (or_ssize)r * dp;
-            FN(vec) a = {0}, x, y;
-            for (int i = 0; i < dlen; i += DVL) {
-                memcpy(&x, qrow + i, sizeof(x));
-                memcpy(&y, krow + i, sizeof(y));
-                a += x * y;
-            }
-            s[(or_ssize)r * BC + c] = FN(hsum)(a);
-        }
+        const REAL *krow = FN(decode_rows)(buf, k + c * ks, ks, 1, d, dt, &ld);
+        for (int r = 0; r < rows; r++)
+            s[(or_ssize)r * BC + c] = FN(dot)(q + (or_ssize)r * dp, krow, d);
     }
 }
 
-/* o (rows x dvp) += P (s, rows x BC) V (cols value rows of ldv), four value rows at a time so
- * that an output row is loaded and stored once per four keys; each value row is read once. */
+/* o (rows x dvp) += P (s, rows x BC) V (cols value rows of dtype dt, vs bytes apart), four
+ * value rows at a time so that an output row is loaded and stored once per four keys; each
+ * value row is read (and widened) once. */
 static inline __attribute__((always_inline)) void
-FN(decode_pv)(REAL *o, int dvp, int dv, const REAL *s, int rows, const REAL *v, or_ssize ldv,
-              int cols)
+FN(decode_pv)(REAL *o, int dvp, int dv, const REAL *s, int rows, const char *v, or_ssize vs,
+              int cols, or_dtype dt, REAL *buf)
 {
+    or_ssize ld;
     int c = 0;
     for (; c + 4 <= cols; c += 4) {
-        const REAL *v0 = v + (or_ssize)c * ldv, *v1 = v0 + ldv, *v2 = v1 + ldv, *v3 = v2 + ldv;
+        const REAL *v0 = FN(decode_rows)(buf, v + c * vs, vs, 4, dv, dt, &ld);
+        const REAL *v1 = v0 + ld, *v2 = v1 + ld, *v3 = v2 + ld;
         for (int r = 0; r < rows; r++) {
             const REAL *p = s + (or_ssize)r * BC + c;
             REAL *orow = o + (or_ssize)r * dvp;
@@ -97,7 +143,7 @@ FN(decode_pv)(REAL *o, int dvp, int dv, const REAL *s, int rows, const REAL *v, 
         }
     }
     for (; c < cols; c++) {
-        const REAL *vrow = v + (or_ssize)c * ldv;
+        const REAL *vrow = FN(decode_rows)(buf, v + c * vs, vs, 1, dv, dt, &ld);
         for (int r = 0; r < rows; r++) {
             const REAL pc = s[(or_ssize)r * BC + c];
             REAL *orow = o + (or_ssize)r * dvp;
@@ -108,7 +154,8 @@ FN(decode_pv)(REAL *o, int dvp, int dv, const REAL *s, int rows, const REAL *v, 
 }
 
 /* Asks for the next block's key and value rows while this one is computed: one core alone
- * reads the cache at well below the machine's bandwidth otherwise. */
+ * reads the cache at well below the machine's bandwidth otherwise (without it, 1.05-1.3x
+ * slower in float32, measured). */
 static inline __attribute__((always_inline)) void
 FN(decode_prefetch)(const char *k, const char *v, or_ssize kstride, or_ssize vstride, int rows,
                     int kbytes, int vbytes)
@@ -121,11 +168,10 @@ FN(decode_prefetch)(const char *k, const char *v, or_ssize kstride, or_ssize vst
     }
 }
 
-/* One split of one kv unit. */
-__attribute__((target_clones(OR_CLONES)))
-static void FN(decode_item)(void *vjob, or_ssize item, int worker)
+/* One split of one kv unit, whose keys and values are of dtype dt. */
+static inline __attribute__((always_inline)) void
+FN(decode_split)(const or_job *job, or_ssize item, int worker, or_dtype dt)
 {
-    const or_job *job = vjob;
     const or_problem *p = job->p;
     const or_view *w = p->view;
     const or_ssize kvu = item / job->splits, split = item % job->splits;
@@ -136,8 +182,8 @@ static void FN(decode_item)(void *vjob, or_ssize item, int worker)
 
     REAL *o = FN(decode_part)(job, item), *m = o + (or_ssize)rows * dvp, *l = m + rows;
     REAL *q = (REAL *)(job->scratch + (size_t)worker * job->per_worker);
-    REAL *s = q + (or_ssize)rows * dp, *kb = s + (or_ssize)rows * BC, *vb = kb + BC * dp;
-    unsigned char *keep = (unsigned char *)(vb + BC * dvp);
+    REAL *s = q + (or_ssize)rows * dp, *buf = s + (or_ssize)rows * BC;     /* buf: 4 x max(d, dv) */
+    unsigned char *keep = (unsigned char *)(buf + 4 * (d > dv ? d : dv));
 
     for (int r = 0; r < rows; r++) {
         m[r] = -INFINITY;
@@ -154,35 +200,15 @@ static void FN(decode_item)(void *vjob, or_ssize item, int worker)
     for (or_ssize g = 0; g < group; g++)
         FN(load_rows)(q + g * nq * dp, dp, FN(row_ptr)(p, OR_Q, u0 + g, 0), w[OR_Q].row_stride,
                       nq, d, nq, w[OR_Q].dtype, (REAL)p->prm.scale);
-    /* REAL rows of whole vectors are read in place; others are converted a block at a time */
-    const or_dtype real_dtype = sizeof(REAL) == sizeof(double) ? OR_F64 : OR_F32;
-    const int k_in_place = w[OR_K].dtype == real_dtype && d % DVL == 0
-                           && w[OR_K].row_stride % (or_ssize)sizeof(REAL) == 0;
-    const int v_in_place = w[OR_V].dtype == real_dtype
-                           && w[OR_V].row_stride % (or_ssize)sizeof(REAL) == 0;
+    const or_ssize ks = w[OR_K].row_stride, vs = w[OR_V].row_stride;
     for (or_ssize j0 = lo; j0 < hi; j0 += BC) {
         const int cols = (int)(hi - j0 < BC ? hi - j0 : BC), ncols = FN(pad)(cols);
-        const char *ksrc = FN(row_ptr)(p, OR_K, kvu, j0), *vsrc = FN(row_ptr)(p, OR_V, kvu, j0);
-        const REAL *kr = kb, *vr = vb;
-        or_ssize ldk = dp, ldv = dvp;
+        const char *kr = FN(row_ptr)(p, OR_K, kvu, j0), *vr = FN(row_ptr)(p, OR_V, kvu, j0);
         if (j0 + BC < hi)
-            FN(decode_prefetch)(ksrc + BC * w[OR_K].row_stride, vsrc + BC * w[OR_V].row_stride,
-                                w[OR_K].row_stride, w[OR_V].row_stride,
+            FN(decode_prefetch)(kr + BC * ks, vr + BC * vs, ks, vs,
                                 (int)(hi - j0 - BC < BC ? hi - j0 - BC : BC),
                                 d * w[OR_K].itemsize, dv * w[OR_V].itemsize);
-        if (k_in_place) {
-            kr = (const REAL *)ksrc;
-            ldk = w[OR_K].row_stride / (or_ssize)sizeof(REAL);
-        } else {
-            FN(load_rows)(kb, dp, ksrc, w[OR_K].row_stride, cols, d, cols, w[OR_K].dtype, 1);
-        }
-        if (v_in_place) {
-            vr = (const REAL *)vsrc;
-            ldv = w[OR_V].row_stride / (or_ssize)sizeof(REAL);
-        } else {
-            FN(load_rows)(vb, dvp, vsrc, w[OR_V].row_stride, cols, dv, cols, w[OR_V].dtype, 1);
-        }
-        FN(decode_scores)(s, q, rows, dp, kr, ldk, cols, k_in_place ? d : dp);
+        FN(decode_scores)(s, q, rows, dp, kr, ks, cols, d, dt, buf);
         for (or_ssize g = 0; g < group; g++)
             FN(transform_scores)(p, (int)nq, cols, 0, j0, nq, nk,
                                  p->slopes ? (REAL)p->slopes[u0 + g] : 0, s + g * nq * BC, NULL);
@@ -207,7 +233,19 @@ static void FN(decode_item)(void *vjob, or_ssize item, int worker)
                     srow[c] = keep[c] ? srow[c] * drop_scale : 0;
             }
         }
-        FN(decode_pv)(o, dvp, dv, s, rows, vr, ldv, cols);
+        FN(decode_pv)(o, dvp, dv, s, rows, vr, vs, cols, dt, buf);
+    }
+}
+
+/* A work item: one split, in an instance for its key and value dtype. */
+__attribute__((target_clones(OR_CLONES)))
+static void FN(decode_item)(void *vjob, or_ssize item, int worker)
+{
+    const or_job *job = vjob;
+    switch (job->p->view[OR_K].dtype) {
+#define OR_SPLIT(id, ...) case id: FN(decode_split)(job, item, worker, id); break;
+    OR_DTYPES(OR_SPLIT)
+#undef OR_SPLIT
     }
 }
 
@@ -229,7 +267,8 @@ static void FN(decode_combine_item)(void *vjob, or_ssize kvu, int worker)
         memset(out, 0, sizeof(REAL) * (size_t)dvp);
         for (or_ssize s = 0; mmax > -INFINITY && s < job->splits; s++) {
             const REAL *part = FN(decode_part)(job, kvu * job->splits + s);
-            const REAL ms = part[(or_ssize)rows * dvp + r], ls = part[(or_ssize)rows * dvp + rows + r];
+            const REAL *ml = part + (or_ssize)rows * dvp;   /* m, then l */
+            const REAL ms = ml[r], ls = ml[rows + r];
             if (ls == 0)
                 continue;
             const REAL f = EXP(ms - mmax);

@@ -140,7 +140,8 @@ static int decode_fwd(const or_problem *p, int dbl)
     or_ssize keys = (nk_max + per_unit - 1) / per_unit;
     keys = keys < DECODE_MIN_KEYS ? DECODE_MIN_KEYS : (keys + BC - 1) / BC * BC;
     const size_t rows = (size_t)(group * nq_max);
-    or_job job = {.p = p, .split_keys = keys, .splits = nk_max > 0 ? (nk_max + keys - 1) / keys : 1};
+    or_job job = {.p = p, .split_keys = keys,
+                  .splits = nk_max > 0 ? (nk_max + keys - 1) / keys : 1};
     job.part_stride = (or_ssize)((rows * (dvp + 2) + lanes - 1) / lanes * lanes);
     const size_t items = (size_t)(n_kv * job.splits);
     if (items > SIZE_MAX / real / (size_t)job.part_stride)
@@ -148,8 +149,8 @@ static int decode_fwd(const or_problem *p, int dbl)
     job.part = aligned_alloc(64, real * (size_t)job.part_stride * items);
     if (job.part == NULL)
         return OR_ENOMEM;
-    /* q, s, k and v tiles and the dropout keep row */
-    job.per_worker = round_up(real * (rows * dp + rows * BC + BC * (dp + dvp)) + BC);
+    /* q and s tiles, four widened key or value rows, the dropout keep row */
+    job.per_worker = round_up(real * (rows * dp + rows * BC + 4 * (dp > dvp ? dp : dvp)) + BC);
     int rc = run_job(&job, (or_ssize)items, dbl ? decode_item_d : decode_item_f);
     if (rc == OR_OK) {
         job.per_worker = round_up(real * dvp);      /* a row of out */
