@@ -312,3 +312,12 @@ def test_the_mask_function_reads_transformers_masks():
     chunked = masking_utils.chunked_causal_mask_function(2, torch.zeros(2, dtype=torch.long))
     got = hf.attention_mask(2, 5, 5, mask_function=chunked)
     assert got.shape == (2, 1, 5, 5) and "chunked attention" in got.orchard_fallback
+
+
+def test_llama_benchmark_runs_at_tiny_size():
+    """benchmarks/hf_llama.py (the README's figure) at a tiny size: it runs, every attention
+    call of the orchard model's step is on orchard, and it prints its table."""
+    result = run_python(["benchmarks/hf_llama.py", "--batch", "1", "--seq", "16", "--layers",
+                         "1", "--hidden", "32", "--vocab", "64", "--rounds", "1"])
+    assert result.returncode == 0, result.stderr
+    assert "ms per step" in result.stdout and "orchard / sdpa speed" in result.stdout
