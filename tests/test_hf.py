@@ -19,7 +19,7 @@ from orchard.torch import _seed  # noqa: E402
 from test_py_support import run_python  # noqa: E402
 from transformers import (  # noqa: E402
     Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config,
-    GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+    GPT2LMHeadModel, GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
     Qwen2Config, Qwen2ForCausalLM, masking_utils)
 
 VOCAB = 97
@@ -74,6 +74,10 @@ def padding(kind, batch=3, n=12):
     elif kind == "right":
         mask[0, 7:] = 0
         mask[1, 10:] = 0
+    elif kind == "gaps":
+        mask[0, 3:6] = 0
+        mask[2, :2] = 0
+        mask[2, 8:10] = 0
     return mask
 
 
@@ -157,6 +161,17 @@ def test_logits_and_gradients_match(name, pad, no_fallback):
     assert_same_results(got, forward_backward(ref, real, **inputs))
     stats = got[2]
     assert stats["fwd_calls"] == LAYERS and stats["bwd_calls"] == LAYERS
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "gpt2"])
+def test_padding_between_real_tokens(name, no_fallback):
+    """Without a window, any padding mask unpads onto varlen: causal order is kept."""
+    ref, model = pair(name)
+    real = padding("gaps")
+    inputs = dict(input_ids=tokens(3, 12), attention_mask=real)
+    got = forward_backward(model, real, **inputs)
+    assert_same_results(got, forward_backward(ref, real, **inputs))
+    assert got[2]["fwd_calls"] == LAYERS
 
 
 @pytest.mark.parametrize("name", ["llama-gqa", "mistral-window", "gemma2-softcap"])
@@ -298,6 +313,42 @@ def test_a_window_over_padding_gaps_falls_back(fresh_warnings):
     with pytest.warns(UserWarning, match="padding between real tokens"):
         got = model(**inputs).logits
     assert_close(got[real.bool()], ref(**inputs).logits[real.bool()])
+
+
+def test_attention_sinks_fall_back_to_eager(fresh_warnings):
+    """gpt-oss adds a learned sink per head (s_aux); sdpa has none, the model's eager has."""
+    config = GptOssConfig(num_key_value_heads=2, head_dim=16, num_local_experts=2,
+                          num_experts_per_tok=1, sliding_window=4, **SMALL)
+    MODELS["gpt-oss"] = (GptOssForCausalLM, config, "eager")
+    try:
+        ref, model = pair("gpt-oss")
+    finally:
+        del MODELS["gpt-oss"]
+    with torch.no_grad():      # sinks start at zero; make them matter
+        for layer in model.model.layers:
+            torch.nn.init.normal_(layer.self_attn.sinks)
+    ref.load_state_dict(model.state_dict())
+    ids = tokens(2, 12)
+    with pytest.warns(UserWarning, match="attention sinks"):
+        got = model(input_ids=ids).logits
+    assert_close(got, ref(input_ids=ids).logits)
+
+
+def test_a_head_dim_above_orchards_falls_back(fresh_warnings):
+    """head_dim 288 > 256: sdpa computes it, on the padding, causal mask orchard was given."""
+    ref, model = pair("llama-gqa", head_dim=288)
+    real = padding("left")
+    inputs = dict(input_ids=tokens(3, 12), attention_mask=real)
+    with pytest.warns(UserWarning, match="head dimension 288"):
+        got = model(**inputs).logits
+    assert_close(got[real.bool()], ref(**inputs).logits[real.bool()])
+
+
+def test_a_2d_mask_that_fits_no_reading_is_an_error():
+    module = torch.nn.Module()
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="'attention_mask' of shape \\(1, 3\\)"):
+        hf.attention_forward(module, q, q, q, torch.ones(1, 3, dtype=torch.bool))
 
 
 def test_the_mask_function_reads_transformers_masks():

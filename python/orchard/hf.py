@@ -153,7 +153,8 @@ def _has_gaps(padding):
 
 
 def _why_not(query, key, value, mask, sliding_window, kwargs):
-    """None when orchard computes this call, else the reason it cannot."""
+    """None when orchard computes this call, else the reason it cannot; ValueError for a 2-D
+    mask that does not fit the call."""
     tensors = (query, key, value)
     if any(t.device.type != "cpu" or t.layout != torch.strided for t in tensors):
         return "tensors on %s (orchard computes dense CPU tensors)" % query.device
@@ -174,23 +175,25 @@ def _why_not(query, key, value, mask, sliding_window, kwargs):
         return getattr(mask, "orchard_fallback", "a %d-D attention mask passed by the caller"
                        % mask.dim())
     if not query.shape[2] <= mask.shape[1] <= key.shape[2] or mask.shape[0] != query.shape[0]:
-        return "a 2-D attention mask of shape %s for %d queries over %d keys" % (
-            tuple(mask.shape), query.shape[2], key.shape[2])
+        raise ValueError("orchard.hf: 'attention_mask' of shape %s does not fit %d queries of "
+                         "batch %d over %d keys: a 2-D mask marks the keys, the queries being "
+                         "the last of them" % (tuple(mask.shape), query.shape[2],
+                                               query.shape[0], key.shape[2]))
     # orchard's window counts real tokens; transformers' counts positions, padding included
     if sliding_window is not None and _has_gaps(mask.bool()):
         return "a sliding window over a padding mask with padding between real tokens"
     return None
 
 
-def _visible(mask, batch, nq, nk, causal, window):
+def _visible(mask, batch, nq, nk, causal, window, device):
     """(batch, 1, nq, nk) bool: the keys each query sees in orchard's reading of the mask
     (queries the last nq positions), for the fallback."""
     packed = getattr(mask, "orchard_packed", False)
     if mask is not None and not packed:
         nk = mask.shape[1]
-    q = torch.arange(nk - nq, nk)[:, None]
-    k = torch.arange(nk)[None, :]
-    seen = torch.ones(nq, nk, dtype=torch.bool)
+    q = torch.arange(nk - nq, nk, device=device)[:, None]
+    k = torch.arange(nk, device=device)[None, :]
+    seen = torch.ones(nq, nk, dtype=torch.bool, device=device)
     if causal:
         seen &= k <= q
     if window[0] >= 0:
@@ -202,33 +205,34 @@ def _visible(mask, batch, nq, nk, causal, window):
         seen = seen & (mask[:, None, :, None] == mask[:, None, None, :])
     elif mask is not None:
         seen = seen & mask.bool()[:, None, None, :]
-    return seen.to(mask.device if mask is not None else "cpu")
+    return seen
 
 
 def _fallback(reason, module, query, key, value, mask, causal, window, dropout, scaling,
               softcap, kwargs):
-    """transformers' sdpa attention (the model's eager attention for softcap, which sdpa
-    lacks) on the mask orchard was given, materialised."""
+    """transformers' sdpa attention, or the model's own eager attention for a softcap or
+    attention sinks (sdpa has neither), on the mask orchard was given, materialised."""
     if mask is None or mask.dim() == 2:
         if mask is not None and not getattr(mask, "orchard_packed", False):
             key, value = key[:, :, :mask.shape[1]], value[:, :, :mask.shape[1]]
         if mask is not None or causal or window != (-1, -1):
             mask = _visible(mask, query.shape[0], query.shape[2], key.shape[2], causal,
-                            window).to(query.device)
-    if softcap is None:
+                            window, query.device)
+    if softcap is None and kwargs.get("s_aux") is None:
         _warn_once(reason, "transformers' sdpa attention")
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout,
                                       scaling=scaling, is_causal=causal, **kwargs)
     eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if eager is None:
-        raise ValueError("orchard.hf: %s, with softcap: neither orchard nor sdpa computes "
-                         "this; use attn_implementation='eager'" % reason)
-    _warn_once(reason, "the model's eager attention (sdpa has no softcap)")
-    if mask is not None and mask.dtype == torch.bool:
-        mask = torch.zeros((), dtype=query.dtype, device=query.device).masked_fill(
+        raise ValueError("orchard.hf: %s, and sdpa has no softcap or attention sinks: use "
+                         "attn_implementation='eager'" % reason)
+    _warn_once(reason, "the model's eager attention (sdpa has no softcap or attention sinks)")
+    if mask is not None and mask.dtype == torch.bool:     # eager adds the mask to the scores
+        mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
             ~mask, torch.finfo(query.dtype).min)
-    out, _ = eager(module, query, key, value, mask, dropout=dropout, scaling=scaling,
-                   softcap=softcap, **kwargs)
+    if softcap is not None:
+        kwargs = dict(kwargs, softcap=softcap)
+    out, _ = eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
     return out, None
 
 
