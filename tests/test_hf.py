@@ -203,11 +203,11 @@ def test_packed_sequences(name, no_fallback):
     logits = got[0].view(2, 12, -1)
     with torch.no_grad():
         alone = model(input_ids=ids[:1, 5:], use_cache=False).logits
-        # the same packing given as FlashAttention-style cu_seq_lens keywords
+        # the same packing given as FlashAttention-style cu_seq_lens keywords (which need
+        # no use_cache=False)
         cu = torch.tensor([0, 5, 12, 15, 24], dtype=torch.int32)
         flat = model(input_ids=ids.view(1, 24), position_ids=positions.view(1, 24),
-                     cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9, max_length_k=9,
-                     use_cache=False).logits
+                     cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9, max_length_k=9).logits
     assert_close(alone[0], logits[0, 5:])
     assert_close(flat.view(2, 12, -1), logits)
 
