@@ -19,8 +19,8 @@ from orchard.torch import _seed  # noqa: E402
 from test_py_support import run_python  # noqa: E402
 from transformers import (  # noqa: E402
     Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config,
-    GPT2LMHeadModel, GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-    Qwen2Config, Qwen2ForCausalLM, masking_utils)
+    GPT2LMHeadModel, GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM,
+    MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, masking_utils)
 
 VOCAB = 97
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
