@@ -111,6 +111,7 @@ def assert_same_results(got, want):
 @pytest.fixture
 def no_fallback():
     """Any fallback warning fails the test: orchard must compute every call."""
+    hf._warned.clear()      # a reason warned before would not warn again
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="orchard.hf")
         yield
