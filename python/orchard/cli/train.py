@@ -102,6 +102,11 @@ def main(argv=None):
         if args.device in (None, "auto"):
             log.info("device %s chosen automatically: %s", *auto_choice_reason())
         state = load_checkpoint(args.resume) if args.resume else None
+        hf_path = args.hf_config or args.hf_model
+        if hf_path and state is not None:
+            raise HFModelError("%s: --resume continues the checkpoint's own model; leave out "
+                               "--hf-config/--hf-model" % hf_path)
+        hf = load_hf_config(hf_path, pretrained=args.hf_model is not None) if hf_path else None
         sequences, vocab_size, data_info = load_training_data(args.sequences)
         if state is not None:
             # The checkpoint fixes the model; the rest is re-adapted to this device.
@@ -111,30 +116,25 @@ def main(argv=None):
         else:
             requested = apply_flags(load_config(args.config), args)
             seed = args.seed
-        hf_path = args.hf_config or args.hf_model
         hf_config = state.get("hf_config") if state is not None else None
-        if hf_path and state is not None:
-            raise HFModelError("%s: --resume continues the checkpoint's own model; leave out "
-                               "--hf-config/--hf-model" % hf_path)
-        if hf_path:
-            config = load_hf_config(hf_path, pretrained=args.hf_model is not None)
-            if vocab_size > config.vocab_size:
+        if hf is not None:
+            if vocab_size > hf.vocab_size:
                 if args.hf_model:
                     raise DataError("the data has token ids up to %d but the model of %s has "
                                     "a vocabulary of %d" % (vocab_size - 1, hf_path,
-                                                             config.vocab_size))
+                                                             hf.vocab_size))
                 log.info("%s: vocab_size %d -> %d: the data's vocabulary", hf_path,
-                         config.vocab_size, vocab_size)
-                config.vocab_size = vocab_size
+                         hf.vocab_size, vocab_size)
+                hf.vocab_size = vocab_size
             # The model section follows the HF model; only its context (the sequence length
             # trained on) comes from the config, within the model's max_position_embeddings.
-            model = model_section(config, requested["model"]["context"])
+            model = model_section(hf, requested["model"]["context"])
             if model["context"] != requested["model"]["context"]:
                 log.info("config model.context: %d -> %d: %s's max_position_embeddings",
                          requested["model"]["context"], model["context"], hf_path)
             requested["model"] = model
-            hf_config = config.to_json_string()
-            log.info("model: transformers %s, %s %s", config.model_type, "pretrained from"
+            hf_config = hf.to_json_string()
+            log.info("model: transformers %s, %s %s", hf.model_type, "pretrained from"
                      if args.hf_model else "randomly initialised from", hf_path)
         if vocab_size > requested["model"]["vocab_size"]:
             if state is not None:
