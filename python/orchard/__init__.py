@@ -8,6 +8,7 @@ orchard.checkpoint and orchard.generation need PyTorch (the optional extra):
     orchard.config           loading and validation of configs/universal.yaml
     orchard.reference        the float64 NumPy reference of the attention contract
     orchard.torch            flash_attention (autograd) and patch_model
+    orchard.hf               attn_implementation="orchard" in transformers 5.x (the hf extra)
     orchard.model            the GPT-style language model
     orchard.data             token sequences: loading, validation, windows, validation split
     orchard.trainer          the training loop

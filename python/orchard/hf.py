@@ -1,0 +1,307 @@
+"""HuggingFace transformers 5.x on orchard: attn_implementation="orchard".
+
+    import orchard.hf
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="orchard")
+
+register() (run by the import) adds two things to transformers: the attention function, and
+the mask function that transformers calls once per forward to describe the mask. The mask
+function returns what orchard can compute, as transformers' FlashAttention-2 integration
+does: None (causal, perhaps with the layer's sliding window), a 2-D (batch, keys) padding
+mask, which the attention function unpads onto orchard's varlen path, or the sequence ids
+(batch, seqlen) of packed sequences. Any other mask (a caller's own 4-D mask, a mask function
+orchard does not know) is materialised for transformers' sdpa attention, which then computes
+those calls, with one warning per reason.
+"""
+import sys
+import warnings
+
+try:
+    import torch
+except ImportError as e:
+    raise ImportError("orchard.hf needs PyTorch and transformers 5.x: "
+                      "pip install 'orchard[torch,hf]'") from e
+try:
+    import transformers
+    from transformers import AttentionInterface, masking_utils
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+except ImportError as e:
+    raise ImportError("orchard.hf needs transformers 5.x: pip install 'orchard[hf]'") from e
+if int(transformers.__version__.split(".")[0]) != 5:
+    raise ImportError("orchard.hf needs transformers 5.x, found %s: pip install 'orchard[hf]'"
+                      % transformers.__version__)
+
+from orchard.flash_attn import flash_attn_func, flash_attn_varlen_func
+from orchard.torch import _MAX_HEAD_DIM, _ROUTABLE_DTYPES
+
+__all__ = ["register", "attention_forward", "attention_mask"]
+
+NAME = "orchard"
+
+# ----------------------------------------------------------------------------- the mask
+
+
+class _Unsupported(Exception):
+    """A mask orchard cannot compute; the message says why."""
+
+
+def _code(fn):
+    return getattr(fn, "__code__", None)
+
+
+def _free_vars(fn):
+    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__)))
+
+
+# transformers builds mask functions as closures of a few factories; a closure is recognised by
+# its factory's code object, the same for every closure that factory makes.
+_AND = _code(masking_utils.and_masks(masking_utils.causal_mask_function))
+_OR = _code(masking_utils.or_masks(masking_utils.causal_mask_function))
+_WINDOW = _code(masking_utils.sliding_window_overlay(1))
+_CHUNKED = _code(masking_utils.chunked_overlay(1, None))
+_PACKED = _code(masking_utils.packed_sequence_mask_function(None))
+_REMAP = _code(masking_utils.remap_positions_for_packed_sequence(None, None))
+
+
+def _packed_ids(mask_function):
+    """None for a causal or sliding-window causal mask function, the sequence ids (batch,
+    seqlen) for one over packed sequences; _Unsupported for any other."""
+    fn = mask_function
+    if fn is masking_utils.causal_mask_function:
+        return None
+    if _code(fn) is _AND:
+        parts = _free_vars(fn)["mask_functions"]
+        if len(parts) == 2 and parts[1] is masking_utils.causal_mask_function:
+            if _code(parts[0]) is _WINDOW:
+                return None     # the layer passes its sliding_window to the attention function
+            if _code(parts[0]) is _CHUNKED:
+                raise _Unsupported("chunked attention (attention_chunk_size)")
+        if len(parts) == 2 and _code(parts[0]) is _PACKED and _code(parts[1]) is _REMAP:
+            if _packed_ids(_free_vars(parts[1])["mask_function"]) is None:
+                return _free_vars(parts[0])["packed_sequence_mask"]
+    if _code(fn) is _OR:
+        raise _Unsupported("a causal mask widened by an or_mask_function (for example "
+                           "bidirectional attention within image tokens)")
+    if fn is masking_utils.bidirectional_mask_function:
+        raise _Unsupported("a bidirectional (non-causal) mask")
+    raise _Unsupported("a mask function orchard does not know (%s)"
+                       % getattr(fn, "__qualname__", type(fn).__name__))
+
+
+def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
+                   mask_function=masking_utils.causal_mask_function, attention_mask=None,
+                   **kwargs):
+    """transformers' mask function for "orchard" (AttentionMaskInterface). The queries are at
+    positions q_offset.., the keys at kv_offset..; attention_mask (batch, positions) marks
+    the real tokens. Returns None, a (batch, keys) bool padding mask over the keys up to the
+    last query, packed-sequence ids marked orchard_packed, or for a mask orchard cannot
+    compute transformers' 4-D sdpa mask marked orchard_fallback (the reason)."""
+    q_offset, kv_offset = int(q_offset), int(kv_offset)
+    # Keys past the last query are a static cache's unwritten rows: the attention drops them.
+    n_keys = q_offset + q_length - kv_offset
+    try:
+        ids = _packed_ids(mask_function)
+        if not q_length <= n_keys <= kv_length:
+            raise _Unsupported("queries at positions %d to %d over keys at %d to %d" % (
+                q_offset, q_offset + q_length - 1, kv_offset, kv_offset + kv_length - 1))
+    except _Unsupported as e:
+        kwargs.pop("allow_is_causal_skip", None)
+        mask = masking_utils.sdpa_mask(
+            batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+            kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+            allow_is_causal_skip=False, **kwargs)
+        mask.orchard_fallback = str(e)
+        return mask
+    if ids is not None:
+        ids = ids.to(torch.int64, copy=True)
+        ids.orchard_packed = True
+        return ids
+    if attention_mask is None:
+        if n_keys == kv_length:
+            return None
+        return torch.ones(batch_size, n_keys, dtype=torch.bool, device=kwargs.get("device"))
+    if attention_mask.shape[1] == n_keys:
+        # already cut to these keys: this function's own result, which generate() makes in
+        # advance for a static cache and the model then passes here again
+        padding = attention_mask.bool()
+    else:
+        padding = attention_mask[:, kv_offset:kv_offset + n_keys].bool()
+    if padding.shape[1] < n_keys:     # as sdpa: positions past the 2-D mask are padding
+        padding = torch.nn.functional.pad(padding, (0, n_keys - padding.shape[1]), value=False)
+    if n_keys == kv_length and bool(padding.all()):
+        return None
+    return padding
+
+
+# ----------------------------------------------------------------------------- fallback
+
+_warned = set()
+
+
+def _warn_once(reason, to):
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn("orchard.hf: %s: orchard cannot compute this, so these attention calls "
+                      "run on %s" % (reason, to), stacklevel=4)
+
+
+def _has_gaps(padding):
+    """Whether a row of the (batch, keys) bool padding mask has padding between real tokens."""
+    n = padding.sum(1)
+    first = padding.int().argmax(1)
+    last = padding.shape[1] - 1 - padding.flip(1).int().argmax(1)
+    return bool(((n > 0) & (last - first + 1 != n)).any())
+
+
+def _why_not(query, key, value, mask, sliding_window, kwargs):
+    """None when orchard computes this call, else the reason it cannot."""
+    tensors = (query, key, value)
+    if any(t.device.type != "cpu" or t.layout != torch.strided for t in tensors):
+        return "tensors on %s (orchard computes dense CPU tensors)" % query.device
+    if query.dtype not in _ROUTABLE_DTYPES:
+        return "dtype %s" % query.dtype
+    if not (query.shape[-1] <= _MAX_HEAD_DIM and value.shape[-1] <= _MAX_HEAD_DIM):
+        return "head dimension %d above orchard's %d" % (max(query.shape[-1],
+                                                             value.shape[-1]), _MAX_HEAD_DIM)
+    if kwargs.get("s_aux") is not None:
+        return "attention sinks (s_aux)"
+    if kwargs.get("position_bias") is not None:
+        return "an additive position bias"
+    if kwargs.get("cache") is not None:
+        return "a paged KV cache (continuous batching)"
+    if mask is None or getattr(mask, "orchard_packed", False):
+        return None
+    if mask.dim() != 2:
+        return getattr(mask, "orchard_fallback", "a %d-D attention mask passed by the caller"
+                       % mask.dim())
+    if not query.shape[2] <= mask.shape[1] <= key.shape[2] or mask.shape[0] != query.shape[0]:
+        return "a 2-D attention mask of shape %s for %d queries over %d keys" % (
+            tuple(mask.shape), query.shape[2], key.shape[2])
+    # orchard's window counts real tokens; transformers' counts positions, padding included
+    if sliding_window is not None and _has_gaps(mask.bool()):
+        return "a sliding window over a padding mask with padding between real tokens"
+    return None
+
+
+def _visible(mask, batch, nq, nk, causal, window):
+    """(batch, 1, nq, nk) bool: the keys each query sees in orchard's reading of the mask
+    (queries the last nq positions), for the fallback."""
+    packed = getattr(mask, "orchard_packed", False)
+    if mask is not None and not packed:
+        nk = mask.shape[1]
+    q = torch.arange(nk - nq, nk)[:, None]
+    k = torch.arange(nk)[None, :]
+    seen = torch.ones(nq, nk, dtype=torch.bool)
+    if causal:
+        seen &= k <= q
+    if window[0] >= 0:
+        seen &= k >= q - window[0]
+    if window[1] >= 0:
+        seen &= k <= q + window[1]
+    seen = seen.expand(batch, 1, nq, nk)
+    if packed:
+        seen = seen & (mask[:, None, :, None] == mask[:, None, None, :])
+    elif mask is not None:
+        seen = seen & mask.bool()[:, None, None, :]
+    return seen.to(mask.device if mask is not None else "cpu")
+
+
+def _fallback(reason, module, query, key, value, mask, causal, window, dropout, scaling,
+              softcap, kwargs):
+    """transformers' sdpa attention (the model's eager attention for softcap, which sdpa
+    lacks) on the mask orchard was given, materialised."""
+    if mask is None or mask.dim() == 2:
+        if mask is not None and not getattr(mask, "orchard_packed", False):
+            key, value = key[:, :, :mask.shape[1]], value[:, :, :mask.shape[1]]
+        if mask is not None or causal or window != (-1, -1):
+            mask = _visible(mask, query.shape[0], query.shape[2], key.shape[2], causal,
+                            window).to(query.device)
+    if softcap is None:
+        _warn_once(reason, "transformers' sdpa attention")
+        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout,
+                                      scaling=scaling, is_causal=causal, **kwargs)
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        raise ValueError("orchard.hf: %s, with softcap: neither orchard nor sdpa computes "
+                         "this; use attn_implementation='eager'" % reason)
+    _warn_once(reason, "the model's eager attention (sdpa has no softcap)")
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros((), dtype=query.dtype, device=query.device).masked_fill(
+            ~mask, torch.finfo(query.dtype).min)
+    out, _ = eager(module, query, key, value, mask, dropout=dropout, scaling=scaling,
+                   softcap=softcap, **kwargs)
+    return out, None
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def _lengths(cu):
+    return cu.to(torch.int32), int((cu[1:] - cu[:-1]).max())
+
+
+def _unpadded(mask):
+    """Indices (batch, position) of the real tokens of a (batch, n) mask, cu_seqlens, max."""
+    batch, pos = mask.nonzero(as_tuple=True)
+    n = mask.sum(1)
+    cu = torch.nn.functional.pad(n.cumsum(0), (1, 0))
+    return (batch, pos), *_lengths(cu)
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                      sliding_window=None, softcap=None, is_causal=None, **kwargs):
+    """transformers' attention function for "orchard" (AttentionInterface): query (B, H, Nq,
+    D), key and value (B, Hkv, Nk, D) with Hkv dividing H, attention_mask from
+    attention_mask() or the caller. Returns (out (B, Nq, H, Dv), None). Causal masks are
+    bottom-right aligned (a decode step's queries are the last positions)."""
+    causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+    # transformers' sliding window counts the query itself: kv > q - sliding_window.
+    window = (-1, -1) if sliding_window is None else (sliding_window - 1, sliding_window - 1)
+    mask = attention_mask
+    reason = _why_not(query, key, value, mask, sliding_window, kwargs)
+    if reason is not None:
+        return _fallback(reason, module, query, key, value, mask, causal, window, dropout,
+                         scaling, softcap, kwargs)
+    options = dict(dropout_p=dropout, softmax_scale=scaling, causal=causal, window_size=window,
+                   softcap=softcap or 0.0)
+    batch, heads, nq, _ = query.shape
+    # (B, N, H, D) views of transformers' (B, H, N, D) tensors: orchard reads them in place.
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    packed = getattr(mask, "orchard_packed", False)
+
+    if mask is not None and not packed:
+        k, v = k[:, :mask.shape[1]], v[:, :mask.shape[1]]
+        mask = mask.bool()
+        if bool(mask.all()):
+            return flash_attn_func(q, k, v, **options), None
+        # unpad: the queries are the last nq positions of the keys' sequence
+        idx_k, cu_k, max_k = _unpadded(mask)
+        idx_q, cu_q, max_q = _unpadded(mask[:, -nq:])
+        out = flash_attn_varlen_func(q[idx_q], k[idx_k], v[idx_k], cu_q, cu_k, max_q, max_k,
+                                     **options)
+        padded = out.new_zeros(batch, nq, heads, out.shape[-1])
+        return padded.index_put(idx_q, out), None
+
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None and packed:
+        # a new sequence starts where the id changes, and at every batch row
+        ids = mask + torch.arange(batch, device=mask.device)[:, None] * (mask.max() + 1)
+        ids = ids.flatten()
+        starts = torch.nonzero(ids[1:] != ids[:-1]).flatten() + 1
+        cu_q = cu_k = torch.cat([starts.new_zeros(1), starts, starts.new_tensor([ids.numel()])])
+    if cu_q is not None and cu_k is not None:
+        (cu_q, max_q), (cu_k, max_k) = _lengths(cu_q), _lengths(cu_k)
+        out = flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]),
+                                     v.reshape(-1, *v.shape[2:]), cu_q, cu_k, max_q, max_k,
+                                     **options)
+        return out.view(batch, nq, heads, out.shape[-1]), None
+
+    return flash_attn_func(q, k, v, **options), None
+
+
+def register():
+    """Make attn_implementation="orchard" available in transformers (idempotent)."""
+    AttentionInterface.register(NAME, attention_forward)
+    masking_utils.AttentionMaskInterface.register(NAME, attention_mask)
+
+
+register()

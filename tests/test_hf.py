@@ -1,0 +1,323 @@
+"""orchard.hf: transformers models with attn_implementation="orchard" against the same models
+(same weights) on transformers' own attention: sdpa, or eager where sdpa lacks the feature
+(softcap). Tiny random models built from configs, no downloads. orchard_ops.stats() shows
+that orchard computed the attention; a mask orchard cannot compute warns and falls back.
+"""
+import copy
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import orchard_ops  # noqa: E402
+import orchard.hf as hf  # noqa: E402
+from orchard.reference import ref_fwd  # noqa: E402
+from orchard.torch import _seed  # noqa: E402
+from test_py_support import run_python  # noqa: E402
+from transformers import (  # noqa: E402
+    Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config,
+    GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+    Qwen2Config, Qwen2ForCausalLM, masking_utils)
+
+VOCAB = 97
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, max_position_embeddings=128)
+# name: (model class, config, transformers' attention to compare with). Windows of 4 tokens
+# and a softcap of 0.5 are small enough to change every sequence used here.
+MODELS = {
+    "llama-mha": (LlamaForCausalLM, LlamaConfig(num_key_value_heads=4, **SMALL), "sdpa"),
+    "llama-gqa": (LlamaForCausalLM, LlamaConfig(num_key_value_heads=2, **SMALL), "sdpa"),
+    "mistral-window": (MistralForCausalLM, MistralConfig(
+        num_key_value_heads=2, sliding_window=4, **SMALL), "sdpa"),
+    "qwen2-window": (Qwen2ForCausalLM, Qwen2Config(    # layer 0 full, layer 1 windowed
+        num_key_value_heads=2, use_sliding_window=True, sliding_window=4, max_window_layers=1,
+        **SMALL), "sdpa"),
+    "gemma2-softcap": (Gemma2ForCausalLM, Gemma2Config(
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
+        attn_logit_softcapping=0.5, **SMALL), "eager"),
+    "gpt2": (GPT2LMHeadModel, GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4,
+                                         n_positions=128, bos_token_id=1, eos_token_id=2),
+             "sdpa"),
+}
+LAYERS = 2
+
+
+def build(name, impl, dtype=torch.float32, **changes):
+    cls, config, _ = MODELS[name]
+    config = copy.deepcopy(config)     # transformers records the attention in the config
+    for key, value in changes.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    return cls._from_config(config, attn_implementation=impl, dtype=dtype).eval()
+
+
+def pair(name, dtype=torch.float32, **changes):
+    """(reference model, orchard model) with the same weights."""
+    ref = build(name, MODELS[name][2], dtype, **changes)
+    model = build(name, "orchard", dtype, **changes)
+    model.load_state_dict(ref.state_dict())
+    return ref, model
+
+
+def tokens(batch, n, seed=1):
+    return torch.randint(3, VOCAB, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def padding(kind, batch=3, n=12):
+    mask = torch.ones(batch, n, dtype=torch.long)
+    if kind == "left":
+        mask[0, :5] = 0
+        mask[2, :2] = 0
+    elif kind == "right":
+        mask[0, 7:] = 0
+        mask[1, 10:] = 0
+    return mask
+
+
+def forward_backward(model, real, **inputs):
+    """Logits at the real tokens, every parameter's gradient of a weighted sum of them, and
+    orchard's counters of that forward and backward."""
+    model.zero_grad()
+    orchard_ops.reset_stats()
+    logits = model(**inputs).logits
+    weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(2))
+    (logits * weights * real[..., None]).sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return logits[real.bool()].detach(), grads, orchard_ops.stats()
+
+
+def assert_close(a, b, tol=2e-5):
+    """Agreement relative to b's scale: float32 orchard and torch differ by ~1e-7 here."""
+    scale = max(1.0, b.abs().max().item())
+    assert (a - b).abs().max().item() <= tol * scale
+
+
+def assert_same_results(got, want):
+    logits, grads, _ = got
+    ref_logits, ref_grads, _ = want
+    assert_close(logits, ref_logits)
+    assert grads.keys() == ref_grads.keys() and len(grads) > 10
+    for name in grads:
+        assert_close(grads[name], ref_grads[name])
+
+
+@pytest.fixture
+def no_fallback():
+    """Any fallback warning fails the test: orchard must compute every call."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="orchard.hf")
+        yield
+
+
+@pytest.fixture
+def fresh_warnings():
+    """Fallback warnings are once per reason per process: forget those already given."""
+    hf._warned.clear()
+    yield
+    hf._warned.clear()
+
+
+# ----------------------------------------------------------------------------- registration
+
+
+def test_register_is_idempotent_and_makes_the_name_valid():
+    hf.register()
+    hf.register()
+    assert transformers.AttentionInterface._global_mapping["orchard"] is hf.attention_forward
+    assert masking_utils.AttentionMaskInterface._global_mapping["orchard"] is hf.attention_mask
+    assert build("llama-gqa", "orchard").config._attn_implementation == "orchard"
+
+
+def test_orchard_imports_without_transformers():
+    script = ("import sys\n"
+              "sys.modules['transformers'] = None\n"
+              "import orchard, orchard.flash_attn\n"
+              "try:\n"
+              "    import orchard.hf\n"
+              "except ImportError as e:\n"
+              "    print(e)\n")
+    result = run_python(["-c", script])
+    assert result.returncode == 0, result.stderr
+    assert "pip install 'orchard[hf]'" in result.stdout
+
+
+# ----------------------------------------------------------------------------- results
+
+
+@pytest.mark.parametrize("pad", ["none", "left", "right"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_logits_and_gradients_match(name, pad, no_fallback):
+    ref, model = pair(name)
+    real = padding(pad)
+    inputs = dict(input_ids=tokens(3, 12), attention_mask=real)
+    got = forward_backward(model, real, **inputs)
+    assert_same_results(got, forward_backward(ref, real, **inputs))
+    stats = got[2]
+    assert stats["fwd_calls"] == LAYERS and stats["bwd_calls"] == LAYERS
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "mistral-window", "gemma2-softcap"])
+def test_packed_sequences(name, no_fallback):
+    """Sequences packed in rows, marked by position_ids restarting at 0 (no cache, as in
+    training): each attends only to itself, as if it ran alone."""
+    ref, model = pair(name)
+    ids = tokens(2, 12)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6],
+                              [0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8]])
+    real = torch.ones(2, 12)
+    inputs = dict(input_ids=ids, position_ids=positions, use_cache=False)
+    got = forward_backward(model, real, **inputs)
+    assert_same_results(got, forward_backward(ref, real, **inputs))
+    assert got[2]["fwd_calls"] == LAYERS
+    logits = got[0].view(2, 12, -1)
+    with torch.no_grad():
+        alone = model(input_ids=ids[:1, 5:], use_cache=False).logits
+        # the same packing given as FlashAttention-style cu_seq_lens keywords
+        cu = torch.tensor([0, 5, 12, 15, 24], dtype=torch.int32)
+        flat = model(input_ids=ids.view(1, 24), position_ids=positions.view(1, 24),
+                     cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9, max_length_k=9,
+                     use_cache=False).logits
+    assert_close(alone[0], logits[0, 5:])
+    assert_close(flat.view(2, 12, -1), logits)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_greedy_generate_matches(name, cache, no_fallback):
+    """Left-padded prompts, then one decode step per token over transformers' KV cache
+    (past the sliding windows): the same tokens as the reference attention."""
+    ref, model = pair(name)
+    ids, real = tokens(3, 6), padding("left", 3, 6)
+    kw = dict(attention_mask=real, max_new_tokens=10, do_sample=False, pad_token_id=0,
+              cache_implementation="static" if cache == "static" else None)
+    want = ref.generate(ids, **kw)
+    orchard_ops.reset_stats()
+    got = model.generate(ids, **kw)
+    stats = orchard_ops.stats()
+    assert torch.equal(got, want)
+    assert stats["fwd_calls"] == 10 * LAYERS              # the prefill and 9 decode steps
+    assert stats["decode_calls"] >= 9 * LAYERS
+
+
+def test_bfloat16_model_runs_and_roughly_matches(no_fallback):
+    ref, model = pair("llama-gqa", torch.bfloat16)
+    real = padding("left")
+    inputs = dict(input_ids=tokens(3, 12), attention_mask=real)
+    logits, grads, stats = forward_backward(model, real, **inputs)
+    ref_logits, ref_grads, _ = forward_backward(ref, real, **inputs)
+    assert logits.dtype == torch.bfloat16 and stats["bwd_calls"] == LAYERS
+    assert_close(logits.float(), ref_logits.float(), tol=3e-2)
+    assert all(torch.isfinite(g).all() for g in grads.values())
+
+
+def test_attention_dropout_against_the_reference():
+    """Dropout in training: the attention function with the model's dropout equals the
+    float64 reference with orchard's keep-mask of the call's seed."""
+    module = torch.nn.Module()
+    module.is_causal = True
+    q = torch.randn(2, 4, 9, 16, dtype=torch.float64)
+    k, v = torch.randn(2, 2, 11, 16, dtype=torch.float64), torch.randn(2, 2, 11, 16,
+                                                                         dtype=torch.float64)
+    torch.manual_seed(5)
+    seed = _seed(0.3)
+    torch.manual_seed(5)
+    out, weights = hf.attention_forward(module, q, k, v, None, dropout=0.3, scaling=0.2)
+    want, _ = ref_fwd(q.numpy(), k.numpy(), v.numpy(), scale=0.2, dropout_p=0.3, causal=True,
+                      seed=seed)
+    assert weights is None
+    np.testing.assert_allclose(out.numpy(), want.transpose(0, 2, 1, 3), atol=1e-12)
+
+
+def test_training_mode_applies_dropout(no_fallback):
+    model = build("llama-gqa", "orchard", attention_dropout=0.5)
+    ids = tokens(2, 12)
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        model.train()
+        torch.manual_seed(1)
+        dropped = model(input_ids=ids).logits
+        torch.manual_seed(1)
+        again = model(input_ids=ids).logits
+    assert torch.equal(dropped, again) and not torch.allclose(dropped, plain, atol=1e-3)
+
+
+# ----------------------------------------------------------------------------- fallbacks
+
+
+def test_a_callers_4d_mask_falls_back_to_sdpa(fresh_warnings):
+    ref, model = pair("llama-gqa")
+    mask = torch.ones(12, 12, dtype=torch.bool).tril()
+    mask[5:, :5] = False        # a block pattern: no padding, causal or window expresses it
+    mask = mask.expand(2, 1, 12, 12)
+    ids = tokens(2, 12)
+    orchard_ops.reset_stats()
+    with pytest.warns(UserWarning, match="4-D attention mask passed by the caller") as record:
+        got = model(input_ids=ids, attention_mask=mask).logits
+    assert len(record) == 1 and orchard_ops.stats()["fwd_calls"] == 0
+    assert_close(got, ref(input_ids=ids, attention_mask=mask).logits)
+
+
+def test_an_unknown_mask_pattern_falls_back_to_sdpa(fresh_warnings):
+    """Gemma 3's bidirectional attention widens the causal mask with an or_mask_function."""
+    config = Gemma3TextConfig(num_key_value_heads=2, head_dim=16, sliding_window=4,
+                              use_bidirectional_attention=True, **SMALL)
+    MODELS["gemma3-bidirectional"] = (Gemma3ForCausalLM, config, "sdpa")
+    try:
+        ref, model = pair("gemma3-bidirectional")
+    finally:
+        del MODELS["gemma3-bidirectional"]
+    ids = tokens(2, 12)
+    with pytest.warns(UserWarning, match="or_mask_function"):
+        got = model(input_ids=ids).logits
+    assert_close(got, ref(input_ids=ids).logits)
+
+
+def test_softcap_falls_back_to_eager(fresh_warnings):
+    ref, model = pair("gemma2-softcap")
+    mask = torch.ones(12, 12, dtype=torch.bool).tril()
+    mask[5:, :5] = False
+    mask = mask.expand(2, 1, 12, 12)
+    ids = tokens(2, 12)
+    with pytest.warns(UserWarning, match="eager attention"):
+        got = model(input_ids=ids, attention_mask=mask).logits
+    want = ref(input_ids=ids, attention_mask=torch.zeros(mask.shape).masked_fill(
+        ~mask, torch.finfo(torch.float32).min)).logits
+    assert_close(got, want)
+
+
+def test_a_window_over_padding_gaps_falls_back(fresh_warnings):
+    """orchard's window counts real tokens, transformers' counts positions: with padding
+    between real tokens they differ, so sdpa computes it."""
+    ref, model = pair("mistral-window")
+    real = padding("none")
+    real[0, 4:7] = 0
+    inputs = dict(input_ids=tokens(3, 12), attention_mask=real)
+    with pytest.warns(UserWarning, match="padding between real tokens"):
+        got = model(**inputs).logits
+    assert_close(got[real.bool()], ref(**inputs).logits[real.bool()])
+
+
+def test_the_mask_function_reads_transformers_masks():
+    causal = masking_utils.causal_mask_function
+    assert hf.attention_mask(2, 5, 5, mask_function=causal) is None
+    # a decode step over a static cache of 16 rows, 6 of them written: the keys up to the query
+    real = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    got = hf.attention_mask(2, 1, 16, q_offset=5, mask_function=causal, attention_mask=real)
+    assert torch.equal(got, real)
+    window = masking_utils.sliding_window_causal_mask_function(3)
+    assert hf.attention_mask(2, 5, 5, mask_function=window, attention_mask=real[:, 1:]) is None
+    chunked = masking_utils.chunked_causal_mask_function(2, torch.zeros(2, dtype=torch.long))
+    got = hf.attention_mask(2, 5, 5, mask_function=chunked)
+    assert got.shape == (2, 1, 5, 5) and "chunked attention" in got.orchard_fallback
+
+
+def test_llama_benchmark_runs_at_tiny_size():
+    """benchmarks/hf_llama.py (the README's figure) at a tiny size: it runs, every attention
+    call of the orchard model's step is on orchard, and it prints its table."""
+    result = run_python(["benchmarks/hf_llama.py", "--batch", "1", "--seq", "16", "--layers",
+                         "1", "--hidden", "32", "--vocab", "64", "--rounds", "1"])
+    assert result.returncode == 0, result.stderr
+    assert "ms per step" in result.stdout and "orchard / sdpa speed" in result.stdout
