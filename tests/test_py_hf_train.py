@@ -94,17 +94,20 @@ def test_orchard_generate_from_the_llama_checkpoint(trained):
 
 
 @needs_transformers
-def test_the_attention_runs_on_orchard(fast_config, tmp_path):
-    from orchard.generation import load_model
+def test_llama_generation_runs_on_orchard_with_its_cache(trained):
+    from orchard.generation import generate, load_model
     import orchard_ops
 
-    assert hf_train(fast_config, tmp_path, "--hf-config", TINY_LLAMA, "--max-steps", 1) == 0
-    model, _ = load_model(str(tmp_path), "cpu")
+    model, _ = load_model(str(trained[0]), "cpu")
     assert model.hf.config._attn_implementation == "orchard"
+    layers = model.hf.config.num_hidden_layers
+    prompt = list(b"import os\nimport sys\n")
     orchard_ops.reset_stats()
-    with torch.no_grad():
-        model(torch.tensor([[1, 2, 3, 4]]))
-    assert orchard_ops.stats()["fwd_calls"] == model.hf.config.num_hidden_layers
+    cached = generate(model, prompt, 12, temperature=0)
+    stats = orchard_ops.stats()
+    # a prefill of 20 tokens, then 11 one-token steps through the split-KV decode path
+    assert stats["fwd_calls"] == 12 * layers and stats["decode_calls"] == 11 * layers
+    assert cached == generate(model, prompt, 12, temperature=0, use_cache=False)
 
 
 @needs_transformers
@@ -205,3 +208,37 @@ def test_without_transformers_hf_flags_are_a_clear_error(tmp_path):
     assert result.stderr.strip().splitlines() == [
         "orchard-train: error: %s: a transformers model needs the transformers package: "
         "pip install 'orchard[hf]'" % TINY_LLAMA]
+
+
+@needs_transformers
+def test_out_of_memory_halves_the_llama_micro_batch(tmp_path, caplog):
+    import logging
+
+    import orchard_ops
+    from orchard.config import validate
+    from orchard.data import token_chunks
+    from orchard.device_backend import get_device_backend
+    from orchard.hf_causal_lm import load_hf_config, model_section
+
+    hf = load_hf_config(TINY_LLAMA)
+    backend = get_device_backend("cpu")
+    requested = validate({"training": {"batch_size": 8, "micro_batch": 8}})
+    requested["model"] = model_section(hf, 32)
+    cfg, _ = backend.adapt_config(requested)
+    chunks = token_chunks([list(range(256)) * 4], 32)
+    trainer = Trainer(cfg, backend, chunks, str(tmp_path),
+                      hf_config=hf.to_json_string(use_diff=False))
+    forward, calls = trainer.model.forward, []
+
+    def fails_once(x, y=None):
+        calls.append(len(x))
+        if len(calls) == 1:
+            raise orchard_ops.OrchardOutOfMemory("simulated: CL_MEM_OBJECT_ALLOCATION_FAILURE")
+        return forward(x, y)
+
+    trainer.model.forward = fails_once
+    with caplog.at_level(logging.WARNING, logger="orchard"):
+        assert trainer.run(max_steps=1) == 0
+    assert calls == [8, 4, 4] and trainer.micro_batch == 4
+    assert "out of memory" in caplog.text
+    assert json.loads(load_checkpoint(str(tmp_path))["hf_config"])["num_key_value_heads"] == 2

@@ -132,10 +132,10 @@ class HFCausalLM(torch.nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def new_cache(self, batch, size):
-        """transformers' own DynamicCache: it grows by one token per decode step."""
-        from transformers import DynamicCache
+        """transformers' StaticCache of `size` positions, preallocated as GPT's KVCache."""
+        from transformers import StaticCache
 
-        return DynamicCache(config=self.hf.config)
+        return StaticCache(config=self.hf.config, max_cache_len=size)
 
     def forward(self, idx, targets=None, cache=None):
         out = self.hf(input_ids=idx, past_key_values=cache, use_cache=cache is not None)

@@ -85,6 +85,8 @@ def main(argv=None):
     args = parse_args(argv)
     import torch.distributed as dist
 
+    import orchard_ops
+
     from ..checkpoint import CheckpointError, load_checkpoint
     from ..config import ConfigError, load_config, validate
     from ..data import DataError, load_training_data, split_validation, token_chunks
@@ -133,9 +135,14 @@ def main(argv=None):
                 log.info("config model.context: %d -> %d: %s's max_position_embeddings",
                          requested["model"]["context"], model["context"], hf_path)
             requested["model"] = model
-            hf_config = hf.to_json_string()
+            hf_config = hf.to_json_string(use_diff=False)
             log.info("model: transformers %s, %s %s", hf.model_type, "pretrained from"
                      if args.hf_model else "randomly initialised from", hf_path)
+        if hf_config is not None and orchard_ops.default_device() != backend.device:
+            # orchard.hf calls orchard with device=None
+            log.info("note: a transformers model computes its attention on orchard's default "
+                     "device %s, not %s (ORCHARD_DEVICE chooses it)",
+                     orchard_ops.default_device(), backend.device)
         if vocab_size > requested["model"]["vocab_size"]:
             if state is not None:
                 raise DataError("the data has token ids up to %d but the checkpoint's model "
