@@ -8,6 +8,7 @@ import orchard_ops  # noqa: E402
 from orchard.generation import generate, generate_ids  # noqa: E402
 from orchard.model import GPT, GPTConfig, KVCache  # noqa: E402
 from orchard.torch import patch_model  # noqa: E402
+from test_py_support import run_python  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +94,11 @@ def test_batched_greedy_generation_with_cache():
     idx = torch.randint(0, 64, (3, 4))
     assert torch.equal(generate_ids(model, idx, 20, temperature=0),
                        generate_ids(model, idx, 20, temperature=0, use_cache=False))
+
+
+def test_generate_speed_benchmark_runs():
+    # a smoke run at a tiny size: the script works and both paths agree (no timing asserted)
+    result = run_python(["benchmarks/generate_speed.py", "--prompt", "4", "--new", "6",
+                         "--rounds", "1"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "with KV cache (after)" in result.stdout and "same tokens: yes" in result.stdout
