@@ -132,7 +132,8 @@ class HFCausalLM(torch.nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def new_cache(self, batch, size):
-        """transformers' StaticCache of `size` positions, preallocated as GPT's KVCache."""
+        """transformers' StaticCache of `size` positions, preallocated as GPT's KVCache (it
+        takes the batch size from its first forward)."""
         from transformers import StaticCache
 
         return StaticCache(config=self.hf.config, max_cache_len=size)
