@@ -24,7 +24,7 @@ import torch.distributed as dist
 from .checkpoint import save_checkpoint
 from .config import get_dtype_from_string
 from .data import DataError
-from .model import GPT, GPTConfig
+from .hf_causal_lm import build_model
 from .progress import ProgressBar
 
 log = logging.getLogger("orchard")
@@ -43,7 +43,8 @@ def is_out_of_memory(exc):
 
 class Trainer:
     def __init__(self, cfg, backend, chunks, output_dir, requested_cfg=None, seed=1337,
-                 data_info=None, resume_state=None, val_chunks=None):
+                 data_info=None, resume_state=None, val_chunks=None, hf_config=None,
+                 pretrained=None):
         self.cfg = cfg
         self.requested_cfg = requested_cfg if requested_cfg is not None else cfg
         self.backend = backend
@@ -67,9 +68,12 @@ class Trainer:
                              % (len(chunks), cfg["model"]["context"], train["batch_size"]))
 
         torch.manual_seed(seed)
-        self.model = GPT(GPTConfig.from_dict(cfg["model"]))
+        # hf_config: a transformers model (orchard.hf_causal_lm), whose attention reaches
+        # orchard through attn_implementation="orchard" rather than the router.
+        self.hf_config = hf_config
+        self.model = build_model(cfg["model"], hf_config, pretrained)
         self.model.grad_checkpointing = train["grad_checkpointing"]
-        self.router = backend.patch_model(self.model)
+        self.router = backend.patch_model(self.model) if hf_config is None else None
         self.optimizer = self._make_optimizer()
         self.dtype = train["dtype"]
         self.scaler = torch.amp.GradScaler("cpu", enabled=self.dtype == "fp16")
@@ -107,6 +111,7 @@ class Trainer:
             "seed": self.seed,
             "config": self.requested_cfg,
             "model_config": self.cfg["model"],
+            "hf_config": self.hf_config,
             "data": self.data_info,
             "metrics": self.history,
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
@@ -323,7 +328,8 @@ class Trainer:
                 bar.close()
         path = self.save()
         if self.rank == 0:
-            log.info(self.router.summary())
+            if self.router is not None:
+                log.info(self.router.summary())
             if interrupted:
                 log.info("interrupted: checkpoint of step %d saved to %s; continue with "
                          "--resume %s", self.step, path, path)

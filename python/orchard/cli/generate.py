@@ -5,7 +5,9 @@
 
 Models trained on byte-level data (a vocabulary of 256: the default data and orchard-prepare's
 output) take the prompt as text and print text; others take and print space-separated token
-ids (orchard.generation).
+ids (orchard.generation). The model (the built-in GPT or a transformers model trained with
+--hf-config/--hf-model) keeps a KV cache: the prompt is prefilled once, then one decode step
+per token.
 """
 import argparse
 import sys
@@ -29,10 +31,11 @@ def main(argv=None):
 
     from ..checkpoint import CheckpointError
     from ..generation import decode, encode, generate, load_model
+    from ..hf_causal_lm import HFModelError
 
     try:
         model, byte_level = load_model(args.checkpoint, args.device)
-    except CheckpointError as exc:
+    except (CheckpointError, HFModelError) as exc:
         print("orchard-generate: error: %s" % exc, file=sys.stderr)
         return 2
     try:

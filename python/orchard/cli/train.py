@@ -3,10 +3,11 @@
     orchard-train [--config configs/universal.yaml] [--sequences FILE] [--epochs N]
                   [--device auto|cpu|opencl:N] [--resume CKPT] [--max-steps N]
                   [--output DIR] [--seed N] [--fp16 | --bf16] [--grad-checkpointing]
-                  [--micro-batch N] [--verbose]
+                  [--micro-batch N] [--verbose] [--hf-config FILE | --hf-model DIR]
 
 The config is adapted to the device (orchard-devices shows how, and --verbose logs every
-decision). Data parallel: `torchrun --nproc-per-node 2 -m orchard.cli.train ...` (gloo); rank 0
+decision). --hf-config / --hf-model train a transformers causal LM instead of the built-in
+GPT (orchard.hf_causal_lm). Data parallel: `torchrun --nproc-per-node 2 -m orchard.cli.train ...` (gloo); rank 0
 writes the checkpoint and metrics.
 """
 import argparse
@@ -49,6 +50,14 @@ def parse_args(argv):
                         help="sequences per forward/backward (default: the largest that fits)")
     parser.add_argument("--verbose", action="store_true",
                         help="also log the device's facts and the thread count")
+    hf = parser.add_mutually_exclusive_group()
+    hf.add_argument("--hf-config", metavar="FILE",
+                    help="train a randomly initialised transformers causal LM of this "
+                         "config.json (e.g. configs/hf_llama_tiny.json) instead of the "
+                         "built-in GPT; needs transformers")
+    hf.add_argument("--hf-model", metavar="DIR",
+                    help="train (fine-tune) the transformers causal LM of this local "
+                         "pretrained folder; needs transformers")
     return parser.parse_args(argv)
 
 
@@ -76,10 +85,13 @@ def main(argv=None):
     args = parse_args(argv)
     import torch.distributed as dist
 
+    import orchard_ops
+
     from ..checkpoint import CheckpointError, load_checkpoint
     from ..config import ConfigError, load_config, validate
     from ..data import DataError, load_training_data, split_validation, token_chunks
     from ..device_backend import auto_choice_reason, get_device_backend
+    from ..hf_causal_lm import HFModelError, load_hf_config, model_section
     from ..trainer import Trainer
 
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -92,6 +104,11 @@ def main(argv=None):
         if args.device in (None, "auto"):
             log.info("device %s chosen automatically: %s", *auto_choice_reason())
         state = load_checkpoint(args.resume) if args.resume else None
+        hf_path = args.hf_config or args.hf_model
+        if hf_path and state is not None:
+            raise HFModelError("%s: --resume continues the checkpoint's own model; leave out "
+                               "--hf-config/--hf-model" % hf_path)
+        hf = load_hf_config(hf_path, pretrained=args.hf_model is not None) if hf_path else None
         sequences, vocab_size, data_info = load_training_data(args.sequences)
         if state is not None:
             # The checkpoint fixes the model; the rest is re-adapted to this device.
@@ -101,6 +118,31 @@ def main(argv=None):
         else:
             requested = apply_flags(load_config(args.config), args)
             seed = args.seed
+        hf_config = state.get("hf_config") if state is not None else None
+        if hf is not None:
+            if vocab_size > hf.vocab_size:
+                if args.hf_model:
+                    raise DataError("the data has token ids up to %d but the model of %s has "
+                                    "a vocabulary of %d" % (vocab_size - 1, hf_path,
+                                                             hf.vocab_size))
+                log.info("%s: vocab_size %d -> %d: the data's vocabulary", hf_path,
+                         hf.vocab_size, vocab_size)
+                hf.vocab_size = vocab_size
+            # The model section follows the HF model; only its context (the sequence length
+            # trained on) comes from the config, within the model's max_position_embeddings.
+            model = model_section(hf, requested["model"]["context"])
+            if model["context"] != requested["model"]["context"]:
+                log.info("config model.context: %d -> %d: %s's max_position_embeddings",
+                         requested["model"]["context"], model["context"], hf_path)
+            requested["model"] = model
+            hf_config = hf.to_json_string(use_diff=False)
+            log.info("model: transformers %s, %s %s", hf.model_type, "pretrained from"
+                     if args.hf_model else "randomly initialised from", hf_path)
+        if hf_config is not None and orchard_ops.default_device() != backend.device:
+            # orchard.hf calls orchard with device=None
+            log.info("note: a transformers model computes its attention on orchard's default "
+                     "device %s, not %s (ORCHARD_DEVICE chooses it)",
+                     orchard_ops.default_device(), backend.device)
         if vocab_size > requested["model"]["vocab_size"]:
             if state is not None:
                 raise DataError("the data has token ids up to %d but the checkpoint's model "
@@ -126,7 +168,8 @@ def main(argv=None):
                  cfg["model"]["context"], len(val_chunks))
         trainer = Trainer(cfg, backend, chunks, args.output, requested_cfg=requested,
                           seed=seed, data_info=data_info, resume_state=state,
-                          val_chunks=val_chunks)
+                          val_chunks=val_chunks, hf_config=hf_config,
+                          pretrained=args.hf_model if state is None else None)
         code = trainer.run(args.epochs, args.max_steps)
         if distributed:
             digests = [None] * dist.get_world_size()

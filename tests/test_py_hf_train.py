@@ -1,0 +1,244 @@
+"""orchard-train --hf-config / --hf-model: a transformers Llama trained on the default data
+with attn_implementation="orchard", its checkpoint resumed and generated from, and the
+errors of bad paths, a vocabulary that does not fit, and a missing transformers."""
+import json
+import os
+import signal
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from orchard.checkpoint import load_checkpoint  # noqa: E402
+from orchard.cli import train  # noqa: E402
+from orchard.trainer import Trainer  # noqa: E402
+from test_py_support import REPO_ROOT, read_metrics, run_python  # noqa: E402
+
+needs_transformers = pytest.mark.skipif(
+    not __import__("importlib").util.find_spec("transformers"),
+    reason="transformers is not installed (pip install '.[hf]')")
+
+TINY_LLAMA = os.path.join(REPO_ROOT, "configs", "hf_llama_tiny.json")
+# Short sequences and few held-out ones keep the steps on the default data fast.
+FAST = ("model:\n  context: 64\ntraining:\n  batch_size: 8\n  learning_rate: 0.01\n"
+        "  min_lr: 0.001\n  warmup_steps: 2\n  log_interval: 1\n  checkpoint_interval: 4\n"
+        "  val_fraction: 0.002\n")
+
+
+@pytest.fixture(scope="module")
+def fast_config(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf") / "fast.yaml"
+    path.write_text(FAST)
+    return str(path)
+
+
+def hf_train(fast_config, out, *extra):
+    return train.main(["--config", fast_config, "--output", str(out), "--device", "cpu"]
+                      + [str(e) for e in extra])
+
+
+@pytest.fixture(scope="module")
+def trained(fast_config, tmp_path_factory):
+    """A tiny Llama trained for 12 steps, and the same run interrupted (Ctrl-C) in step 6
+    and resumed."""
+    straight = tmp_path_factory.mktemp("straight")
+    resumed = tmp_path_factory.mktemp("resumed")
+    assert hf_train(fast_config, straight, "--hf-config", TINY_LLAMA, "--max-steps", 12) == 0
+    train_step = Trainer.train_step
+
+    def ctrl_c_in_step_6(self, *args):
+        if self.step == 5:
+            os.kill(os.getpid(), signal.SIGINT)
+        return train_step(self, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Trainer, "train_step", ctrl_c_in_step_6)
+        assert hf_train(fast_config, resumed, "--hf-config", TINY_LLAMA, "--max-steps",
+                        12) == 130
+    assert load_checkpoint(str(resumed))["step"] == 6
+    assert hf_train(fast_config, resumed, "--resume", resumed, "--max-steps", 12) == 0
+    return straight, resumed
+
+
+@needs_transformers
+def test_llama_trains_on_the_default_data(trained):
+    straight, _ = trained
+    metrics = read_metrics(straight)
+    assert [m["step"] for m in metrics] == list(range(1, 13))
+    first, last = metrics[0]["loss"], sum(m["loss"] for m in metrics[-3:]) / 3
+    assert last < 0.8 * first, (first, last)
+    assert "val_loss" in metrics[-1]
+    state = load_checkpoint(str(straight))
+    hf_config = json.loads(state["hf_config"])
+    assert hf_config["model_type"] == "llama" and hf_config["vocab_size"] == 256
+    assert state["data"]["byte_level"] and state["step"] == 12
+    assert state["model_config"]["n_kv_head"] == 2 and state["model_config"]["context"] == 64
+    assert any(name.startswith("hf.model.layers.1.self_attn") for name in state["model"])
+
+
+@needs_transformers
+def test_resumed_llama_run_ends_like_the_straight_one(trained):
+    straight, resumed = trained
+    assert [m["loss"] for m in read_metrics(resumed)] == [m["loss"]
+                                                          for m in read_metrics(straight)]
+    a, b = load_checkpoint(str(straight))["model"], load_checkpoint(str(resumed))["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@needs_transformers
+def test_orchard_generate_from_the_llama_checkpoint(trained):
+    result = run_python(["-m", "orchard.cli.generate", "--checkpoint", str(trained[0]),
+                         "--prompt", "import ", "--max-new-tokens", "24", "--device", "cpu"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("import ") and len(result.stdout) > len("import ") + 10
+
+
+@needs_transformers
+def test_llama_generation_runs_on_orchard_with_its_cache(trained):
+    from orchard.generation import generate, load_model
+    import orchard_ops
+
+    model, _ = load_model(str(trained[0]), "cpu")
+    assert model.hf.config._attn_implementation == "orchard"
+    layers = model.hf.config.num_hidden_layers
+    prompt = list(b"import os\nimport sys\n")
+    orchard_ops.reset_stats()
+    cached = generate(model, prompt, 12, temperature=0)
+    stats = orchard_ops.stats()
+    # a prefill of 20 tokens, then 11 one-token steps through the split-KV decode path
+    assert stats["fwd_calls"] == 12 * layers and stats["decode_calls"] == 11 * layers
+    assert cached == generate(model, prompt, 12, temperature=0, use_cache=False)
+
+
+@needs_transformers
+def test_pretrained_folder_is_loaded_and_its_vocabulary_checked(fast_config, tmp_path,
+                                                                caplog):
+    from orchard.hf_causal_lm import load_hf_config, build_model
+
+    config = load_hf_config(TINY_LLAMA)
+    pretrained = build_model(None, config.to_json_string()).hf
+    pretrained.save_pretrained(str(tmp_path / "llama"))
+    frozen = tmp_path / "frozen.yaml"      # learning rate 0: the weights stay the folder's
+    frozen.write_text(FAST.replace("learning_rate: 0.01", "learning_rate: 0.0")
+                      .replace("min_lr: 0.001", "min_lr: 0.0"))
+    assert train.main(["--config", str(frozen), "--output", str(tmp_path / "run"),
+                       "--device", "cpu", "--hf-model", str(tmp_path / "llama"),
+                       "--max-steps", "1"]) == 0
+    saved = load_checkpoint(str(tmp_path / "run"))["model"]
+    assert all(torch.equal(saved["hf." + k], v) for k, v in pretrained.state_dict().items())
+
+    config.vocab_size = 100    # the default data's bytes go up to 255
+    build_model(None, config.to_json_string()).hf.save_pretrained(str(tmp_path / "small"))
+    assert train.main(["--hf-model", str(tmp_path / "small"), "--output", str(tmp_path / "x"),
+                       "--device", "cpu"]) == 2
+    assert ("orchard-train: error: the data has token ids up to 255 but the model of %s has a "
+            "vocabulary of 100" % (tmp_path / "small")) in caplog.text
+
+
+@needs_transformers
+def test_hf_config_vocabulary_grows_to_the_data(fast_config, tmp_path):
+    sequences = tmp_path / "seqs.json"
+    sequences.write_text(json.dumps({"vocab_size": 300, "sequences": [
+        [i % 300 for i in range(2000)]]}))
+    assert hf_train(fast_config, tmp_path / "run", "--hf-config", TINY_LLAMA, "--sequences",
+                    sequences, "--max-steps", 1) == 0
+    assert json.loads(load_checkpoint(str(tmp_path / "run"))["hf_config"])["vocab_size"] == 300
+
+
+@needs_transformers
+@pytest.mark.parametrize("flag, name, why", [
+    ("--hf-config", "missing.json", "no such config file"),
+    ("--hf-model", "missing", "no such model folder"),
+])
+def test_missing_hf_paths_are_one_error_line(tmp_path, flag, name, why):
+    path = tmp_path / name
+    result = run_python(["-m", "orchard.cli.train", flag, str(path), "--output",
+                         str(tmp_path / "out"), "--device", "cpu"])
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [
+        "orchard-train: error: %s: %s" % (path, why)], result.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "out")
+
+
+@needs_transformers
+@pytest.mark.parametrize("flag, name, content, why", [
+    ("--hf-config", "broken.json", '{"model_type": "llama", ', "not valid JSON: "),
+    ("--hf-config", "list.json", "[1, 2]", "not a transformers config: expected a JSON "
+                                           "object with a 'model_type'"),
+    ("--hf-config", "t5.json", '{"model_type": "t5"}', "model_type 't5' is not a causal "
+                                                       "language model"),
+    ("--hf-config", "nope.json", '{"model_type": "nope"}', "unknown model_type 'nope'"),
+    ("--hf-config", "typo.json", '{"model_type": "llama", "hidden_size": "x"}',
+     "not a valid llama config: "),
+    ("--hf-model", "empty", None, "not a pretrained model folder (no config.json)"),
+])
+def test_malformed_hf_paths_are_an_error(tmp_path, caplog, flag, name, content, why):
+    path = tmp_path / name
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_text(content)
+    assert train.main([flag, str(path), "--output", str(tmp_path / "out"), "--device",
+                       "cpu"]) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and errors[0].startswith(
+        "orchard-train: error: %s: %s" % (path, why)), errors
+    assert not os.path.exists(tmp_path / "out")
+
+
+@needs_transformers
+def test_resume_fixes_the_model(trained, caplog):
+    assert train.main(["--resume", str(trained[0]), "--hf-config", TINY_LLAMA, "--output",
+                       str(trained[0]), "--device", "cpu"]) == 2
+    assert "--resume continues the checkpoint's own model" in caplog.text
+
+
+WITHOUT_TRANSFORMERS = r"""
+import sys
+sys.modules["transformers"] = None      # import transformers now raises ImportError
+from orchard.cli import train
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+def test_without_transformers_hf_flags_are_a_clear_error(tmp_path):
+    result = run_python(["-c", WITHOUT_TRANSFORMERS, "--hf-config", TINY_LLAMA, "--output",
+                         str(tmp_path), "--device", "cpu"])
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [
+        "orchard-train: error: %s: a transformers model needs the transformers package: "
+        "pip install 'orchard[hf]'" % TINY_LLAMA]
+
+
+@needs_transformers
+def test_out_of_memory_halves_the_llama_micro_batch(tmp_path, caplog):
+    import logging
+
+    import orchard_ops
+    from orchard.config import validate
+    from orchard.data import token_chunks
+    from orchard.device_backend import get_device_backend
+    from orchard.hf_causal_lm import load_hf_config, model_section
+
+    hf = load_hf_config(TINY_LLAMA)
+    backend = get_device_backend("cpu")
+    requested = validate({"training": {"batch_size": 8, "micro_batch": 8}})
+    requested["model"] = model_section(hf, 32)
+    cfg, _ = backend.adapt_config(requested)
+    chunks = token_chunks([list(range(256)) * 4], 32)
+    trainer = Trainer(cfg, backend, chunks, str(tmp_path),
+                      hf_config=hf.to_json_string(use_diff=False))
+    forward, calls = trainer.model.forward, []
+
+    def fails_once(x, y=None):
+        calls.append(len(x))
+        if len(calls) == 1:
+            raise orchard_ops.OrchardOutOfMemory("simulated: CL_MEM_OBJECT_ALLOCATION_FAILURE")
+        return forward(x, y)
+
+    trainer.model.forward = fails_once
+    with caplog.at_level(logging.WARNING, logger="orchard"):
+        assert trainer.run(max_steps=1) == 0
+    assert calls == [8, 4, 4] and trainer.micro_batch == 4
+    assert "out of memory" in caplog.text
+    assert json.loads(load_checkpoint(str(tmp_path))["hf_config"])["num_key_value_heads"] == 2
