@@ -1,8 +1,9 @@
-"""Checkpoints that survive a crash mid-write and load on any device.
+"""Checkpoints (and the metrics beside them) that survive a crash mid-write; checkpoints load
+on any device.
 
-A checkpoint is written to a temporary file in the same folder, flushed to disk (fsync) and
-renamed over the old one: rename is atomic, so a reader sees either the previous checkpoint
-or the new one, never half of one. Tensors are saved from CPU and loaded to CPU
+A checkpoint (or metrics file) is written to a temporary file in the same folder, flushed to
+disk (fsync) and renamed over the old one: rename is atomic, so a reader sees either the
+previous file or the new one, never half of one. Tensors are saved from CPU and loaded to CPU
 (map_location), so a checkpoint carries no device; the trainer moves things where it needs.
 """
 import os
@@ -11,14 +12,15 @@ import tempfile
 import torch
 
 
-def save_checkpoint(state, path):
+def write_atomically(path, write):
+    """Calls write(f) on a temporary file beside `path`, syncs it and renames it over `path`."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp",
                                dir=folder)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -32,6 +34,10 @@ def save_checkpoint(state, path):
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def save_checkpoint(state, path):
+    write_atomically(path, lambda f: torch.save(state, f))
 
 
 class CheckpointError(ValueError):

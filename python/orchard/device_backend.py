@@ -58,7 +58,8 @@ def resolve_device(device, listing=None):
             raise  # ORCHARD_DEVICE names no device: orchard_ops's message says so
         chosen = None
     if chosen not in by_id:
-        raise ValueError("unknown device %r; available: %s" % (device, ", ".join(by_id) or "none"))
+        raise ValueError("unknown device (%r); available: %s"
+                         % (device, ", ".join(by_id) or "none"))
     return by_id[chosen]
 
 
