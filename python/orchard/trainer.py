@@ -21,7 +21,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from .checkpoint import save_checkpoint, write_atomically
+from .atomic import write_atomically
+from .checkpoint import save_checkpoint
 from .config import get_dtype_from_string
 from .data import DataError
 from .model import GPT, GPTConfig
@@ -286,7 +287,7 @@ class Trainer:
                  ", gradient checkpointing" if self.model.grad_checkpointing else "")
         if self.step:
             log.info("resuming at step %d", self.step)
-        bar = Progress(total, "training", unit="step", start=self.step, every=None,
+        bar = Progress(total, "training", unit="steps", start=self.step, every=None,
                        enabled=self.rank == 0 and log.isEnabledFor(logging.INFO))
         # Ctrl-C, and the SIGTERM with which torchrun (or a scheduler) stops workers, end the
         # run after the step in flight, with a checkpoint.
