@@ -173,6 +173,11 @@ def console_script(prog, uses_devices=True):
                 if uses_devices:
                     check_device_environment()
                 return main(argv)
+            except BrokenPipeError:
+                # the reader of stdout went away (`| head`): not an error of ours to report;
+                # stdout is pointed at /dev/null so that the exit's flush does not fail again
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                return 1
             except KeyboardInterrupt:
                 if debug:
                     raise
