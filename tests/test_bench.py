@@ -86,4 +86,4 @@ def test_notebook_runs(tmp_path):
     """ % (str(tmp_path), nb), timeout=900, ORCHARD_BENCH_QUICK=1)
     assert r.returncode == 0, r.stderr
     assert "notebook ok" in r.stdout
-    assert (tmp_path / "attention_gflops.png").exists()
+    assert (tmp_path / "figures" / "attention_gflops.png").exists()
