@@ -41,8 +41,8 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if (action.default not in (None, False, argparse.SUPPRESS) and "default" not in text
-                and action.option_strings):
+        if (action.default not in (None, False, argparse.SUPPRESS) and action.option_strings
+                and "default" not in text.lower()):
             text += " Default: %(default)s."
         return text
 
