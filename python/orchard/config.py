@@ -136,8 +136,8 @@ def load_config(path=None):
             # one line: where, and what the parser expected
             mark = getattr(exc, "problem_mark", None)
             where = " at line %d, column %d" % (mark.line + 1, mark.column + 1) if mark else ""
-            raise ConfigError("%s: not valid YAML%s: %s"
-                              % (path, where, getattr(exc, "problem", None) or str(exc).splitlines()[0])) from None
+            what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError("%s: not valid YAML%s: %s" % (path, where, what)) from None
     return validate(cfg if cfg is not None else {}, source=path)
 
 
