@@ -4,6 +4,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import signal
 
 import pytest
@@ -97,6 +98,43 @@ def test_interrupted_run_resumes_exactly(run_files, tmp_path, monkeypatch):
                                                           read_metrics(straight)]
     a, b = final_parameters(straight), final_parameters(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_ctrl_c_prints_the_command_that_resumes_the_same_schedule(run_files, tmp_path,
+                                                                   monkeypatch, caplog):
+    """The printed command, run as printed, continues the learning-rate schedule and the
+    stopping point of the interrupted run (given neither --max-steps nor --config)."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert train_cli(run_files, straight, "--max-steps", 10) == 0
+    train_step = Trainer.train_step
+
+    def ctrl_c_in_step_4(self, *args):
+        if self.step == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return train_step(self, *args)
+
+    monkeypatch.setattr(Trainer, "train_step", ctrl_c_in_step_4)
+    caplog.set_level(logging.INFO, logger="orchard")
+    assert train_cli(run_files, resumed, "--max-steps", 10) == 130
+    monkeypatch.undo()
+    hint = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resume with: ")]
+    words = shlex.split(hint[-1][len("resume with: "):])
+    assert words == ["orchard-train", "--resume", str(resumed), "--output", str(resumed),
+                     "--sequences", run_files[1], "--device", "cpu"]
+    assert train.main(words[1:]) == 0
+    got, want = read_metrics(resumed), read_metrics(straight)
+    assert [m["step"] for m in got] == list(range(1, 11))
+    assert [m["lr"] for m in got] == [m["lr"] for m in want]
+    assert [m["loss"] for m in got] == [m["loss"] for m in want]
+
+
+def test_a_run_that_trains_no_step_writes_nothing(run_files, tmp_path):
+    out = tmp_path / "run"
+    assert train_cli(run_files, out, "--max-steps", 4) == 0
+    before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+    # resumed at step 4 with a stopping point of 2: no step to train
+    assert train_cli(run_files, out, "--resume", out, "--max-steps", 2) == 0
+    assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
 
 
 def make_trainer(run_files, out, micro_batch):
@@ -220,3 +258,7 @@ def test_generate_and_prepare(run_files, tmp_path):
                          "print", "--max-new-tokens", "20"])
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("print") and len(result.stdout) > len("print")
+    # what to expect of a model trained for two steps, before the sample
+    assert re.match(r"checkpoint of step 2 of 2, validation loss [0-9.]+ \(uniform guessing: "
+                    r"5\.55\): barely trained; expect near-random tokens$", result.stderr), \
+        result.stderr
