@@ -78,18 +78,23 @@ def test_validation_loss_is_measured_periodically(run_files, tmp_path, caplog):
     assert "held out for validation" in caplog.text and "val loss %.4f" % val[8] in caplog.text
 
 
-def test_interrupted_run_resumes_exactly(run_files, tmp_path, monkeypatch):
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert train_cli(run_files, straight, "--max-steps", 8) == 0
+def interrupted_run(run_files, out, monkeypatch, step, *extra):
+    """A run that gets Ctrl-C during optimizer step `step`; returns its exit status."""
     train_step = Trainer.train_step
 
-    def ctrl_c_in_step_5(self, *args):
-        if self.step == 4:
+    def ctrl_c_in_step(self, *args):
+        if self.step == step - 1:
             os.kill(os.getpid(), signal.SIGINT)
         return train_step(self, *args)
 
-    monkeypatch.setattr(Trainer, "train_step", ctrl_c_in_step_5)
-    assert train_cli(run_files, resumed, "--max-steps", 8) == 130
+    monkeypatch.setattr(Trainer, "train_step", ctrl_c_in_step)
+    return train_cli(run_files, out, *extra)
+
+
+def test_interrupted_run_resumes_exactly(run_files, tmp_path, monkeypatch):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert train_cli(run_files, straight, "--max-steps", 8) == 0
+    assert interrupted_run(run_files, resumed, monkeypatch, 5, "--max-steps", 8) == 130
     monkeypatch.undo()
     assert load_checkpoint(str(resumed))["step"] == 5  # the step in flight completes
     assert train_cli(run_files, resumed, "--max-steps", 8, "--resume", resumed) == 0
@@ -106,16 +111,8 @@ def test_ctrl_c_prints_the_command_that_resumes_the_same_schedule(run_files, tmp
     stopping point of the interrupted run (given neither --max-steps nor --config)."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert train_cli(run_files, straight, "--max-steps", 10) == 0
-    train_step = Trainer.train_step
-
-    def ctrl_c_in_step_4(self, *args):
-        if self.step == 3:
-            os.kill(os.getpid(), signal.SIGINT)
-        return train_step(self, *args)
-
-    monkeypatch.setattr(Trainer, "train_step", ctrl_c_in_step_4)
     caplog.set_level(logging.INFO, logger="orchard")
-    assert train_cli(run_files, resumed, "--max-steps", 10) == 130
+    assert interrupted_run(run_files, resumed, monkeypatch, 4, "--max-steps", 10) == 130
     monkeypatch.undo()
     hint = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resume with: ")]
     words = shlex.split(hint[-1][len("resume with: "):])
