@@ -123,6 +123,7 @@ def expected_cases(f):
         ("prepare", [str(f["dir"] / "empty_src"), "-o", str(f["dir"] / "kept.json")], {},
          ["no text files", "empty_src"]),
         ("prepare", [str(f["dir"]), "-o", str(f["dir"])], {}, ["--output", "folder"]),
+        ("train", tiny + ["--output", f["config"]], {}, ["--output", "is a file", "tiny.yaml"]),
         # flags that exclude each other
         ("train", ["--fp16", "--bf16"], {}, ["--bf16", "not allowed with", "--fp16"]),
     ]

@@ -49,9 +49,10 @@ def main(argv=None):
     except ValueError as exc:
         raise UsageError("argument --prompt: %s" % exc) from None
     vocab = model.cfg.vocab_size
-    if max(ids) >= vocab:
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
         raise UsageError("argument --prompt: token id %d is out of range for the model's "
-                         "vocabulary of %d (got %r)" % (max(ids), vocab, args.prompt))
+                         "vocabulary of %d (got %r)" % (bad[0], vocab, args.prompt))
     if not args.quiet:
         print(describe_training(state), file=sys.stderr)
     out = generate(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.seed)

@@ -76,7 +76,9 @@ def parse_args(argv):
 
 
 def check_output(args):
-    """A new run must not replace a checkpoint that holds training, unless asked to."""
+    """--output is a folder, and a new run does not replace a checkpoint unless asked to."""
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
+        raise UsageError("argument --output: is a file, not a folder (%r)" % args.output)
     path = os.path.join(args.output, "checkpoint.pt")
     if args.resume or args.overwrite or not os.path.exists(path):
         return
@@ -88,7 +90,8 @@ def check_output(args):
 def resume_command(args, distributed):
     """The command that continues this run: same output, data and device; the checkpoint
     carries the config, seed and stopping point."""
-    words = (["torchrun", "--standalone", "--nproc-per-node", os.environ["WORLD_SIZE"], "-m",
+    processes = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))
+    words = (["torchrun", "--standalone", "--nproc-per-node", processes, "-m",
               "orchard.cli.train"] if distributed else ["orchard-train"])
     words += ["--resume", args.output, "--output", args.output]
     if args.sequences:
