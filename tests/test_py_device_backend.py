@@ -49,7 +49,8 @@ def test_small_gpu_checkpoints_and_accumulates():
     assert 1 <= t["micro_batch"] < 64 and "accumulation" in reasons["training.micro_batch"]
     assert new["model"]["context"] == 1024
     backend = DeviceBackend(SMALL_GPU, HOST)
-    need = backend.estimate_memory(new["model"], t["micro_batch"], 1024, "fp16", True)["total_bytes"]
+    need = backend.estimate_memory(new["model"], t["micro_batch"], 1024, "fp16",
+                                   True)["total_bytes"]
     assert need <= backend.memory_budget(new)
 
 
