@@ -87,6 +87,8 @@ def expected_cases(f):
         ("bench", ["--shapes", "0,0,0,0"], {}, ["--shapes", "'0,0,0,0'"]),
         ("bench", ["--shapes", "1,2,3"], {}, ["--shapes", "'1,2,3'"]),
         ("bench", ["--dtypes", "float32,float8"], {}, ["--dtypes", "'float32,float8'"]),
+        ("bench", ["--plot", "/nonexistent/plot.png"], {}, ["--plot", "'/nonexistent/plot.png'"]),
+        ("bench", ["--json", "/nonexistent/r.json"], {}, ["--json", "'/nonexistent/r.json'"]),
         ("tune", ["--shape", "1,8,0,64"], {}, ["--shape", "'1,8,0,64'"]),
         ("tune", ["--candidates", "0x64"], {}, ["--candidates", "'0x64'"]),
         ("tune", ["--repeats", "0"], {}, ["--repeats", "'0'"]),

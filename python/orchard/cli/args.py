@@ -116,6 +116,15 @@ def shape(text):
     return dims
 
 
+def output_file(text):
+    """An argparse type: a file to write, in a folder that exists (checked before the work
+    whose results it will hold)."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text) or not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError("must be a file in an existing folder (got %r)" % text)
+    return text
+
+
 def choices_list(choices):
     """An argparse type: a comma-separated list of some of `choices`."""
     def parse(text):

@@ -16,7 +16,8 @@ import sys
 
 from .. import benchmark
 from ..progress import Progress
-from .args import Parser, UsageError, choices_list, console_script, devices, integer, shape
+from .args import (Parser, UsageError, choices_list, console_script, devices, integer,
+                   output_file, shape)
 
 EXAMPLES = (
     "orchard-bench --quick",
@@ -60,10 +61,10 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true",
                         help="Tiny shapes and %d repeats, to check that everything runs; its "
                              "figures are indicative only." % benchmark.MIN_REPEATS)
-    parser.add_argument("--json", nargs="?", const="-", metavar="FILE",
+    parser.add_argument("--json", type=output_file, nargs="?", const="-", metavar="FILE",
                         help="Write the report as JSON to FILE, or without FILE print it to "
                              "stdout instead of the table.")
-    parser.add_argument("--plot", metavar="FILE",
+    parser.add_argument("--plot", type=output_file, metavar="FILE",
                         help="Write a PNG of forward GFLOP/s against N to FILE.")
     parser.add_argument("--train", action="store_true",
                         help="Also time training steps of the demo model (needs torch).")
