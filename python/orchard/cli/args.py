@@ -41,8 +41,10 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if (action.default not in (None, False, argparse.SUPPRESS) and action.option_strings
-                and "default" not in text.lower()):
+        default = action.default
+        # `is`, not `in`: a default of 0 equals False but is worth saying
+        if (default is not None and default is not False and default is not argparse.SUPPRESS
+                and action.option_strings and "default" not in text.lower()):
             text += " Default: %(default)s."
         return text
 
@@ -50,13 +52,13 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 class Parser(argparse.ArgumentParser):
     """argparse with the console scripts' error rule and the flags every script has."""
 
-    def __init__(self, prog, description, examples=(), quiet=True):
+    def __init__(self, prog, description, examples=(), quiet=True, verbose_logs=None):
         epilog = "examples:\n" + "\n".join("  " + e for e in examples) if examples else None
         super().__init__(prog=prog, description=description, epilog=epilog,
                          formatter_class=_HelpFormatter)
         self.add_argument("--verbose", action="store_true",
-                          help="Log more detail, and show the full traceback of an error "
-                               "(as ORCHARD_DEBUG=1 does).")
+                          help="Show the full traceback of an error (as ORCHARD_DEBUG=1 "
+                               "does)%s." % (", and log " + verbose_logs if verbose_logs else ""))
         if quiet:
             self.add_argument("--quiet", action="store_true",
                               help="Log only warnings and errors to stderr; results still go "

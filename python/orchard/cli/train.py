@@ -30,7 +30,8 @@ EXAMPLES = (
 
 
 def parse_args(argv):
-    parser = Parser("orchard-train", __doc__.split("\n")[0], EXAMPLES)
+    parser = Parser("orchard-train", __doc__.split("\n")[0], EXAMPLES,
+                    verbose_logs="the device's facts and the thread count")
     parser.add_argument("--config", metavar="YAML",
                         help="The training config. Default: the built-in universal config, "
                              "the same as configs/universal.yaml.")
