@@ -74,8 +74,8 @@ def _typed(name, convert):
     return convert
 
 
-def integer(minimum=None, maximum=None):
-    """An argparse type: an integer within [minimum, maximum]."""
+def integer(minimum=None):
+    """An argparse type: an integer >= minimum."""
     def parse(text):
         try:
             value = int(text)
@@ -83,14 +83,12 @@ def integer(minimum=None, maximum=None):
             raise argparse.ArgumentTypeError("must be an integer (got %r)" % text) from None
         if minimum is not None and value < minimum:
             raise argparse.ArgumentTypeError("must be >= %d (got %r)" % (minimum, text))
-        if maximum is not None and value > maximum:
-            raise argparse.ArgumentTypeError("must be <= %d (got %r)" % (maximum, text))
         return value
     return _typed("integer", parse)
 
 
-def number(minimum=None, above=None):
-    """An argparse type: a finite float >= minimum (or > above)."""
+def number(minimum=None):
+    """An argparse type: a finite float >= minimum."""
     def parse(text):
         try:
             value = float(text)
@@ -100,8 +98,6 @@ def number(minimum=None, above=None):
             raise argparse.ArgumentTypeError("must be a finite number (got %r)" % text)
         if minimum is not None and value < minimum:
             raise argparse.ArgumentTypeError("must be >= %g (got %r)" % (minimum, text))
-        if above is not None and value <= above:
-            raise argparse.ArgumentTypeError("must be > %g (got %r)" % (above, text))
         return value
     return _typed("number", parse)
 
