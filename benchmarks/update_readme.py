@@ -79,7 +79,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     devices = [d["id"] for d in orchard_ops.devices()]
     if args.quick or os.environ.get("ORCHARD_BENCH_QUICK") == "1":
-        report = benchmark.run(benchmark.QUICK_SHAPES, devices, ["float32"], [False], 1)
+        report = benchmark.run(benchmark.QUICK_SHAPES, devices, ["float32"], [False],
+                               benchmark.MIN_REPEATS)
         report["targets"] = targets.target_figures(1, benchmark.QUICK_SHAPES[-1])
     else:
         report = benchmark.run(benchmark.DEFAULT_SHAPES, devices, ["float32", "float16", "bfloat16"],

@@ -25,6 +25,21 @@ def test_bench_cli_json_and_table(tmp_path):
             assert row["bwd_ms"] > 0
     assert any(" faster than " in line for line in report["comparisons"])
     assert "GFLOP/s" in r.stdout
+    # medians of at least three timings, and --quick says its figures are indicative only
+    assert report["repeats"] >= 3 and report["indicative_only"] is True
+    assert r.stdout.startswith("--quick: tiny shapes and 3 repeats; the figures and ratios "
+                               "are indicative only")
+    assert "every figure is the median of 3 timings" in r.stdout
+
+
+def test_medians_need_three_timings():
+    from orchard import benchmark
+
+    with pytest.raises(ValueError, match="'repeats' must be >= 3, got 1"):
+        benchmark.median_time(lambda: None, 1)
+    calls = []
+    assert benchmark.median_time(lambda: calls.append(1), 3) >= 0
+    assert len(calls) == 4                  # one warm-up call, then three timed
 
 
 def test_bench_decode_table(tmp_path):
@@ -80,9 +95,11 @@ def test_bench_plot(tmp_path):
     png = tmp_path / "plot.png"
     r = run_python("""
         from orchard.cli import bench
-        bench.main(["--quick", "--dtypes", "float32", "--causal", "no", "--plot", %r])
+        bench.main(["--quick", "--dtypes", "float32", "--causal", "no", "--plot", %r, "--json"])
     """ % str(png), timeout=600)
     assert r.returncode == 0, r.stderr
+    # --json without a file: the report alone on stdout
+    assert json.loads(r.stdout)["results"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -102,4 +119,4 @@ def test_notebook_runs(tmp_path):
     """ % (str(tmp_path), nb), timeout=900, ORCHARD_BENCH_QUICK=1)
     assert r.returncode == 0, r.stderr
     assert "notebook ok" in r.stdout
-    assert (tmp_path / "attention_gflops.png").exists()
+    assert (tmp_path / "figures" / "attention_gflops.png").exists()

@@ -43,7 +43,9 @@ def train_args(run_files, out, *extra):
 
 
 def temp_files(out):
-    return {n for n in os.listdir(out) if n.endswith(".tmp")} if out.exists() else set()
+    """The temporary files of checkpoint writes (metrics.jsonl has its own, .metrics.jsonl.*)."""
+    return ({n for n in os.listdir(out) if n.startswith(".checkpoint.pt.") and n.endswith(".tmp")}
+            if out.exists() else set())
 
 
 def kill_during(args, out, mid_write, rng):

@@ -5,6 +5,7 @@ import orchard_ops
 from orchard.config import default_config
 from orchard.device_backend import (GiB, DeviceBackend, auto_choice_reason, get_device_backend,
                                     resolve_device)
+from test_py_support import run_python
 
 
 def device(kind, mem_gib, compute_units, fp16=True, id="opencl:0", unified=False):
@@ -48,7 +49,8 @@ def test_small_gpu_checkpoints_and_accumulates():
     assert 1 <= t["micro_batch"] < 64 and "accumulation" in reasons["training.micro_batch"]
     assert new["model"]["context"] == 1024
     backend = DeviceBackend(SMALL_GPU, HOST)
-    need = backend.estimate_memory(new["model"], t["micro_batch"], 1024, "fp16", True)["total"]
+    need = backend.estimate_memory(new["model"], t["micro_batch"], 1024, "fp16",
+                                   True)["total_bytes"]
     assert need <= backend.memory_budget(new)
 
 
@@ -110,13 +112,22 @@ def test_parameter_count_matches_the_model():
 def test_estimate_grows_linearly_and_checkpointing_saves():
     backend = DeviceBackend(HOST, HOST)
     m = default_config()["model"]
-    a1 = backend.estimate_memory(m, 1, 256)["activations"]
-    assert backend.estimate_memory(m, 4, 256)["activations"] == 4 * a1
+    a1 = backend.estimate_memory(m, 1, 256)["activation_bytes"]
+    assert backend.estimate_memory(m, 4, 256)["activation_bytes"] == 4 * a1
     # Linear in the context: no N x N term.
-    assert backend.estimate_memory(m, 1, 1024)["activations"] == 4 * a1
-    assert backend.estimate_memory(m, 1, 256, grad_checkpointing=True)["activations"] < a1
+    assert backend.estimate_memory(m, 1, 1024)["activation_bytes"] == 4 * a1
+    assert backend.estimate_memory(m, 1, 256, grad_checkpointing=True)["activation_bytes"] < a1
     parts = backend.estimate_memory(m, 1, 256)
-    assert parts["total"] == sum(v for k, v in parts.items() if k != "total")
+    assert parts["total_bytes"] == sum(v for k, v in parts.items() if k != "total_bytes")
+    # float32 weights: 4 bytes per parameter; AdamW's two moments: 8
+    assert parts["parameter_bytes"] == 4 * DeviceBackend.count_parameters(m)
+    assert parts["optimizer_bytes"] == 2 * parts["parameter_bytes"]
+
+
+def test_log_summary_prints_when_logging_is_not_configured():
+    r = run_python(["-c", "from orchard.device_backend import get_device_backend\n"
+                          "get_device_backend('cpu').log_summary()"])
+    assert r.returncode == 0 and r.stderr.startswith("device cpu: "), r.stderr
 
 
 def test_real_device_backend():

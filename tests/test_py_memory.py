@@ -60,5 +60,5 @@ def test_estimate_matches_measured_peak(checkpointing):
     assert result.returncode == 0, result.stderr
     measured = int(result.stdout.strip())
     estimate = get_device_backend("cpu").estimate_memory(
-        model_cfg, batch, model_cfg["context"], "fp32", checkpointing)["total"]
+        model_cfg, batch, model_cfg["context"], "fp32", checkpointing)["total_bytes"]
     assert abs(estimate - measured) <= TOLERANCE * measured, (estimate, measured)

@@ -133,3 +133,64 @@ def test_patched_model_trains_with_dropout_reproducibly():
         return loss_and_grads(model, x)[0]
 
     torch.testing.assert_close(run(), run(), atol=0, rtol=0)
+
+
+def forward_and_grads(module, *inputs, **kwargs):
+    """The module's output and the gradients of a loss on it in its inputs and parameters."""
+    inputs = [t.detach().requires_grad_() for t in inputs]
+    out = module(*inputs, **kwargs)
+    out = out[0] if isinstance(module, torch.nn.MultiheadAttention) else out
+    return out, torch.autograd.grad(out.square().sum(), inputs + list(module.parameters()))
+
+
+@pytest.mark.parametrize("batch_first, lengths", [(True, (2, 10)), (False, (10, 2)),
+                                                  (True, (10,))])
+@pytest.mark.parametrize("kv_dims", [(32, 32), (16, 24)])   # packed, separate in-projections
+def test_multihead_attention_is_routed_and_matches_torch(batch_first, lengths, kv_dims):
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(32, 4, batch_first=batch_first, kdim=kv_dims[0],
+                                      vdim=kv_dims[1]).double()
+    q, k, v = (torch.randn(*lengths, dim, dtype=torch.float64) for dim in (32,) + kv_dims)
+    want = forward_and_grads(mha, q, k, v, need_weights=False)
+    router = patch_model(mha)
+    got = forward_and_grads(mha, q, k, v, need_weights=False)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    assert router.routed == 1 and not router.left_to_torch
+
+
+def test_multihead_attention_calls_orchard_cannot_compute_are_named_in_the_summary():
+    mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+    x = torch.randn(2, 6, 16)
+    padding = torch.zeros(2, 6, dtype=torch.bool)
+    want = [mha(x, x, x)[0], mha(x, x, x, key_padding_mask=padding, need_weights=False)[0]]
+    router = patch_model(mha)
+    got = [mha(x, x, x)[0], mha(x, x, x, key_padding_mask=padding, need_weights=False)[0]]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    assert router.routed == 0
+    summary = router.summary()
+    assert "the model (nn.MultiheadAttention): need_weights=True" in summary
+    assert "pass need_weights=False" in summary
+    assert "the model (nn.MultiheadAttention): key_padding_mask" in summary
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_transformer_encoder_layers_are_routed_in_training_and_inference(causal):
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).double()
+    x = torch.randn(2, 12, 32, dtype=torch.float64)
+    kw = {"mask": torch.nn.Transformer.generate_square_subsequent_mask(
+        12, dtype=torch.float64), "is_causal": True} if causal else {}
+    want = forward_and_grads(encoder, x, **kw)
+    encoder.eval()
+    with torch.no_grad():
+        want_eval = encoder(x, **kw)
+    encoder.train()
+    router = patch_model(encoder)
+    torch.testing.assert_close(forward_and_grads(encoder, x, **kw), want, atol=1e-12,
+                               rtol=1e-12)
+    encoder.eval()
+    with torch.no_grad():      # torch's fused inference path would bypass the module
+        torch.testing.assert_close(encoder(x, **kw), want_eval, atol=1e-12, rtol=1e-12)
+    assert router.routed == 4 and not router.left_to_torch, router.summary()

@@ -4,6 +4,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import signal
 
 import pytest
@@ -77,18 +78,23 @@ def test_validation_loss_is_measured_periodically(run_files, tmp_path, caplog):
     assert "held out for validation" in caplog.text and "val loss %.4f" % val[8] in caplog.text
 
 
-def test_interrupted_run_resumes_exactly(run_files, tmp_path, monkeypatch):
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert train_cli(run_files, straight, "--max-steps", 8) == 0
+def interrupted_run(run_files, out, monkeypatch, step, *extra):
+    """A run that gets Ctrl-C during optimizer step `step`; returns its exit status."""
     train_step = Trainer.train_step
 
-    def ctrl_c_in_step_5(self, *args):
-        if self.step == 4:
+    def ctrl_c_in_step(self, *args):
+        if self.step == step - 1:
             os.kill(os.getpid(), signal.SIGINT)
         return train_step(self, *args)
 
-    monkeypatch.setattr(Trainer, "train_step", ctrl_c_in_step_5)
-    assert train_cli(run_files, resumed, "--max-steps", 8) == 130
+    monkeypatch.setattr(Trainer, "train_step", ctrl_c_in_step)
+    return train_cli(run_files, out, *extra)
+
+
+def test_interrupted_run_resumes_exactly(run_files, tmp_path, monkeypatch):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert train_cli(run_files, straight, "--max-steps", 8) == 0
+    assert interrupted_run(run_files, resumed, monkeypatch, 5, "--max-steps", 8) == 130
     monkeypatch.undo()
     assert load_checkpoint(str(resumed))["step"] == 5  # the step in flight completes
     assert train_cli(run_files, resumed, "--max-steps", 8, "--resume", resumed) == 0
@@ -97,6 +103,35 @@ def test_interrupted_run_resumes_exactly(run_files, tmp_path, monkeypatch):
                                                           read_metrics(straight)]
     a, b = final_parameters(straight), final_parameters(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_ctrl_c_prints_the_command_that_resumes_the_same_schedule(run_files, tmp_path,
+                                                                   monkeypatch, caplog):
+    """The printed command, run as printed, continues the learning-rate schedule and the
+    stopping point of the interrupted run (given neither --max-steps nor --config)."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert train_cli(run_files, straight, "--max-steps", 10) == 0
+    caplog.set_level(logging.INFO, logger="orchard")
+    assert interrupted_run(run_files, resumed, monkeypatch, 4, "--max-steps", 10) == 130
+    monkeypatch.undo()
+    hint = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resume with: ")]
+    words = shlex.split(hint[-1][len("resume with: "):])
+    assert words == ["orchard-train", "--resume", str(resumed), "--output", str(resumed),
+                     "--sequences", run_files[1], "--device", "cpu"]
+    assert train.main(words[1:]) == 0
+    got, want = read_metrics(resumed), read_metrics(straight)
+    assert [m["step"] for m in got] == list(range(1, 11))
+    assert [m["lr"] for m in got] == [m["lr"] for m in want]
+    assert [m["loss"] for m in got] == [m["loss"] for m in want]
+
+
+def test_a_run_that_trains_no_step_writes_nothing(run_files, tmp_path):
+    out = tmp_path / "run"
+    assert train_cli(run_files, out, "--max-steps", 4) == 0
+    before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+    # resumed at step 4 with a stopping point of 2: no step to train
+    assert train_cli(run_files, out, "--resume", out, "--max-steps", 2) == 0
+    assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
 
 
 def make_trainer(run_files, out, micro_batch):
@@ -220,3 +255,7 @@ def test_generate_and_prepare(run_files, tmp_path):
                          "print", "--max-new-tokens", "20"])
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("print") and len(result.stdout) > len("print")
+    # what to expect of a model trained for two steps, before the sample
+    assert re.match(r"checkpoint of step 2 of 2, validation loss [0-9.]+ \(uniform guessing: "
+                    r"5\.55\): barely trained; expect near-random tokens$", result.stderr), \
+        result.stderr

@@ -13,7 +13,8 @@ orchard.checkpoint and orchard.generation need PyTorch (the optional extra):
     orchard.data             token sequences: loading, validation, windows, validation split
     orchard.trainer          the training loop
     orchard.checkpoint       atomic, device-neutral checkpoints
-    orchard.progress         the trainer's progress bar
+    orchard.atomic           files replaced atomically (checkpoints, metrics, prepared data)
+    orchard.progress         progress of long work: a tqdm bar, or plain lines in logs
     orchard.generation       text generation from a checkpoint
     orchard.benchmark        attention throughput of every device and backend
     orchard.tuning           OpenCL block sizes picked by timing

@@ -1,7 +1,8 @@
 """Attention throughput of every device and backend, measured side by side in one process.
 
 For each shape, dtype, causal flag and device it times orchard's forward and backward (one
-warm-up call, then the best of `repeats`) and reports ms and GFLOP/s with FlashAttention-2's
+warm-up call, then the median of `repeats` >= 3 calls: never one timing, and a median, unlike
+a best, is not set by one lucky call) and reports ms and GFLOP/s with FlashAttention-2's
 accounting: forward 4*B*H*N*N*D flops, halved when causal; backward 2.5x the forward. In the
 same run it measures NumPy's float32 matrix product (the practical roofline of this machine),
 the NumPy reference (orchard.reference: float64, the N x N scores materialised) and PyTorch's
@@ -26,14 +27,25 @@ def attention_flops(b, h, n, d, causal):
     return flops / 2 if causal else flops
 
 
+MIN_REPEATS = 3
+
+
 def best_time(fn, repeats):
     """Seconds of the fastest of `repeats` calls, after one warm-up call."""
     return float(round_robin({"fn": fn}, repeats)["fn"].min())
 
 
+def median_time(fn, repeats):
+    """Seconds of the median of `repeats` (at least MIN_REPEATS) calls, after one warm-up."""
+    if repeats < MIN_REPEATS:
+        raise ValueError("median_time(): 'repeats' must be >= %d, got %r"
+                         % (MIN_REPEATS, repeats))
+    return float(np.median(round_robin({"fn": fn}, repeats)["fn"]))
+
+
 def sgemm_gflops(repeats, n=1024):
     a = np.random.default_rng(0).standard_normal((n, n)).astype(np.float32)
-    return 2.0 * n ** 3 / best_time(lambda: a @ a, repeats) / 1e9
+    return 2.0 * n ** 3 / median_time(lambda: a @ a, repeats) / 1e9
 
 
 def machine_facts():
@@ -49,11 +61,12 @@ def machine_facts():
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 
-def measure(shapes, devices, dtypes, causal_flags, repeats):
+def measure(shapes, devices, dtypes, causal_flags, repeats, progress=None):
     """One row per (backend, shape, dtype, causal); every figure from this process. dtypes
     are names from DTYPES; the operands are torch tensors when torch is installed (bfloat16
-    needs it: NumPy has no such type), else NumPy arrays."""
-    rows = []
+    needs it: NumPy has no such type), else NumPy arrays. progress (orchard.progress.Progress,
+    of len(shapes) * len(dtypes) * len(causal_flags)) is updated after each problem."""
+    rows, done = [], 0
     rng = np.random.default_rng(0)
     try:
         import torch
@@ -73,10 +86,10 @@ def measure(shapes, devices, dtypes, causal_flags, repeats):
                 def row(backend, device, fwd, bwd=None):
                     r = {"backend": backend, "device": device, "B": b, "H": h, "N": n, "D": d,
                          "dtype": dtype, "causal": causal}
-                    r["fwd_ms"] = best_time(fwd, repeats) * 1e3
+                    r["fwd_ms"] = median_time(fwd, repeats) * 1e3
                     r["fwd_gflops"] = flops / r["fwd_ms"] / 1e6
                     if bwd is not None:
-                        r["bwd_ms"] = best_time(bwd, repeats) * 1e3
+                        r["bwd_ms"] = median_time(bwd, repeats) * 1e3
                         r["bwd_gflops"] = 2.5 * flops / r["bwd_ms"] / 1e6
                     rows.append(r)
 
@@ -96,6 +109,9 @@ def measure(shapes, devices, dtypes, causal_flags, repeats):
                         lambda: F.scaled_dot_product_attention(tq.detach(), tk.detach(),
                                                                tv.detach(), is_causal=causal),
                         lambda: torch.autograd.grad(tout, (tq, tk, tv), tdo, retain_graph=True))
+                done += 1
+                if progress is not None:
+                    progress.update(done, "B,H,N,D=%d,%d,%d,%d %s" % (b, h, n, d, dtype))
     return rows
 
 
@@ -157,7 +173,8 @@ def plot(rows, path):
 
 def training_tokens_per_s(steps=6, batch=8, seq=256):
     """Tokens/s of the demo model's training step, orchard attention versus torch SDPA: the
-    best step of each, the two models' steps interleaved so that both see the same machine."""
+    median step of each (steps >= 3), the two models' steps interleaved so that both see the
+    same machine."""
     import torch
 
     from orchard.model import GPT, GPTConfig
@@ -177,15 +194,12 @@ def training_tokens_per_s(steps=6, batch=8, seq=256):
             loss.backward()
             opt.step()
 
-        step()                          # warm-up
-        steps_of[backend] = step
-    best = dict.fromkeys(steps_of, float("inf"))
-    for _ in range(steps):
-        for backend, step in steps_of.items():
-            start = time.perf_counter()
-            step()
-            best[backend] = min(best[backend], time.perf_counter() - start)
-    return {backend: batch * seq / t for backend, t in best.items()}
+        steps_of[backend] = step        # round_robin's first round is the warm-up
+    if steps < MIN_REPEATS:
+        raise ValueError("training_tokens_per_s(): 'steps' must be >= %d, got %r"
+                         % (MIN_REPEATS, steps))
+    times = round_robin(steps_of, steps)
+    return {backend: batch * seq / float(np.median(t)) for backend, t in times.items()}
 
 
 def round_robin(calls, rounds, settle=()):
@@ -206,11 +220,13 @@ def round_robin(calls, rounds, settle=()):
     return {name: np.array(t) for name, t in times.items()}
 
 
-def run(shapes, devices, dtypes, causal_flags, repeats, train_steps=0):
+def run(shapes, devices, dtypes, causal_flags, repeats, train_steps=0, progress=None):
     """The report orchard-bench prints and writes: machine facts, the roofline, one row per
-    measurement, the comparisons, and with train_steps > 0 the training tokens/s."""
-    report = {"machine": machine_facts(), "sgemm_gflops": sgemm_gflops(repeats)}
-    report["results"] = measure(shapes, devices, dtypes, causal_flags, repeats)
+    measurement, the comparisons, and with train_steps > 0 the training tokens/s. Every
+    figure is a median of `repeats` (>= MIN_REPEATS) timings."""
+    report = {"machine": machine_facts(), "repeats": repeats,
+              "sgemm_gflops": sgemm_gflops(repeats)}
+    report["results"] = measure(shapes, devices, dtypes, causal_flags, repeats, progress)
     # the roofline is the best the machine did: measured before and after the grid, so that a
     # busy moment of a shared machine at the start does not lower it
     report["sgemm_gflops"] = max(report["sgemm_gflops"], sgemm_gflops(repeats))

@@ -1,37 +1,18 @@
 """Checkpoints that survive a crash mid-write and load on any device.
 
-A checkpoint is written to a temporary file in the same folder, flushed to disk (fsync) and
-renamed over the old one: rename is atomic, so a reader sees either the previous checkpoint
-or the new one, never half of one. Tensors are saved from CPU and loaded to CPU
+A checkpoint is written atomically (orchard.atomic): a reader sees either the previous
+checkpoint or the new one, never half of one. Tensors are saved from CPU and loaded to CPU
 (map_location), so a checkpoint carries no device; the trainer moves things where it needs.
 """
 import os
-import tempfile
 
 import torch
 
+from .atomic import write_atomically
+
 
 def save_checkpoint(state, path):
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp",
-                               dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    # The rename itself lives in the folder's metadata: sync it too, or a power loss could
-    # bring back the old name.
-    dir_fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    write_atomically(path, lambda f: torch.save(state, f))
 
 
 class CheckpointError(ValueError):

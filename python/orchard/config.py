@@ -129,11 +129,15 @@ def load_config(path=None):
 
     if not os.path.isfile(path):
         raise ConfigError("%s: no such config file" % path)
-    with open(path) as f:
+    with open(path, "rb") as f:
         try:
             cfg = yaml.safe_load(f)
         except yaml.YAMLError as exc:
-            raise ConfigError("%s: not valid YAML: %s" % (path, exc)) from None
+            # one line: where, and what the parser expected
+            mark = getattr(exc, "problem_mark", None)
+            where = " at line %d, column %d" % (mark.line + 1, mark.column + 1) if mark else ""
+            what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError("%s: not valid YAML%s: %s" % (path, where, what)) from None
     return validate(cfg if cfg is not None else {}, source=path)
 
 

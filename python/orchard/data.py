@@ -10,6 +10,8 @@ import json
 import os
 import sysconfig
 
+from .atomic import write_atomically
+
 BYTE_VOCAB = 256
 DEFAULT_MAX_BYTES = 1_500_000  # about one epoch of the default config in a few CPU minutes
 
@@ -54,10 +56,8 @@ def load_sequences(path):
 
 
 def save_sequences(path, sequences, vocab_size=BYTE_VOCAB):
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump({"vocab_size": vocab_size, "sequences": sequences}, f, separators=(",", ":"))
+    text = json.dumps({"vocab_size": vocab_size, "sequences": sequences}, separators=(",", ":"))
+    write_atomically(path, lambda f: f.write(text.encode()))
 
 
 def _is_text(data):
@@ -69,8 +69,11 @@ def text_file_sequences(paths, max_bytes=None):
     max_bytes in all."""
     sequences, total = [], 0
     for path in paths:
-        with open(path, "rb") as f:
-            data = f.read()
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as exc:
+            raise DataError("%s: cannot read it: %s" % (path, exc.strerror)) from None
         if not data or not _is_text(data):
             continue
         if max_bytes is not None:

@@ -29,6 +29,7 @@ import copy
 import logging
 import math
 import os
+import sys
 
 import orchard_ops
 
@@ -58,7 +59,8 @@ def resolve_device(device, listing=None):
             raise  # ORCHARD_DEVICE names no device: orchard_ops's message says so
         chosen = None
     if chosen not in by_id:
-        raise ValueError("unknown device %r; available: %s" % (device, ", ".join(by_id) or "none"))
+        raise ValueError("unknown device (%r); available: %s"
+                         % (device, ", ".join(by_id) or "none"))
     return by_id[chosen]
 
 
@@ -134,7 +136,9 @@ class DeviceBackend:
 
     def estimate_memory(self, model_cfg, batch_size, seq_len, dtype="fp32",
                         grad_checkpointing=False):
-        """Bytes a training step needs, by the formula of the module docstring, itemised."""
+        """Bytes a training step needs, by the formula of the module docstring, itemised:
+        {"parameter_bytes", "gradient_bytes", "optimizer_bytes", "activation_bytes",
+        "total_bytes"}, each a count of bytes (the parameters' count is count_parameters)."""
         C, L, V = model_cfg["n_embd"], model_cfg["n_layer"], model_cfg["vocab_size"]
         c_kv = model_cfg["n_kv_head"] * C // model_cfg["n_head"]
         params = self.count_parameters(model_cfg)
@@ -142,12 +146,12 @@ class DeviceBackend:
         per_token = (L * C + 2 * layer) if grad_checkpointing else L * layer
         per_token += 4 * V + 3 * C
         parts = {
-            "parameters": 4 * params,
-            "gradients": 4 * params,
-            "optimizer": 8 * params,
-            "activations": batch_size * seq_len * _bytes_per_element(dtype) * per_token,
+            "parameter_bytes": 4 * params,
+            "gradient_bytes": 4 * params,
+            "optimizer_bytes": 8 * params,
+            "activation_bytes": batch_size * seq_len * _bytes_per_element(dtype) * per_token,
         }
-        parts["total"] = sum(parts.values())
+        parts["total_bytes"] = sum(parts.values())
         return parts
 
     @staticmethod
@@ -169,9 +173,13 @@ class DeviceBackend:
         return min(per_process_batch, max(1, math.ceil(self.info["compute_units"] / blocks)))
 
     def adapt_config(self, cfg, fixed_model=False):
-        """(new config, {dotted key: reason}) for this device; every changed key has a reason.
+        """A config adapted to this device, and why: returns (config, reasons).
 
-        fixed_model keeps the model section as it is (a resumed checkpoint fixes it).
+        config is a new dict (cfg is not changed) with every "auto" resolved and the memory
+        plan fitted to memory_budget(); reasons maps each dotted key that changed
+        ("training.micro_batch", ...) to one line "old -> new: why". Keys left as they were
+        have no entry. fixed_model keeps the model section as it is (a resumed checkpoint
+        fixes it), so the context is never shortened.
         """
         new = copy.deepcopy(cfg)
         reasons = {}
@@ -212,7 +220,7 @@ class DeviceBackend:
 
         def need(micro, checkpointing, context):
             return self.estimate_memory(model, micro, context, train["dtype"],
-                                        checkpointing)["total"]
+                                        checkpointing)["total_bytes"]
 
         def largest_fitting(floor, checkpointing, context):
             micro = requested
@@ -287,13 +295,18 @@ class DeviceBackend:
         return notes
 
     def log_summary(self):
-        """Log (and return) what this backend is: device facts and attention backend."""
+        """Log (and return) what this backend is: device facts and attention backend. With
+        no logging configured (no handler anywhere), it prints to stderr instead, since
+        Python would drop an INFO record."""
         i = self.info
         text = ("device %s: %s (%s, %s backend), %d compute units, %.1f GiB, fp16 %s, fp64 %s"
                 % (i["id"], i["name"], i["kind"], i["backend"], i["compute_units"],
                    i["global_mem_bytes"] / GiB, "yes" if i["fp16"] else "no",
                    "yes" if i["fp64"] else "no"))
-        log.info(text)
+        if log.hasHandlers():
+            log.info(text)
+        else:
+            print(text, file=sys.stderr)
         return text
 
     def patch_model(self, model):

@@ -11,6 +11,8 @@ model's context (its positions): once the tokens outgrow it, the window slides b
 step, every position moves, and no cached key stays valid, so each step then prefills the
 last `context` tokens anew, exactly what generation without the cache computes.
 """
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -20,8 +22,9 @@ from .hf_causal_lm import build_model
 
 
 def load_model(checkpoint, device="auto"):
-    """(model in eval mode with orchard attention on `device`, whether it is byte-level)."""
-    state = load_checkpoint(checkpoint)
+    """(model in eval mode with orchard attention on `device`, whether it is byte-level);
+    checkpoint is a path (file or output folder) or a checkpoint already loaded."""
+    state = checkpoint if isinstance(checkpoint, dict) else load_checkpoint(checkpoint)
     model = build_model(state["model_config"], state.get("hf_config"))
     model.load_state_dict(state["model"])
     model.eval()
@@ -29,6 +32,27 @@ def load_model(checkpoint, device="auto"):
     if state.get("hf_config") is None:
         backend.patch_model(model)
     return model, state["data"].get("byte_level", False)
+
+
+def describe_training(state):
+    """One line on what a checkpoint's sample can be expected to look like: its steps, its
+    last loss, and how that compares with guessing uniformly (ln of the vocabulary)."""
+    step, metrics = state["step"], state.get("metrics") or []
+    planned = state.get("schedule_steps")
+    text = "checkpoint of step %d%s" % (step, " of %d" % planned if planned else "")
+    if not metrics:
+        return text + ": no loss recorded yet; expect random tokens"
+    last = metrics[-1]
+    loss = last.get("val_loss", last["loss"])
+    uniform = math.log(state["model_config"]["vocab_size"])
+    text += ", %s %.2f (uniform guessing: %.2f)" % (
+        "validation loss" if "val_loss" in last else "loss", loss, uniform)
+    if loss > 0.75 * uniform:
+        return text + ": barely trained; expect near-random tokens"
+    if loss > 0.45 * uniform:
+        return text + (": an early model; expect the data's characters and short fragments, "
+                       "not coherent text")
+    return text
 
 
 def encode(prompt, byte_level):

@@ -1,33 +1,50 @@
-"""A dependency-free progress bar for the trainer.
+"""Progress of long work (training, data preparation, benchmarks, tuning) on stderr.
 
-On a terminal it redraws one line in place; elsewhere (CI logs, files) it draws nothing and
-the trainer's periodic log lines are the progress report.
+On a terminal it is a tqdm bar with rate and ETA, redrawn in place; elsewhere (CI logs, files)
+a plain line every `every` seconds and one at the end, since a redrawn bar would fill a log
+with carriage returns. every=None leaves the plain lines to the caller (the trainer's
+periodic log lines are its report).
 """
 import sys
 import time
 
 
-class ProgressBar:
-    def __init__(self, total, start=0, stream=None, width=24):
-        self.total, self.start, self.width = total, start, width
+class Progress:
+    def __init__(self, total, desc, unit="it", start=0, every=30.0, stream=None, enabled=True):
+        self.total, self.desc, self.unit, self.start, self.every = total, desc, unit, start, every
         self.stream = stream or sys.stderr
-        self.enabled = self.stream.isatty()
-        self.t0 = time.perf_counter()
+        self.enabled = enabled
+        self.bar = None
+        if enabled and self.stream.isatty():
+            from tqdm import tqdm
 
-    def update(self, step, text=""):
-        if not self.enabled:
-            return
-        done = step / max(1, self.total)
-        filled = int(self.width * done)
-        elapsed = time.perf_counter() - self.t0
-        rate = (step - self.start) / elapsed if elapsed > 0 else 0.0
-        eta = (self.total - step) / rate if rate > 0 else 0.0
-        self.stream.write("\r\033[K%d/%d |%s%s| %3.0f%% %s eta %d:%02d" % (
-            step, self.total, "#" * filled, "." * (self.width - filled), 100 * done, text,
-            eta // 60, eta % 60))
-        self.stream.flush()
+            self.bar = tqdm(total=total, initial=start, desc=desc, unit=unit, file=self.stream,
+                            dynamic_ncols=True)
+        self.t0 = self.last_line = time.perf_counter()
+        self.done = start
+
+    def update(self, done, text=""):
+        """`done` of `total` finished; text is a short note (a loss, the item at hand)."""
+        self.done = done
+        if self.bar is not None:
+            self.bar.update(done - self.bar.n)
+            if text:
+                self.bar.set_postfix_str(text, refresh=False)
+        elif self.enabled and self.every is not None:
+            now = time.perf_counter()
+            if now - self.last_line >= self.every or done == self.total:
+                self.last_line = now
+                self.stream.write(self.line(now) + (" " + text if text else "") + "\n")
+                self.stream.flush()
+
+    def line(self, now):
+        elapsed = now - self.t0
+        rate = (self.done - self.start) / elapsed if elapsed > 0 else 0.0
+        eta = (self.total - self.done) / rate if rate > 0 else 0.0
+        return "%s: %d/%d %s (%.0f%%), %.2f %s/s, eta %d:%02d" % (
+            self.desc, self.done, self.total, self.unit, 100 * self.done / max(1, self.total),
+            rate, self.unit, eta // 60, eta % 60)
 
     def close(self):
-        if self.enabled:
-            self.stream.write("\n")
-            self.stream.flush()
+        if self.bar is not None:
+            self.bar.close()

@@ -206,6 +206,78 @@ class AttentionRouter(TorchFunctionMode):
             self.routed, rest or "none")
 
 
+def _why_not_mha(mha, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal):
+    """None when orchard can compute this nn.MultiheadAttention call as torch would; else why
+    not, in words a user can act on."""
+    if need_weights:
+        return ("need_weights=True asks for the N x N attention weights, which orchard never "
+                "forms (pass need_weights=False)")
+    if key_padding_mask is not None:
+        return "key_padding_mask (orchard takes no masks)"
+    if attn_mask is not None and not is_causal:
+        return "attn_mask (orchard takes no masks; a causal one is routed with is_causal=True)"
+    if mha.bias_k is not None or mha.add_zero_attn:
+        return "add_bias_kv or add_zero_attn"
+    tensors = (query, key, value)
+    if any(t.device.type != "cpu" or t.layout != torch.strided or t.is_nested for t in tensors):
+        return "not a dense CPU tensor"
+    if query.dtype not in _ROUTABLE_DTYPES or any(t.dtype != query.dtype for t in tensors):
+        return "dtype"
+    if query.dim() not in (2, 3):
+        return "rank"
+    if mha.head_dim > _MAX_HEAD_DIM:
+        return "head dimension"
+    length = lambda t: t.shape[0 if t.dim() == 3 and not mha.batch_first else -2]
+    if is_causal and length(query) != length(key):
+        return "is_causal with Nq != Nk"
+    return None
+
+
+def _mha_attention(mha, query, key, value, causal, device):
+    """nn.MultiheadAttention's computation with orchard's attention in the middle: the input
+    projections, attention per head, the output projection; torch's layouts in and out."""
+    batched = query.dim() == 3
+    if not batched:
+        query, key, value = (t.unsqueeze(0) for t in (query, key, value))
+    elif not mha.batch_first:
+        query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+    if mha._qkv_same_embed_dim:
+        weights = mha.in_proj_weight.chunk(3)
+    else:
+        weights = (mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight)
+    biases = (None,) * 3 if mha.in_proj_bias is None else mha.in_proj_bias.chunk(3)
+    heads = []
+    for x, w, b in zip((query, key, value), weights, biases):
+        y = F.linear(x, w, b)
+        heads.append(y.view(y.shape[0], y.shape[1], mha.num_heads, mha.head_dim).transpose(1, 2))
+    out = flash_attention(*heads, causal=causal,
+                          dropout_p=mha.dropout if mha.training else 0.0, device=device)
+    out = out.transpose(1, 2).reshape(query.shape[0], query.shape[1], mha.embed_dim)
+    out = F.linear(out, mha.out_proj.weight, mha.out_proj.bias)
+    if not batched:
+        return out.squeeze(0)
+    return out if mha.batch_first else out.transpose(0, 1)
+
+
+def _mha_routed(mha, name, forward, router):
+    """The forward of an nn.MultiheadAttention (and so of the Transformer layers built on it):
+    torch computes its attention inside F.multi_head_attention_forward, where a
+    TorchFunctionMode cannot see the scaled_dot_product_attention call, so the module's
+    calls are routed here instead, or left to torch with the module's name and the reason."""
+    @functools.wraps(forward)
+    def routed_forward(query, key, value, key_padding_mask=None, need_weights=True,
+                       attn_mask=None, average_attn_weights=True, is_causal=False):
+        reason = _why_not_mha(mha, query, key, value, key_padding_mask, need_weights,
+                              attn_mask, is_causal)
+        if reason is not None:
+            router.left_to_torch["%s (nn.MultiheadAttention): %s" % (name, reason)] += 1
+            return forward(query, key, value, key_padding_mask, need_weights, attn_mask,
+                           average_attn_weights, is_causal)
+        router.routed += 1
+        return _mha_attention(mha, query, key, value, is_causal, router.device), None
+    return routed_forward
+
+
 def _routed(forward, router):
     @functools.wraps(forward)
     def routed_forward(*args, **kwargs):
@@ -217,7 +289,9 @@ def _routed(forward, router):
 
 
 def patch_model(model, device=None):
-    """Route model's scaled_dot_product_attention calls to orchard; returns the router.
+    """Route model's scaled_dot_product_attention calls, and the attention of its
+    nn.MultiheadAttention modules (nn.TransformerEncoderLayer, ...), to orchard; returns the
+    router, whose summary() names each call left to torch and why.
 
     Every submodule's forward is wrapped, not only the model's, so that activation
     checkpointing, which re-runs a block inside backward, recomputes through orchard too.
@@ -227,8 +301,11 @@ def patch_model(model, device=None):
     if getattr(model, "orchard_router", None) is not None:
         return model.orchard_router
     router = AttentionRouter(device)
-    for module in model.modules():
-        module.forward = _routed(module.forward, router)
+    for name, module in model.named_modules():
+        forward = module.forward
+        if isinstance(module, torch.nn.MultiheadAttention):
+            forward = _mha_routed(module, name or "the model", forward, router)
+        module.forward = _routed(forward, router)
     model.orchard_router = router
     return router
 

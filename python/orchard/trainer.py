@@ -21,11 +21,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from .atomic import write_atomically
 from .checkpoint import save_checkpoint
 from .config import get_dtype_from_string
 from .data import DataError
 from .hf_causal_lm import build_model
-from .progress import ProgressBar
+from .progress import Progress
 
 log = logging.getLogger("orchard")
 
@@ -79,6 +80,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler("cpu", enabled=self.dtype == "fp16")
         self.step = 0
         self.history = []
+        self.schedule_steps = None  # the stopping point a resumed run keeps (see run)
         if resume_state is not None:
             self._restore(resume_state)
         else:
@@ -108,6 +110,7 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
             "step": self.step,
+            "schedule_steps": self.schedule_steps,
             "seed": self.seed,
             "config": self.requested_cfg,
             "model_config": self.cfg["model"],
@@ -123,6 +126,7 @@ class Trainer:
         if self.scaler.is_enabled() and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.step = state["step"]
+        self.schedule_steps = state.get("schedule_steps")
         self.history = list(state["metrics"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
@@ -246,24 +250,39 @@ class Trainer:
         dist.all_reduce(t)
         return t.item()
 
+    def _save_metrics(self):
+        # Rewritten whole and renamed into place, as the checkpoint: never half a line.
+        if self.rank == 0:
+            text = "".join(json.dumps(r) + "\n" for r in self.history).encode()
+            write_atomically(os.path.join(self.output_dir, METRICS_NAME), lambda f: f.write(text))
+
     def _write_metrics(self, record):
         self.history.append(record)
-        if self.rank == 0:
-            with open(os.path.join(self.output_dir, METRICS_NAME), "a") as f:
-                f.write(json.dumps(record) + "\n")
+        self._save_metrics()
 
-    def run(self, epochs=1, max_steps=None):
-        """Train until `epochs` passes over the data or `max_steps` optimizer steps in all
-        (counting those before a resume). Returns 0, or 130 after Ctrl-C."""
+    def stopping_point(self, epochs=None, max_steps=None):
+        """The step count the run ends at and its learning-rate schedule spans: `epochs`
+        passes over the data (default 1) or `max_steps` optimizer steps in all, whichever is
+        fewer. A resumed run given neither keeps the stopping point of the run it continues,
+        so its schedule goes on exactly where it stopped."""
+        if epochs is None and max_steps is None and self.schedule_steps is not None:
+            return self.schedule_steps
+        total = (1 if epochs is None else epochs) * self.steps_per_epoch
+        return total if max_steps is None else min(total, max_steps)
+
+    def run(self, epochs=None, max_steps=None):
+        """Train up to stopping_point(epochs, max_steps), counting the steps before a resume.
+        Returns 0, or 130 after Ctrl-C. A run that trains no step writes nothing."""
         train = self.cfg["training"]
-        total = epochs * self.steps_per_epoch
-        if max_steps is not None:
-            total = min(total, max_steps)
+        total = self.schedule_steps = self.stopping_point(epochs, max_steps)
+        if self.step >= total:
+            log.info("nothing to train: the run is at step %d, its stopping point is step %d; "
+                     "nothing written", self.step, total)
+            return 0
         if self.rank == 0:
             os.makedirs(self.output_dir, exist_ok=True)
             # The curve so far, as of the checkpoint: steps logged after it are redone.
-            with open(os.path.join(self.output_dir, METRICS_NAME), "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in self.history)
+            self._save_metrics()
         tokens_per_step = train["batch_size"] * self.cfg["model"]["context"]
         log.info("training %s parameters on %s: %d steps (%d per epoch), batch %d = %d "
                  "process(es) x micro-batch %d x %d accumulation, context %d, %s%s",
@@ -273,7 +292,8 @@ class Trainer:
                  ", gradient checkpointing" if self.model.grad_checkpointing else "")
         if self.step:
             log.info("resuming at step %d", self.step)
-        bar = ProgressBar(total, start=self.step) if self.rank == 0 else None
+        bar = Progress(total, "training", unit="steps", start=self.step, every=None,
+                       enabled=self.rank == 0 and log.isEnabledFor(logging.INFO))
         # Ctrl-C, and the SIGTERM with which torchrun (or a scheduler) stops workers, end the
         # run after the step in flight, with a checkpoint.
         # Python allows signal handlers in the main thread only.
@@ -313,9 +333,8 @@ class Trainer:
                              if validate else "", lr, record["tokens_per_s"], self.micro_batch,
                              self.accumulation_steps())
                     losses, t0 = [], time.perf_counter()
-                if bar:
-                    bar.update(self.step, "loss %.3f" % (self.history[-1]["loss"]
-                                                         if self.history else float("nan")))
+                bar.update(self.step, "loss %.3f" % (self.history[-1]["loss"]
+                                                     if self.history else float("nan")))
                 if self.step % train["checkpoint_interval"] == 0 and self.step != total:
                     self.save()
                 if self._should_stop():
@@ -324,15 +343,14 @@ class Trainer:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            if bar:
-                bar.close()
+            bar.close()
         path = self.save()
         if self.rank == 0:
             if self.router is not None:
                 log.info(self.router.summary())
             if interrupted:
-                log.info("interrupted: checkpoint of step %d saved to %s; continue with "
-                         "--resume %s", self.step, path, path)
+                log.info("interrupted: checkpoint of step %d of %d saved to %s", self.step,
+                         total, path)
             else:
                 log.info("done: checkpoint of step %d saved to %s", self.step, path)
         return 130 if interrupted else 0

@@ -47,21 +47,31 @@ def time_candidate(device, shape, block_q, block_k, repeats, report=print):
     return json.loads(r.stdout.split()[-1])
 
 
-def tune(device, shape=(1, 8, 1024, 64), candidates=None, repeats=3, report=print):
-    """Times every candidate on `device`, stores the fastest; returns {(bq, bk): seconds}.
-    Each candidate's time (or failure) is passed to `report` as a line of text."""
+def default_candidates(device):
+    """The block sizes of the kernel family `device` runs; ValueError unless it is an OpenCL
+    device id."""
     info = next((d for d in orchard_ops.devices() if d["id"] == device), None)
     if info is None or info["backend"] != "opencl":
-        raise ValueError("tune(): 'device' must be an OpenCL device id, such as opencl:0; "
-                         "got %r" % (device,))
-    if candidates is None:
-        candidates = info["block_candidates"]
+        raise ValueError("tune(): 'device' must be an OpenCL device id, such as opencl:0 "
+                         "(got %r)" % (device,))
+    return info["block_candidates"]
+
+
+def tune(device, shape=(1, 8, 1024, 64), candidates=None, repeats=3, report=print,
+         progress=None):
+    """Times every candidate on `device`, stores the fastest; returns {(bq, bk): seconds}.
+    Each candidate's time (or failure) is passed to `report` as a line of text, and progress
+    (an orchard.progress.Progress of len(candidates)) is updated after each."""
+    default = default_candidates(device)
+    candidates = default if candidates is None else candidates
     times = {}
-    for bq, bk in candidates:
+    for n, (bq, bk) in enumerate(candidates, 1):
         seconds = time_candidate(device, list(shape), bq, bk, repeats, report)
         if seconds is not None:
             times[(bq, bk)] = seconds
             report("  %d x %d: %.2f ms" % (bq, bk, seconds * 1e3))
+        if progress is not None:
+            progress.update(n, "%dx%d" % (bq, bk))
     if not times:
         raise RuntimeError("tune(): no candidate block size ran on %s" % device)
     best = min(times, key=times.get)

@@ -3,35 +3,43 @@ picks and why, and how the training config is adapted to it.
 
     orchard-devices [--config YAML] [--json]
 """
-import argparse
 import json
 import sys
 
 import orchard_ops
 
-from ..config import ConfigError, load_config
+from ..config import load_config
 from ..device_backend import GiB, auto_choice_reason, get_device_backend
+from .args import Parser, console_script
 
 _FACTS = ("kind", "backend", "vendor", "platform", "driver_version", "compute_units",
           "global_mem_bytes", "local_mem_bytes", "max_work_group_size", "fp16", "fp64",
           "unified_memory")
 
 
+EXAMPLES = (
+    "orchard-devices",
+    "orchard-devices --config configs/universal.yaml --json",
+    "ORCHARD_DEVICE=opencl:0 orchard-devices",
+)
+
+
+@console_script("orchard-devices")
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="orchard-devices", description=__doc__.split("\n")[0])
+    parser = Parser("orchard-devices", __doc__.split("\n\n")[0], EXAMPLES,
+                    quiet=False)
     parser.add_argument("--config", metavar="YAML",
-                        help="config to adapt to the chosen device (default: the universal one)")
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
+                        help="A training config to adapt to the chosen device. Default: the "
+                             "built-in universal config.")
+    parser.add_argument("--json", action="store_true",
+                        help="Print one JSON object (devices, auto choice, adapted config) "
+                             "instead of text.")
     args = parser.parse_args(argv)
 
+    config = load_config(args.config)
     listing = orchard_ops.devices()
     chosen, why = auto_choice_reason(listing)
-    backend = get_device_backend(chosen)
-    try:
-        cfg, reasons = backend.adapt_config(load_config(args.config))
-    except ConfigError as exc:
-        print("orchard-devices: error: %s" % exc, file=sys.stderr)
-        return 2
+    cfg, reasons = get_device_backend(chosen).adapt_config(config)
     if args.json:
         json.dump({"devices": listing, "auto": chosen, "why": why, "config": cfg,
                    "reasons": reasons}, sys.stdout, indent=2)

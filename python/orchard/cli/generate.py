@@ -7,41 +7,56 @@ Models trained on byte-level data (a vocabulary of 256: the default data and orc
 output) take the prompt as text and print text; others take and print space-separated token
 ids (orchard.generation). The model (the built-in GPT or a transformers model trained with
 --hf-config/--hf-model) keeps a KV cache: the prompt is prefilled once, then one decode step
-per token.
+per token. Before the sample, a line on stderr says how far the checkpoint was trained and
+what that means for the sample.
 """
-import argparse
 import sys
 
+from .args import Parser, UsageError, console_script, device, integer, number
 
+EXAMPLES = (
+    'orchard-generate --checkpoint runs/demo --prompt "def "',
+    'orchard-generate --checkpoint runs/demo/checkpoint.pt --prompt "import " --temperature 0',
+    'orchard-generate --checkpoint runs/ids --prompt "17 4 99" --max-new-tokens 50',
+)
+
+
+@console_script("orchard-generate")
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        prog="orchard-generate", description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = Parser("orchard-generate", __doc__.split("\n")[0], EXAMPLES)
     parser.add_argument("--checkpoint", required=True, metavar="CKPT",
-                        help="checkpoint file, or an orchard-train output folder")
-    parser.add_argument("--prompt", default="\n", help="text (or token ids) to continue")
-    parser.add_argument("--device", default="auto",
-                        help="auto, cpu, opencl, opencl:N or opencl:NAME")
-    parser.add_argument("--max-new-tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=0.8,
-                        help="softmax temperature; 0 picks the most likely token")
-    parser.add_argument("--top-k", type=int, default=40, help="sample among the k most likely")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+                        help="A checkpoint file, or an orchard-train output folder.")
+    parser.add_argument("--prompt", default="\n",
+                        help="The text (or, for models not trained on bytes, the "
+                             "space-separated token ids) to continue. Default: a newline.")
+    parser.add_argument("--device", type=device, default="auto",
+                        help="The device: auto, cpu, opencl, opencl:N or opencl:NAME.")
+    parser.add_argument("--max-new-tokens", type=integer(1), default=200, metavar="N",
+                        help="How many tokens to sample after the prompt.")
+    parser.add_argument("--temperature", type=number(minimum=0.0), default=0.8, metavar="T",
+                        help="The softmax temperature; 0 always picks the most likely token.")
+    parser.add_argument("--top-k", type=integer(1), default=40, metavar="K",
+                        help="Sample among the K most likely tokens only.")
+    parser.add_argument("--seed", type=integer(0), default=0, metavar="N",
+                        help="The sampling seed.")
     args = parser.parse_args(argv)
 
-    from ..checkpoint import CheckpointError
-    from ..generation import decode, encode, generate, load_model
-    from ..hf_causal_lm import HFModelError
+    from ..checkpoint import load_checkpoint
+    from ..generation import decode, describe_training, encode, generate, load_model
 
-    try:
-        model, byte_level = load_model(args.checkpoint, args.device)
-    except (CheckpointError, HFModelError) as exc:
-        print("orchard-generate: error: %s" % exc, file=sys.stderr)
-        return 2
+    state = load_checkpoint(args.checkpoint)
+    model, byte_level = load_model(state, args.device)
     try:
         ids = encode(args.prompt, byte_level)
     except ValueError as exc:
-        parser.error("argument --prompt: %s" % exc)
+        raise UsageError("argument --prompt: %s" % exc) from None
+    vocab = model.cfg.vocab_size
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise UsageError("argument --prompt: token id %d is out of range for the model's "
+                         "vocabulary of %d (got %r)" % (bad[0], vocab, args.prompt))
+    if not args.quiet:
+        print(describe_training(state), file=sys.stderr)
     out = generate(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.seed)
     print(decode(out, byte_level))
     return 0

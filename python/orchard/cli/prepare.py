@@ -5,29 +5,61 @@
 Writes {"vocab_size": 256, "sequences": [...]}, one sequence per text file (binary files,
 recognised by a NUL byte, and hidden files are skipped), for orchard-train --sequences.
 """
-import argparse
+import json
+import os
 import sys
 
 from ..data import BYTE_VOCAB, folder_files, save_sequences, text_file_sequences
+from ..progress import Progress
+from .args import Parser, UsageError, console_script, integer
+
+EXAMPLES = (
+    "orchard-prepare ~/src/myproject -o data/token_sequences.json --ext .py --ext .md",
+    "orchard-prepare docs/ -o data/docs.json --max-bytes 1000000 --json",
+)
 
 
+def counted(items, progress):
+    for n, item in enumerate(items, 1):
+        yield item
+        progress.update(n)
+
+
+@console_script("orchard-prepare", uses_devices=False)
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="orchard-prepare", description=__doc__.split("\n")[0])
-    parser.add_argument("src_dir", metavar="SRC_DIR", help="folder of text or source files")
+    parser = Parser("orchard-prepare", __doc__.split("\n")[0], EXAMPLES)
+    parser.add_argument("src_dir", metavar="SRC_DIR",
+                        help="The folder of text or source files to read, recursively.")
     parser.add_argument("-o", "--output", required=True, metavar="FILE",
-                        help="token_sequences.json to write")
+                        help="The token_sequences.json to write (replaced atomically).")
     parser.add_argument("--ext", action="append", metavar="SUFFIX",
-                        help="only files ending in SUFFIX (repeatable; default: every text file)")
-    parser.add_argument("--max-bytes", type=int, metavar="N", help="stop after N bytes in all")
+                        help="Read only files ending in SUFFIX; repeatable. Default: every "
+                             "text file.")
+    parser.add_argument("--max-bytes", type=integer(1), metavar="N",
+                        help="Stop after N bytes in all. Default: no limit.")
+    parser.add_argument("--json", action="store_true",
+                        help="Print the summary as one JSON object instead of a sentence.")
     args = parser.parse_args(argv)
+    if not os.path.isdir(args.src_dir):
+        raise UsageError("SRC_DIR is not a folder (%r)" % args.src_dir)
+    if os.path.isdir(args.output):
+        raise UsageError("argument --output: is a folder, not a file (%r)" % args.output)
 
-    sequences = text_file_sequences(folder_files(args.src_dir, args.ext), args.max_bytes)
+    paths = folder_files(args.src_dir, args.ext)
+    progress = Progress(len(paths), "reading", unit="files", enabled=not args.quiet)
+    sequences = text_file_sequences(counted(paths, progress), args.max_bytes)
+    progress.close()
     if not sequences:
-        print("orchard-prepare: error: no text files under %s" % args.src_dir, file=sys.stderr)
-        return 2
+        raise UsageError("no text files under SRC_DIR (%r)%s" % (
+            args.src_dir, " ending in %s" % ", ".join(args.ext) if args.ext else ""))
     save_sequences(args.output, sequences, BYTE_VOCAB)
-    print("wrote %d sequences, %d tokens (vocabulary %d) to %s"
-          % (len(sequences), sum(map(len, sequences)), BYTE_VOCAB, args.output))
+    summary = {"output": args.output, "sequences": len(sequences),
+               "tokens": sum(map(len, sequences)), "vocab_size": BYTE_VOCAB}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print("wrote %(sequences)d sequences, %(tokens)d tokens (vocabulary %(vocab_size)d) "
+              "to %(output)s" % summary)
     return 0
 
 

@@ -2,63 +2,114 @@
 
     orchard-train [--config configs/universal.yaml] [--sequences FILE] [--epochs N]
                   [--device auto|cpu|opencl:N] [--resume CKPT] [--max-steps N]
-                  [--output DIR] [--seed N] [--fp16 | --bf16] [--grad-checkpointing]
-                  [--micro-batch N] [--verbose] [--hf-config FILE | --hf-model DIR]
+                  [--output DIR] [--overwrite] [--seed N] [--fp16 | --bf16]
+                  [--grad-checkpointing] [--micro-batch N] [--verbose | --quiet]
+                  [--hf-config FILE | --hf-model DIR]
 
 The config is adapted to the device (orchard-devices shows how, and --verbose logs every
 decision). --hf-config / --hf-model train a transformers causal LM instead of the built-in
-GPT (orchard.hf_causal_lm). Data parallel: `torchrun --nproc-per-node 2 -m orchard.cli.train ...` (gloo); rank 0
-writes the checkpoint and metrics.
+GPT (orchard.hf_causal_lm). Data parallel: `torchrun --nproc-per-node 2 -m orchard.cli.train
+...` (gloo); rank 0 writes the checkpoint and metrics.
 """
-import argparse
 import copy
 import logging
 import os
+import shlex
 import sys
+
+from .args import Parser, UsageError, console_script, device, integer
 
 log = logging.getLogger("orchard")
 
+DEFAULT_OUTPUT = "runs/orchard"
+DEFAULT_SEED = 1337
+EXAMPLES = (
+    "orchard-train --config configs/universal.yaml --output runs/demo",
+    "orchard-train --sequences data/token_sequences.json --epochs 3 --device opencl:0",
+    "orchard-train --resume runs/demo          # continue where Ctrl-C stopped it",
+    "torchrun --standalone --nproc-per-node 2 -m orchard.cli.train --output runs/ddp",
+)
+
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(
-        prog="orchard-train", description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = Parser("orchard-train", __doc__.split("\n")[0], EXAMPLES,
+                    verbose_logs="the device's facts and the thread count")
     parser.add_argument("--config", metavar="YAML",
-                        help="training config (default: the built-in universal config, the "
-                             "same as configs/universal.yaml)")
+                        help="The training config. Default: the built-in universal config, "
+                             "the same as configs/universal.yaml.")
     parser.add_argument("--sequences", metavar="FILE",
-                        help="token_sequences.json (default: byte-level sequences of the "
-                             "Python standard library's sources)")
-    parser.add_argument("--epochs", type=int, default=1, help="passes over the data")
-    parser.add_argument("--max-steps", type=int, metavar="N",
-                        help="stop after N optimizer steps in all (resumed steps included)")
-    parser.add_argument("--device", default="auto",
-                        help="auto, cpu, opencl, opencl:N or opencl:NAME")
+                        help="A token_sequences.json to train on. Default: byte-level "
+                             "sequences of the Python standard library's sources.")
+    parser.add_argument("--epochs", type=integer(1), metavar="N",
+                        help="Passes over the data. Default: 1, or with --resume the stopping "
+                             "point of the run resumed.")
+    parser.add_argument("--max-steps", type=integer(1), metavar="N",
+                        help="Stop after N optimizer steps in all, resumed steps included; "
+                             "the learning-rate schedule spans them.")
+    parser.add_argument("--device", type=device, default="auto",
+                        help="The device: auto, cpu, opencl, opencl:N or opencl:NAME.")
     parser.add_argument("--resume", metavar="CKPT",
-                        help="checkpoint file (or output folder) to continue from")
-    parser.add_argument("--output", default="runs/orchard", metavar="DIR",
-                        help="folder for checkpoint.pt and metrics.jsonl")
-    parser.add_argument("--seed", type=int, default=1337,
-                        help="initialisation, data order and dropout (a resume keeps its own)")
+                        help="A checkpoint file or output folder to continue from; the model, "
+                             "config, seed and stopping point come from it.")
+    parser.add_argument("--output", metavar="DIR",
+                        help="The folder for checkpoint.pt and metrics.jsonl. Default: the "
+                             "folder of --resume, else %s." % DEFAULT_OUTPUT)
+    parser.add_argument("--overwrite", action="store_true",
+                        help="Start a new run even if --output holds a checkpoint (which is "
+                             "then replaced).")
+    parser.add_argument("--seed", type=integer(0), metavar="N",
+                        help="The seed of initialisation, data order and dropout. Default: "
+                             "%d (a resumed run keeps its own)." % DEFAULT_SEED)
     precision = parser.add_mutually_exclusive_group()
     precision.add_argument("--fp16", action="store_true",
-                           help="train in float16 with loss scaling (if the device supports it)")
-    precision.add_argument("--bf16", action="store_true", help="train in bfloat16")
+                           help="Train in float16 with loss scaling, if the device supports it.")
+    precision.add_argument("--bf16", action="store_true", help="Train in bfloat16.")
     parser.add_argument("--grad-checkpointing", action="store_true",
-                        help="recompute activations in backward to save memory")
-    parser.add_argument("--micro-batch", type=int, metavar="N",
-                        help="sequences per forward/backward (default: the largest that fits)")
-    parser.add_argument("--verbose", action="store_true",
-                        help="also log the device's facts and the thread count")
+                        help="Recompute activations in backward to save memory.")
+    parser.add_argument("--micro-batch", type=integer(1), metavar="N",
+                        help="Sequences per forward and backward. Default: the largest that "
+                             "fits the device's memory.")
     hf = parser.add_mutually_exclusive_group()
     hf.add_argument("--hf-config", metavar="FILE",
-                    help="train a randomly initialised transformers causal LM of this "
+                    help="Train a randomly initialised transformers causal LM of this "
                          "config.json (e.g. configs/hf_llama_tiny.json) instead of the "
-                         "built-in GPT; needs transformers")
+                         "built-in GPT; needs transformers.")
     hf.add_argument("--hf-model", metavar="DIR",
-                    help="train (fine-tune) the transformers causal LM of this local "
-                         "pretrained folder; needs transformers")
-    return parser.parse_args(argv)
+                    help="Train (fine-tune) the transformers causal LM of this local "
+                         "pretrained folder; needs transformers.")
+    args = parser.parse_args(argv)
+    if args.output is None:
+        from ..checkpoint import checkpoint_path
+
+        args.output = (os.path.dirname(checkpoint_path(args.resume)) or "."
+                       if args.resume else DEFAULT_OUTPUT)
+    return args
+
+
+def check_output(args):
+    """--output is a folder, and a new run does not replace a checkpoint unless asked to."""
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
+        raise UsageError("argument --output: is a file, not a folder (%r)" % args.output)
+    path = os.path.join(args.output, "checkpoint.pt")
+    if args.resume or args.overwrite or not os.path.exists(path):
+        return
+    raise UsageError("--output %s already holds a checkpoint (%s); continue it with --resume "
+                     "%s, or pass --overwrite to start again, or choose another --output"
+                     % (args.output, path, args.output))
+
+
+def resume_command(args, distributed):
+    """The command that continues this run: same output, data and device; the checkpoint
+    carries the config, seed and stopping point."""
+    processes = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))
+    words = (["torchrun", "--standalone", "--nproc-per-node", processes, "-m",
+              "orchard.cli.train"] if distributed else ["orchard-train"])
+    words += ["--resume", args.output, "--output", args.output]
+    if args.sequences:
+        words += ["--sequences", args.sequences]
+    if args.device != "auto":
+        words += ["--device", args.device]
+    return " ".join(shlex.quote(w) for w in words)
 
 
 def apply_flags(cfg, args):
@@ -74,21 +125,23 @@ def apply_flags(cfg, args):
     return cfg
 
 
-def setup_logging(rank):
+def setup_logging(rank, quiet=False):
     # On a terminal, clear the progress bar's line before a log line overwrites it.
     prefix = "\r\033[K" if sys.stderr.isatty() else ""
     logging.basicConfig(format=prefix + "%(message)s", stream=sys.stderr,
-                        level=logging.INFO if rank == 0 else logging.WARNING)
+                        level=logging.INFO if rank == 0 and not quiet else logging.WARNING)
 
 
+@console_script("orchard-train")
 def main(argv=None):
     args = parse_args(argv)
+    check_output(args)
     import torch.distributed as dist
 
     import orchard_ops
 
-    from ..checkpoint import CheckpointError, load_checkpoint
-    from ..config import ConfigError, load_config, validate
+    from ..checkpoint import load_checkpoint
+    from ..config import load_config, validate
     from ..data import DataError, load_training_data, split_validation, token_chunks
     from ..device_backend import auto_choice_reason, get_device_backend
     from ..hf_causal_lm import HFModelError, load_hf_config, model_section
@@ -98,7 +151,7 @@ def main(argv=None):
     if distributed:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
-    setup_logging(rank)
+    setup_logging(rank, args.quiet)
     try:
         backend = get_device_backend(args.device, verbose=args.verbose)
         if args.device in (None, "auto"):
@@ -115,9 +168,16 @@ def main(argv=None):
             requested = validate(state["config"], "checkpoint %s" % args.resume)
             requested["model"] = dict(state["model_config"])
             seed = state["seed"]
+            ignored = [flag for flag, given in (
+                ("--config", args.config), ("--seed", args.seed is not None), ("--fp16", args.fp16),
+                ("--bf16", args.bf16), ("--grad-checkpointing", args.grad_checkpointing),
+                ("--micro-batch", args.micro_batch)) if given]
+            if ignored:
+                log.warning("ignored with --resume (the checkpoint's config holds): %s",
+                            ", ".join(ignored))
         else:
             requested = apply_flags(load_config(args.config), args)
-            seed = args.seed
+            seed = DEFAULT_SEED if args.seed is None else args.seed
         hf_config = state.get("hf_config") if state is not None else None
         if hf is not None:
             if vocab_size > hf.vocab_size:
@@ -166,11 +226,16 @@ def main(argv=None):
                  "validation", data_info["source"],
                  (len(chunks) + len(val_chunks)) * cfg["model"]["context"], len(chunks),
                  cfg["model"]["context"], len(val_chunks))
-        trainer = Trainer(cfg, backend, chunks, args.output, requested_cfg=requested,
-                          seed=seed, data_info=data_info, resume_state=state,
-                          val_chunks=val_chunks, hf_config=hf_config,
-                          pretrained=args.hf_model if state is None else None)
+        try:
+            trainer = Trainer(cfg, backend, chunks, args.output, requested_cfg=requested,
+                              seed=seed, data_info=data_info, resume_state=state,
+                              val_chunks=val_chunks, hf_config=hf_config,
+                              pretrained=args.hf_model if state is None else None)
+        except DataError as exc:
+            raise DataError("%s: %s" % (data_info["source"], exc)) from None
         code = trainer.run(args.epochs, args.max_steps)
+        if code == 130 and rank == 0:
+            log.info("resume with: %s", resume_command(args, distributed))
         if distributed:
             digests = [None] * dist.get_world_size()
             dist.all_gather_object(digests, trainer.parameters_digest())
@@ -184,13 +249,6 @@ def main(argv=None):
             # aborted a rank that destroyed it while the other was still receiving)
             dist.barrier()
         return code
-    except (ConfigError, DataError, CheckpointError) as exc:
-        # a mistake in what the user gave: one line that says so, not a traceback
-        log.error("orchard-train: error: %s", exc)
-        return 2
-    except KeyboardInterrupt:
-        log.info("interrupted")
-        return 130
     finally:
         if distributed:
             dist.destroy_process_group()

@@ -2,47 +2,75 @@
 choice beside the device's program binaries, where every later process finds it.
 
     orchard-tune [--device opencl:0] [--shape B,H,N,D] [--candidates 48x96,96x96 ...]
-                 [--repeats 3]
+                 [--repeats 3] [--json] [--quiet]
 
 orchard.tuning says how the candidates are timed.
 """
 import argparse
+import json
 import sys
 
-from ..tuning import tune
+from ..progress import Progress
+from ..tuning import default_candidates, tune
+from .args import Parser, UsageError, console_script, device, integer, shape
+
+EXAMPLES = (
+    "orchard-tune",
+    "orchard-tune --device opencl:0 --shape 1,8,2048,64 --candidates 32x64 64x64 --repeats 5",
+)
 
 
-def parse_pair(text):
+def block_pair(text):
+    """An argparse type: BQxBK, two integers >= 1."""
     try:
         bq, bk = (int(x) for x in text.lower().split("x"))
     except ValueError:
-        raise argparse.ArgumentTypeError("a candidate is BQxBK, such as 96x96") from None
+        bq = bk = 0
+    if min(bq, bk) < 1:
+        raise argparse.ArgumentTypeError("a candidate is BQxBK, two integers >= 1 such as "
+                                         "96x96 (got %r)" % text)
     return bq, bk
 
 
+@console_script("orchard-tune")
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="orchard-tune", description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="opencl:0")
-    parser.add_argument("--shape", default="1,8,1024,64", help="B,H,N,D of the timed call")
-    parser.add_argument("--candidates", type=parse_pair, nargs="+", help="BQxBK ...")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = Parser("orchard-tune", __doc__.split("\n\n")[0], EXAMPLES)
+    parser.add_argument("--device", type=device, default="opencl:0",
+                        help="The OpenCL device to tune.")
+    parser.add_argument("--shape", type=shape, default="1,8,1024,64", metavar="B,H,N,D",
+                        help="The shape of the timed causal forward and backward.")
+    parser.add_argument("--candidates", type=block_pair, nargs="+", metavar="BQxBK",
+                        help="Block sizes to time. Default: those of the device's kernel "
+                             "family.")
+    parser.add_argument("--repeats", type=integer(1), default=3, metavar="N",
+                        help="Timed calls per candidate (its best is kept).")
+    parser.add_argument("--json", action="store_true",
+                        help="Print the timings and the choice as one JSON object.")
     args = parser.parse_args(argv)
     try:
-        shape = tuple(int(x) for x in args.shape.split(","))
-    except ValueError:
-        shape = ()
-    if len(shape) != 4:
-        parser.error("argument --shape: a shape is B,H,N,D, got %r" % args.shape)
-    print("timing block sizes on %s, causal forward + backward at B,H,N,D = %s, float32"
-          % (args.device, args.shape))
+        candidates = args.candidates or default_candidates(args.device)
+    except ValueError as exc:
+        raise UsageError("argument --device: %s" % exc) from None
+
+    log = (lambda line: None) if args.quiet else (lambda line: print(line, file=sys.stderr))
+    log("timing block sizes on %s, causal forward + backward at B,H,N,D = %s, float32"
+        % (args.device, ",".join(map(str, args.shape))))
+    progress = Progress(len(candidates), "tuning", unit="candidates", enabled=not args.quiet)
     try:
-        times = tune(args.device, shape, args.candidates, args.repeats)
-    except (ValueError, RuntimeError) as exc:
-        print("orchard-tune: error: %s" % exc, file=sys.stderr)
-        return 2
+        times = tune(args.device, args.shape, candidates, args.repeats, report=log,
+                     progress=progress)
+    except RuntimeError as exc:
+        raise UsageError(str(exc)) from None
+    finally:
+        progress.close()
     best = min(times, key=times.get)
-    print("chosen: %d x %d; stored for %s (ORCHARD_CL_BLOCK_Q/K override it)"
-          % (best + (args.device,)))
+    if args.json:
+        print(json.dumps({"device": args.device, "shape": args.shape,
+                          "ms": {"%dx%d" % bb: t * 1e3 for bb, t in times.items()},
+                          "chosen": "%dx%d" % best}))
+    else:
+        print("chosen: %d x %d; stored for %s (ORCHARD_CL_BLOCK_Q/K override it)"
+              % (best + (args.device,)))
     return 0
 
 

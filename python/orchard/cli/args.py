@@ -1,0 +1,199 @@
+"""What every console script shares: its argument parser, typed and range-checked argument
+types, and the rule for errors.
+
+An error in what the user gave (an argument, an environment variable, a config, data or
+checkpoint file) ends the script with one line, `orchard-X: error: <what> (<the value>)`, and
+exit status 2, before any work is done where it can be checked up front. --verbose or
+ORCHARD_DEBUG=1 shows the full traceback instead; Ctrl-C ends with status 130.
+"""
+import argparse
+import functools
+import math
+import os
+import sys
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+class UsageError(ValueError):
+    """Input the user can fix; the console script prints it as one line and exits with 2."""
+
+
+def _user_errors():
+    # The library's own input errors. CheckpointError's module needs torch: if it was never
+    # imported, no CheckpointError can have been raised.
+    from ..config import ConfigError
+    from ..data import DataError
+
+    errors = (UsageError, ConfigError, DataError)
+    checkpoint = sys.modules.get("orchard.checkpoint")
+    return errors + ((checkpoint.CheckpointError,) if checkpoint else ())
+
+
+def debug_requested(argv):
+    return os.environ.get("ORCHARD_DEBUG", "") not in ("", "0") or "--verbose" in argv
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the epilog's examples as written and adds each default once, to arguments whose
+    help does not already say it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        # `is`, not `in`: a default of 0 equals False but is worth saying
+        if (default is not None and default is not False and default is not argparse.SUPPRESS
+                and action.option_strings and "default" not in text.lower()):
+            text += " Default: %(default)s."
+        return text
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with the console scripts' error rule and the flags every script has."""
+
+    def __init__(self, prog, description, examples=(), quiet=True, verbose_logs=None):
+        epilog = "examples:\n" + "\n".join("  " + e for e in examples) if examples else None
+        super().__init__(prog=prog, description=description, epilog=epilog,
+                         formatter_class=_HelpFormatter)
+        self.add_argument("--verbose", action="store_true",
+                          help="Show the full traceback of an error (as ORCHARD_DEBUG=1 "
+                               "does)%s." % (", and log " + verbose_logs if verbose_logs else ""))
+        if quiet:
+            self.add_argument("--quiet", action="store_true",
+                              help="Log only warnings and errors to stderr; results still go "
+                                   "to stdout.")
+
+    def error(self, message):
+        # One line, not argparse's usage block: the message names the argument and value.
+        self.exit(EXIT_USAGE, "%s: error: %s\n" % (self.prog, message))
+
+
+def _typed(name, convert):
+    convert.__name__ = name  # argparse names the type in its own messages
+    return convert
+
+
+def integer(minimum=None):
+    """An argparse type: an integer >= minimum."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError("must be an integer (got %r)" % text) from None
+        if minimum is not None and value < minimum:
+            raise argparse.ArgumentTypeError("must be >= %d (got %r)" % (minimum, text))
+        return value
+    return _typed("integer", parse)
+
+
+def number(minimum=None):
+    """An argparse type: a finite float >= minimum."""
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError("must be a number (got %r)" % text) from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError("must be a finite number (got %r)" % text)
+        if minimum is not None and value < minimum:
+            raise argparse.ArgumentTypeError("must be >= %g (got %r)" % (minimum, text))
+        return value
+    return _typed("number", parse)
+
+
+def shape(text):
+    """An argparse type: B,H,N,D, four integers >= 1."""
+    try:
+        dims = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        dims = ()
+    if len(dims) != 4 or min(dims) < 1:
+        raise argparse.ArgumentTypeError("a shape is B,H,N,D, four integers >= 1 (got %r)"
+                                         % text)
+    return dims
+
+
+def output_file(text):
+    """An argparse type: a file to write, in a folder that exists (checked before the work
+    whose results it will hold)."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text) or not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError("must be a file in an existing folder (got %r)" % text)
+    return text
+
+
+def choices_list(choices):
+    """An argparse type: a comma-separated list of some of `choices`."""
+    def parse(text):
+        items = text.split(",")
+        unknown = [item for item in items if item not in choices]
+        if unknown or not text:
+            raise argparse.ArgumentTypeError("must be a comma-separated list of %s (got %r)"
+                                             % (", ".join(choices), text))
+        return items
+    return _typed("list", parse)
+
+
+def _device_problem(device):
+    from ..device_backend import resolve_device
+
+    try:
+        resolve_device(device)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def device(text):
+    """An argparse type: auto or a device orchard lists (resolve_device's forms)."""
+    problem = _device_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def devices(text):
+    """An argparse type: a comma-separated list of device ids."""
+    return [device(item) for item in text.split(",")]
+
+
+def check_device_environment():
+    """UsageError if ORCHARD_DEVICE names no device (device=auto would fail later)."""
+    name = os.environ.get("ORCHARD_DEVICE")
+    if name and _device_problem(None):
+        import orchard_ops
+
+        raise UsageError("environment variable ORCHARD_DEVICE names no available device (%r); "
+                         "available: %s" % (name, ", ".join(d["id"] for d in
+                                                            orchard_ops.devices())))
+
+
+def console_script(prog, uses_devices=True):
+    """Decorator of a script's main(argv): the environment is checked first, and the user's
+    errors end in one line and status 2 (a traceback with --verbose or ORCHARD_DEBUG)."""
+    def wrap(main):
+        @functools.wraps(main)
+        def run(argv=None):
+            debug = debug_requested(sys.argv[1:] if argv is None else list(argv))
+            try:
+                if uses_devices:
+                    check_device_environment()
+                return main(argv)
+            except BrokenPipeError:
+                # the reader of stdout went away (`| head`): not an error of ours to report;
+                # stdout is pointed at /dev/null so that the exit's flush does not fail again
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                return 1
+            except KeyboardInterrupt:
+                if debug:
+                    raise
+                print("%s: interrupted" % prog, file=sys.stderr)
+                return EXIT_INTERRUPTED
+            except Exception as exc:
+                if debug or not isinstance(exc, _user_errors()):
+                    raise
+                print("%s: error: %s" % (prog, exc), file=sys.stderr)
+                return EXIT_USAGE
+        return run
+    return wrap

@@ -1,0 +1,207 @@
+"""Every console script under bad input: one line `orchard-X: error: <what> (<value>)`, exit
+status 2, no traceback (unless --verbose or ORCHARD_DEBUG asks for one), files untouched.
+
+Most cases run in one child process that calls each script's main() in turn (a subprocess
+per case would import torch again each time); a few run each script as its own process, as a
+user does."""
+import json
+import os
+
+import pytest
+
+from test_py_support import write_tiny_run_files, run_python
+
+SCRIPTS = ("train", "generate", "devices", "prepare", "bench", "tune", "demo")
+
+# Calls main(argv) of each case with its environment, and reports exit status, stderr and
+# stdout: SystemExit is argparse's way out, any other exception is a traceback a user would see.
+HARNESS = r"""
+import contextlib, importlib, io, json, os, sys, traceback
+results = []
+for module, argv, env in json.loads(sys.argv[1]):
+    main = importlib.import_module("orchard.cli." + module).main
+    saved = dict(os.environ)
+    os.environ.update(env)
+    err, out = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code
+        except BaseException:
+            traceback.print_exc()
+            code = "raised"
+    os.environ.clear()
+    os.environ.update(saved)
+    results.append({"code": code, "stderr": err.getvalue(), "stdout": out.getvalue()})
+print(json.dumps(results))
+"""
+
+
+def run_cases(cases):
+    """[(module, argv, env)] -> one result dict per case, from a single child process."""
+    r = run_python(["-c", HARNESS, json.dumps(cases)], timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bad")
+    config, sequences = write_tiny_run_files(str(folder))
+    texts = {
+        "type.yaml": "model:\n  n_layer: two\n",
+        "syntax.yaml": "model: [1, 2\n",
+        "binary.yaml": b"\x89PNG\r\n\x1a\n\x00\xff",
+        "short.json": json.dumps({"vocab_size": 256, "sequences": [list(range(200))]}),
+        "damaged.pt": b"not a checkpoint",
+    }
+    for name, text in texts.items():
+        (folder / name).write_bytes(text if isinstance(text, bytes) else text.encode())
+    (folder / "empty_src").mkdir()
+    (folder / "empty_src" / "blob.bin").write_bytes(b"\0\1\2")
+    (folder / "kept.json").write_text('{"vocab_size": 256, "sequences": [[1, 2]]}')
+    return {"dir": folder, "config": config, "sequences": sequences,
+            **{name: str(folder / name) for name in texts}}
+
+
+def expected_cases(f):
+    """(module, argv, env, words the one error line must hold)."""
+    tiny = ["--config", f["config"], "--sequences", f["sequences"], "--device", "cpu"]
+    missing = str(f["dir"] / "missing.yaml")
+    tpu = {"ORCHARD_DEVICE": "tpu"}
+    return [
+        # counts and sizes: typed and range-checked
+        ("train", ["--micro-batch", "0"], {}, ["--micro-batch", ">= 1", "'0'"]),
+        ("train", ["--micro-batch", "-4"], {}, ["--micro-batch", "'-4'"]),
+        ("train", ["--epochs", "0"], {}, ["--epochs", "'0'"]),
+        ("train", ["--max-steps", "ten"], {}, ["--max-steps", "integer", "'ten'"]),
+        ("train", ["--seed", "-1"], {}, ["--seed", "'-1'"]),
+        ("generate", ["--checkpoint", "x", "--temperature", "-1"], {},
+         ["--temperature", ">= 0", "'-1'"]),
+        ("generate", ["--checkpoint", "x", "--temperature", "inf"], {}, ["--temperature", "'inf'"]),
+        ("generate", ["--checkpoint", "x", "--top-k", "0"], {}, ["--top-k", "'0'"]),
+        ("generate", ["--checkpoint", "x", "--max-new-tokens", "-5"], {}, ["--max-new-tokens"]),
+        ("bench", ["--repeats", "0"], {}, ["--repeats", ">= 3", "'0'"]),
+        ("bench", ["--repeats", "1"], {}, ["--repeats", "'1'"]),
+        ("bench", ["--shapes", "0,0,0,0"], {}, ["--shapes", "'0,0,0,0'"]),
+        ("bench", ["--shapes", "1,2,3"], {}, ["--shapes", "'1,2,3'"]),
+        ("bench", ["--dtypes", "float32,float8"], {}, ["--dtypes", "'float32,float8'"]),
+        ("bench", ["--plot", "/nonexistent/plot.png"], {}, ["--plot", "'/nonexistent/plot.png'"]),
+        ("bench", ["--json", "/nonexistent/r.json"], {}, ["--json", "'/nonexistent/r.json'"]),
+        ("tune", ["--shape", "1,8,0,64"], {}, ["--shape", "'1,8,0,64'"]),
+        ("tune", ["--candidates", "0x64"], {}, ["--candidates", "'0x64'"]),
+        ("tune", ["--repeats", "0"], {}, ["--repeats", "'0'"]),
+        ("prepare", [str(f["dir"]), "-o", "x.json", "--max-bytes", "0"], {},
+         ["--max-bytes", "'0'"]),
+        # devices: an argument, and the environment
+        ("train", ["--device", "opencl:99"], {}, ["--device", "'opencl:99'", "available"]),
+        ("train", ["--device", "tpu"], {}, ["--device", "'tpu'"]),
+        ("train", [], tpu, ["ORCHARD_DEVICE", "'tpu'"]),
+        ("generate", ["--checkpoint", "x", "--device", "tpu"], {}, ["--device", "'tpu'"]),
+        ("generate", ["--checkpoint", "x"], tpu, ["ORCHARD_DEVICE", "'tpu'"]),
+        ("devices", [], tpu, ["ORCHARD_DEVICE", "'tpu'"]),
+        ("bench", ["--devices", "cpu,opencl:99"], {}, ["--devices", "'opencl:99'"]),
+        ("bench", [], tpu, ["ORCHARD_DEVICE", "'tpu'"]),
+        ("tune", ["--device", "cpu"], {}, ["--device", "OpenCL", "'cpu'"]),
+        ("tune", ["--device", "tpu"], {}, ["--device", "'tpu'"]),
+        ("demo", ["--device", "tpu"], {}, ["--device", "'tpu'"]),
+        ("demo", [], tpu, ["ORCHARD_DEVICE", "'tpu'"]),
+        # config files: the file, the key, the expected type
+        ("devices", ["--config", missing], {}, [missing, "no such config file"]),
+        ("devices", ["--config", f["type.yaml"]], {}, [f["type.yaml"], "model.n_layer", "int",
+                                                       "'two'"]),
+        ("devices", ["--config", f["syntax.yaml"]], {}, [f["syntax.yaml"], "line 2"]),
+        ("devices", ["--config", f["binary.yaml"]], {}, [f["binary.yaml"], "not valid YAML"]),
+        ("train", ["--config", f["type.yaml"], "--device", "cpu"], {},
+         [f["type.yaml"], "model.n_layer"]),
+        # data, checkpoints, folders
+        ("train", tiny[:2] + ["--sequences", f["short.json"], "--device", "cpu", "--output",
+                              str(f["dir"] / "out_short")], {},
+         [f["short.json"], "fewer than one batch"]),
+        ("generate", ["--checkpoint", str(f["dir"] / "none.pt")], {}, ["none.pt", "cannot read"]),
+        ("generate", ["--checkpoint", f["damaged.pt"]], {}, ["damaged.pt", "not a readable"]),
+        ("prepare", [str(f["dir"] / "nowhere"), "-o", "x.json"], {}, ["SRC_DIR", "nowhere"]),
+        ("prepare", [str(f["dir"] / "empty_src"), "-o", str(f["dir"] / "kept.json")], {},
+         ["no text files", "empty_src"]),
+        ("prepare", [str(f["dir"]), "-o", str(f["dir"])], {}, ["--output", "folder"]),
+        ("train", tiny + ["--output", f["config"]], {}, ["--output", "is a file", "tiny.yaml"]),
+        # flags that exclude each other
+        ("train", ["--fp16", "--bf16"], {}, ["--bf16", "not allowed with", "--fp16"]),
+    ]
+
+
+def test_bad_input_to_every_script_gives_one_line_and_status_2(files):
+    cases = expected_cases(files)
+    assert {c[0] for c in cases} == set(SCRIPTS)
+    kept = (files["dir"] / "kept.json").read_bytes()
+    results = run_cases([[m, argv, env] for m, argv, env, _ in cases])
+    for (module, argv, env, words), r in zip(cases, results):
+        what = "orchard-%s %s %s" % (module, env, argv)
+        assert r["code"] == 2, (what, r)
+        assert "Traceback" not in r["stderr"], (what, r["stderr"])
+        lines = r["stderr"].splitlines()
+        # the one error line (training's log may come before it on a data error)
+        assert lines and lines[-1].startswith("orchard-%s: error: " % module), (what, lines)
+        assert all(not line.startswith("usage:") for line in lines), (what, lines)
+        for word in words:
+            assert word in lines[-1], (what, word, lines[-1])
+    # nothing written or replaced by a refused run
+    assert (files["dir"] / "kept.json").read_bytes() == kept
+    assert not (files["dir"] / "out_short").exists()
+    assert not os.path.exists(os.path.join(str(files["dir"]), "x.json"))
+
+
+@pytest.mark.parametrize("script, argv", [
+    ("train", ["--micro-batch", "0"]),
+    ("generate", ["--checkpoint", "x", "--top-k", "0"]),
+    ("devices", ["--config", "missing.yaml"]),
+    ("prepare", ["missing_folder", "-o", "x.json"]),
+    ("bench", ["--shapes", "0,1,1,1"]),
+    ("tune", ["--repeats", "0"]),
+    ("demo", ["--device", "opencl:99"]),
+])
+def test_each_script_as_a_process(script, argv, tmp_path):
+    r = run_python(["-m", "orchard.cli." + script] + argv)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("orchard-%s: error: " % script)
+    assert r.stdout == ""
+
+
+def test_verbose_or_orchard_debug_show_the_traceback():
+    argv = ["-m", "orchard.cli.devices", "--config", "missing.yaml"]
+    for r in (run_python(argv + ["--verbose"]), run_python(argv, ORCHARD_DEBUG="1")):
+        assert r.returncode == 1
+        assert "Traceback" in r.stderr and "ConfigError: missing.yaml: no such config file" \
+            in r.stderr
+
+
+def test_a_new_run_does_not_replace_a_checkpoint(files, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoint.pt").write_bytes(b"a run of many steps")
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    r = run_cases([["train", ["--config", files["config"], "--sequences", files["sequences"],
+                              "--device", "cpu", "--output", str(out)], {}]])[0]
+    assert r["code"] == 2
+    assert r["stderr"].splitlines() == [
+        "orchard-train: error: --output %s already holds a checkpoint (%s); continue it with "
+        "--resume %s, or pass --overwrite to start again, or choose another --output"
+        % (out, out / "checkpoint.pt", out)]
+    assert (out / "checkpoint.pt").read_bytes() == b"a run of many steps"
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_help_gives_each_default_once_in_sentences_with_examples():
+    results = run_cases([[module, ["--help"], {}] for module in SCRIPTS])
+    for module, r in zip(SCRIPTS, results):
+        text = r["stdout"]
+        assert r["code"] == 0 and text.startswith("usage: orchard-%s" % module), r
+        assert "examples:\n  " in text and "\n  orchard-%s" % module in text, module
+        assert "(default:" not in text and "None" not in text, module
+        options = text.split("options:")[1].split("examples:")[0]
+        for entry in options.split("\n  -")[1:]:
+            help_text = " ".join(entry.split())
+            assert help_text.count("Default") <= 1, (module, help_text)
+            # a sentence: it ends with a full stop (argparse's own -h line aside)
+            assert help_text.endswith(".") or "show this help" in help_text, (module, help_text)
