@@ -244,6 +244,20 @@ def test_bfloat16_model_runs_and_roughly_matches(no_fallback):
     assert all(torch.isfinite(g).all() for g in grads.values())
 
 
+def test_autocast_bfloat16_runs_on_orchard(no_fallback):
+    """Under CPU autocast Llama's rotary embedding leaves q and k in float32 and v in
+    bfloat16: orchard computes them in the autocast dtype, as the sdpa model does."""
+    ref, model = pair("llama-gqa")
+    real = padding("right")
+    inputs = dict(input_ids=tokens(3, 12), attention_mask=real)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, grads, stats = forward_backward(model, real, **inputs)
+        ref_logits, _, _ = forward_backward(ref, real, **inputs)
+    assert stats["fwd_calls"] == LAYERS and stats["bwd_calls"] == LAYERS
+    assert_close(logits.float(), ref_logits.float(), tol=3e-2)
+    assert all(torch.isfinite(g).all() for g in grads.values())
+
+
 def test_attention_dropout_against_the_reference():
     """Dropout in training: the attention function with the model's dropout equals the
     float64 reference with orchard's keep-mask of the call's seed."""

@@ -261,6 +261,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     # transformers' sliding window counts the query itself: kv > q - sliding_window.
     window = (-1, -1) if sliding_window is None else (sliding_window - 1, sliding_window - 1)
+    if len({query.dtype, key.dtype, value.dtype}) > 1:
+        # Under autocast, rotary embeddings leave q and k in float32 and v in the half dtype:
+        # as transformers' FlashAttention-2 integration, compute in the autocast dtype.
+        target = (torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu")
+                  else value.dtype)
+        query, key, value = query.to(target), key.to(target), value.to(target)
     mask = attention_mask
     reason = _why_not(query, key, value, mask, sliding_window, kwargs)
     if reason is not None:
