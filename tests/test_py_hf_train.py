@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 from orchard.checkpoint import load_checkpoint  # noqa: E402
 from orchard.cli import train  # noqa: E402
 from orchard.trainer import Trainer  # noqa: E402
-from test_py_support import REPO_ROOT, read_metrics, run_python  # noqa: E402
+from test_py_support import REPO_ROOT, fail_first_forward, read_metrics, run_python  # noqa: E402
 
 needs_transformers = pytest.mark.skipif(
     not __import__("importlib").util.find_spec("transformers"),
@@ -228,15 +228,7 @@ def test_out_of_memory_halves_the_llama_micro_batch(tmp_path, caplog):
     chunks = token_chunks([list(range(256)) * 4], 32)
     trainer = Trainer(cfg, backend, chunks, str(tmp_path),
                       hf_config=hf.to_json_string(use_diff=False))
-    forward, calls = trainer.model.forward, []
-
-    def fails_once(x, y=None):
-        calls.append(len(x))
-        if len(calls) == 1:
-            raise orchard_ops.OrchardOutOfMemory("simulated: CL_MEM_OBJECT_ALLOCATION_FAILURE")
-        return forward(x, y)
-
-    trainer.model.forward = fails_once
+    calls = fail_first_forward(trainer.model)
     with caplog.at_level(logging.WARNING, logger="orchard"):
         assert trainer.run(max_steps=1) == 0
     assert calls == [8, 4, 4] and trainer.micro_batch == 4

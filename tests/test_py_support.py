@@ -63,3 +63,19 @@ def write_tiny_run_files(folder):
 def read_metrics(folder):
     with open(os.path.join(folder, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+def fail_first_forward(model):
+    """Makes model.forward raise OrchardOutOfMemory once, on its first call, as a device out of
+    memory does; returns the list of every call's micro-batch size."""
+    import orchard_ops
+    forward, calls = model.forward, []
+
+    def fails_once(x, y=None):
+        calls.append(len(x))
+        if len(calls) == 1:
+            raise orchard_ops.OrchardOutOfMemory("simulated: CL_MEM_OBJECT_ALLOCATION_FAILURE")
+        return forward(x, y)
+
+    model.forward = fails_once
+    return calls

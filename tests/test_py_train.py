@@ -18,8 +18,8 @@ from orchard.config import load_config  # noqa: E402
 from orchard.data import load_sequences, split_validation, token_chunks  # noqa: E402
 from orchard.device_backend import get_device_backend  # noqa: E402
 from orchard.trainer import Trainer  # noqa: E402
-from test_py_support import (REPO_ROOT, TINY_CONFIG, read_metrics, run_python,  # noqa: E402
-                             write_tiny_run_files)
+from test_py_support import (REPO_ROOT, TINY_CONFIG, fail_first_forward,  # noqa: E402
+                             read_metrics, run_python, write_tiny_run_files)
 
 
 @pytest.fixture(scope="module")
@@ -145,15 +145,7 @@ def make_trainer(run_files, out, micro_batch):
 
 def test_out_of_memory_halves_the_micro_batch_and_retries(run_files, tmp_path, caplog):
     trainer = make_trainer(run_files, tmp_path, micro_batch=8)
-    forward, calls = trainer.model.forward, []
-
-    def fails_once(x, y=None):
-        calls.append(len(x))
-        if len(calls) == 1:
-            raise orchard_ops.OrchardOutOfMemory("simulated: CL_MEM_OBJECT_ALLOCATION_FAILURE")
-        return forward(x, y)
-
-    trainer.model.forward = fails_once
+    calls = fail_first_forward(trainer.model)
     with caplog.at_level(logging.WARNING, logger="orchard"):
         assert trainer.run(max_steps=2) == 0
     assert calls == [8, 4, 4, 4, 4]  # failed at 8, then the step retried as 2 x 4
