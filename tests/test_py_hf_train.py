@@ -214,7 +214,6 @@ def test_without_transformers_hf_flags_are_a_clear_error(tmp_path):
 def test_out_of_memory_halves_the_llama_micro_batch(tmp_path, caplog):
     import logging
 
-    import orchard_ops
     from orchard.config import validate
     from orchard.data import token_chunks
     from orchard.device_backend import get_device_backend

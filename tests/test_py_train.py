@@ -11,7 +11,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import orchard_ops  # noqa: E402
 from orchard.cli import train  # noqa: E402
 from orchard.checkpoint import load_checkpoint  # noqa: E402
 from orchard.config import load_config  # noqa: E402
