@@ -22,7 +22,7 @@ from test_py_support import (REPO_ROOT, TINY_CONFIG, read_metrics, run_python,  
                              subprocess_env, write_tiny_run_files)
 
 STEPS = 24
-KILLS = 4           # every other one waits for a checkpoint write
+KILLS = 4           # at least; every other one waits for a checkpoint write
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,9 @@ def test_sigkill_at_random_moments_and_mid_checkpoint_then_resume(run_files, tmp
     assert result.returncode == 0, result.stderr[-3000:]
     rng = random.Random(int(os.environ.get("ORCHARD_CRASH_SEED", "1")))
     steps_seen, mid_write_kills = [], 0
-    for round_ in range(KILLS):
+    for round_ in range(3 * KILLS):     # more rounds while no kill has landed inside a write
+        if round_ >= KILLS and mid_write_kills:
+            break
         resume = ["--resume", str(killed)] if (killed / "checkpoint.pt").exists() else []
         mid_write = round_ % 2 == 1
         was_killed, inside_write = kill_during(train_args(run_files, killed, *resume), killed,
