@@ -9,6 +9,45 @@
  * softmax (running max m, running sum l) per row, as FlashAttention-2.
  */
 #if OR_FAMILY == OR_FAMILY_ROWS
+/* One K/V tile (cols keys from j0, in kt and vt) into the online softmax of query row i of
+ * unit u (qv pre-scaled): running max *m, running sum *l, output accumulator acc. Also the
+ * step of flash_decode_split (flash_decode.cl). */
+inline void row_tile(const realv *qv, realv *acc, real *m, real *l, __local realv (*kt)[DP],
+                     __local realv (*vt)[DVP], int cols, long u, long i, long j0, long off,
+                     real slope, const or_params *p)
+{
+    /* scores padded to whole vectors with -inf, so exp runs VW lanes at a time */
+    real s[(BK + VW - 1) / VW * VW], mx = -INFINITY, dcap;
+    for (int c = 0; c < cols; c++) {
+        s[c] = transform_score(vdot(qv, kt[c], DP), i, j0 + c, off, slope, p, &dcap);
+        mx = fmax(mx, s[c]);
+    }
+    const real mnew = fmax(*m, mx);
+    if (mnew == -INFINITY)
+        return;                 /* nothing visible to this row yet */
+    for (int c = cols; c % VW != 0; c++)
+        s[c] = -INFINITY;
+    realv sum = 0;
+    for (int c = 0; c < cols; c += VW) {
+        const realv e = exp(CAT(vload, VW)(0, s + c) - mnew);
+        sum += e;
+        CAT(vstore, VW)(e, 0, s + c);
+    }
+    const real alpha = exp(*m - mnew);
+    *l = *l * alpha + hsum(sum);
+    for (int x = 0; x < DVP; x++)
+        acc[x] *= alpha;
+    for (int c = 0; c < cols; c++) {
+        real e = s[c];
+        if (p->dropout)
+            e = or_dropout_keep(p->seed, (ulong)u, (uint)i, (uint)(j0 + c), p->threshold)
+                    ? e * p->drop_scale : 0;
+        for (int x = 0; x < DVP; x++)
+            acc[x] += e * vt[c][x];
+    }
+    *m = mnew;
+}
+
 __kernel void flash_fwd_rows(__global const storage_t *q, __global const storage_t *k,
                         __global const storage_t *v, __global storage_t *out,
                         __global real *lse, __global const long *meta,
@@ -41,38 +80,8 @@ __kernel void flash_fwd_rows(__global const storage_t *q, __global const storage
         barrier(CLK_LOCAL_MEM_FENCE);
         load_tiles(kt, k, kvunit[OR_K], meta[OR_K], 1, vt, v, kvunit[OR_V], meta[OR_V], j0, cols, lid);
         barrier(CLK_LOCAL_MEM_FENCE);
-        if (!valid)
-            continue;
-        /* scores padded to whole vectors with -inf, so exp runs VW lanes at a time */
-        real s[(BK + VW - 1) / VW * VW], mx = -INFINITY, dcap;
-        for (int c = 0; c < cols; c++) {
-            s[c] = transform_score(vdot(qv, kt[c], DP), i, j0 + c, off, slope, &p, &dcap);
-            mx = fmax(mx, s[c]);
-        }
-        const real mnew = fmax(m, mx);
-        if (mnew == -INFINITY)
-            continue;           /* nothing visible to this row yet */
-        for (int c = cols; c % VW != 0; c++)
-            s[c] = -INFINITY;
-        realv sum = 0;
-        for (int c = 0; c < cols; c += VW) {
-            const realv e = exp(CAT(vload, VW)(0, s + c) - mnew);
-            sum += e;
-            CAT(vstore, VW)(e, 0, s + c);
-        }
-        const real alpha = exp(m - mnew);
-        l = l * alpha + hsum(sum);
-        for (int x = 0; x < DVP; x++)
-            acc[x] *= alpha;
-        for (int c = 0; c < cols; c++) {
-            real e = s[c];
-            if (p.dropout)
-                e = or_dropout_keep(p.seed, (ulong)u, (uint)i, (uint)(j0 + c), p.threshold)
-                        ? e * p.drop_scale : 0;
-            for (int x = 0; x < DVP; x++)
-                acc[x] += e * vt[c][x];
-        }
-        m = mnew;
+        if (valid)
+            row_tile(qv, acc, &m, &l, kt, vt, cols, u, i, j0, off, slope, &p);
     }
     if (!valid)
         return;
