@@ -35,7 +35,7 @@ typedef struct {
     or_error *err;
     cl_mem mem[OR_NSLOTS];
     cl_mem meta, slopes, di, dqacc, dummy;
-    cl_mem part, part_lse;      /* decode: the splits' partial outputs and their lse */
+    cl_mem part, part_ml;       /* decode: the splits' partial outputs, their max and sum */
     cl_kernel kernel[3];
     unsigned outputs;           /* bit per slot written by the kernels */
     int in_place;               /* buffers over host memory, else explicit copies */
@@ -264,8 +264,8 @@ static void release(launch_t *L)
         api->clReleaseMemObject(L->dqacc);
     if (L->part)
         api->clReleaseMemObject(L->part);
-    if (L->part_lse)
-        api->clReleaseMemObject(L->part_lse);
+    if (L->part_ml)
+        api->clReleaseMemObject(L->part_ml);
     if (L->dummy)
         api->clReleaseMemObject(L->dummy);
 }
@@ -353,14 +353,14 @@ static int decode_kernels(launch_t *L)
     int idx, rc = new_buffer(L, CL_MEM_READ_WRITE, real * (rows * OR_DECODE_ROW(p->dv) + 1), NULL,
                              &L->part);
     if (rc == OR_OK)
-        rc = new_buffer(L, CL_MEM_READ_WRITE, real * (rows + 1), NULL, &L->part_lse);
+        rc = new_buffer(L, CL_MEM_READ_WRITE, real * (2 * rows + 1), NULL, &L->part_ml);
     static const int split_args[] = {OR_Q, OR_K, OR_V};
     if (rc == OR_OK)
         rc = kernel_with(L, 0, or_cl_families[L->prog.family].decode, split_args, 3, &idx);
     if (rc == OR_OK)
         rc = set_mem(L, L->kernel[0], &idx, L->part);
     if (rc == OR_OK)
-        rc = set_mem(L, L->kernel[0], &idx, L->part_lse);
+        rc = set_mem(L, L->kernel[0], &idx, L->part_ml);
     if (rc == OR_OK)
         rc = set_long(L, L->kernel[0], &idx, nq_max);
     if (rc == OR_OK)
@@ -372,7 +372,7 @@ static int decode_kernels(launch_t *L)
     if (rc == OR_OK)
         rc = set_mem(L, L->kernel[1], &idx, L->part);
     if (rc == OR_OK)
-        rc = set_mem(L, L->kernel[1], &idx, L->part_lse);
+        rc = set_mem(L, L->kernel[1], &idx, L->part_ml);
     for (int s = OR_O; rc == OR_OK && s <= OR_LSE; s++)
         rc = set_mem(L, L->kernel[1], &idx, L->mem[s]);
     if (rc == OR_OK)

@@ -3,8 +3,8 @@
  *
  *   q   (unit, Nq, HEAD_D)   k (kv unit, Nk, HEAD_D)   v (kv unit, Nk, HEAD_DV)
  *   out (unit, Nq, HEAD_DV)  lse (unit, Nq), natural log, -inf for a row that sees no key
- *   part     (unit, split, nq_max, OR_DECODE_ROW(HEAD_DV))  the split's normalised output
- *   part_lse (unit, split, nq_max)                          its lse, -inf where it saw no key
+ *   part     (unit, split, nq_max, OR_DECODE_ROW(HEAD_DV))  the split's output, unnormalised
+ *   part_ml  (unit, split, nq_max, 2)   its running max m and sum l (-inf and 0: no key seen)
  *
  * With few query rows the forward kernels have little to run in parallel and read the keys
  * and values once per query head. Here the keys of each kv unit are cut into splits of `chunk`
@@ -13,7 +13,8 @@
  * params.h), so they share one read of each key and value; it keeps an online softmax per row
  * with the step of its family's forward (row_tile, softmax_row), so scale, masks, softcap,
  * ALiBi and dropout are those of the forward. flash_decode_combine then merges the splits of
- * each row exactly: lse = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse) out_s. The host
+ * each row exactly: with M = max_s m_s and L = sum_s l_s exp(m_s - M), out = sum_s part_s
+ * exp(m_s - M) / L and lse = M + log L (out 0 and lse -inf where no split saw a key). The host
  * picks the splits from the shapes and the device's compute units alone (attn_opencl.c), so
  * a call's result does not depend on timing.
  *
@@ -50,7 +51,7 @@ inline void split_keys(const or_params *p, long nq, long nk, long i0, int irows,
  * split shared through local memory as in flash_fwd_rows. */
 __kernel void flash_decode_split(__global const storage_t *q, __global const storage_t *k,
                                  __global const storage_t *v, __global real *part,
-                                 __global real *part_lse, long nq_max, long chunk,
+                                 __global real *part_ml, long nq_max, long chunk,
                                  __global const long *meta, __global const real *slopes,
                                  const or_params params)
 {
@@ -91,10 +92,10 @@ __kernel void flash_decode_split(__global const storage_t *q, __global const sto
     if (!valid)
         return;
     const long row = (u * nsplit + split) * nq_max + i;
-    const real inv = l > 0 ? 1 / l : 0;
     for (int x = 0; x < DVP; x++)
-        CAT(vstore, VW)(acc[x] * inv, 0, part + row * OR_DECODE_ROW(HEAD_DV) + x * VW);
-    part_lse[row] = l > 0 ? m + log(l) : -INFINITY;
+        CAT(vstore, VW)(acc[x], 0, part + row * OR_DECODE_ROW(HEAD_DV) + x * VW);
+    part_ml[2 * row] = m;
+    part_ml[2 * row + 1] = l;
 }
 
 #elif OR_FAMILY == OR_FAMILY_TILED
@@ -103,7 +104,7 @@ __kernel void flash_decode_split(__global const storage_t *q, __global const sto
 __kernel __attribute__((reqd_work_group_size(1, 1, 1)))
 void flash_decode_split(__global const storage_t *q, __global const storage_t *k,
                         __global const storage_t *v, __global real *part,
-                        __global real *part_lse, long nq_max, long chunk,
+                        __global real *part_ml, long nq_max, long chunk,
                         __global const long *meta, __global const real *slopes,
                         const or_params params)
 {
@@ -147,16 +148,16 @@ void flash_decode_split(__global const storage_t *q, __global const storage_t *k
 
     for (int r = 0; r < rows; r++) {
         const long row = ((u0 + ua + r / irows) * nsplit + split) * nq_max + i0 + r % irows;
-        const real inv = l[r] > 0 ? 1 / l[r] : 0;
-        for (int x = 0; x < DVP * VW; x++)     /* DVT >= DVP * VW: o's padding columns are 0 */
-            part[row * OR_DECODE_ROW(HEAD_DV) + x] = o[r * DVT + x] * inv;
-        part_lse[row] = l[r] > 0 ? m[r] + log(l[r]) : -INFINITY;
+        for (int x = 0; x < HEAD_DV; x++)
+            part[row * OR_DECODE_ROW(HEAD_DV) + x] = o[r * DVT + x];
+        part_ml[2 * row] = m[r];
+        part_ml[2 * row + 1] = l[r];
     }
 }
 #endif
 
 /* Both families: a work-item per (query row i, unit u) merges the nsplit partial rows. */
-__kernel void flash_decode_combine(__global const real *part, __global const real *part_lse,
+__kernel void flash_decode_combine(__global const real *part, __global const real *part_ml,
                                    __global storage_t *out, __global real *lse, long nq_max,
                                    long nsplit, __global const long *meta)
 {
@@ -165,24 +166,19 @@ __kernel void flash_decode_combine(__global const real *part, __global const rea
     if (i >= unit[OR_UNIT_NQ])
         return;
     const long first = u * nsplit * nq_max + i;     /* split s is row first + s * nq_max */
-    real mx = -INFINITY;
+    real mx = -INFINITY, sum = 0, acc[HEAD_DV];
     for (long s = 0; s < nsplit; s++)
-        mx = fmax(mx, part_lse[first + s * nq_max]);
-    realv acc[DVP];
-    for (int x = 0; x < DVP; x++)
+        mx = fmax(mx, part_ml[2 * (first + s * nq_max)]);
+    for (int x = 0; x < HEAD_DV; x++)
         acc[x] = 0;
-    real sum = 0;
-    if (mx > -INFINITY) {       /* else no split saw a key: out 0, lse -inf */
-        for (long s = 0; s < nsplit; s++) {
-            const long row = first + s * nq_max;
-            const real w = exp(part_lse[row] - mx);
-            sum += w;
-            for (int x = 0; x < DVP; x++)
-                acc[x] += w * CAT(vload, VW)(0, part + row * OR_DECODE_ROW(HEAD_DV) + x * VW);
-        }
-        for (int x = 0; x < DVP; x++)
-            acc[x] /= sum;
+    for (long s = 0; mx > -INFINITY && s < nsplit; s++) {  /* else no split saw a key */
+        const long row = first + s * nq_max;
+        const real w = exp(part_ml[2 * row] - mx);
+        sum += w * part_ml[2 * row + 1];
+        for (int x = 0; x < HEAD_DV; x++)
+            acc[x] += w * part[row * OR_DECODE_ROW(HEAD_DV) + x];
     }
-    store_row(out, unit[OR_O] + i * meta[OR_O], acc, HEAD_DV);
-    lse[unit[OR_LSE] + i * meta[OR_LSE]] = mx > -INFINITY ? mx + log(sum) : -INFINITY;
+    for (int x = 0; x < HEAD_DV; x++)
+        STORE(out, unit[OR_O] + i * meta[OR_O] + x, sum > 0 ? acc[x] / sum : 0);
+    lse[unit[OR_LSE] + i * meta[OR_LSE]] = sum > 0 ? mx + log(sum) : -INFINITY;
 }

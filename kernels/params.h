@@ -207,7 +207,8 @@ static inline or_u32 or_dropout_threshold(double p) { return (or_u32)(p * 429496
 #define OR_NFAMILIES 2
 
 /* Split-KV decoding (flash_decode.cl). A row of the scratch of partial outputs holds the head
- * dim of v rounded up to 8 reals, so that either vector width (4 or 8) reads whole vectors. */
+ * dim of v rounded up to 8 reals, so that the rows family, of either vector width (4 or 8),
+ * writes whole vectors. */
 #define OR_DECODE_ROW(dv) (((dv) + 7) / 8 * 8)
 
 /* A work-group of the split kernel takes the query rows of bq / nq whole units of a GQA group
