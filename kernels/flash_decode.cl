@@ -11,7 +11,7 @@
  * keys: flash_decode_split runs a work-group per (block of rows, split, kv unit), where the
  * block holds the query rows of every query head of the GQA group (or_decode_blocks in
  * params.h), so they share one read of each key and value; it keeps an online softmax per row
- * with the step of its family's forward (row_tile, softmax_row), so scale, masks, softcap,
+ * with the steps of its family's forward (row_keys, softmax_row), so scale, masks, softcap,
  * ALiBi and dropout are those of the forward. flash_decode_combine then merges the splits of
  * each row exactly: with M = max_s m_s and L = sum_s l_s exp(m_s - M), out = sum_s part_s
  * exp(m_s - M) / L and lse = M + log L (out 0 and lse -inf where no split saw a key). The host
@@ -48,7 +48,7 @@ inline void split_keys(const or_params *p, long nq, long nk, long i0, int irows,
 
 #if OR_FAMILY == OR_FAMILY_ROWS
 /* Rows family: a work-item per query row of the block (BQ work-items), K/V tiles of the
- * split shared through local memory as in flash_fwd_rows. */
+ * split shared through local memory as in flash_fwd_rows (row_keys). */
 __kernel void flash_decode_split(__global const storage_t *q, __global const storage_t *k,
                                  __global const storage_t *v, __global real *part,
                                  __global real *part_ml, long nq_max, long chunk,
@@ -72,23 +72,12 @@ __kernel void flash_decode_split(__global const storage_t *q, __global const sto
     __global const long *unit = UNIT(meta, u);
     const real slope = p.has_alibi ? slopes[u] : 0;
 
-    realv qv[DP], acc[DVP];
-    for (int x = 0; x < DP; x++)
-        qv[x] = valid ? load_vec(q, unit[OR_Q] + i * meta[OR_Q], x * VW, HEAD_D, p.scale) : 0;
-    for (int x = 0; x < DVP; x++)
-        acc[x] = 0;
-    real m = -INFINITY, l = 0;
-
+    realv acc[DVP];
+    real m, l;
     long lo, hi;
     split_keys(&p, nq, nk, i0, irows, split, chunk, &lo, &hi);
-    for (long j0 = lo; j0 < hi; j0 += BK) {
-        const int cols = (int)min((long)BK, hi - j0);
-        barrier(CLK_LOCAL_MEM_FENCE);
-        load_tiles(kt, k, kvunit[OR_K], meta[OR_K], 1, vt, v, kvunit[OR_V], meta[OR_V], j0, cols, lid);
-        barrier(CLK_LOCAL_MEM_FENCE);
-        if (valid)
-            row_tile(qv, acc, &m, &l, kt, vt, cols, u, i, j0, nk - nq, slope, &p);
-    }
+    row_keys(q, k, v, meta, unit, kvunit, u, i, valid, lo, hi, nk - nq, slope, &p, kt, vt, acc,
+             &m, &l);
     if (!valid)
         return;
     const long row = (u * nsplit + split) * nq_max + i;
