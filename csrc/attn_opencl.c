@@ -331,7 +331,7 @@ static or_ssize decode_chunk(const launch_t *L, or_ssize nk_max, or_ssize groups
 {
     const or_ssize bk = L->prog.bk, want = DECODE_GROUPS_PER_CU * (or_ssize)L->info->compute_units,
                    most = (nk_max + DECODE_MIN_BLOCKS * bk - 1) / (DECODE_MIN_BLOCKS * bk);
-    or_ssize splits = (want + groups - 1) / groups;
+    or_ssize splits = groups > 0 ? (want + groups - 1) / groups : 1;   /* 0: no query rows */
     splits = splits > most ? most : splits;
     splits = splits < 1 ? 1 : splits;
     const or_ssize chunk = (nk_max + splits - 1) / splits;
