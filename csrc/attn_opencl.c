@@ -4,7 +4,10 @@
  * memory (CPUs through PoCL, integrated GPUs) with CL_MEM_USE_HOST_PTR, so inputs are read in
  * place and outputs land directly in the returned NumPy arrays; on a discrete GPU with an
  * explicit copy in and out. The per-unit offsets and lengths travel in one "meta" buffer
- * (kernels/common.cl), so dense, strided, GQA and varlen inputs run the same kernels.
+ * (kernels/common.cl), so dense, strided, GQA and varlen inputs run the same kernels. A forward
+ * with few query rows per unit (or_is_decode) runs the split-KV decode instead
+ * (kernels/flash_decode.cl): partial outputs per key split into scratch buffers, then one
+ * combining pass.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -32,6 +35,7 @@ typedef struct {
     or_error *err;
     cl_mem mem[OR_NSLOTS];
     cl_mem meta, slopes, di, dqacc, dummy;
+    cl_mem part, part_ml;       /* decode: the splits' partial outputs, their max and sum */
     cl_kernel kernel[3];
     unsigned outputs;           /* bit per slot written by the kernels */
     int in_place;               /* buffers over host memory, else explicit copies */
@@ -186,6 +190,17 @@ static int kernel_with(launch_t *L, int slot, const char *name, const int *slots
     return OR_OK;
 }
 
+/* Enqueues a kernel over global[0..2] work-items in work-groups of local (NULL: the
+ * runtime's choice); nothing when there is no work. */
+static int enqueue_nd(launch_t *L, cl_kernel k, const size_t global[3], const size_t *local)
+{
+    if (global[0] == 0 || global[1] == 0 || global[2] == 0)
+        return OR_OK;
+    TRY(L, L->prog.api->clEnqueueNDRangeKernel(L->prog.queue, k, 3, NULL, global, local, 0, NULL,
+                                               NULL), "clEnqueueNDRangeKernel");
+    return OR_OK;
+}
+
 /* Enqueues a kernel over ceil(rows / group_rows) work-groups of `lanes` work-items per unit:
  * lanes = group_rows for the row-per-work-item kernels, 1 for the tiled forward. */
 static int enqueue(launch_t *L, cl_kernel k, or_ssize rows, or_ssize units, int group_rows,
@@ -194,10 +209,9 @@ static int enqueue(launch_t *L, cl_kernel k, or_ssize rows, or_ssize units, int 
     if (rows <= 0 || units <= 0)
         return OR_OK;
     const size_t groups = ((size_t)rows + (size_t)group_rows - 1) / (size_t)group_rows;
-    size_t global[2] = {groups * (size_t)lanes, (size_t)units}, local[2] = {(size_t)lanes, 1};
-    TRY(L, L->prog.api->clEnqueueNDRangeKernel(L->prog.queue, k, 2, NULL, global, local, 0, NULL,
-                                               NULL), "clEnqueueNDRangeKernel");
-    return OR_OK;
+    const size_t global[3] = {groups * (size_t)lanes, (size_t)units, 1},
+                 local[3] = {(size_t)lanes, 1, 1};
+    return enqueue_nd(L, k, global, local);
 }
 
 /* Waits for the kernels and brings the outputs to the host arrays. */
@@ -248,6 +262,10 @@ static void release(launch_t *L)
         api->clReleaseMemObject(L->di);
     if (L->dqacc)
         api->clReleaseMemObject(L->dqacc);
+    if (L->part)
+        api->clReleaseMemObject(L->part);
+    if (L->part_ml)
+        api->clReleaseMemObject(L->part_ml);
     if (L->dummy)
         api->clReleaseMemObject(L->dummy);
 }
@@ -286,18 +304,101 @@ static int prepare(launch_t *L, int i, const or_problem *p, unsigned outputs, or
     return rc;
 }
 
+/* The forward of the program's family: bq query rows per work-group, a work-item each (rows)
+ * or one in all (tiled). */
+static int fwd_kernel(launch_t *L)
+{
+    static const int args[] = {OR_Q, OR_K, OR_V, OR_O, OR_LSE};
+    const or_problem *p = L->p;
+    int idx, rc = kernel_with(L, 0, or_cl_families[L->prog.family].fwd, args, 5, &idx);
+    if (rc == OR_OK)
+        rc = set_params(L, L->kernel[0], &idx);
+    if (rc == OR_OK)
+        rc = enqueue(L, L->kernel[0], longest(p->nq, p->n_units), p->n_units, L->prog.bq,
+                     L->prog.family == OR_FAMILY_TILED ? 1 : L->prog.bq);
+    return rc;
+}
+
+/* Split-KV decoding: work-groups the split kernel should give each compute unit, and the
+ * fewest key blocks (bk keys) per split, so that the partial outputs and their combination stay
+ * small beside the keys and values read. */
+#define DECODE_GROUPS_PER_CU 4
+#define DECODE_MIN_BLOCKS 4
+
+/* Keys per split, a multiple of bk: from the shapes and the device's compute units only, so
+ * that a call's result never depends on timing. */
+static or_ssize decode_chunk(const launch_t *L, or_ssize nk_max, or_ssize groups)
+{
+    const or_ssize bk = L->prog.bk, want = DECODE_GROUPS_PER_CU * (or_ssize)L->info->compute_units,
+                   most = (nk_max + DECODE_MIN_BLOCKS * bk - 1) / (DECODE_MIN_BLOCKS * bk);
+    or_ssize splits = groups > 0 ? (want + groups - 1) / groups : 1;   /* 0: no query rows */
+    splits = splits > most ? most : splits;
+    splits = splits < 1 ? 1 : splits;
+    const or_ssize chunk = (nk_max + splits - 1) / splits;
+    return chunk < 1 ? bk : (chunk + bk - 1) / bk * bk;
+}
+
+/* flash_decode_split over (row blocks, splits, kv units) into the scratch buffers, then
+ * flash_decode_combine over (query rows, units) into out and lse. */
+static int decode_kernels(launch_t *L)
+{
+    const or_problem *p = L->p;
+    const or_ssize nq_max = longest(p->nq, p->n_units), nk_max = longest(p->nk, p->n_units),
+                   n_kv = p->n_units / p->prm.group,
+                   blocks = or_decode_blocks(nq_max, p->prm.group, L->prog.bq),
+                   chunk = decode_chunk(L, nk_max, blocks * n_kv),
+                   nsplit = nk_max > 0 ? (nk_max + chunk - 1) / chunk : 1;
+    const size_t real = dbl(L) ? sizeof(double) : sizeof(float),
+                 rows = (size_t)(p->n_units * nsplit * nq_max);
+    int idx, rc = new_buffer(L, CL_MEM_READ_WRITE, real * (rows * OR_DECODE_ROW(p->dv) + 1), NULL,
+                             &L->part);
+    if (rc == OR_OK)
+        rc = new_buffer(L, CL_MEM_READ_WRITE, real * (2 * rows + 1), NULL, &L->part_ml);
+    static const int split_args[] = {OR_Q, OR_K, OR_V};
+    if (rc == OR_OK)
+        rc = kernel_with(L, 0, or_cl_families[L->prog.family].decode, split_args, 3, &idx);
+    if (rc == OR_OK)
+        rc = set_mem(L, L->kernel[0], &idx, L->part);
+    if (rc == OR_OK)
+        rc = set_mem(L, L->kernel[0], &idx, L->part_ml);
+    if (rc == OR_OK)
+        rc = set_long(L, L->kernel[0], &idx, nq_max);
+    if (rc == OR_OK)
+        rc = set_long(L, L->kernel[0], &idx, chunk);
+    if (rc == OR_OK)
+        rc = set_params(L, L->kernel[0], &idx);
+    if (rc == OR_OK)
+        rc = kernel_with(L, 1, "flash_decode_combine", NULL, 0, &idx);
+    if (rc == OR_OK)
+        rc = set_mem(L, L->kernel[1], &idx, L->part);
+    if (rc == OR_OK)
+        rc = set_mem(L, L->kernel[1], &idx, L->part_ml);
+    for (int s = OR_O; rc == OR_OK && s <= OR_LSE; s++)
+        rc = set_mem(L, L->kernel[1], &idx, L->mem[s]);
+    if (rc == OR_OK)
+        rc = set_long(L, L->kernel[1], &idx, nq_max);
+    if (rc == OR_OK)
+        rc = set_long(L, L->kernel[1], &idx, nsplit);
+    if (rc == OR_OK)
+        rc = set_mem(L, L->kernel[1], &idx, L->meta);
+    /* the split kernel: bq work-items per block (rows family) or one (tiled) */
+    const size_t lanes = L->prog.family == OR_FAMILY_TILED ? 1 : (size_t)L->prog.bq,
+                 split_global[3] = {(size_t)blocks * lanes, (size_t)nsplit, (size_t)n_kv},
+                 split_local[3] = {lanes, 1, 1},
+                 combine_global[3] = {(size_t)nq_max, (size_t)p->n_units, 1};
+    if (rc == OR_OK)
+        rc = enqueue_nd(L, L->kernel[0], split_global, split_local);
+    if (rc == OR_OK)
+        rc = enqueue_nd(L, L->kernel[1], combine_global, NULL);
+    return rc;
+}
+
 int or_cl_fwd(int i, const or_problem *p, or_counters *ct, or_error *err)
 {
     launch_t L;
-    int idx, rc = prepare(&L, i, p, 1u << OR_O | 1u << OR_LSE, ct, err);
-    static const int args[] = {OR_Q, OR_K, OR_V, OR_O, OR_LSE};
+    int rc = prepare(&L, i, p, 1u << OR_O | 1u << OR_LSE, ct, err);
     if (rc == OR_OK)
-        rc = kernel_with(&L, 0, or_cl_families[L.prog.family].fwd, args, 5, &idx);
-    if (rc == OR_OK)
-        rc = set_params(&L, L.kernel[0], &idx);
-    if (rc == OR_OK)        /* bq query rows per group: a work-item each, or one in all */
-        rc = enqueue(&L, L.kernel[0], longest(p->nq, p->n_units), p->n_units, L.prog.bq,
-                     L.prog.family == OR_FAMILY_TILED ? 1 : L.prog.bq);
+        rc = or_is_decode(p) ? decode_kernels(&L) : fwd_kernel(&L);
     if (rc == OR_OK)
         rc = finish_outputs(&L);
     release(&L);

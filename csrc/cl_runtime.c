@@ -280,13 +280,14 @@ int or_cl_family_of(int i)
 }
 
 /* The smallest CL_KERNEL_WORK_GROUP_SIZE over the kernels that run a row per work-item:
- * flash_bwd_prep, and every kernel of the rows family (tiled kernels run one per group). */
+ * flash_bwd_prep, and every kernel of the rows family (tiled kernels run one per group;
+ * flash_decode_combine lets the runtime choose its work-groups). */
 static int kernel_limit(device_t *dev, cl_program prog, int family, size_t *limit, or_error *err)
 {
     const or_cl_family *f = &or_cl_families[family];
-    const char *const names[] = {"flash_bwd_prep", f->fwd, f->bwd, f->bwd_keys};
+    const char *const names[] = {"flash_bwd_prep", f->fwd, f->bwd, f->bwd_keys, f->decode};
     *limit = dev->info.max_work_group;
-    for (int i = 0; i < (family == OR_FAMILY_ROWS ? 4 : 1); i++) {
+    for (int i = 0; i < (family == OR_FAMILY_ROWS ? 5 : 1); i++) {
         cl_int rc;
         cl_kernel k = api->clCreateKernel(prog, names[i], &rc);
         if (k == NULL)
@@ -403,9 +404,10 @@ static int fit_tiles(const or_cl_info *in, size_t real, int d, int dv, int vw, i
  * one core and a work-item on its SIMD lanes). */
 const or_cl_family or_cl_families[OR_NFAMILIES] = {
     [OR_FAMILY_ROWS] = {"rows", NULL, "flash_fwd_rows", "flash_bwd_rows_dq",
-                        "flash_bwd_rows_dkdv", 64, 64,
+                        "flash_bwd_rows_dkdv", "flash_decode_split", 64, 64,
                         {{32, 32}, {64, 32}, {64, 64}, {128, 32}, {128, 64}}, fit_rows},
-    [OR_FAMILY_TILED] = {"tiled", "cpu", "flash_fwd_tiled", "flash_bwd_tiled", NULL, 96, 96,
+    [OR_FAMILY_TILED] = {"tiled", "cpu", "flash_fwd_tiled", "flash_bwd_tiled", NULL,
+                         "flash_decode_split", 96, 96,
                          {{48, 48}, {48, 96}, {96, 48}, {96, 96}, {144, 96}}, fit_tiles},
 };
 

@@ -23,6 +23,8 @@ typedef struct {
     const char *device_kind;        /* chosen for devices of this kind; NULL: all others */
     const char *fwd, *bwd;          /* forward kernel; backward kernel after flash_bwd_prep */
     const char *bwd_keys;           /* a second backward kernel over key rows, or NULL */
+    const char *decode;             /* the split-KV forward for decoding (flash_decode.cl),
+                                       before flash_decode_combine */
     int bq, bk;                     /* default blocks: rows family (work-group rows, keys per
                                        local tile), tiled family (query rows, keys per block) */
     int candidates[5][2];           /* the blocks orchard-tune times */

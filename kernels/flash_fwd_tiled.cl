@@ -21,6 +21,52 @@
  */
 #define STRIP (4 * TM)
 #if OR_FAMILY == OR_FAMILY_TILED
+/* Row r of a block, query row i of unit u, after its scores of keys [j0, j0 + cols) were
+ * formed in srow (nc columns, whole tiles): the spec's transforms, then the online softmax
+ * (running max *m, sum *l; the output row orow rescaled) turns them into the probabilities,
+ * dropout applied, that the next tile product adds to orow. Also the step of
+ * flash_decode_split (flash_decode.cl). */
+inline void softmax_row(__local real *srow, __local real *orow, __local real *m, __local real *l,
+                        long u, long i, long off, real slope, long j0, int cols, int nc,
+                        const or_params *p)
+{
+    const long diag = i + off;
+    /* the spec's transforms, where this row needs them; padding columns are masked */
+    if (needs_transform(p, diag, j0, cols)) {
+        for (int c = 0; c < min(cols, nc); c++) {
+            real dcap;
+            srow[c] = transform_score(srow[c], i, j0 + c, off, slope, p, &dcap);
+        }
+    }
+    for (int c = cols; c < nc; c++)
+        srow[c] = -INFINITY;
+    realv mv = -INFINITY;
+    for (int c = 0; c < nc; c += VW)
+        mv = fmax(mv, CAT(vload, VW)(0, srow + c));
+    const real mnew = fmax(*m, hmax(mv));
+    if (mnew == -INFINITY) {            /* nothing visible to this row yet */
+        for (int c = 0; c < nc; c++)
+            srow[c] = 0;
+        return;
+    }
+    realv sum = 0;
+    for (int c = 0; c < nc; c += VW) {
+        const realv e = exp(CAT(vload, VW)(0, srow + c) - mnew);
+        sum += e;
+        CAT(vstore, VW)(e, 0, srow + c);
+    }
+    const real alpha = exp(*m - mnew);
+    *m = mnew;
+    *l = *l * alpha + hsum(sum);
+    if (alpha != 1)
+        for (int x = 0; x < DVT; x++)
+            orow[x] *= alpha;
+    if (p->dropout)
+        for (int c = 0; c < min(cols, nc); c++)
+            srow[c] = or_dropout_keep(p->seed, (ulong)u, (uint)i, (uint)(j0 + c), p->threshold)
+                          ? srow[c] * p->drop_scale : 0;
+}
+
 __kernel __attribute__((reqd_work_group_size(1, 1, 1)))
 void flash_fwd_tiled(__global const storage_t *q, __global const storage_t *k,
                __global const storage_t *v, __global storage_t *out, __global real *lse,
@@ -63,44 +109,9 @@ void flash_fwd_tiled(__global const storage_t *q, __global const storage_t *k,
             tile_product(s + r0 * BK, BK, qs + r0 * HEAD_D, HEAD_D, 1, kt, BK, mr, nc,
                          HEAD_D, 0);
 
-            for (int r = r0; r < min(rows, r0 + mr); r++) {
-                __local real *srow = s + r * BK;
-                const long i = i0 + r, diag = i + off;
-                /* the spec's transforms, where this row needs them; padding columns are masked */
-                if (needs_transform(&p, diag, j0, cols)) {
-                    for (int c = 0; c < min(cols, nc); c++) {
-                        real dcap;
-                        srow[c] = transform_score(srow[c], i, j0 + c, off, slope, &p, &dcap);
-                    }
-                }
-                for (int c = cols; c < nc; c++)
-                    srow[c] = -INFINITY;
-                realv mv = -INFINITY;
-                for (int c = 0; c < nc; c += VW)
-                    mv = fmax(mv, CAT(vload, VW)(0, srow + c));
-                const real mnew = fmax(m[r], hmax(mv));
-                if (mnew == -INFINITY) {            /* nothing visible to this row yet */
-                    for (int c = 0; c < nc; c++)
-                        srow[c] = 0;
-                    continue;
-                }
-                realv sum = 0;
-                for (int c = 0; c < nc; c += VW) {
-                    const realv e = exp(CAT(vload, VW)(0, srow + c) - mnew);
-                    sum += e;
-                    CAT(vstore, VW)(e, 0, srow + c);
-                }
-                const real alpha = exp(m[r] - mnew);
-                m[r] = mnew;
-                l[r] = l[r] * alpha + hsum(sum);
-                if (alpha != 1)
-                    for (int x = 0; x < DVT; x++)
-                        o[r * DVT + x] *= alpha;
-                if (p.dropout)
-                    for (int c = 0; c < min(cols, nc); c++)
-                        srow[c] = or_dropout_keep(p.seed, (ulong)u, (uint)i, (uint)(j0 + c),
-                                               p.threshold) ? srow[c] * p.drop_scale : 0;
-            }
+            for (int r = r0; r < min(rows, r0 + mr); r++)
+                softmax_row(s + r * BK, o + r * DVT, m + r, l + r, u, i0 + r, off, slope, j0,
+                            cols, nc, &p);
             /* padding rows of s are the products of zero queries: finite, and never stored */
             tile_product(o + r0 * DVT, DVT, s + r0 * BK, BK, 1, vs, DVT, mr, DVT, nc, 1);
         }

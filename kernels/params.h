@@ -8,7 +8,7 @@
  *   - the mask rule: which keys a query row sees (key_range / query_range);
  *   - the dropout stream: Philox4x32-10, keyed by (seed, batch-head, row, column);
  *   - the OpenCL kernel families and the local tiles of each kernel, from which the host
- *     sizes its blocks.
+ *     sizes its blocks; the row of the split-KV decode's scratch.
  *
  * Adding a score modifier: a field in OR_PARAMS, the rule below if it masks, and its use in
  * the kernels.
@@ -205,6 +205,21 @@ static inline or_u32 or_dropout_threshold(double p) { return (or_u32)(p * 429496
 #define OR_FAMILY_ROWS 0        /* a query (or key) row per work-item: GPUs */
 #define OR_FAMILY_TILED 1       /* a block per single-work-item group, register tiles: CPUs */
 #define OR_NFAMILIES 2
+
+/* Split-KV decoding (flash_decode.cl). A row of the scratch of partial outputs holds the head
+ * dim of v rounded up to 8 reals, so that the rows family, of either vector width (4 or 8),
+ * writes whole vectors. */
+#define OR_DECODE_ROW(dv) (((dv) + 7) / 8 * 8)
+
+/* A work-group of the split kernel takes the query rows of bq / nq whole units of a GQA group
+ * (when nq <= bq), or bq rows of one unit, so that its rows see one range of keys. Blocks that
+ * `group` units of nq rows need (more for a larger nq: the host launches those of the
+ * longest, and the blocks a shorter group does not need return at once): */
+OR_FN or_i64 or_decode_blocks(or_i64 nq, or_i64 group, or_i64 bq)
+{
+    const or_i64 parts = (nq + bq - 1) / bq, per = nq > 0 && nq <= bq ? bq / nq : 1;
+    return parts * ((group + per - 1) / per);
+}
 
 /* The tiled family's register tile: OR_TM rows by OR_TN(vw) columns (two vectors of vw lanes). */
 #define OR_TM 6

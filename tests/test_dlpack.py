@@ -87,14 +87,21 @@ def test_low_precision_tensors(ops, device, dtype, feature):
 
 FAMILY_RUN = """
 import json, torch, orchard_ops as o
+from orchard.reference import ref_fwd
 g = torch.Generator().manual_seed(0)
 q, k, v = (torch.randn(1, 2, 130, 24, generator=g).to(torch.bfloat16) for _ in range(3))
 out, lse = o.flash_attn_fwd(q, k, v, causal=True, device="%s")
 ref, _ = o.flash_attn_fwd(q, k, v, causal=True, device="cpu")
 dq = o.flash_attn_bwd(out, q, k, v, out, lse, causal=True, device="%s")[0]
 dqr = o.flash_attn_bwd(out, q, k, v, out, lse, causal=True, device="cpu")[0]
+# the split-KV decode: 4 query rows of 4 heads over 2 kv heads, 2,000 keys (several splits)
+qd = torch.randn(1, 4, 4, 24, generator=g).to(torch.bfloat16)
+kd, vd = (torch.randn(1, 2, 2000, 24, generator=g).to(torch.bfloat16) for _ in range(2))
+outd, _ = o.flash_attn_fwd(qd, kd, vd, softcap=4.0, device="%s")
+refd = ref_fwd(*(t.double().numpy() for t in (qd, kd, vd)), softcap=4.0)[0]
 print(json.dumps([str(out.dtype), (out.float() - ref.float()).abs().max().item(),
-                  (dq.float() - dqr.float()).abs().max().item()]))
+                  (dq.float() - dqr.float()).abs().max().item(), str(outd.dtype),
+                  float(abs(outd.double().numpy() - refd).max())]))
 """
 
 
@@ -102,12 +109,13 @@ print(json.dumps([str(out.dtype), (out.float() - ref.float()).abs().max().item()
 @pytest.mark.parametrize("family", ["rows", "tiled"])
 def test_bfloat16_kernel_families(family):
     """bfloat16 storage in both OpenCL kernel families agrees with the native path to a
-    bfloat16 rounding."""
+    bfloat16 rounding; their split-KV decode with the float64 reference too."""
     dev = OPENCL_IDS[0]
-    r = run_python(FAMILY_RUN % (dev, dev), timeout=300, ORCHARD_CL_FAMILY=family)
+    r = run_python(FAMILY_RUN % (dev, dev, dev), timeout=300, ORCHARD_CL_FAMILY=family)
     assert r.returncode == 0, r.stderr
-    dtype, err_out, err_dq = json.loads(r.stdout.splitlines()[-1])
+    dtype, err_out, err_dq, dtype_d, err_d = json.loads(r.stdout.splitlines()[-1])
     assert dtype == "torch.bfloat16" and err_out <= 2 ** -7 and err_dq <= 2 ** -5
+    assert dtype_d == "torch.bfloat16" and err_d <= 2 ** -10     # |out| < 2 ** -3: 2 ulps
 
 
 @pytest.mark.parametrize("device", DEVICE_IDS)

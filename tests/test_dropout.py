@@ -91,7 +91,8 @@ DROP_CASES = [
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=["f16", "f32", "f64"])
 @pytest.mark.parametrize("case", DROP_CASES, ids=[str(c) for c in DROP_CASES])
 @pytest.mark.parametrize("p", [0.1, 0.6])
-@pytest.mark.parametrize("nq,nk", [(7, 12), (12, 7), (70, 90), (130, 67)])
+@pytest.mark.parametrize("nq,nk", [(7, 12), (12, 7), (70, 90), (130, 67), (1, 800), (4, 300),
+                                   (16, 500)])
 def test_dropout_fwd_bwd(ops, device, rng, dtype, case, p, nq, nk):
     kw = dict(case)
     b, h = 2, 4

@@ -21,8 +21,10 @@ import numpy as np
 import orchard_ops as ops
 from conftest import randn
 rng = np.random.default_rng(0)
-q, k, v = randn(rng, (2, 3, 70, 16), np.float32), randn(rng, (2, 1, 50, 16), np.float32), randn(rng, (2, 1, 50, 8), np.float32)
-do = randn(rng, (2, 3, 70, 8), np.float32)
+# DECODE=1: 4 query rows over 1,500 keys, the split-KV decode (4 key splits on 2 compute units)
+nq, nk = (4, 1500) if os.environ.get("DECODE") == "1" else (70, 50)
+q, k, v = randn(rng, (2, 3, nq, 16), np.float32), randn(rng, (2, 1, nk, 16), np.float32), randn(rng, (2, 1, nk, 8), np.float32)
+do = randn(rng, (2, 3, nq, 8), np.float32)
 KW = dict(causal=True, alibi_slopes=np.array([0.1, 0.2, 0.3]), dropout_p=0.1, seed=5)
 
 def attention(device):
@@ -61,7 +63,7 @@ OOM, DEVICE = "OrchardOutOfMemory", "OrchardError"
 # (ORCHARD_FAULT, extra environment, expected exception, the CL error named in the message).
 # Call counts are per process, with a program cache already holding the binaries. With the
 # row-per-work-item kernels (ORCHARD_CL_FAMILY=rows): the first forward makes a context and queue,
-# loads the program (clCreateProgramWithBinary + clBuildProgram), creates 4 kernels to query
+# loads the program (clCreateProgramWithBinary + clBuildProgram), creates 5 kernels to query
 # their work-group limits, then the flash_fwd kernel, 8 buffers (dummy, q, k, v, out, lse,
 # meta, slopes), sets arguments, enqueues one kernel and maps out and lse; backward makes 13
 # buffers (the D buffer last) and enqueues 3 kernels.
@@ -72,8 +74,8 @@ CASES = [
     ("clCreateProgramWithSource:1", {"ORCHARD_NO_CACHE": 1}, OOM, "CL_OUT_OF_HOST_MEMORY"),
     ("clBuildProgram:1", {"ORCHARD_NO_CACHE": 1}, DEVICE, "CL_BUILD_PROGRAM_FAILURE"),
     ("clGetKernelWorkGroupInfo:2", {}, OOM, "CL_OUT_OF_RESOURCES"),
-    ("clCreateKernel:5", {}, OOM, "CL_OUT_OF_RESOURCES"),
-    ("clCreateKernel:7", {}, OOM, "CL_OUT_OF_RESOURCES"),             # in backward
+    ("clCreateKernel:6", {}, OOM, "CL_OUT_OF_RESOURCES"),
+    ("clCreateKernel:8", {}, OOM, "CL_OUT_OF_RESOURCES"),             # in backward
     ("clCreateBuffer:1", {}, OOM, "CL_MEM_OBJECT_ALLOCATION_FAILURE"),
     ("clCreateBuffer:5", {}, OOM, "CL_MEM_OBJECT_ALLOCATION_FAILURE"),  # after 4 were made
     ("clCreateBuffer:12", {}, OOM, "CL_MEM_OBJECT_ALLOCATION_FAILURE"),  # in backward
@@ -99,6 +101,21 @@ CASES += [
     ("clCreateBuffer:22", TILED, OOM, "CL_MEM_OBJECT_ALLOCATION_FAILURE"),
     ("clEnqueueNDRangeKernel:3", TILED, OOM, "CL_OUT_OF_RESOURCES"),
 ]
+# The split-KV decode (DECODE=1), in both families: after the 8 buffers of every forward, the
+# partial outputs (9th) and their max and sum (10th); flash_decode_split then
+# flash_decode_combine (the 6th and 7th kernels with the rows family's 5 probes, the 2nd and
+# 3rd with the tiled family's 1), the combine's arguments after the split kernel's 10; the
+# combine is the 2nd kernel enqueued.
+DECODE = {"DECODE": 1}
+CASES += [(fault, dict(DECODE, **family), exc, code) for family in (ROWS, TILED)
+          for fault, exc, code in [
+              ("clCreateBuffer:9", OOM, "CL_MEM_OBJECT_ALLOCATION_FAILURE"),
+              ("clCreateBuffer:10", OOM, "CL_MEM_OBJECT_ALLOCATION_FAILURE"),
+              ("clSetKernelArg:12", OOM, "CL_OUT_OF_RESOURCES"),
+              ("clEnqueueNDRangeKernel:1", OOM, "CL_OUT_OF_RESOURCES"),
+              ("clEnqueueNDRangeKernel:2", OOM, "CL_OUT_OF_RESOURCES")]]
+CASES += [("clCreateKernel:7", dict(DECODE, **ROWS), OOM, "CL_OUT_OF_RESOURCES"),
+          ("clCreateKernel:3", dict(DECODE, **TILED), OOM, "CL_OUT_OF_RESOURCES")]
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +124,10 @@ def cache_dir(tmp_path_factory):
     their calls from a cache hit (and run without a multi-second build)."""
     folder = tmp_path_factory.mktemp("cache")
     for family in (ROWS, TILED):
-        r = run_python(PRELUDE + "attention('opencl:0')", ORCHARD_CACHE_DIR=folder, **family)
-        assert r.returncode == 0, r.stderr
+        for decode in ("0", "1"):
+            r = run_python(PRELUDE + "attention('opencl:0')", ORCHARD_CACHE_DIR=folder,
+                           DECODE=decode, **family)
+            assert r.returncode == 0, r.stderr
     return folder
 
 
@@ -120,7 +139,9 @@ def result_of(r):
 
 
 @pytest.mark.parametrize("fault,env,exc,code", CASES,
-                         ids=[c[0] + ("-tiled" if c[1] is TILED else "") for c in CASES])
+                         ids=[c[0] + ("-decode" if "DECODE" in c[1] else "")
+                              + ("-tiled" if c[1]["ORCHARD_CL_FAMILY"] == "tiled" else "")
+                              for c in CASES])
 def test_fault_raises_and_device_recovers(cache_dir, fault, env, exc, code):
     r = run_python(FAIL_THEN_RECOVER, ORCHARD_FAULT=fault, ORCHARD_CACHE_DIR=cache_dir, **env)
     res = result_of(r)
@@ -173,12 +194,15 @@ report(grew_kb=rss_kb() - before, objects_grew=len(gc.get_objects()) - objects,
 
 # clEnqueueMapBuffer fails after the kernel was enqueued: release() must wait for it before
 # the outputs it writes are freed.
-@pytest.mark.parametrize("fault", ["clEnqueueNDRangeKernel:1+", "clEnqueueMapBuffer:1+",
-                                   "clCreateBuffer:4+", "clSetKernelArg:1+"])
-def test_repeated_failures_leak_nothing(cache_dir, fault):
+# The decode (DECODE=1): every call fails at the map, after its scratch buffers, both kernels
+# and both enqueues were made; or first at the combine's enqueue, then at the split kernel's.
+@pytest.mark.parametrize("fault,decode", [
+    ("clEnqueueNDRangeKernel:1+", "0"), ("clEnqueueMapBuffer:1+", "0"), ("clCreateBuffer:4+", "0"),
+    ("clSetKernelArg:1+", "0"), ("clEnqueueMapBuffer:1+", "1"), ("clEnqueueNDRangeKernel:2+", "1")])
+def test_repeated_failures_leak_nothing(cache_dir, fault, decode):
     """400 failing calls (every buffer, kernel and array made before the failure released
     each time) leave resident memory and the object count where they were."""
-    res = result_of(run_python(LOOP, timeout=300, ORCHARD_FAULT=fault,
+    res = result_of(run_python(LOOP, timeout=300, ORCHARD_FAULT=fault, DECODE=decode,
                                ORCHARD_CACHE_DIR=cache_dir))
     # 400 leaked calls would hold 400 x (out, lse and 3 gradients, ~40 kB) = 16 MB. Under
     # AddressSanitizer (tools/sanitize.sh) freed memory sits in its quarantine: no measure.

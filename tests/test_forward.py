@@ -33,7 +33,7 @@ def test_value_dim_differs(ops, device, rng, dtype, d, dv):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize("nq,nk", [(1, 1), (1, 37), (37, 1), (17, 33), (33, 17), (65, 65),
-                                   (128, 3), (3, 129)])
+                                   (128, 3), (3, 129), (1, 1000), (4, 2100), (16, 700)])
 def test_seq_lengths(ops, device, rng, dtype, nq, nk):
     q, k, v = qkv(rng, dtype, nq=nq, nk=nk, d=32)
     check_forward(ops, device, q, k, v, what="Nq=%d Nk=%d" % (nq, nk))
@@ -218,7 +218,7 @@ COMBOS = [
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("combo", COMBOS, ids=[str(c) for c in COMBOS])
-@pytest.mark.parametrize("nq,nk", [(6, 10), (10, 6)])
+@pytest.mark.parametrize("nq,nk", [(6, 10), (10, 6), (1, 500), (4, 900), (16, 300)])
 def test_combinations(ops, device, rng, dtype, combo, nq, nk):
     kw = dict(combo)
     hkv = 1 if kw.pop("gqa", False) else 4

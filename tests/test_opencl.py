@@ -197,6 +197,76 @@ def test_kernel_families(family):
     assert checked == 4 * 5 + 5 + 5     # out, lse, dq, dk, dv of every case
 
 
+DECODE_RUN = """
+    import json, numpy as np, orchard_ops as o
+    from orchard.reference import ref_fwd, ref_varlen_fwd
+    rng = np.random.default_rng(8)
+    dev = "%s"
+    def err(got, want):     # lse is -inf where a row sees no key: equal, not nan
+        got = np.asarray(got, float)
+        return np.where(got == want, 0, np.abs(got - want)).max(initial=0) / (1 + np.abs(want[np.isfinite(want)]).max(initial=0))
+    tol = {np.float16: 2e-2, np.float32: 1e-4, np.float64: 1e-10}
+    cases = [   # dtype, (B, H, Hkv, Nq, Nk, D, Dv), options
+        (np.float32, (1, 8, 2, 1, 3000, 64, 64), dict()),
+        (np.float32, (2, 4, 1, 4, 1500, 40, 24),
+         dict(causal=True, window=(900, 3), softcap=3.0, alibi_slopes=np.array([0.3, 0.05, 0.1, 0.2]),
+              dropout_p=0.2, seed=9, scale=0.4)),
+        (np.float16, (1, 2, 2, 16, 2000, 256, 8), dict(causal=True)),
+        (np.float64, (1, 3, 1, 16, 700, 1, 5), dict(window=(-1, 2))),
+        (np.float32, (1, 2, 1, 16, 5, 16, 16), dict(causal=True)),     # rows that see no key
+        (np.float32, (1, 2, 2, 3, 0, 8, 8), dict()),                    # no keys at all
+    ]
+    checked = calls = 0
+    for dtype, (b, h, hkv, nq, nk, d, dv), kw in cases:
+        q = rng.standard_normal((b, nq, h, d)).astype(dtype).transpose(0, 2, 1, 3)   # strided rows
+        k, v = (rng.standard_normal((b, hkv, nk, x)).astype(dtype) for x in (d, dv))
+        got = o.flash_attn_fwd(q, k, v, device=dev, **kw)
+        calls += 1
+        for g, w in zip(got, ref_fwd(q.astype(float), k, v, **kw)):
+            assert err(g, w) < tol[dtype], (dtype, kw, err(g, w))
+            checked += 1
+    cu_q, cu_k = np.array([0, 1, 17, 17, 21]), np.array([0, 900, 1200, 1205, 1205])
+    q = rng.standard_normal((21, 4, 32)).astype(np.float32)
+    k, v = (rng.standard_normal((1205, 2, 32)).astype(np.float32) for _ in range(2))
+    kw = dict(causal=True, dropout_p=0.1, seed=4, softcap=5.0)
+    got = o.flash_attn_varlen_fwd(q, k, v, cu_q, cu_k, device=dev, **kw)
+    calls += 1
+    for g, w in zip(got, ref_varlen_fwd(q, k, v, cu_q, cu_k, **kw)):
+        assert err(g, w) < 1e-4, err(g, w)
+        checked += 1
+    # as close to the reference as the unsplit forward: the same rows after 17 more (no
+    # mask that the row count moves) take that one
+    for dtype in (np.float16, np.float32, np.float64):
+        for nq in (1, 4, 16):
+            q = rng.standard_normal((1, 8, nq + 17, 64)).astype(dtype)
+            k, v = (rng.standard_normal((1, 2, 3000, 64)).astype(dtype) for _ in range(2))
+            kw = dict(softcap=3.0, dropout_p=0.2, seed=9)
+            decode = o.flash_attn_fwd(np.ascontiguousarray(q[:, :, :nq]), k, v, device=dev, **kw)
+            unsplit = o.flash_attn_fwd(q, k, v, device=dev, **kw)
+            calls += 2
+            want = ref_fwd(q[:, :, :nq].astype(float), k, v, **kw)
+            for dg, ug, w in zip(decode, unsplit, want):
+                slack = 4 * np.finfo(dtype).eps * np.abs(w).max()
+                assert err(dg, w) <= 1.5 * err(ug[..., :nq, :] if ug.ndim == 4 else ug[..., :nq], w) + slack, (dtype, nq)
+                checked += 1
+    st = o.stats()["per_device"][dev]
+    print(json.dumps([checked, st["fwd_calls"] == calls, st["decode_calls"]]))
+"""
+
+
+@needs_opencl
+@pytest.mark.parametrize("family", ["rows", "tiled"])
+def test_decode_families(family):
+    """The split-KV decode (<= 16 query rows per head, flash_decode.cl) of both families with
+    their default blocks, so long caches take several key splits: every feature, GQA, head
+    dims 1 to 256, dv != d, strided queries, varlen, rows that see no key, against the float64
+    reference; at least as close to it as the unsplit forward of the same rows; every such
+    call counted in decode_calls."""
+    checked, counted, decode_calls = child(DECODE_RUN % OPENCL_IDS[0], ORCHARD_CL_FAMILY=family)
+    assert checked == 6 * 2 + 2 + 9 * 2 and counted
+    assert decode_calls == 7 + 9      # the unsplit calls have 17 rows or more
+
+
 FAMILY_PROBE = """
     import json, numpy as np, orchard_ops as o
     q = np.ones((1, 2, 8, 16), np.float32)

@@ -74,7 +74,8 @@ VARLEN_FEATURES = [
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("feat", VARLEN_FEATURES, ids=[str(f) for f in VARLEN_FEATURES])
-@pytest.mark.parametrize("lq,lk", [([4, 0, 7, 2], [6, 3, 0, 9]), ([9, 3], [4, 8])])
+@pytest.mark.parametrize("lq,lk", [([4, 0, 7, 2], [6, 3, 0, 9]), ([9, 3], [4, 8]),
+                                   ([1, 16, 4, 4], [900, 300, 0, 2])])
 def test_varlen_vs_reference(ops, device, rng, dtype, feat, lq, lk):
     kw = dict(feat)
     h = 4
