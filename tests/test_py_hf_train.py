@@ -112,7 +112,7 @@ def test_llama_generation_runs_on_orchard_with_its_cache(trained):
 
 @needs_transformers
 def test_pretrained_folder_is_loaded_and_its_vocabulary_checked(fast_config, tmp_path,
-                                                                caplog):
+                                                                capsys):
     from orchard.hf_causal_lm import load_hf_config, build_model
 
     config = load_hf_config(TINY_LLAMA)
@@ -132,7 +132,7 @@ def test_pretrained_folder_is_loaded_and_its_vocabulary_checked(fast_config, tmp
     assert train.main(["--hf-model", str(tmp_path / "small"), "--output", str(tmp_path / "x"),
                        "--device", "cpu"]) == 2
     assert ("orchard-train: error: the data has token ids up to 255 but the model of %s has a "
-            "vocabulary of 100" % (tmp_path / "small")) in caplog.text
+            "vocabulary of 100" % (tmp_path / "small")) in capsys.readouterr().err
 
 
 @needs_transformers
@@ -172,7 +172,7 @@ def test_missing_hf_paths_are_one_error_line(tmp_path, flag, name, why):
      "not a valid llama config: "),
     ("--hf-model", "empty", None, "not a pretrained model folder (no config.json)"),
 ])
-def test_malformed_hf_paths_are_an_error(tmp_path, caplog, flag, name, content, why):
+def test_malformed_hf_paths_are_an_error(tmp_path, capsys, flag, name, content, why):
     path = tmp_path / name
     if content is None:
         path.mkdir()
@@ -180,17 +180,17 @@ def test_malformed_hf_paths_are_an_error(tmp_path, caplog, flag, name, content, 
         path.write_text(content)
     assert train.main([flag, str(path), "--output", str(tmp_path / "out"), "--device",
                        "cpu"]) == 2
-    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and errors[0].startswith(
         "orchard-train: error: %s: %s" % (path, why)), errors
     assert not os.path.exists(tmp_path / "out")
 
 
 @needs_transformers
-def test_resume_fixes_the_model(trained, caplog):
+def test_resume_fixes_the_model(trained, capsys):
     assert train.main(["--resume", str(trained[0]), "--hf-config", TINY_LLAMA, "--output",
                        str(trained[0]), "--device", "cpu"]) == 2
-    assert "--resume continues the checkpoint's own model" in caplog.text
+    assert "--resume continues the checkpoint's own model" in capsys.readouterr().err
 
 
 WITHOUT_TRANSFORMERS = r"""

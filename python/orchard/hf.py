@@ -8,7 +8,7 @@ the mask function that transformers calls once per forward to describe the mask.
 function returns what orchard can compute, as transformers' FlashAttention-2 integration
 does: None (causal, perhaps with the layer's sliding window), a 2-D (batch, keys) padding
 mask, which the attention function unpads onto orchard's varlen path (or, for left padding
-without gradients, as in generate(), reads in place row by row), or the sequence ids (batch,
+without gradients, as in generate(), reads in place), or the sequence ids (batch,
 seqlen) of packed sequences. Any other mask (a caller's own 4-D mask, a mask function
 orchard does not know) is materialised for transformers' sdpa attention, which then computes
 those calls, with one warning per reason.

@@ -50,7 +50,7 @@ def main(argv=None):
         ids = encode(args.prompt, byte_level)
     except ValueError as exc:
         raise UsageError("argument --prompt: %s" % exc) from None
-    vocab = model.cfg.vocab_size
+    vocab = state["model_config"]["vocab_size"]
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
         raise UsageError("argument --prompt: token id %d is out of range for the model's "
