@@ -1,6 +1,6 @@
 """Training survives being killed: `python -m orchard.cli.train` is stopped with SIGKILL at random
-moments and, in other rounds, the instant a checkpoint write is under way (its temporary file
-exists); after every kill the latest checkpoint loads, --resume goes on from it, and the run
+moments and, in other rounds, the instant a checkpoint or metrics write is under way (its
+temporary file exists); after every kill the latest checkpoint loads, --resume goes on from it, and the run
 that was killed again and again ends with exactly the parameters and loss curve of a run that
 never was. Malformed configs and data files end with one clear line and exit status 2, never a
 traceback."""
@@ -22,7 +22,7 @@ from test_py_support import (REPO_ROOT, TINY_CONFIG, read_metrics, run_python,  
                              subprocess_env, write_tiny_run_files)
 
 STEPS = 24
-KILLS = 4           # at least; every other one waits for a checkpoint write
+KILLS = 4           # at least; every other one waits for a write
 
 
 @pytest.fixture(scope="module")
@@ -43,19 +43,22 @@ def train_args(run_files, out, *extra):
 
 
 def temp_files(out):
-    """The temporary files of checkpoint writes (metrics.jsonl has its own, .metrics.jsonl.*)."""
-    return ({n for n in os.listdir(out) if n.startswith(".checkpoint.pt.") and n.endswith(".tmp")}
+    """The temporary files of atomic writes in progress (orchard/atomic.py): the checkpoint's
+    (.checkpoint.pt.*.tmp) and the metrics' (.metrics.jsonl.*.tmp). A kill inside either must
+    leave the last complete file in place."""
+    return ({n for n in os.listdir(out) if n.startswith(".") and n.endswith(".tmp")}
             if out.exists() else set())
 
 
-def kill_during(args, out, mid_write, rng):
-    """Starts a run and SIGKILLs it: the moment a new checkpoint temporary file appears, or at
-    a random moment. Returns (killed, inside a checkpoint write): a temporary file left behind
-    means the kill came between its creation and the rename (SIGKILL skips the cleanup)."""
+def kill_during(args, out, mid_write, rng, duration):
+    """Starts a run and SIGKILLs it: the moment a new write's temporary file appears, or at a
+    random moment within `duration` (seconds an uninterrupted run takes). Returns (killed,
+    inside a write): a temporary file left behind means the kill came between its creation and
+    the rename (SIGKILL skips the cleanup)."""
     stale = temp_files(out)
     proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env=subprocess_env(), cwd=REPO_ROOT)
-    deadline = time.monotonic() + (120 if mid_write else rng.uniform(2.0, 6.0))
+    deadline = time.monotonic() + (120 if mid_write else rng.uniform(0.4, 0.9) * duration)
     while proc.poll() is None and time.monotonic() < deadline:
         if mid_write and temp_files(out) - stale:
             break
@@ -69,7 +72,9 @@ def kill_during(args, out, mid_write, rng):
 
 def test_sigkill_at_random_moments_and_mid_checkpoint_then_resume(run_files, tmp_path):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
+    start = time.monotonic()
     result = run_python(train_args(run_files, straight))
+    duration = time.monotonic() - start
     assert result.returncode == 0, result.stderr[-3000:]
     rng = random.Random(int(os.environ.get("ORCHARD_CRASH_SEED", "1")))
     steps_seen, mid_write_kills = [], 0
@@ -79,7 +84,7 @@ def test_sigkill_at_random_moments_and_mid_checkpoint_then_resume(run_files, tmp
         resume = ["--resume", str(killed)] if (killed / "checkpoint.pt").exists() else []
         mid_write = round_ % 2 == 1
         was_killed, inside_write = kill_during(train_args(run_files, killed, *resume), killed,
-                                               mid_write, rng)
+                                               mid_write, rng, duration)
         if not was_killed:
             break
         mid_write_kills += inside_write
@@ -87,7 +92,7 @@ def test_sigkill_at_random_moments_and_mid_checkpoint_then_resume(run_files, tmp
             step = load_checkpoint(str(killed))["step"]     # always loads
             assert not steps_seen or step >= steps_seen[-1]
             steps_seen.append(step)
-    assert mid_write_kills >= 1, "no kill landed inside a checkpoint write"
+    assert mid_write_kills >= 1, "no kill landed inside a checkpoint or metrics write"
     resume = ["--resume", str(killed)] if (killed / "checkpoint.pt").exists() else []
     result = run_python(train_args(run_files, killed, *resume))
     assert result.returncode == 0, result.stderr[-3000:]
