@@ -1,7 +1,7 @@
 """Training survives being killed: `python -m orchard.cli.train` is stopped with SIGKILL at random
 moments and, in other rounds, the instant a checkpoint or metrics write is under way (its
-temporary file exists); after every kill the latest checkpoint loads, --resume goes on from it, and the run
-that was killed again and again ends with exactly the parameters and loss curve of a run that
+temporary file exists); after every kill the latest checkpoint loads, --resume goes on from
+it, and the run that was killed again and again ends with exactly the parameters and loss curve of a run that
 never was. Malformed configs and data files end with one clear line and exit status 2, never a
 traceback."""
 import json
@@ -22,7 +22,7 @@ from test_py_support import (REPO_ROOT, TINY_CONFIG, read_metrics, run_python,  
                              subprocess_env, write_tiny_run_files)
 
 STEPS = 24
-KILLS = 4           # at least; every other one waits for a write
+KILLS = 4           # at least; every other one, the first too, waits for a write
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +31,7 @@ def run_files(tmp_path_factory):
     config, sequences = write_tiny_run_files(folder)
     cfg = json.loads(json.dumps(TINY_CONFIG))
     cfg["training"]["checkpoint_interval"] = 1      # a checkpoint write after every step
+    cfg["model"]["n_embd"] = 256    # a checkpoint of ~20 MB: writes long enough to land a kill in
     with open(config, "w") as f:
         yaml.safe_dump(cfg, f)
     return config, sequences
@@ -82,7 +83,7 @@ def test_sigkill_at_random_moments_and_mid_checkpoint_then_resume(run_files, tmp
         if round_ >= KILLS and mid_write_kills:
             break
         resume = ["--resume", str(killed)] if (killed / "checkpoint.pt").exists() else []
-        mid_write = round_ % 2 == 1
+        mid_write = round_ % 2 == 0     # first: the run is young, its writes all ahead
         was_killed, inside_write = kill_during(train_args(run_files, killed, *resume), killed,
                                                mid_write, rng, duration)
         if not was_killed:

@@ -20,16 +20,22 @@ class DataError(ValueError):
     """Training data that cannot be used; the message names the file and what is wrong."""
 
 
+def read_json(path, error, what):
+    """The JSON value in file `path`; an `error` (exception class) naming the path when it
+    cannot be read (`what`: which file) or parsed."""
+    try:
+        with open(path, "rb") as f:
+            return json.load(f)
+    except OSError as exc:
+        raise error("%s: cannot read the %s: %s" % (path, what, exc.strerror)) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise error("%s: not valid JSON: %s" % (path, exc)) from None
+
+
 def load_sequences(path):
     """(sequences, vocab_size) from a token_sequences.json; vocab_size is max id + 1 when the
     file does not say."""
-    try:
-        with open(path, "rb") as f:
-            data = json.load(f)
-    except OSError as exc:
-        raise DataError("%s: cannot read the sequences file: %s" % (path, exc.strerror)) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise DataError("%s: not valid JSON: %s" % (path, exc)) from None
+    data = read_json(path, DataError, "sequences file")
     vocab_size = None
     if isinstance(data, dict):
         unknown = set(data) - {"vocab_size", "sequences"}

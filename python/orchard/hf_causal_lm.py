@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ConfigError
+from .data import read_json
 from .model import GPT, GPTConfig
 
 ATTN_IMPLEMENTATION = "orchard"
@@ -76,14 +77,7 @@ def load_hf_config(path, pretrained=False):
         if not os.path.isfile(path):
             raise HFModelError("%s: no such config file" % path)
         path_json = path
-    try:
-        with open(path_json, "rb") as f:
-            values = json.load(f)
-    except OSError as exc:
-        raise HFModelError("%s: cannot read the config: %s" % (path_json, exc.strerror)) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise HFModelError("%s: not valid JSON: %s" % (path_json, exc)) from None
-    return _config_from_dict(values, path)
+    return _config_from_dict(read_json(path_json, HFModelError, "config"), path)
 
 
 def model_section(config, context):
