@@ -324,8 +324,9 @@ static npy_intp check_seqused_k(or_call *c, PyObject *obj)
         Py_DECREF(raw);
         return -1;
     }
-    c->used_k = (PyArrayObject *)PyArray_FromAny((PyObject *)raw, PyArray_DescrFromType(NPY_INT64),
-                                                 1, 1, NPY_ARRAY_CARRAY | NPY_ARRAY_FORCECAST, NULL);
+    c->used_k = (PyArrayObject *)PyArray_FromAny(
+        (PyObject *)raw, PyArray_DescrFromType(NPY_INT64), 1, 1,
+        NPY_ARRAY_CARRAY | NPY_ARRAY_FORCECAST, NULL);
     Py_DECREF(raw);
     if (c->used_k == NULL)
         return -1;

@@ -341,8 +341,8 @@ static PyObject *counters_dict(const or_counters *ct)
 
 PyDoc_STRVAR(stats_doc,
 "stats() -> dict of counters (fwd_calls, decode_calls, bwd_calls, zero_copy_buffers,\n"
-"staged_buffers, bytes_staged, kernel_builds, cache_hits), totals over all devices, and 'per_device':\n"
-"{device id: the same counters}.");
+"staged_buffers, bytes_staged, kernel_builds, cache_hits), totals over all devices, and\n"
+"'per_device': {device id: the same counters}.");
 
 static PyObject *stats(PyObject *module, PyObject *unused)
 {
