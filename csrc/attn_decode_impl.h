@@ -1,6 +1,6 @@
 /* attn_decode_impl.h - the native split-KV decode forward (Flash-Decoding), written once over
- * REAL; attn_native.c includes it after attn_native_impl.h (whose tiles and score transform it
- * shares) for float and for double, and runs it when or_is_decode (orchard.h).
+ * REAL; native_kernels.h includes it after attn_native_impl.h (whose tiles and score transform it
+ * shares) for float and for double, and attn_native.c runs it when or_is_decode (orchard.h).
  *
  * A decode step has few query rows per head, so the query-block parallelism of the forward
  * leaves cores idle and its whole-cache key transposition costs more than the attention. Here a
@@ -19,7 +19,7 @@
  * number of threads.
  */
 
-#define DVL (32 / (int)sizeof(REAL))    /* lanes of FN(vec) */
+#define DVL (VBYTES / (int)sizeof(REAL))    /* lanes of FN(vec) */
 
 /* Layout of one item's partial results in job->part, in REALs: o (R x dvp), then m, then l. */
 static inline REAL *FN(decode_part)(const or_job *job, or_ssize item)
@@ -27,8 +27,7 @@ static inline REAL *FN(decode_part)(const or_job *job, or_ssize item)
     return (REAL *)job->part + item * job->part_stride;
 }
 
-/* The sum of a vector's lanes (a pointer: vector arguments would change the ABI between the
- * clones). */
+/* The sum of a vector's lanes. */
 static inline __attribute__((always_inline)) REAL FN(hsum)(const FN(vec) *a)
 {
     REAL t = 0;
@@ -244,7 +243,6 @@ FN(decode_split)(const or_job *job, or_ssize item, int worker, or_dtype dt)
 }
 
 /* A work item: one split, in an instance for its key and value dtype. */
-__attribute__((target_clones(OR_CLONES)))
 static void FN(decode_item)(void *vjob, or_ssize item, int worker)
 {
     const or_job *job = vjob;
@@ -256,7 +254,6 @@ static void FN(decode_item)(void *vjob, or_ssize item, int worker)
 }
 
 /* Merges the splits of one kv unit and stores its rows of out and lse. */
-__attribute__((target_clones(OR_CLONES)))
 static void FN(decode_combine_item)(void *vjob, or_ssize kvu, int worker)
 {
     const or_job *job = vjob;

@@ -12,93 +12,9 @@
  * Layouts: every operand is a view (orchard.h); rows are contiguous, units and rows strided.
  * float16 is loaded into float tiles and rounded once on store.
  */
-#include <math.h>
 #include <stdlib.h>
-#include <string.h>
 
-#include "orchard.h"
-
-#define BR 96   /* query rows per block */
-#define BC 96   /* key rows per block */
-#define MAX_D OR_MAX_HEAD_DIM
-#define MR 6    /* rows of the matrix-product micro-kernel; BR and BC are multiples */
-#ifndef SR
-#define SR 24   /* forward rows per strip (a multiple of MR) */
-#endif
-/* 96 x 96 blocks and 6 x 16 register tiles (12 accumulators hide the FMA latency) measured
- * about 10 % faster than 64 x 64 and 4 x 16 on AVX2 (benchmarks/, README Performance). */
-
-/* Vectorised instances for the build machine's family, chosen at load time, and a portable one. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define OR_CLONES "arch=x86-64-v4", "arch=x86-64-v3", "default"
-#else
-#define OR_CLONES "default"
-#endif
-
-typedef struct {
-    const or_problem *p;
-    char *scratch;          /* nworkers slices of per_worker bytes */
-    size_t per_worker;
-    or_ssize blocks;        /* forward: query blocks per unit */
-    char *kt;               /* forward: every kv unit's keys transposed (see transpose_keys) */
-    or_ssize *kt_off;       /* forward: offset of each kv unit in kt, in REALs */
-    char *vc;               /* forward: values converted to REAL rows of dvp, or NULL when they
-                               are read in place */
-    or_ssize *vc_off;       /* forward: offset of each kv unit in vc, in REALs */
-    or_ssize nk_max;        /* backward: longest key sequence */
-    or_ssize splits;        /* decode: splits per kv unit, of split_keys keys each */
-    or_ssize split_keys;
-    char *part;             /* decode: every item's partial results (attn_decode_impl.h) */
-    or_ssize part_stride;   /* decode: REALs per item in part */
-} or_job;
-
-#define CAT_(a, b) a##b
-#define CAT(a, b) CAT_(a, b)
-#define FN(name) CAT(name, SFX)
-
-/* exp for the float kernels, inlined so that the row loops vectorise (libm's expf is a call).
- * Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, then Cephes' degree-6 polynomial for e^r:
- * about 1.4 ulp. Arguments are clamped at -127 ln2, where 2^n's exponent bits become 0: so
- * -inf (a masked score) gives exactly 0, with no compare and blend. */
-static inline __attribute__((always_inline)) float or_expf(float x)
-{
-    const float xc = x < -88.0296919f ? -88.0296919f : (x > 88.37f ? 88.37f : x);
-    const float n = (xc * 1.44269504f + 12582912.0f) - 12582912.0f;    /* round to nearest */
-    float r = xc - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    float y = 1.9875691500e-4f;
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;   /* 2^n */
-    float two_n;
-    memcpy(&two_n, &bits, sizeof(two_n));
-    return y * two_n;
-}
-
-#define REAL float
-#define SFX _f
-#define EXP or_expf
-#define LOG logf
-#define TANH tanhf
-#include "attn_native_impl.h"
-#include "attn_decode_impl.h"
-#undef REAL
-#undef SFX
-#undef EXP
-#undef LOG
-#undef TANH
-
-#define REAL double
-#define SFX _d
-#define EXP exp
-#define LOG log
-#define TANH tanh
-#include "attn_native_impl.h"
-#include "attn_decode_impl.h"
+#include "native.h"
 
 static size_t round_up(size_t n) { return (n + 63) & ~(size_t)63; }
 
@@ -124,9 +40,9 @@ static int run_job(or_job *job, or_ssize n_items, or_task fn)
 #define DECODE_ITEMS 128
 #define DECODE_MIN_KEYS (3 * BC)
 
-static int decode_fwd(const or_problem *p, int dbl)
+static int decode_fwd(const or_problem *p, const or_kernels *kern, int dbl)
 {
-    const size_t real = dbl ? sizeof(double) : sizeof(float), lanes = 64 / real;
+    const size_t real = dbl ? sizeof(double) : sizeof(float), lanes = (size_t)kern->width / real;
     const or_ssize group = p->prm.group, n_kv = p->n_units / group;
     const size_t dp = (p->d + lanes - 1) / lanes * lanes, dvp = (p->dv + lanes - 1) / lanes * lanes;
     or_ssize nk_max = 0, nq_max = 0;
@@ -151,10 +67,10 @@ static int decode_fwd(const or_problem *p, int dbl)
         return OR_ENOMEM;
     /* q and s tiles, four widened key or value rows, the dropout keep row */
     job.per_worker = round_up(real * (rows * dp + rows * BC + 4 * (dp > dvp ? dp : dvp)) + BC);
-    int rc = run_job(&job, (or_ssize)items, dbl ? decode_item_d : decode_item_f);
+    int rc = run_job(&job, (or_ssize)items, kern->decode_item[dbl]);
     if (rc == OR_OK) {
         job.per_worker = round_up(real * dvp);      /* a row of out */
-        rc = run_job(&job, n_kv, dbl ? decode_combine_item_d : decode_combine_item_f);
+        rc = run_job(&job, n_kv, kern->decode_combine_item[dbl]);
     }
     free(job.part);
     return rc;
@@ -164,10 +80,11 @@ int or_native_fwd(const or_problem *p)
 {
     const int dbl = or_dtypes[p->view[OR_Q].dtype].compute_size == sizeof(double);
     const size_t real = dbl ? sizeof(double) : sizeof(float);
+    const or_kernels *kern = or_native_kernels();
     if (or_is_decode(p))
-        return decode_fwd(p, dbl);
+        return decode_fwd(p, kern, dbl);
     const or_ssize n_kv = p->n_units / p->prm.group;
-    const size_t lanes = 64 / real, dp = (p->d + lanes - 1) / lanes * lanes,
+    const size_t lanes = (size_t)kern->width / real, dp = (p->d + lanes - 1) / lanes * lanes,
                  dvp = (p->dv + lanes - 1) / lanes * lanes;
     /* values already REAL, in rows of whole vectors, are read in place; others (float16,
      * bfloat16) are converted once per call, not once per query block */
@@ -195,9 +112,9 @@ int or_native_fwd(const or_problem *p)
     int rc = OR_ENOMEM;
     if (job.kt != NULL && (v_in_place || job.vc != NULL)) {
         /* the pre-pass needs no scratch, but run_job hands every worker a slice of its size */
-        rc = run_job(&job, n_kv, dbl ? transpose_keys_item_d : transpose_keys_item_f);
+        rc = run_job(&job, n_kv, kern->transpose_keys_item[dbl]);
         if (rc == OR_OK)
-            rc = run_job(&job, p->n_units * job.blocks, dbl ? fwd_item_d : fwd_item_f);
+            rc = run_job(&job, p->n_units * job.blocks, kern->fwd_item[dbl]);
     }
     free(job.kt);
     free(job.vc);
@@ -209,12 +126,12 @@ int or_native_bwd(const or_problem *p)
 {
     const int dbl = or_dtypes[p->view[OR_Q].dtype].compute_size == sizeof(double);
     const size_t real = dbl ? sizeof(double) : sizeof(float);
+    const or_kernels *kern = or_native_kernels();
     or_job job = {.p = p, .nk_max = 0};
     for (or_ssize u = 0; u < p->n_units; u++)
         job.nk_max = p->nk[u] > job.nk_max ? p->nk[u] : job.nk_max;
-    if ((size_t)job.nk_max > (SIZE_MAX / 4) / (real * 2 * (MAX_D + 64)))
+    if ((size_t)job.nk_max > (SIZE_MAX / 4) / (real * 2 * (OR_MAX_HEAD_DIM + 64)))
         return OR_ENOMEM;
-    job.per_worker = round_up(real * (dbl ? bwd_scratch_d(p, job.nk_max)
-                                          : bwd_scratch_f(p, job.nk_max)) + BC);
-    return run_job(&job, p->n_units / p->prm.group, dbl ? bwd_item_d : bwd_item_f);
+    job.per_worker = round_up(real * kern->bwd_scratch[dbl](p, job.nk_max) + BC);
+    return run_job(&job, p->n_units / p->prm.group, kern->bwd_item[dbl]);
 }

@@ -1,6 +1,6 @@
 /* attn_native_impl.h - the native forward and backward kernels, written once over REAL.
  *
- * attn_native.c includes this file twice: REAL = float (float16 and float32 inputs) and
+ * native_kernels.h includes this file twice, once per instruction set (isa_*.c): REAL = float (float16 and float32 inputs) and
  * REAL = double (float64 inputs). FN(x) names the instance, EXP/LOG/TANH are REAL's functions.
  *
  * Tiles (row-major REAL; rows padded to a multiple of MR, columns of a matrix product's
@@ -15,7 +15,7 @@
  *   o    BR x dvp    output accumulator
  */
 
-#define W (64 / (int)sizeof(REAL))      /* one cache line of REALs: the micro-kernel's width */
+#define W (2 * VBYTES / (int)sizeof(REAL))    /* two vectors of REALs: the micro-kernel's width */
 
 static inline int FN(pad)(int n) { return (n + W - 1) / W * W; }
 
@@ -96,11 +96,11 @@ static inline char *FN(row_ptr)(const or_problem *p, int slot, or_ssize unit, or
 
 /* C (m x n, ldc) = or += A (m x k) B (k x n, ldb). A's element (i, x) is a[i * ars + x * acs],
  * so A may be read transposed (P^T, dS^T) at no cost. m is a multiple of MR and n of W.
- * An MR x W block of C stays in registers (GCC vector extensions: 8 vectors of 32 bytes) while
- * k streams through; the compiler maps them to AVX/SSE for each clone. The order of the sums
+ * An MR x W block of C stays in registers (GCC vector extensions: MR x 2 vectors of VBYTES)
+ * while k streams through. The order of the sums
  * depends only on the shapes, never on threads. */
-typedef REAL FN(vec) __attribute__((vector_size(32)));
-#define VL (32 / (int)sizeof(REAL))     /* lanes per vector; W = 2 VL */
+typedef REAL FN(vec) __attribute__((vector_size(VBYTES)));
+#define VL (VBYTES / (int)sizeof(REAL))     /* lanes per vector; W = 2 VL */
 
 static inline __attribute__((always_inline)) void
 FN(gemm)(REAL *c, int ldc, const REAL *a, int ars, int acs, const REAL *b, or_ssize ldb, int m,
@@ -134,8 +134,7 @@ FN(gemm)(REAL *c, int ldc, const REAL *a, int ars, int acs, const REAL *b, or_ss
     }
 }
 
-/* *m = lane-wise *v > *m ? *v : *m, which is what MAXPS computes (a NaN in *v keeps *m).
- * Pointers, not values: vector arguments would change the ABI between the clones. */
+/* *m = lane-wise *v > *m ? *v : *m, which is what MAXPS computes (a NaN in *v keeps *m). */
 static inline __attribute__((always_inline)) void FN(vmax)(FN(vec) *m, const FN(vec) *v)
 {
     const __typeof__(*v > *m) gt = *v > *m;
@@ -155,10 +154,14 @@ static inline __attribute__((always_inline)) REAL FN(row_max)(const REAL *x, int
         FN(vmax)(&m1, &v1);
     }
     FN(vmax)(&m0, &m1);
-    REAL m = -INFINITY;
-    for (int t = 0; t < VL; t++)
-        m = m0[t] > m ? m0[t] : m;
-    return m;
+    REAL lane[VL];
+    memcpy(lane, &m0, sizeof(lane));
+#pragma GCC unroll 8
+    for (int h = VL / 2; h > 0; h /= 2)     /* a tree: log2(VL) steps, not VL dependent ones */
+#pragma GCC unroll 16
+        for (int t = 0; t < h; t++)
+            lane[t] = lane[t + h] > lane[t] ? lane[t + h] : lane[t];
+    return lane[0];
 }
 #undef VL
 
@@ -173,10 +176,12 @@ static inline __attribute__((always_inline)) REAL FN(exp_row)(REAL *x, REAL shif
             x[c0 + t] = e;
             lane[t] += e;
         }
-    REAL s = 0;
-    for (int t = 0; t < W; t++)
-        s += lane[t];
-    return s;
+#pragma GCC unroll 8
+    for (int h = W / 2; h > 0; h /= 2)      /* a tree, as in row_max */
+#pragma GCC unroll 32
+        for (int t = 0; t < h; t++)
+            lane[t] += lane[t + h];
+    return lane[0];
 }
 
 /* Transforms the raw products q.k (s, BR x BC) of rows i0.. and keys j0.. of a unit of nq
@@ -306,7 +311,6 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
  * and its values converted when they are not read in place. Cloned (and the loads inlined) as
  * the kernels are, so that float16 converts with the CPU's F16C instructions rather than a
  * library call per element (that call was 20 % of a float16 forward). */
-__attribute__((target_clones(OR_CLONES)))
 static void FN(transpose_keys_item)(void *vjob, or_ssize kvu, int worker)
 {
     const or_job *job = vjob;
@@ -321,7 +325,6 @@ static void FN(transpose_keys_item)(void *vjob, or_ssize kvu, int worker)
 }
 
 /* One work item: a block of BR query rows of one unit. */
-__attribute__((target_clones(OR_CLONES)))
 static void FN(fwd_item)(void *vjob, or_ssize item, int worker)
 {
     const or_job *job = vjob;
@@ -342,7 +345,6 @@ static size_t FN(bwd_scratch)(const or_problem *p, or_ssize nk_max)
 
 /* One work item: a kv unit; it owns dK and dV of that unit and the dQ of its query heads,
  * so no two workers ever write the same element and no atomics are needed. */
-__attribute__((target_clones(OR_CLONES)))
 static void FN(bwd_item)(void *vjob, or_ssize kvu, int worker)
 {
     const or_job *job = vjob;

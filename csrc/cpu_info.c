@@ -1,8 +1,10 @@
-/* cpu_info.c - the facts devices() reports for the native CPU path. */
+/* cpu_info.c - the facts devices() reports for the native CPU path, and the choice of its
+ * kernel set (native_isa.c) from Python and ORCHARD_ISA. */
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
 
+#include "native.h"
 #include "pyorchard.h"
 
 /* The value of the first "key : value" line of /proc/cpuinfo, or `fallback`. */
@@ -42,6 +44,35 @@ static const char *simd_level(void)
 #endif
 }
 
+/* The names of the kernel sets this CPU runs, narrowest first, as a tuple. */
+static PyObject *isa_names(void)
+{
+    const or_kernels *sets[8];
+    const int n = or_native_isas(sets, 8);
+    PyObject *names = PyTuple_New(n);
+    for (int i = 0; names != NULL && i < n; i++) {
+        PyObject *name = PyUnicode_FromString(sets[i]->name);
+        if (name == NULL)
+            Py_CLEAR(names);
+        else
+            PyTuple_SET_ITEM(names, i, name);
+    }
+    return names;
+}
+
+int or_select_isa(const char *what, const char *name)
+{
+    if (or_set_native_isa(name) == 0)
+        return 0;
+    PyObject *names = isa_names();
+    if (names != NULL) {
+        PyErr_Format(PyExc_ValueError, "%s='%s': not a kernel set this CPU runs; expected one of %R",
+                     what, name, names);
+        Py_DECREF(names);
+    }
+    return -1;
+}
+
 PyObject *or_cpu_device_info(void)
 {
     char name[256], vendor[128];
@@ -49,8 +80,11 @@ PyObject *or_cpu_device_info(void)
     cpuinfo_field("vendor_id", vendor, sizeof(vendor), "unknown");
     long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
     long l1d = sysconf(_SC_LEVEL1_DCACHE_SIZE);
-    return Py_BuildValue(
-        "{s:s, s:s, s:s, s:s, s:s, s:s, s:s, s:i, s:L, s:L, s:i, s:O, s:O, s:O, s:s}",
+    PyObject *isas = isa_names();
+    if (isas == NULL)
+        return NULL;
+    PyObject *info = Py_BuildValue(
+        "{s:s, s:s, s:s, s:s, s:s, s:s, s:s, s:i, s:L, s:L, s:i, s:O, s:O, s:O, s:s, s:s, s:O}",
         "id", "cpu", "name", name, "vendor", vendor, "kind", "cpu", "backend", "native",
         "platform", "orchard native", "driver_version", ORCHARD_VERSION,
         "compute_units", or_cpu_count(),
@@ -58,5 +92,7 @@ PyObject *or_cpu_device_info(void)
         "local_mem_bytes", (long long)(l1d > 0 ? l1d : 0),
         "max_work_group_size", 1,
         "fp16", Py_True, "fp64", Py_True, "unified_memory", Py_True,
-        "simd", simd_level());
+        "simd", simd_level(), "kernel_isa", or_native_kernels()->name, "kernel_isas", isas);
+    Py_DECREF(isas);
+    return info;
 }

@@ -435,6 +435,24 @@ static PyObject *save_tuned_blocks(PyObject *module, PyObject *args, PyObject *k
     return PyBool_FromLong(or_device_save_tuned_blocks(index, bq, bk));
 }
 
+PyDoc_STRVAR(set_native_isa_doc,
+"set_native_isa(name) -> None: runs the native path's kernels compiled for this instruction\n"
+"set from now on: one of devices()[0]['kernel_isas'] (at import: the widest, or ORCHARD_ISA).");
+
+static PyObject *set_native_isa(PyObject *module, PyObject *name)
+{
+    const char *s = PyUnicode_Check(name) ? PyUnicode_AsUTF8(name) : NULL;
+    if (s == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_TypeError, "set_native_isa: name must be a str, not %s",
+                         Py_TYPE(name)->tp_name);
+        return NULL;
+    }
+    if (or_select_isa("name", s) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(build_info_doc,
 "build_info() -> dict: how this orchard_ops was built. 'version'; 'opencl': the OpenCL backend\n"
 "is compiled in; 'test_hooks': built with ORCHARD_TEST_HOOKS=1, so that ORCHARD_FAULT,\n"
@@ -517,6 +535,7 @@ static PyMethodDef methods[] = {
      METH_VARARGS | METH_KEYWORDS,
      "save_tuned_blocks(device, block_q, block_k) -> bool; stores the block sizes that programs\n"
      "built later (in new processes) use, beside the program binaries; False if the cache is off"},
+    {"set_native_isa", set_native_isa, METH_O, set_native_isa_doc},
     {"build_info", build_info, METH_NOARGS, build_info_doc},
     {NULL, NULL, 0, NULL},
 };
@@ -544,6 +563,9 @@ static int module_exec(PyObject *module)
     if (PyModule_AddObjectRef(module, "OrchardError", st->error) < 0
         || PyModule_AddObjectRef(module, "OrchardOutOfMemory", st->oom) < 0
         || PyModule_AddStringConstant(module, "__version__", ORCHARD_VERSION) < 0)
+        return -1;
+    const char *isa = getenv("ORCHARD_ISA");
+    if (isa != NULL && *isa != '\0' && or_select_isa("ORCHARD_ISA", isa) < 0)
         return -1;
     return 0;
 }

@@ -34,6 +34,7 @@ PyObject *or_result_like(PyObject *like, PyArrayObject *a, or_dtype dt);
 
 /* cpu_info.c */
 PyObject *or_cpu_device_info(void);
+int or_select_isa(const char *what, const char *name);     /* 0, or -1 with ValueError */
 
 /* devices.c */
 typedef struct {

@@ -1,0 +1,50 @@
+/* native.h - the contract between the native drivers (attn_native.c), which plan a call and
+ * hand out its work items, and the kernels, compiled once per instruction set (isa_*.c, each
+ * including native_kernels.h) and chosen at run time (native_isa.c).
+ *
+ * A kernel set is a table of work-item functions, each in a float instance (float16, bfloat16
+ * and float32 inputs) and a double one (float64), plus the tile width its tiles are padded to.
+ */
+#ifndef ORCHARD_NATIVE_H
+#define ORCHARD_NATIVE_H
+
+#include "orchard.h"
+
+#define BR 96   /* query rows per block */
+#define BC 96   /* key rows per block: a multiple of every kernel set's tile width */
+
+/* One native call: the problem, its plan and its temporary buffers. */
+typedef struct {
+    const or_problem *p;
+    char *scratch;          /* nworkers slices of per_worker bytes */
+    size_t per_worker;
+    or_ssize blocks;        /* forward: query blocks per unit */
+    char *kt;               /* forward: every kv unit's keys transposed (see transpose_keys) */
+    or_ssize *kt_off;       /* forward: offset of each kv unit in kt, in REALs */
+    char *vc;               /* forward: values converted to REAL rows of dvp, or NULL when they
+                               are read in place */
+    or_ssize *vc_off;       /* forward: offset of each kv unit in vc, in REALs */
+    or_ssize nk_max;        /* backward: longest key sequence */
+    or_ssize splits;        /* decode: splits per kv unit, of split_keys keys each */
+    or_ssize split_keys;
+    char *part;             /* decode: every item's partial results (attn_decode_impl.h) */
+    or_ssize part_stride;   /* decode: REALs per item in part */
+} or_job;
+
+/* The work-item functions of one instruction set; index 0 is the float instance, 1 the
+ * double one. */
+typedef struct {
+    const char *name;           /* ORCHARD_ISA's value for this set */
+    int width;                  /* bytes: tile rows (d, dv) are padded to a multiple of it */
+    or_task transpose_keys_item[2], fwd_item[2], bwd_item[2], decode_item[2],
+        decode_combine_item[2];
+    size_t (*bwd_scratch[2])(const or_problem *p, or_ssize nk_max);   /* REALs per worker */
+} or_kernels;
+
+/* native_isa.c: the set in use (chosen at import: the widest this CPU runs, or ORCHARD_ISA),
+ * the sets this CPU can run, best last, and a switch between them (-1 if name is not one). */
+const or_kernels *or_native_kernels(void);
+int or_native_isas(const or_kernels **out, int max);
+int or_set_native_isa(const char *name);
+
+#endif

@@ -1,0 +1,54 @@
+/* native_isa.c - which native kernel set runs: the widest this CPU supports, chosen once at
+ * import (or named by ORCHARD_ISA), switchable with orchard_ops.set_native_isa(). */
+#include <string.h>
+
+#include "native.h"
+
+extern const or_kernels or_kernels_baseline;
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+extern const or_kernels or_kernels_avx2, or_kernels_avx512;
+#define OR_X86_SETS 1
+#endif
+
+/* The sets this CPU runs, narrowest first: each is compiled for an x86-64 level (isa_*.c),
+ * which __builtin_cpu_supports checks whole, including that the OS saves the vector registers. */
+int or_native_isas(const or_kernels **out, int max)
+{
+    int n = 0;
+    if (n < max)
+        out[n++] = &or_kernels_baseline;
+#ifdef OR_X86_SETS
+    __builtin_cpu_init();
+    const int v3 = __builtin_cpu_supports("x86-64-v3"), v4 = __builtin_cpu_supports("x86-64-v4");
+    if (v3 && n < max)
+        out[n++] = &or_kernels_avx2;
+    if (v4 && n < max)
+        out[n++] = &or_kernels_avx512;
+#endif
+    return n;
+}
+
+static const or_kernels *chosen;
+
+const or_kernels *or_native_kernels(void)
+{
+    const or_kernels *k = __atomic_load_n(&chosen, __ATOMIC_ACQUIRE);
+    if (k == NULL) {
+        const or_kernels *sets[8];
+        k = sets[or_native_isas(sets, 8) - 1];
+        __atomic_store_n(&chosen, k, __ATOMIC_RELEASE);
+    }
+    return k;
+}
+
+int or_set_native_isa(const char *name)
+{
+    const or_kernels *sets[8];
+    const int n = or_native_isas(sets, 8);
+    for (int i = 0; i < n; i++)
+        if (strcmp(sets[i]->name, name) == 0) {
+            __atomic_store_n(&chosen, sets[i], __ATOMIC_RELEASE);
+            return 0;
+        }
+    return -1;
+}

@@ -1,0 +1,76 @@
+/* native_kernels.h - one instance of every native kernel, for the instruction set of the file
+ * that includes it (isa_*.c), which first defines:
+ *   ISA     the set's name (the table is or_kernels_ISA)
+ *   VBYTES  bytes of a vector register the kernels' vector types fill (32: AVX2, 64: AVX-512)
+ *   MR      rows of the matrix-product micro-kernel: its MR x 2 accumulators, two vectors of B
+ *           and a broadcast must fit the register file (16 or 32 vectors)
+ * and the compiler target for the functions below. The kernels themselves are written once,
+ * over REAL, in attn_native_impl.h (forward, backward) and attn_decode_impl.h (decoding).
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "native.h"
+
+#define MAX_D OR_MAX_HEAD_DIM
+#define SR 24   /* forward rows per strip (a multiple of MR) */
+
+#define CAT_(a, b) a##b
+#define CAT(a, b) CAT_(a, b)
+#define FN(name) CAT(name, SFX)
+
+/* exp for the float kernels, inlined so that the row loops vectorise (libm's expf is a call).
+ * Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, then Cephes' degree-6 polynomial for e^r:
+ * about 1.4 ulp. Arguments are clamped at -127 ln2, where 2^n's exponent bits become 0: so
+ * -inf (a masked score) gives exactly 0, with no compare and blend. */
+static inline __attribute__((always_inline)) float or_expf(float x)
+{
+    const float xc = x < -88.0296919f ? -88.0296919f : (x > 88.37f ? 88.37f : x);
+    const float n = (xc * 1.44269504f + 12582912.0f) - 12582912.0f;    /* round to nearest */
+    float r = xc - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;   /* 2^n */
+    float two_n;
+    memcpy(&two_n, &bits, sizeof(two_n));
+    return y * two_n;
+}
+
+#define REAL float
+#define SFX _f
+#define EXP or_expf
+#define LOG logf
+#define TANH tanhf
+#include "attn_native_impl.h"
+#include "attn_decode_impl.h"
+#undef REAL
+#undef SFX
+#undef EXP
+#undef LOG
+#undef TANH
+
+#define REAL double
+#define SFX _d
+#define EXP exp
+#define LOG log
+#define TANH tanh
+#include "attn_native_impl.h"
+#include "attn_decode_impl.h"
+
+const or_kernels CAT(or_kernels_, ISA) = {
+    .name = OR_STR(ISA),
+    .width = 2 * VBYTES,
+    .transpose_keys_item = {transpose_keys_item_f, transpose_keys_item_d},
+    .fwd_item = {fwd_item_f, fwd_item_d},
+    .bwd_item = {bwd_item_f, bwd_item_d},
+    .decode_item = {decode_item_f, decode_item_d},
+    .decode_combine_item = {decode_combine_item_f, decode_combine_item_d},
+    .bwd_scratch = {bwd_scratch_f, bwd_scratch_d},
+};

@@ -1,0 +1,101 @@
+"""The native kernel sets (csrc/isa_*.c): every set this CPU runs, forced in turn, against the
+float64 reference; how a set is chosen (widest at import, ORCHARD_ISA, set_native_isa)."""
+
+import numpy as np
+import pytest
+
+from conftest import check_backward, check_forward, randn, run_python
+
+try:
+    import orchard_ops
+    ISAS = orchard_ops.devices()[0]["kernel_isas"]
+except ImportError:     # conftest's ops fixture skips every test then
+    ISAS = ()
+
+
+@pytest.fixture(params=ISAS)
+def isa(ops, request):
+    before = ops.devices()[0]["kernel_isa"]
+    ops.set_native_isa(request.param)
+    yield request.param
+    ops.set_native_isa(before)
+
+
+def qkv(rng, dtype, h=4, hkv=None, nq=130, nk=200, d=64, dv=None):
+    return (randn(rng, (2, h, nq, d), dtype), randn(rng, (2, hkv or h, nk, d), dtype),
+            randn(rng, (2, hkv or h, nk, dv or d), dtype))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=str)
+@pytest.mark.parametrize("d,dv", [(64, 64), (80, 48), (128, 128), (7, 200)])
+def test_forward(ops, isa, rng, dtype, d, dv):
+    assert ops.devices()[0]["kernel_isa"] == isa
+    check_forward(ops, "cpu", *qkv(rng, dtype, d=d, dv=dv), what=isa)
+
+
+FEATURES = {
+    "causal": dict(causal=True),
+    "window": dict(window=(40, 3)),
+    "softcap": dict(softcap=5.0),
+    "alibi": dict(alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625])),
+}
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+def test_score_features(ops, isa, rng, feature):
+    q, k, v = qkv(rng, np.float32, hkv=2)
+    check_forward(ops, "cpu", q, k, v, what="%s %s" % (isa, feature), **FEATURES[feature])
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward(ops, isa, rng, dtype, causal):
+    q, k, v = qkv(rng, dtype, hkv=2, nq=150, nk=130, d=72)
+    check_backward(ops, "cpu", q, k, v, randn(rng, q.shape, dtype), what=isa, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=str)
+def test_decode(ops, isa, rng, dtype):
+    calls = lambda: ops.stats()["per_device"].get("cpu", {}).get("decode_calls", 0)  # noqa: E731
+    before = calls()
+    check_forward(ops, "cpu", *qkv(rng, dtype, h=8, hkv=2, nq=1, nk=3000, d=128), what=isa)
+    assert calls() == before + 1
+
+
+def test_sets_agree(ops, rng):
+    """The sets sum in different orders, so they agree to rounding, not bit for bit."""
+    q, k, v = qkv(rng, np.float32)
+    before = ops.devices()[0]["kernel_isa"]
+    outs = {}
+    try:
+        for name in ISAS:
+            ops.set_native_isa(name)
+            outs[name] = ops.flash_attn_fwd(q, k, v, causal=True)[0]
+    finally:
+        ops.set_native_isa(before)
+    for name, out in outs.items():
+        np.testing.assert_allclose(out, outs[ISAS[0]], rtol=0, atol=2e-6, err_msg=name)
+
+
+def test_widest_set_is_chosen_at_import(ops):
+    info = run_python("import orchard_ops; print(orchard_ops.devices()[0]['kernel_isa'])",
+                      ORCHARD_ISA=None)
+    assert info.stdout.strip() == ISAS[-1], info.stderr
+    assert ISAS[0] == "baseline"
+
+
+@pytest.mark.parametrize("name", ISAS)
+def test_orchard_isa_environment_variable(ops, name):
+    info = run_python("import orchard_ops; print(orchard_ops.devices()[0]['kernel_isa'])",
+                      ORCHARD_ISA=name)
+    assert info.stdout.strip() == name, info.stderr
+
+
+def test_bad_isa_names(ops):
+    info = run_python("import orchard_ops", ORCHARD_ISA="avx9000")
+    assert info.returncode != 0
+    assert "ORCHARD_ISA='avx9000': not a kernel set this CPU runs" in info.stderr
+    with pytest.raises(ValueError, match="name='sse9'.*expected one of"):
+        ops.set_native_isa("sse9")
+    with pytest.raises(TypeError, match="must be a str, not int"):
+        ops.set_native_isa(3)
