@@ -131,16 +131,18 @@ def main(argv=None):
                         help="Also time decode steps over a KV cache against torch SDPA "
                              "(needs torch).")
     parser.add_argument("--scaling", action="store_true",
-                        help="Instead of the grid, the scaling tables: N from 256 to 16384, "
-                             "head dims 64, 128 and 256 (N up to 512 and D 32 with --quick), "
-                             "on the native device unless --devices says otherwise.")
+                        help="Instead of the grid, the scaling tables: N from %d to %d, "
+                             "on the native device unless --devices says otherwise."
+                             % (scaling_bench.NS[0], scaling_bench.NS[-1]))
     parser.add_argument("--max-n", type=integer(scaling_bench.NS[0]), metavar="N",
-                        help="With --scaling: the largest N of the tables. Default: %d."
-                             % scaling_bench.NS[-1])
+                        help="With --scaling: the largest N of the tables. Default: %d "
+                             "(%d with --quick)." % (scaling_bench.NS[-1],
+                                                     scaling_bench.QUICK_NS[-1]))
     parser.add_argument("--head-dims", metavar="D,...",
                         type=integer_list(1, orchard_ops.build_info()["max_head_dim"]),
-                        help="With --scaling: comma-separated head dims. Default: %s."
-                             % ",".join(map(str, scaling_bench.HEAD_DIMS)))
+                        help="With --scaling: comma-separated head dims. Default: %s (%s "
+                             "with --quick)." % tuple(",".join(map(str, dims)) for dims in (
+                                 scaling_bench.HEAD_DIMS, scaling_bench.QUICK_HEAD_DIMS)))
     args = parser.parse_args(argv)
     quick = args.quick or os.environ.get("ORCHARD_BENCH_QUICK") == "1"
     grid_only = [flag for flag, given in (("--shapes", args.shapes), ("--train", args.train),
