@@ -141,8 +141,9 @@ def main(argv=None):
     parser.add_argument("--head-dims", metavar="D,...",
                         type=integer_list(1, orchard_ops.build_info()["max_head_dim"]),
                         help="With --scaling: comma-separated head dims. Default: %s (%s "
-                             "with --quick)." % tuple(",".join(map(str, dims)) for dims in (
-                                 scaling_bench.HEAD_DIMS, scaling_bench.QUICK_HEAD_DIMS)))
+                             "with --quick)." % (
+                                 ",".join(map(str, scaling_bench.HEAD_DIMS)),
+                                 ",".join(map(str, scaling_bench.QUICK_HEAD_DIMS))))
     args = parser.parse_args(argv)
     quick = args.quick or os.environ.get("ORCHARD_BENCH_QUICK") == "1"
     grid_only = [flag for flag, given in (("--shapes", args.shapes), ("--train", args.train),
