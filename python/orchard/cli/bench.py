@@ -54,10 +54,11 @@ def print_report(report, out):
         t = report["training_tokens_per_s"]
         print("training, demo model: orchard %.0f tokens/s, torch SDPA %.0f tokens/s (%.2fx)"
               % (t["orchard"], t["torch-sdpa"], t["orchard"] / t["torch-sdpa"]), file=out)
-    for dev, decode in report.get("decode", {}).items():
-        from .. import decode_bench
-        print(decode_bench.table(decode["read_bandwidth_gbs"], decode["results"], dev),
-              file=out)
+    if "decode" in report:
+        from .. import decode_bench     # it needs torch
+        for dev, decode in report["decode"].items():
+            print(decode_bench.table(decode["read_bandwidth_gbs"], decode["results"], dev),
+                  file=out)
 
 
 def grid(args, quick, repeats, causal_flags):
