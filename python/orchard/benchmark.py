@@ -61,6 +61,37 @@ def machine_facts():
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 
+def operands(shape, dtype, rng, torch=None):
+    """(the float32 arrays, the operands): q, k, v and dout of `shape`, standard normal, and
+    the same in dtype (a DTYPES name), as torch tensors when torch is given (bfloat16 needs
+    it), else as NumPy arrays."""
+    arrays = [rng.standard_normal(shape).astype(np.float32) for _ in range(4)]
+    if torch is None:
+        return arrays, [a.astype(dtype) for a in arrays]
+    return arrays, [torch.from_numpy(a).to(getattr(torch, dtype)) for a in arrays]
+
+
+def orchard_calls(q, k, v, dout, causal, device):
+    """(forward, backward): orchard's calls on these operands, the backward's out and lse
+    computed once here."""
+    out, lse = orchard_ops.flash_attn_fwd(q, k, v, causal=causal, device=device)
+    return (lambda: orchard_ops.flash_attn_fwd(q, k, v, causal=causal, device=device),
+            lambda: orchard_ops.flash_attn_bwd(dout, q, k, v, out, lse, causal=causal,
+                                               device=device))
+
+
+def sdpa_calls(q, k, v, dout, causal):
+    """(forward, backward): torch's scaled_dot_product_attention on these torch tensors; the
+    backward is the gradient of one forward graph, kept for every call."""
+    import torch
+    import torch.nn.functional as F
+    tq, tk, tv = (t.clone().requires_grad_(True) for t in (q, k, v))
+    tout = F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+    return (lambda: F.scaled_dot_product_attention(tq.detach(), tk.detach(), tv.detach(),
+                                                   is_causal=causal),
+            lambda: torch.autograd.grad(tout, (tq, tk, tv), dout, retain_graph=True))
+
+
 def measure(shapes, devices, dtypes, causal_flags, repeats, progress=None):
     """One row per (backend, shape, dtype, causal); every figure from this process. dtypes
     are names from DTYPES; the operands are torch tensors when torch is installed (bfloat16
@@ -70,16 +101,11 @@ def measure(shapes, devices, dtypes, causal_flags, repeats, progress=None):
     rng = np.random.default_rng(0)
     try:
         import torch
-        import torch.nn.functional as F
     except ImportError:
         torch = None
     for b, h, n, d in shapes:
         for dtype in dtypes:
-            arrays = [rng.standard_normal((b, h, n, d)).astype(np.float32) for _ in range(4)]
-            if torch is None:
-                q, k, v, dout = (a.astype(dtype) for a in arrays)
-            else:
-                q, k, v, dout = (torch.from_numpy(a).to(getattr(torch, dtype)) for a in arrays)
+            arrays, (q, k, v, dout) = operands((b, h, n, d), dtype, rng, torch)
             for causal in causal_flags:
                 flops = attention_flops(b, h, n, d, causal)
 
@@ -94,21 +120,11 @@ def measure(shapes, devices, dtypes, causal_flags, repeats, progress=None):
                     rows.append(r)
 
                 for dev in devices:
-                    out, lse = orchard_ops.flash_attn_fwd(q, k, v, causal=causal, device=dev)
-                    row("orchard", dev,
-                        lambda: orchard_ops.flash_attn_fwd(q, k, v, causal=causal, device=dev),
-                        lambda: orchard_ops.flash_attn_bwd(dout, q, k, v, out, lse,
-                                                           causal=causal, device=dev))
+                    row("orchard", dev, *orchard_calls(q, k, v, dout, causal, dev))
                 if n <= 2048 and dtype == "float32":
                     row("numpy-reference", "cpu", lambda: ref_fwd(*arrays[:3], causal=causal))
                 if torch is not None:
-                    tq, tk, tv = (t.clone().requires_grad_(True) for t in (q, k, v))
-                    tdo = dout
-                    tout = F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
-                    row("torch-sdpa", "cpu",
-                        lambda: F.scaled_dot_product_attention(tq.detach(), tk.detach(),
-                                                               tv.detach(), is_causal=causal),
-                        lambda: torch.autograd.grad(tout, (tq, tk, tv), tdo, retain_graph=True))
+                    row("torch-sdpa", "cpu", *sdpa_calls(q, k, v, dout, causal))
                 done += 1
                 if progress is not None:
                     progress.update(done, "B,H,N,D=%d,%d,%d,%d %s" % (b, h, n, d, dtype))

@@ -123,6 +123,20 @@ def output_file(text):
     return text
 
 
+def integer_list(minimum, maximum):
+    """An argparse type: a comma-separated list of integers, each in minimum..maximum."""
+    def parse(text):
+        try:
+            items = [int(item) for item in text.split(",")]
+        except ValueError:
+            items = []
+        if not items or min(items) < minimum or max(items) > maximum:
+            raise argparse.ArgumentTypeError("must be a comma-separated list of integers in "
+                                             "%d..%d (got %r)" % (minimum, maximum, text))
+        return items
+    return _typed("list", parse)
+
+
 def choices_list(choices):
     """An argparse type: a comma-separated list of some of `choices`."""
     def parse(text):
