@@ -30,10 +30,9 @@ static inline REAL *FN(decode_part)(const or_job *job, or_ssize item)
 /* The sum of a vector's lanes. */
 static inline __attribute__((always_inline)) REAL FN(hsum)(const FN(vec) *a)
 {
-    REAL t = 0;
-    for (int l = 0; l < DVL; l++)
-        t += (*a)[l];
-    return t;
+    REAL lane[DVL];
+    memcpy(lane, a, sizeof(lane));
+    return FN(lanes_sum)(lane, DVL);
 }
 
 /* n rows of a key or value block (len elements of dtype dt, stride bytes apart) as REAL rows
