@@ -38,11 +38,12 @@ static int run_job(or_job *job, or_ssize n_items, or_task fn)
 /* Decoding (attn_decode_impl.h): enough (kv unit, split) items to keep every core busy on one
  * token, each at least a few blocks of keys long, so that the combine stays cheap. */
 #define DECODE_ITEMS 128
-#define DECODE_MIN_KEYS (3 * BC)
+#define DECODE_MIN_BLOCKS 3
 
 static int decode_fwd(const or_problem *p, const or_kernels *kern, int dbl)
 {
     const size_t real = dbl ? sizeof(double) : sizeof(float), lanes = (size_t)kern->width / real;
+    const or_ssize bc = kern->block_keys;
     const or_ssize group = p->prm.group, n_kv = p->n_units / group;
     const size_t dp = (p->d + lanes - 1) / lanes * lanes, dvp = (p->dv + lanes - 1) / lanes * lanes;
     or_ssize nk_max = 0, nq_max = 0;
@@ -54,7 +55,7 @@ static int decode_fwd(const or_problem *p, const or_kernels *kern, int dbl)
         return OR_OK;   /* no output rows */
     const or_ssize per_unit = (DECODE_ITEMS + n_kv - 1) / n_kv;
     or_ssize keys = (nk_max + per_unit - 1) / per_unit;
-    keys = keys < DECODE_MIN_KEYS ? DECODE_MIN_KEYS : (keys + BC - 1) / BC * BC;
+    keys = keys < DECODE_MIN_BLOCKS * bc ? DECODE_MIN_BLOCKS * bc : (keys + bc - 1) / bc * bc;
     const size_t rows = (size_t)(group * nq_max);
     or_job job = {.p = p, .split_keys = keys,
                   .splits = nk_max > 0 ? (nk_max + keys - 1) / keys : 1};
@@ -66,7 +67,7 @@ static int decode_fwd(const or_problem *p, const or_kernels *kern, int dbl)
     if (job.part == NULL)
         return OR_ENOMEM;
     /* q and s tiles, four widened key or value rows, the dropout keep row */
-    job.per_worker = round_up(real * (rows * dp + rows * BC + 4 * (dp > dvp ? dp : dvp)) + BC);
+    job.per_worker = round_up(real * (rows * dp + rows * bc + 4 * (dp > dvp ? dp : dvp)) + bc);
     int rc = run_job(&job, (or_ssize)items, kern->decode_item[dbl]);
     if (rc == OR_OK) {
         job.per_worker = round_up(real * dvp);      /* a row of out */
@@ -84,6 +85,7 @@ int or_native_fwd(const or_problem *p)
     if (or_is_decode(p))
         return decode_fwd(p, kern, dbl);
     const or_ssize n_kv = p->n_units / p->prm.group;
+    const or_ssize bc = kern->block_keys;
     const size_t lanes = (size_t)kern->width / real, dp = (p->d + lanes - 1) / lanes * lanes,
                  dvp = (p->dv + lanes - 1) / lanes * lanes;
     /* values already REAL, in rows of whole vectors, are read in place; others (float16,
@@ -98,7 +100,7 @@ int or_native_fwd(const or_problem *p)
     job.vc_off = job.kt_off + n_kv + 1;
     job.kt_off[0] = job.vc_off[0] = 0;
     for (or_ssize w = 0; w < n_kv; w++) {
-        job.kt_off[w + 1] = job.kt_off[w] + (p->nk[w * p->prm.group] + BC) * p->d;
+        job.kt_off[w + 1] = job.kt_off[w] + (p->nk[w * p->prm.group] + bc) * p->d;
         job.vc_off[w + 1] = job.vc_off[w] + p->nk[w * p->prm.group] * (or_ssize)dvp;
     }
     job.kt = malloc(real * (size_t)job.kt_off[n_kv] + 64);
@@ -108,7 +110,7 @@ int or_native_fwd(const or_problem *p)
         job.blocks = b > job.blocks ? b : job.blocks;
     }
     /* q, s, o, m, l tiles (attn_native_impl.h) and the dropout keep row */
-    job.per_worker = round_up(real * (BR * dp + BR * BC + BR * dvp + 2 * BR) + BC);
+    job.per_worker = round_up(real * (BR * dp + BR * bc + BR * dvp + 2 * BR) + bc);
     int rc = OR_ENOMEM;
     if (job.kt != NULL && (v_in_place || job.vc != NULL)) {
         /* the pre-pass needs no scratch, but run_job hands every worker a slice of its size */
@@ -132,6 +134,7 @@ int or_native_bwd(const or_problem *p)
         job.nk_max = p->nk[u] > job.nk_max ? p->nk[u] : job.nk_max;
     if ((size_t)job.nk_max > (SIZE_MAX / 4) / (real * 2 * (OR_MAX_HEAD_DIM + 64)))
         return OR_ENOMEM;
-    job.per_worker = round_up(real * kern->bwd_scratch[dbl](p, job.nk_max) + BC);
+    job.per_worker = round_up(real * kern->bwd_scratch[dbl](p, job.nk_max)
+                              + (size_t)kern->block_keys);
     return run_job(&job, p->n_units / p->prm.group, kern->bwd_item[dbl]);
 }

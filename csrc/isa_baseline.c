@@ -5,4 +5,6 @@
 #define ISA baseline
 #define VBYTES 16
 #define MR 6
+#define BC 96
+#define SR 24
 #include "native_kernels.h"

@@ -10,8 +10,7 @@
 
 #include "orchard.h"
 
-#define BR 96   /* query rows per block */
-#define BC 96   /* key rows per block: a multiple of every kernel set's tile width */
+#define BR 96   /* query rows per block; key rows per block (BC) are the kernel set's */
 
 /* One native call: the problem, its plan and its temporary buffers. */
 typedef struct {
@@ -36,6 +35,7 @@ typedef struct {
 typedef struct {
     const char *name;           /* ORCHARD_ISA's value for this set */
     int width;                  /* bytes: tile rows (d, dv) are padded to a multiple of it */
+    int block_keys;             /* BC: keys per block */
     or_task transpose_keys_item[2], fwd_item[2], bwd_item[2], decode_item[2],
         decode_combine_item[2];
     size_t (*bwd_scratch[2])(const or_problem *p, or_ssize nk_max);   /* REALs per worker */

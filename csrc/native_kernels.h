@@ -4,6 +4,8 @@
  *   VBYTES  bytes of a vector register the kernels' vector types fill (32: AVX2, 64: AVX-512)
  *   MR      rows of the matrix-product micro-kernel: its MR x 2 accumulators, two vectors of B
  *           and a broadcast must fit the register file (16 or 32 vectors)
+ *   BC      keys per block: the key and value blocks and a strip's tiles stay in L1
+ *   SR      forward rows per strip
  * and the compiler target for the functions below. The kernels themselves are written once,
  * over REAL, in attn_native_impl.h (forward, backward) and attn_decode_impl.h (decoding).
  */
@@ -14,7 +16,10 @@
 #include "native.h"
 
 #define MAX_D OR_MAX_HEAD_DIM
-#define SR 24   /* forward rows per strip (a multiple of MR) */
+
+/* tiles are padded to whole micro-kernels: rows to MR, columns to two vectors */
+_Static_assert(BR % MR == 0 && BC % MR == 0 && SR % MR == 0 && BC % (2 * VBYTES / 4) == 0,
+               "block sizes must be multiples of the micro-kernel's");
 
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
@@ -67,6 +72,7 @@ static inline __attribute__((always_inline)) float or_expf(float x)
 const or_kernels CAT(or_kernels_, ISA) = {
     .name = OR_STR(ISA),
     .width = 2 * VBYTES,
+    .block_keys = BC,
     .transpose_keys_item = {transpose_keys_item_f, transpose_keys_item_d},
     .fwd_item = {fwd_item_f, fwd_item_d},
     .bwd_item = {bwd_item_f, bwd_item_d},
