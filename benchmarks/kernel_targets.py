@@ -1,0 +1,85 @@
+"""The native kernels' targets (README Performance, "Kernel targets"), measured in one run.
+
+    python3 benchmarks/kernel_targets.py [--shapes 4,8,1024,64 2,16,4096,128] [--rounds 3]
+
+At every shape: float32 forward and backward against torch SDPA, and the forward's GFLOP/s
+against torch's float32 matrix product (2048^3); float16 and bfloat16, causal and not, forward
+and forward+backward against torch SDPA at the same dtype; the first OpenCL device (PoCL here)
+against the native path, forward and backward. Calls alternate in rounds (benchmark.round_robin,
+one warm-up round); a ratio is the median of its ratios in each round. Prints a Markdown table.
+"""
+import argparse
+import sys
+
+import numpy as np
+import torch
+
+import orchard_ops
+from orchard import benchmark
+
+def ratio(times, slow, fast):
+    """Median over rounds of time(slow) / time(fast); names may be tuples, whose times add."""
+    total = lambda names: sum(times[n] for n in (names if isinstance(names, tuple) else (names,)))
+    return float(np.median(total(slow) / total(fast)))
+
+
+def float32_figures(shape, rounds, rng):
+    arrays, ops = benchmark.operands(shape, "float32", rng, torch)
+    calls = {}
+    calls["fwd"], calls["bwd"] = benchmark.orchard_calls(*ops, False, "cpu")
+    calls["torch_fwd"], calls["torch_bwd"] = benchmark.sdpa_calls(*ops, False)
+    a = torch.randn(2048, 2048)
+    calls["sgemm"] = lambda: a @ a
+    opencl = [d["id"] for d in orchard_ops.devices() if d["id"].startswith("opencl")]
+    if opencl:
+        calls["cl_fwd"], calls["cl_bwd"] = benchmark.orchard_calls(*arrays, False, opencl[0])
+    t = benchmark.round_robin(calls, rounds)
+    flops = benchmark.attention_flops(*shape, False)
+    rows = [("float32 forward vs torch", 1.2, ratio(t, "torch_fwd", "fwd")),
+            ("float32 backward vs torch", 1.5, ratio(t, "torch_bwd", "bwd")),
+            ("float32 forward vs sgemm GFLOP/s", 0.8,
+             ratio(t, "sgemm", "fwd") * flops / (2.0 * 2048 ** 3))]
+    if opencl:
+        rows += [("OpenCL forward vs native", 0.9, ratio(t, "fwd", "cl_fwd")),
+                 ("OpenCL backward vs native", 0.9, ratio(t, "bwd", "cl_bwd"))]
+    return rows
+
+
+def half_figures(shape, dtype, causal, rounds, rng):
+    _, ops = benchmark.operands(shape, dtype, rng, torch)
+    calls = {}
+    calls["fwd"], calls["bwd"] = benchmark.orchard_calls(*ops, causal, "cpu")
+    calls["torch_fwd"], calls["torch_bwd"] = benchmark.sdpa_calls(*ops, causal)
+    t = benchmark.round_robin(calls, rounds)
+    what = "%s%s " % (dtype, " causal" if causal else "")
+    return [(what + "forward vs torch", 1.0, ratio(t, "torch_fwd", "fwd")),
+            (what + "forward+backward vs torch", 1.0,
+             ratio(t, ("torch_fwd", "torch_bwd"), ("fwd", "bwd")))]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["4,8,1024,64", "2,16,4096,128"])
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    rng = np.random.default_rng(0)
+    cpu = orchard_ops.devices()[0]
+    print("%s, %d cores, native kernel set %s; torch %s, %d threads; %d rounds"
+          % (cpu["name"], cpu["compute_units"], cpu["kernel_isa"], torch.__version__,
+             torch.get_num_threads(), args.rounds))
+    print("\n| B,H,N,D | figure | target | measured | |\n| --- | --- | --- | --- | --- |")
+    for text in args.shapes:
+        shape = tuple(int(x) for x in text.split(","))
+        rows = float32_figures(shape, args.rounds, rng)
+        for dtype in ("float16", "bfloat16"):
+            for causal in (False, True):
+                rows += half_figures(shape, dtype, causal, args.rounds, rng)
+        for what, bound, value in rows:
+            print("| %s | %s | >= %.1f | %.2f | %s |" % (text, what, bound, value,
+                                                       "met" if value >= bound else "missed"),
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
