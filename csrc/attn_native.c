@@ -35,6 +35,64 @@ static int run_job(or_job *job, or_ssize n_items, or_task fn)
     return OR_OK;
 }
 
+/* Work items in decreasing order of cost (ties in index order) for the dynamic pool, so that
+ * it never ends on one long item while the other workers idle (longest first): a ragged
+ * varlen batch or a causal mask makes items of very different sizes. Every output element
+ * still belongs to one item, so the order changes no result. NULL when out of memory. */
+typedef struct {
+    double cost;
+    or_ssize item;
+} costed;
+
+static int by_cost(const void *a, const void *b)
+{
+    const costed *x = a, *y = b;
+    if (x->cost != y->cost)
+        return x->cost < y->cost ? 1 : -1;
+    return (x->item > y->item) - (x->item < y->item);
+}
+
+static or_ssize *costly_first(const or_job *job, or_ssize n,
+                              double (*cost)(const or_job *job, or_ssize item))
+{
+    costed *c = malloc(sizeof(costed) * (size_t)(n > 0 ? n : 1));
+    or_ssize *order = malloc(sizeof(or_ssize) * (size_t)(n > 0 ? n : 1));
+    if (c != NULL && order != NULL) {
+        for (or_ssize i = 0; i < n; i++)
+            c[i] = (costed){cost(job, i), i};
+        qsort(c, (size_t)n, sizeof(costed), by_cost);
+        for (or_ssize i = 0; i < n; i++)
+            order[i] = c[i].item;
+    } else {
+        free(order);
+        order = NULL;
+    }
+    free(c);
+    return order;
+}
+
+/* Query rows [i0, i0 + rows) of unit u times the keys they see. */
+static double rows_cost(const or_problem *p, or_ssize u, or_ssize i0, or_ssize rows)
+{
+    or_ssize lo, hi;
+    or_key_range(p->prm.left, p->prm.right, p->nq[u], p->nk[u], i0, i0 + rows, &lo, &hi);
+    return (double)rows * (double)(hi > lo ? hi - lo : 0);
+}
+
+static double fwd_cost(const or_job *job, or_ssize item)   /* a query block (fwd_item) */
+{
+    const or_ssize u = item / job->blocks, i0 = (item % job->blocks) * BR, nq = job->p->nq[u];
+    return i0 < nq ? rows_cost(job->p, u, i0, nq - i0 < BR ? nq - i0 : BR) : 0;
+}
+
+static double bwd_cost(const or_job *job, or_ssize kvu)     /* a kv unit (bwd_item) */
+{
+    double c = 0;
+    for (or_ssize u = kvu * job->p->prm.group; u < (kvu + 1) * job->p->prm.group; u++)
+        c += rows_cost(job->p, u, 0, job->p->nq[u]);
+    return c;
+}
+
 /* Decoding (attn_decode_impl.h): enough (kv unit, split) items to keep every core busy on one
  * token, each at least a few blocks of keys long, so that the combine stays cheap. */
 #define DECODE_ITEMS 128
@@ -115,8 +173,12 @@ int or_native_fwd(const or_problem *p)
     if (job.kt != NULL && (v_in_place || job.vc != NULL)) {
         /* the pre-pass needs no scratch, but run_job hands every worker a slice of its size */
         rc = run_job(&job, n_kv, kern->transpose_keys_item[dbl]);
-        if (rc == OR_OK)
+        job.order = rc == OR_OK ? costly_first(&job, p->n_units * job.blocks, fwd_cost) : NULL;
+        if (job.order != NULL)
             rc = run_job(&job, p->n_units * job.blocks, kern->fwd_item[dbl]);
+        else
+            rc = OR_ENOMEM;
+        free(job.order);
     }
     free(job.kt);
     free(job.vc);
@@ -136,5 +198,11 @@ int or_native_bwd(const or_problem *p)
         return OR_ENOMEM;
     job.per_worker = round_up(real * kern->bwd_scratch[dbl](p, job.nk_max)
                               + (size_t)kern->block_keys);
-    return run_job(&job, p->n_units / p->prm.group, kern->bwd_item[dbl]);
+    const or_ssize n_kv = p->n_units / p->prm.group;
+    job.order = costly_first(&job, n_kv, bwd_cost);
+    if (job.order == NULL)
+        return OR_ENOMEM;
+    const int rc = run_job(&job, n_kv, kern->bwd_item[dbl]);
+    free(job.order);
+    return rc;
 }

@@ -335,7 +335,8 @@ static void FN(transpose_keys_item)(void *vjob, or_ssize kvu, int worker)
 static void FN(fwd_item)(void *vjob, or_ssize item, int worker)
 {
     const or_job *job = vjob;
-    or_ssize u = item / job->blocks, i0 = (item % job->blocks) * BR;
+    item = job->order[item];
+    const or_ssize u = item / job->blocks, i0 = (item % job->blocks) * BR;
     if (i0 < job->p->nq[u])
         FN(fwd_block)(job->p, job, u, i0, worker);
 }
@@ -352,10 +353,11 @@ static size_t FN(bwd_scratch)(const or_problem *p, or_ssize nk_max)
 
 /* One work item: a kv unit; it owns dK and dV of that unit and the dQ of its query heads,
  * so no two workers ever write the same element and no atomics are needed. */
-static void FN(bwd_item)(void *vjob, or_ssize kvu, int worker)
+static void FN(bwd_item)(void *vjob, or_ssize item, int worker)
 {
     const or_job *job = vjob;
     const or_problem *p = job->p;
+    const or_ssize kvu = job->order[item];
     const int d = p->d, dv = p->dv, dp = FN(pad)(d), dvp = FN(pad)(dv);
     const or_ssize nk = p->nk[kvu * p->prm.group];
     const REAL drop_scale = (REAL)p->prm.drop_scale;

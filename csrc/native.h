@@ -17,6 +17,7 @@ typedef struct {
     const or_problem *p;
     char *scratch;          /* nworkers slices of per_worker bytes */
     size_t per_worker;
+    or_ssize *order;        /* forward, backward: the items in the order they are handed out */
     or_ssize blocks;        /* forward: query blocks per unit */
     char *kt;               /* forward: every kv unit's keys transposed (see transpose_keys) */
     or_ssize *kt_off;       /* forward: offset of each kv unit in kt, in REALs */
