@@ -47,8 +47,8 @@ static const char *simd_level(void)
 /* The names of the kernel sets this CPU runs, narrowest first, as a tuple. */
 static PyObject *isa_names(void)
 {
-    const or_kernels *sets[8];
-    const int n = or_native_isas(sets, 8);
+    const or_kernels *sets[OR_MAX_KERNEL_SETS];
+    const int n = or_native_isas(sets, OR_MAX_KERNEL_SETS);
     PyObject *names = PyTuple_New(n);
     for (int i = 0; names != NULL && i < n; i++) {
         PyObject *name = PyUnicode_FromString(sets[i]->name);

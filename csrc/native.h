@@ -42,6 +42,8 @@ typedef struct {
     size_t (*bwd_scratch[2])(const or_problem *p, or_ssize nk_max);   /* REALs per worker */
 } or_kernels;
 
+#define OR_MAX_KERNEL_SETS 8    /* room for every set isa_*.c compiles */
+
 /* native_isa.c: the set in use (chosen at import: the widest this CPU runs, or ORCHARD_ISA),
  * the sets this CPU can run, best last, and a switch between them (-1 if name is not one). */
 const or_kernels *or_native_kernels(void);

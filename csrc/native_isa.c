@@ -34,8 +34,8 @@ const or_kernels *or_native_kernels(void)
 {
     const or_kernels *k = __atomic_load_n(&chosen, __ATOMIC_ACQUIRE);
     if (k == NULL) {
-        const or_kernels *sets[8];
-        k = sets[or_native_isas(sets, 8) - 1];
+        const or_kernels *sets[OR_MAX_KERNEL_SETS];
+        k = sets[or_native_isas(sets, OR_MAX_KERNEL_SETS) - 1];
         __atomic_store_n(&chosen, k, __ATOMIC_RELEASE);
     }
     return k;
@@ -43,8 +43,8 @@ const or_kernels *or_native_kernels(void)
 
 int or_set_native_isa(const char *name)
 {
-    const or_kernels *sets[8];
-    const int n = or_native_isas(sets, 8);
+    const or_kernels *sets[OR_MAX_KERNEL_SETS];
+    const int n = or_native_isas(sets, OR_MAX_KERNEL_SETS);
     for (int i = 0; i < n; i++)
         if (strcmp(sets[i]->name, name) == 0) {
             __atomic_store_n(&chosen, sets[i], __ATOMIC_RELEASE);
