@@ -13,9 +13,10 @@ from conftest import REPO_ROOT
 # Feature combinations forward and backward, varlen, and strided inputs on every device, the
 # size limits and injected OpenCL faults.
 SANITIZE_SUBSET = ["tests/test_forward.py", "tests/test_backward.py", "tests/test_varlen.py",
-                   "tests/test_index_limits.py", "tests/test_faults.py", "-k",
-                   "test_combinations or test_bwd_features or test_varlen_vs_reference or "
-                   "test_index_limits or recovers"]
+                   "tests/test_index_limits.py", "tests/test_faults.py", "tests/test_isa.py",
+                   "-k", "test_combinations or test_bwd_features or test_varlen_vs_reference or "
+                   "test_index_limits or recovers or (test_isa and (backward or decode or "
+                   "score_features))"]
 
 
 def libasan():
