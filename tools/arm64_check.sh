@@ -28,7 +28,7 @@ SUITE=trixie    # numpy >= 2 (the extension uses its C API); bookworm has 1.24
 PACKAGES=python3,python3-numpy,python3-pytest,python3-setuptools,python3-dev,gcc,libc6-dev
 TESTS=(tests/test_forward.py tests/test_backward.py tests/test_varlen.py tests/test_decode.py
        tests/test_dropout.py tests/test_marshalling.py tests/test_index_limits.py
-       tests/test_threads.py tests/test_devices.py)
+       tests/test_threads.py tests/test_devices.py tests/test_isa.py)
 ROOT=$CACHE/rootfs
 
 say() { echo "arm64_check: $*"; }
