@@ -95,7 +95,7 @@ def target_figures(repeats, shape=TARGET_SHAPE):
                "staged_overhead_pct": (ratio("staged", "fwd") - 1) * 100}
     if opencl:
         figures["opencl_device"] = opencl[0]
-        figures["opencl_vs_native"] = ratio("opencl", "fwd")
+        figures["opencl_vs_native"] = ratio("fwd", "opencl")
     if torch is not None:
         figures["fwd_vs_torch"] = ratio("torch_fwd", "fwd")
         figures["bwd_vs_torch"] = ratio("torch_bwd", "bwd")
