@@ -28,10 +28,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def markdown(report):
     """The results as Markdown: machine, table, comparisons, targets."""
     m = report["machine"]
-    lines = ["Measured %s on %s (%d logical cores, %s SIMD, %.0f GiB), %d threads, Python %s, "
-             "NumPy %s; devices: %s. NumPy float32 matrix product (the roofline): %.1f GFLOP/s."
+    lines = ["Measured %s on %s (%d logical cores, %s SIMD, %.0f GiB), native kernel set %s, "
+             "%d threads, Python %s, NumPy %s; devices: %s. NumPy float32 matrix product (the "
+             "roofline): %.1f GFLOP/s."
              % (time.strftime("%Y-%m-%d"), m["cpu"], m["logical_cores"], m["simd"],
-                m["memory_gib"], m["threads"], m["python"], m["numpy"],
+                m["memory_gib"], m.get("kernel_isa"), m["threads"], m["python"], m["numpy"],
                 ", ".join("%s (%s)" % (d["id"], d["name"]) for d in m["devices"]),
                 report["sgemm_gflops"]), "",
              "| backend | device | B,H,N,D | dtype | causal | fwd ms | fwd GFLOP/s | bwd ms | "

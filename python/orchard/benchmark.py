@@ -51,6 +51,7 @@ def sgemm_gflops(repeats, n=1024):
 def machine_facts():
     cpu = orchard_ops.devices()[0]
     return {"cpu": cpu["name"], "logical_cores": cpu["compute_units"], "simd": cpu.get("simd"),
+            "kernel_isa": cpu.get("kernel_isa"),
             "memory_gib": round(cpu["global_mem_bytes"] / 2 ** 30, 1),
             "threads": orchard_ops.get_num_threads(), "python": platform.python_version(),
             "numpy": np.__version__, "orchard": orchard_ops.__version__,

@@ -40,8 +40,8 @@ INDICATIVE = ("--quick: tiny shapes and %d repeats; the figures and ratios are i
 
 
 def print_report(report, out):
-    print("machine: %(cpu)s, %(logical_cores)d logical cores, %(threads)d threads"
-          % report["machine"], file=out)
+    print("machine: %(cpu)s, %(logical_cores)d logical cores, %(threads)d threads, native "
+          "kernel set %(kernel_isa)s" % report["machine"], file=out)
     print("every figure is the median of %d timings" % report["repeats"], file=out)
     if "scaling" in report:
         print(scaling_bench.table(report["scaling"]), file=out)
