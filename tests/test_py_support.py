@@ -26,6 +26,12 @@ def subprocess_env(**extra):
              os.path.dirname(os.path.dirname(orchard.__file__))]
     env = dict(os.environ, **extra)
     env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    # Runs are compared bit for bit across processes (resume, kills). torch's CPU matrix
+    # products (MKL) may round differently when a process lays out its memory differently, as
+    # a resumed one does: MKL's strict reproducible mode rules that out. (Once, a killed and
+    # resumed run's loss differed from the straight run's by 4e-5; orchard's own kernels give
+    # the same bits for any thread count or alignment.)
+    env.setdefault("MKL_CBWR", "AUTO,STRICT")
     return env
 
 
