@@ -15,8 +15,6 @@
 
 #include "native.h"
 
-#define MAX_D OR_MAX_HEAD_DIM
-
 /* tiles are padded to whole micro-kernels: rows to MR, columns to two vectors */
 _Static_assert(BR % MR == 0 && BC % MR == 0 && SR % MR == 0 && BC % (2 * VBYTES / 4) == 0,
                "block sizes must be multiples of the micro-kernel's");
