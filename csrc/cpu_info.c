@@ -1,6 +1,7 @@
 /* cpu_info.c - the facts devices() reports for the native CPU path, and the choice of its
  * kernel set (native_isa.c) from Python and ORCHARD_ISA. */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -60,10 +61,13 @@ static PyObject *isa_names(void)
     return names;
 }
 
-int or_select_isa(const char *what, const char *name)
+/* An ORCHARD_ISA the CPU cannot run: import goes on with the widest set (so that a console
+ * script can report the variable in its one error line), and devices() and every call that
+ * resolves a device raise, until set_native_isa() chooses a set. Used with the GIL held. */
+static char bad_isa_env[128];
+
+static int no_such_set(const char *what, const char *name)
 {
-    if (or_set_native_isa(name) == 0)
-        return 0;
     PyObject *names = isa_names();
     if (names != NULL) {
         PyErr_Format(PyExc_ValueError, "%s='%s': not a kernel set this CPU runs; expected one of %R",
@@ -71,6 +75,26 @@ int or_select_isa(const char *what, const char *name)
         Py_DECREF(names);
     }
     return -1;
+}
+
+int or_select_isa(const char *what, const char *name)
+{
+    if (or_set_native_isa(name) < 0)
+        return no_such_set(what, name);
+    bad_isa_env[0] = '\0';
+    return 0;
+}
+
+void or_isa_from_environment(void)
+{
+    const char *isa = getenv("ORCHARD_ISA");
+    if (isa != NULL && *isa != '\0' && or_set_native_isa(isa) < 0)
+        snprintf(bad_isa_env, sizeof(bad_isa_env), "%s", isa);
+}
+
+int or_check_isa_environment(void)
+{
+    return bad_isa_env[0] ? no_such_set("ORCHARD_ISA", bad_isa_env) : 0;
 }
 
 PyObject *or_cpu_device_info(void)

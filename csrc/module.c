@@ -564,9 +564,7 @@ static int module_exec(PyObject *module)
         || PyModule_AddObjectRef(module, "OrchardOutOfMemory", st->oom) < 0
         || PyModule_AddStringConstant(module, "__version__", ORCHARD_VERSION) < 0)
         return -1;
-    const char *isa = getenv("ORCHARD_ISA");
-    if (isa != NULL && *isa != '\0' && or_select_isa("ORCHARD_ISA", isa) < 0)
-        return -1;
+    or_isa_from_environment();
     return 0;
 }
 

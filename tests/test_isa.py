@@ -92,10 +92,40 @@ def test_orchard_isa_environment_variable(ops, name):
 
 
 def test_bad_isa_names(ops):
-    info = run_python("import orchard_ops", ORCHARD_ISA="avx9000")
-    assert info.returncode != 0
-    assert "ORCHARD_ISA='avx9000': not a kernel set this CPU runs" in info.stderr
+    # import succeeds; devices() and every call that takes a device name the variable, until
+    # set_native_isa() chooses a set
+    info = run_python("""
+import numpy as np, orchard_ops
+q = np.ones((1, 2, 3, 8), np.float32)
+for call in (orchard_ops.devices, lambda: orchard_ops.flash_attn_fwd(q, q, q),
+             lambda: orchard_ops.flash_attn_fwd(q, q, q, device="cpu")):
+    try:
+        call()
+        print("no error")
+    except ValueError as exc:
+        print(exc)
+orchard_ops.set_native_isa("baseline")
+print(orchard_ops.devices()[0]["kernel_isa"], orchard_ops.flash_attn_fwd(q, q, q)[0].shape)
+""", ORCHARD_ISA="avx9000")
+    lines = info.stdout.splitlines()
+    assert info.returncode == 0, info.stderr
+    assert len(lines) == 4, info.stdout
+    for line in lines[:3]:
+        assert line.startswith("ORCHARD_ISA='avx9000': not a kernel set this CPU runs"), line
+    assert lines[3] == "baseline (1, 2, 3, 8)"
     with pytest.raises(ValueError, match="name='sse9'.*expected one of"):
         ops.set_native_isa("sse9")
     with pytest.raises(TypeError, match="must be a str, not int"):
         ops.set_native_isa(3)
+
+
+@pytest.mark.parametrize("script", ["devices", "train", "bench"])
+def test_bad_isa_in_console_scripts(ops, script):
+    # the scripts import orchard before their main runs: the variable still ends in one line
+    info = run_python("import sys; from orchard.cli.%s import main; sys.exit(main([]))" % script,
+                      ORCHARD_ISA="sse9")
+    assert info.returncode == 2, info.stderr
+    assert "Traceback" not in info.stderr
+    assert info.stderr.strip() == ("orchard-%s: error: environment variable ORCHARD_ISA='sse9': "
+                                   "not a kernel set this CPU runs; expected one of %r"
+                                   % (script, tuple(ISAS)))

@@ -173,11 +173,16 @@ def devices(text):
 
 
 def check_device_environment():
-    """UsageError if ORCHARD_DEVICE names no device (device=auto would fail later)."""
+    """UsageError if ORCHARD_ISA names a kernel set this CPU cannot run, or ORCHARD_DEVICE no
+    device (device=auto would fail later)."""
+    import orchard_ops
+
+    try:
+        orchard_ops.devices()
+    except ValueError as exc:   # the one environment problem devices() reports: ORCHARD_ISA
+        raise UsageError("environment variable %s" % exc)
     name = os.environ.get("ORCHARD_DEVICE")
     if name and _device_problem(None):
-        import orchard_ops
-
         raise UsageError("environment variable ORCHARD_DEVICE names no available device (%r); "
                          "available: %s" % (name, ", ".join(d["id"] for d in
                                                             orchard_ops.devices())))
