@@ -18,9 +18,10 @@ from setuptools import Extension, setup
 
 VERSION = "0.1.0"
 # params.h first: the contract every kernel (and csrc/) reads
-KERNELS = ["kernels/params.h", "kernels/common.cl", "kernels/tiles.cl",
+KERNELS = ["kernels/params.h", "kernels/common.cl", "kernels/tiles.cl", "kernels/wg.cl",
            "kernels/flash_fwd_rows.cl", "kernels/flash_bwd_rows.cl",
            "kernels/flash_fwd_tiled.cl", "kernels/flash_bwd_tiled.cl",
+           "kernels/flash_fwd_wg.cl", "kernels/flash_bwd_wg.cl",
            "kernels/flash_decode.cl"]
 GENERATED = os.path.join("build", "generated")
 
