@@ -11,8 +11,9 @@
  * multiply-adds.
  *
  * Softmax row reductions run over the LANES work-items that share a row: with subgroup
- * operations when the device has them (cl_khr_subgroups, or the OpenCL 3.0 feature) and its
- * subgroups are exactly those LANES work-items, else through local memory.
+ * operations when the device has them (cl_khr_subgroups, the OpenCL 3.0 feature, or
+ * cl_intel_subgroups) and its subgroups are exactly those LANES work-items, else through
+ * local memory.
  * -DOR_WG_NO_SUBGROUPS (ORCHARD_CL_OPTIONS) forces the local-memory path.
  */
 #if OR_FAMILY == OR_FAMILY_WG
@@ -28,8 +29,13 @@
 #define LDP (BK + 1)
 #define WG_TILE(name, reals) __local real name[reals];   /* params.h's tile lists */
 
-#if (defined(cl_khr_subgroups) || defined(__opencl_c_subgroups)) && !defined(OR_WG_NO_SUBGROUPS)
+/* cl_khr_subgroups is an OpenCL 2.0 extension, so compilers define it for 2.0 programs only;
+ * in the 1.2 programs built here, cl_intel_subgroups brings the same built-ins */
+#if (defined(cl_khr_subgroups) || defined(__opencl_c_subgroups) || defined(cl_intel_subgroups)) \
+    && !defined(OR_WG_NO_SUBGROUPS)
+#ifdef cl_khr_subgroups
 #pragma OPENCL EXTENSION cl_khr_subgroups : enable
+#endif
 #define WG_SUBGROUPS 1
 #endif
 
