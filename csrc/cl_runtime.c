@@ -95,13 +95,14 @@ static void query_info(device_t *dev)
     in->base_align = align_bits >= 8 ? align_bits / 8 : 1;
 
     size_t ext_size = 0;
-    in->fp16 = in->fp64 = 0;
+    in->fp16 = in->fp64 = in->subgroups = 0;
     if (api->clGetDeviceInfo(d, CL_DEVICE_EXTENSIONS, 0, NULL, &ext_size) == CL_SUCCESS) {
         char *ext = malloc(ext_size + 1);
         if (ext && api->clGetDeviceInfo(d, CL_DEVICE_EXTENSIONS, ext_size, ext, NULL) == CL_SUCCESS) {
             ext[ext_size] = '\0';
             in->fp16 = strstr(ext, "cl_khr_fp16") != NULL;
             in->fp64 = strstr(ext, "cl_khr_fp64") != NULL;
+            in->subgroups = strstr(ext, "cl_khr_subgroups") || strstr(ext, "cl_intel_subgroups");
         }
         free(ext);
     }
@@ -482,10 +483,10 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
         const char *extra = getenv("ORCHARD_CL_OPTIONS");
         snprintf(options, sizeof(options),
                  "-cl-std=CL1.2 -DOR_STORAGE=%d -DHEAD_D=%d -DHEAD_DV=%d -DVW=%d -DOR_FAMILY=%d "
-                 "-DBQ=%d -DBK=%d -DOR_PARAMS_SIZE=%d %s",
+                 "-DBQ=%d -DBK=%d -DOR_PARAMS_SIZE=%d%s %s",
                  storage[dt], d, dv, vw, family, bq, bk,
                  (int)(real == 8 ? sizeof(or_params) : sizeof(or_params_f)),
-                 extra ? extra : "");
+                 dev->info.subgroups ? " -DOR_WG_SUBGROUPS" : "", extra ? extra : "");
         cl_program prog;
         size_t limit;
         int rc = build(dev, options, ct, &prog, err);

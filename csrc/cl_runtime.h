@@ -14,6 +14,7 @@ typedef struct {
     unsigned long long global_mem, local_mem;
     size_t max_work_group;
     int fp16, fp64, unified;
+    int subgroups;                  /* cl_khr_subgroups or cl_intel_subgroups */
     size_t base_align;              /* CL_DEVICE_MEM_BASE_ADDR_ALIGN, in bytes */
 } or_cl_info;
 

@@ -22,6 +22,23 @@
  *   lse_t, di_t     - / lse and D of the tile's query rows (-inf and 0 past its end)
  */
 #if OR_FAMILY == OR_FAMILY_WG
+/* A tile of both backward kernels: rows [r0, r0 + n) of x (HEAD_D wide, times x_scale) and of
+ * y (HEAD_DV wide) into cs and cvs (zero past n), then this work-item's micro-tiles of
+ * S = rs cs^T and dP = rvs cvs^T (or their transposes, in dK/dV). */
+inline void wg_bwd_tile(__global const storage_t *x, long x_base, long x_rs, real x_scale,
+                        __global const storage_t *y, long y_base, long y_rs, long r0, int n,
+                        __local const real *rs, __local const real *rvs, __local real *cs,
+                        __local real *cvs, real s[WTM][WN], real dp[WTM][WN], int tx, int ty)
+{
+    const int lid = ty * LANES + tx;
+    barrier(CLK_LOCAL_MEM_FENCE);       /* every product with the last tile is done */
+    wg_load(cs, LDQ, x, x_base, x_rs, r0, n, BK, HEAD_D, x_scale, lid);
+    wg_load(cvs, LDV, y, y_base, y_rs, r0, n, BK, HEAD_DV, 1, lid);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    wg_dot_tile(s, rs, LDQ, cs, LDQ, HEAD_D, tx, ty);
+    wg_dot_tile(dp, rvs, LDV, cvs, LDV, HEAD_DV, tx, ty);
+}
+
 __kernel void flash_bwd_wg_dq(__global const storage_t *q, __global const storage_t *k,
                               __global const storage_t *v, __global const storage_t *dout,
                               __global const real *lse, __global const real *di, long di_stride,
@@ -55,13 +72,9 @@ __kernel void flash_bwd_wg_dq(__global const storage_t *q, __global const storag
     or_key_range(p.left, p.right, nq, nk, i0, i0 + rows, &lo, &hi);
     for (long j0 = lo; j0 < hi; j0 += BK) {
         const int cols = (int)min((long)BK, hi - j0);
-        barrier(CLK_LOCAL_MEM_FENCE);
-        wg_load(cs, LDQ, k, kvunit[OR_K], meta[OR_K], j0, cols, BK, HEAD_D, 1, lid);
-        wg_load(cvs, LDV, v, kvunit[OR_V], meta[OR_V], j0, cols, BK, HEAD_DV, 1, lid);
-        barrier(CLK_LOCAL_MEM_FENCE);
         real s[WTM][WN], dp[WTM][WN];
-        wg_dot_tile(s, rs, LDQ, cs, LDQ, HEAD_D, tx, ty);
-        wg_dot_tile(dp, rvs, LDV, cvs, LDV, HEAD_DV, tx, ty);
+        wg_bwd_tile(k, kvunit[OR_K], meta[OR_K], 1, v, kvunit[OR_V], meta[OR_V], j0, cols, rs, rvs,
+                    cs, cvs, s, dp, tx, ty);
         for (int a = 0; a < WTM; a++) {
             const long i = i0 + ty * WTM + a;
             for (int c = 0; c < WN; c++) {
@@ -129,17 +142,14 @@ __kernel void flash_bwd_wg_dkdv(__global const storage_t *q, __global const stor
         or_query_range(p.left, p.right, nq, nk, j0, j0 + keys, &ilo, &ihi);
         for (long i0 = ilo; i0 < ihi; i0 += BK) {
             const int rows = (int)min((long)BK, ihi - i0);
-            barrier(CLK_LOCAL_MEM_FENCE);
-            wg_load(cs, LDQ, q, unit[OR_Q], meta[OR_Q], i0, rows, BK, HEAD_D, p.scale, lid);
-            wg_load(cvs, LDV, dout, unit[OR_DO], meta[OR_DO], i0, rows, BK, HEAD_DV, 1, lid);
+            /* the last tile's lse_t and di_t were read before the barrier ending its products */
             for (int e = lid; e < BK; e += WG_THREADS) {
                 lse_t[e] = e < rows ? lse[unit[OR_LSE] + (i0 + e) * meta[OR_LSE]] : -INFINITY;
                 di_t[e] = e < rows ? di[u * di_stride + i0 + e] : 0;
             }
-            barrier(CLK_LOCAL_MEM_FENCE);
             real s[WTM][WN], dp[WTM][WN];
-            wg_dot_tile(s, rs, LDQ, cs, LDQ, HEAD_D, tx, ty);
-            wg_dot_tile(dp, rvs, LDV, cvs, LDV, HEAD_DV, tx, ty);
+            wg_bwd_tile(q, unit[OR_Q], meta[OR_Q], p.scale, dout, unit[OR_DO], meta[OR_DO], i0, rows,
+                        rs, rvs, cs, cvs, s, dp, tx, ty);
             for (int a = 0; a < WTM; a++) {
                 const long j = j0 + ty * WTM + a;
                 for (int c = 0; c < WN; c++) {

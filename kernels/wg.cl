@@ -11,9 +11,8 @@
  * multiply-adds.
  *
  * Softmax row reductions run over the LANES work-items that share a row: with subgroup
- * operations when the device has them (cl_khr_subgroups, the OpenCL 3.0 feature, or
- * cl_intel_subgroups) and its subgroups are exactly those LANES work-items, else through
- * local memory.
+ * operations when the device has them (cl_khr_subgroups or cl_intel_subgroups) and its
+ * subgroups are exactly those LANES work-items, else through local memory.
  * -DOR_WG_NO_SUBGROUPS (ORCHARD_CL_OPTIONS) forces the local-memory path.
  */
 #if OR_FAMILY == OR_FAMILY_WG
@@ -29,10 +28,13 @@
 #define LDP (BK + 1)
 #define WG_TILE(name, reals) __local real name[reals];   /* params.h's tile lists */
 
-/* cl_khr_subgroups is an OpenCL 2.0 extension, so compilers define it for 2.0 programs only;
- * in the 1.2 programs built here, cl_intel_subgroups brings the same built-ins */
-#if (defined(cl_khr_subgroups) || defined(__opencl_c_subgroups) || defined(cl_intel_subgroups)) \
-    && !defined(OR_WG_NO_SUBGROUPS)
+/* The host defines OR_WG_SUBGROUPS when the device lists cl_khr_subgroups or
+ * cl_intel_subgroups: a compiler may declare the built-ins for a device that lacks them
+ * (Oclgrind's does). The compiler must declare them too: cl_khr_subgroups is an OpenCL 2.0
+ * extension, so compilers define it for 2.0 programs only; in the 1.2 programs built here,
+ * cl_intel_subgroups brings the same built-ins. */
+#if defined(OR_WG_SUBGROUPS) && !defined(OR_WG_NO_SUBGROUPS)                                  \
+    && (defined(cl_khr_subgroups) || defined(__opencl_c_subgroups) || defined(cl_intel_subgroups))
 #ifdef cl_khr_subgroups
 #pragma OPENCL EXTENSION cl_khr_subgroups : enable
 #endif

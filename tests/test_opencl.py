@@ -146,6 +146,7 @@ FAMILY_RUN = """
               dropout_p=0.2, seed=9)),
         (np.float16, (1, 3, 3, 50, 31, 80, 8), dict(causal=True)),
         (np.float64, (1, 1, 1, 120, 40, 16, 16), dict(causal=True)),   # rows that see no key
+        (np.float32, (1, 2, 1, 40, 70, 256, 200), dict(softcap=2.0)),  # the largest head dims
     ]
     checked = 0
     for dtype, (b, h, hkv, nq, nk, d, dv), kw in cases:
@@ -199,7 +200,7 @@ def test_kernel_families(family):
     dev = OPENCL_IDS[0]
     checked = child(FAMILY_RUN % ((dev,) * 5), ORCHARD_CL_FAMILY=family, ORCHARD_CL_BLOCK_Q=30,
                     ORCHARD_CL_BLOCK_K=20)
-    assert checked == 4 * 5 + 5 + 5     # out, lse, dq, dk, dv of every case
+    assert checked == 5 * 5 + 5 + 5     # out, lse, dq, dk, dv of every case
 
 
 DECODE_RUN = """
@@ -323,19 +324,22 @@ CLANG = next((c for c in ("clang", "clang-15", "clang-16", "clang-17", "clang-18
 @pytest.mark.parametrize("dtype", ["f16", "bf16", "f32", "f64"])
 def test_wg_subgroup_path_compiles(tmp_path, dtype):
     """No device here has subgroups (PoCL's CPU device, Oclgrind), so the subgroup reductions
-    of the wg family are checked by compiling its kernels for SPIR with clang: with
-    cl_intel_subgroups in OpenCL C 1.2 (what orchard builds), cl_khr_subgroups in 2.0 and the
+    of the wg family are checked by compiling its kernels for SPIR with clang: where the host
+    says the device has subgroups (-DOR_WG_SUBGROUPS) and the compiler declares them, with
+    cl_intel_subgroups in OpenCL C 1.2 (what orchard builds), cl_khr_subgroups in 2.0 or the
     __opencl_c_subgroups feature in 3.0, the kernels call sub_group_reduce_max/add; with
-    -DOR_WG_NO_SUBGROUPS, or without any of them, they do not."""
+    -DOR_WG_NO_SUBGROUPS, or where either is missing, they do not."""
     src = tmp_path / "orchard.cl"
     src.write_text(kernel_source())
     storage, real = {"f16": (16, 4), "bf16": (116, 4), "f32": (32, 4), "f64": (64, 8)}[dtype]
     modes = {   # options: whether subgroups reduce the rows
-        "-cl-std=CL1.2": True,
-        "-cl-std=CL2.0 -Xclang -cl-ext=-cl_intel_subgroups": True,
-        "-cl-std=CL3.0 -Xclang -cl-ext=-cl_intel_subgroups,-cl_khr_subgroups,+__opencl_c_subgroups": True,
-        "-cl-std=CL1.2 -DOR_WG_NO_SUBGROUPS": False,
-        "-cl-std=CL1.2 -Xclang -cl-ext=-cl_intel_subgroups": False,
+        "-cl-std=CL1.2 -DOR_WG_SUBGROUPS": True,
+        "-cl-std=CL2.0 -DOR_WG_SUBGROUPS -Xclang -cl-ext=-cl_intel_subgroups": True,
+        "-cl-std=CL3.0 -DOR_WG_SUBGROUPS -Xclang "
+        "-cl-ext=-cl_intel_subgroups,-cl_khr_subgroups,+__opencl_c_subgroups": True,
+        "-cl-std=CL1.2 -DOR_WG_SUBGROUPS -DOR_WG_NO_SUBGROUPS": False,
+        "-cl-std=CL1.2 -DOR_WG_SUBGROUPS -Xclang -cl-ext=-cl_intel_subgroups": False,
+        "-cl-std=CL1.2": False,     # the device lists neither extension
     }
     params_size = 64 if real == 8 else 56      # or_params: 3 longs, 3 reals, 4 ints, aligned
     for options, subgroups in modes.items():
