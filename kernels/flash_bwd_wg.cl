@@ -48,45 +48,39 @@ __kernel void flash_bwd_wg_dq(__global const storage_t *q, __global const storag
     const or_params p = params;     /* a private copy: its fields stay in registers */
     OR_WG_BWD_TILES(WG_TILE, HEAD_D, HEAD_DV, BQ, BK)
     const int tx = get_local_id(0), ty = get_local_id(1), lid = ty * LANES + tx;
-    const long u = get_group_id(2), i0 = (long)get_group_id(0) * BQ;
-    __global const long *unit = UNIT(meta, u);
-    __global const long *kvunit = UNIT(meta, u / p.group * p.group);
-    const long nq = unit[OR_UNIT_NQ], nk = unit[OR_UNIT_NK], off = nk - nq;
-    if (i0 >= nq)
-        return;                 /* the whole work-group: no barrier is skipped by only some */
-    const int rows = (int)min((long)BQ, nq - i0);
-    const real slope = p.has_alibi ? slopes[u] : 0;
+    wg_block b;
+    if (!wg_query_block(meta, slopes, &p, &b))
+        return;
 
     real acc[WTM * WD], lse_a[WTM], di_a[WTM];
     for (int a = 0; a < WTM; a++) {
-        const long i = i0 + ty * WTM + a;
-        lse_a[a] = i < nq ? lse[unit[OR_LSE] + i * meta[OR_LSE]] : -INFINITY;
-        di_a[a] = i < nq ? di[u * di_stride + i] : 0;
+        const long i = b.i0 + ty * WTM + a;
+        lse_a[a] = i < b.nq ? lse[b.unit[OR_LSE] + i * meta[OR_LSE]] : -INFINITY;
+        di_a[a] = i < b.nq ? di[b.u * di_stride + i] : 0;
         for (int x = 0; x < WD; x++)
             acc[a * WD + x] = 0;
     }
-    wg_load(rs, LDQ, q, unit[OR_Q], meta[OR_Q], i0, rows, BQ, HEAD_D, p.scale, lid);
-    wg_load(rvs, LDV, dout, unit[OR_DO], meta[OR_DO], i0, rows, BQ, HEAD_DV, 1, lid);
+    wg_load(rs, LDQ, q, b.unit[OR_Q], meta[OR_Q], b.i0, b.rows, BQ, HEAD_D, p.scale, lid);
+    wg_load(rvs, LDV, dout, b.unit[OR_DO], meta[OR_DO], b.i0, b.rows, BQ, HEAD_DV, 1, lid);
 
-    long lo, hi;
-    or_key_range(p.left, p.right, nq, nk, i0, i0 + rows, &lo, &hi);
-    for (long j0 = lo; j0 < hi; j0 += BK) {
-        const int cols = (int)min((long)BK, hi - j0);
+    for (long j0 = b.lo; j0 < b.hi; j0 += BK) {
+        const int cols = (int)min((long)BK, b.hi - j0);
         real s[WTM][WN], dp[WTM][WN];
-        wg_bwd_tile(k, kvunit[OR_K], meta[OR_K], 1, v, kvunit[OR_V], meta[OR_V], j0, cols, rs, rvs,
-                    cs, cvs, s, dp, tx, ty);
+        wg_bwd_tile(k, b.kvunit[OR_K], meta[OR_K], 1, v, b.kvunit[OR_V], meta[OR_V], j0, cols,
+                    rs, rvs, cs, cvs, s, dp, tx, ty);
         for (int a = 0; a < WTM; a++) {
-            const long i = i0 + ty * WTM + a;
+            const long i = b.i0 + ty * WTM + a;
             for (int c = 0; c < WN; c++) {
                 const int col = tx + LANES * c;
                 real d = 0;     /* padding, a row that sees no key, a masked score: 0 */
                 if (col < cols && lse_a[a] != -INFINITY) {
                     real dcap;
-                    const real sc = transform_score(s[a][c], i, j0 + col, off, slope, &p, &dcap);
+                    const real sc = transform_score(s[a][c], i, j0 + col, b.off, b.slope, &p,
+                                                    &dcap);
                     const real pr = exp(sc - lse_a[a]);
                     real dpk = dp[a][c];
                     if (p.dropout && pr > 0)
-                        dpk = or_dropout_keep(p.seed, (ulong)u, (uint)i, (uint)(j0 + col),
+                        dpk = or_dropout_keep(p.seed, (ulong)b.u, (uint)i, (uint)(j0 + col),
                                               p.threshold) ? dpk * p.drop_scale : 0;
                     d = pr > 0 ? pr * (dpk - di_a[a]) * dcap : 0;
                 }
@@ -98,11 +92,12 @@ __kernel void flash_bwd_wg_dq(__global const storage_t *q, __global const storag
     }
 
     for (int a = 0; a < WTM; a++) {
-        const long i = i0 + ty * WTM + a;
-        if (i >= nq)
+        const long i = b.i0 + ty * WTM + a;
+        if (i >= b.nq)
             break;
         for (int x = 0; x < WD && tx + LANES * x < HEAD_D; x++)
-            STORE(dq, unit[OR_DQ] + i * meta[OR_DQ] + tx + LANES * x, acc[a * WD + x] * p.scale);
+            STORE(dq, b.unit[OR_DQ] + i * meta[OR_DQ] + tx + LANES * x,
+                  acc[a * WD + x] * p.scale);
     }
 }
 

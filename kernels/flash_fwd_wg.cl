@@ -23,14 +23,9 @@ __kernel void flash_fwd_wg(__global const storage_t *q, __global const storage_t
     const or_params p = params;     /* a private copy: its fields stay in registers */
     OR_WG_FWD_TILES(WG_TILE, HEAD_D, HEAD_DV, BQ, BK)
     const int tx = get_local_id(0), ty = get_local_id(1), lid = ty * LANES + tx;
-    const long u = get_group_id(2), i0 = (long)get_group_id(0) * BQ;
-    __global const long *unit = UNIT(meta, u);
-    __global const long *kvunit = UNIT(meta, u / p.group * p.group);
-    const long nq = unit[OR_UNIT_NQ], nk = unit[OR_UNIT_NK], off = nk - nq;
-    if (i0 >= nq)
-        return;                 /* the whole work-group: no barrier is skipped by only some */
-    const int rows = (int)min((long)BQ, nq - i0);
-    const real slope = p.has_alibi ? slopes[u] : 0;
+    wg_block b;
+    if (!wg_query_block(meta, slopes, &p, &b))
+        return;
 
     real o[WTM * WDV], m[WTM], l[WTM];
     for (int a = 0; a < WTM; a++) {
@@ -39,32 +34,30 @@ __kernel void flash_fwd_wg(__global const storage_t *q, __global const storage_t
         for (int x = 0; x < WDV; x++)
             o[a * WDV + x] = 0;
     }
-    wg_load(qs, LDQ, q, unit[OR_Q], meta[OR_Q], i0, rows, BQ, HEAD_D, p.scale, lid);
+    wg_load(qs, LDQ, q, b.unit[OR_Q], meta[OR_Q], b.i0, b.rows, BQ, HEAD_D, p.scale, lid);
 
-    long lo, hi;
-    or_key_range(p.left, p.right, nq, nk, i0, i0 + rows, &lo, &hi);
-    for (long j0 = lo; j0 < hi; j0 += BK) {
-        const int cols = (int)min((long)BK, hi - j0);
+    for (long j0 = b.lo; j0 < b.hi; j0 += BK) {
+        const int cols = (int)min((long)BK, b.hi - j0);
         barrier(CLK_LOCAL_MEM_FENCE);
-        wg_load(kvs, LDKV, k, kvunit[OR_K], meta[OR_K], j0, cols, BK, HEAD_D, 1, lid);
+        wg_load(kvs, LDKV, k, b.kvunit[OR_K], meta[OR_K], j0, cols, BK, HEAD_D, 1, lid);
         barrier(CLK_LOCAL_MEM_FENCE);
         real s[WTM][WN], mx[WTM], sum[WTM];
         wg_dot_tile(s, qs, LDQ, kvs, LDKV, HEAD_D, tx, ty);
         for (int a = 0; a < WTM; a++) {
-            const long i = i0 + ty * WTM + a;
+            const long i = b.i0 + ty * WTM + a;
             mx[a] = -INFINITY;
             for (int c = 0; c < WN; c++) {
                 const int col = tx + LANES * c;
                 real dcap;
-                s[a][c] = col < cols && i < nq
-                              ? transform_score(s[a][c], i, j0 + col, off, slope, &p, &dcap)
+                s[a][c] = col < cols && i < b.nq
+                              ? transform_score(s[a][c], i, j0 + col, b.off, b.slope, &p, &dcap)
                               : -INFINITY;
                 mx[a] = fmax(mx[a], s[a][c]);
             }
         }
         wg_reduce_rows(mx, 1, red, tx, ty);
         for (int a = 0; a < WTM; a++) {
-            const long i = i0 + ty * WTM + a;
+            const long i = b.i0 + ty * WTM + a;
             const real mnew = fmax(m[a], mx[a]);
             sum[a] = 0;
             for (int c = 0; c < WN; c++) {
@@ -72,7 +65,7 @@ __kernel void flash_fwd_wg(__global const storage_t *q, __global const storage_t
                 real e = mnew == -INFINITY ? 0 : exp(s[a][c] - mnew);
                 sum[a] += e;
                 if (p.dropout && e > 0)
-                    e = or_dropout_keep(p.seed, (ulong)u, (uint)i, (uint)(j0 + col), p.threshold)
+                    e = or_dropout_keep(p.seed, (ulong)b.u, (uint)i, (uint)(j0 + col), p.threshold)
                             ? e * p.drop_scale : 0;
                 ps[(ty * WTM + a) * LDP + col] = e;
             }
@@ -87,20 +80,20 @@ __kernel void flash_fwd_wg(__global const storage_t *q, __global const storage_t
                 o[a * WDV + x] *= mx[a];
         }
         barrier(CLK_LOCAL_MEM_FENCE);       /* every product with the key tile is done */
-        wg_load(kvs, LDKV, v, kvunit[OR_V], meta[OR_V], j0, cols, cols, HEAD_DV, 1, lid);
+        wg_load(kvs, LDKV, v, b.kvunit[OR_V], meta[OR_V], j0, cols, cols, HEAD_DV, 1, lid);
         barrier(CLK_LOCAL_MEM_FENCE);
         wg_acc_tile(o, WDV, ps, kvs, LDKV, cols, HEAD_DV, tx, ty);
     }
 
     for (int a = 0; a < WTM; a++) {
-        const long i = i0 + ty * WTM + a;
-        if (i >= nq)
+        const long i = b.i0 + ty * WTM + a;
+        if (i >= b.nq)
             break;
         const real inv = l[a] > 0 ? 1 / l[a] : 0;
         for (int x = 0; x < WDV && tx + LANES * x < HEAD_DV; x++)
-            STORE(out, unit[OR_O] + i * meta[OR_O] + tx + LANES * x, o[a * WDV + x] * inv);
+            STORE(out, b.unit[OR_O] + i * meta[OR_O] + tx + LANES * x, o[a * WDV + x] * inv);
         if (tx == 0)
-            lse[unit[OR_LSE] + i * meta[OR_LSE]] = l[a] > 0 ? m[a] + log(l[a]) : -INFINITY;
+            lse[b.unit[OR_LSE] + i * meta[OR_LSE]] = l[a] > 0 ? m[a] + log(l[a]) : -INFINITY;
     }
 }
 #endif

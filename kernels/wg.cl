@@ -41,6 +41,36 @@
 #define WG_SUBGROUPS 1
 #endif
 
+/* The block of query rows of this work-group, where the forward and dQ kernels start: rows
+ * [i0, i0 + rows) of unit u (block get_group_id(0) of unit get_group_id(2)), its meta words and
+ * those of its kv unit, its ALiBi slope and the keys [lo, hi) its rows may see. */
+typedef struct {
+    long u, i0, nq, nk, off, lo, hi;
+    int rows;
+    real slope;
+    __global const long *unit, *kvunit;
+} wg_block;
+
+/* Fills *b; 0 when the block starts past its unit's rows: the whole work-group then returns,
+ * so no barrier is skipped by only some. */
+inline int wg_query_block(__global const long *meta, __global const real *slopes,
+                          const or_params *p, wg_block *b)
+{
+    b->u = get_group_id(2);
+    b->i0 = (long)get_group_id(0) * BQ;
+    b->unit = UNIT(meta, b->u);
+    b->kvunit = UNIT(meta, b->u / p->group * p->group);
+    b->nq = b->unit[OR_UNIT_NQ];
+    b->nk = b->unit[OR_UNIT_NK];
+    b->off = b->nk - b->nq;
+    if (b->i0 >= b->nq)
+        return 0;
+    b->rows = (int)min((long)BQ, b->nq - b->i0);
+    b->slope = p->has_alibi ? slopes[b->u] : 0;
+    or_key_range(p->left, p->right, b->nq, b->nk, b->i0, b->i0 + b->rows, &b->lo, &b->hi);
+    return 1;
+}
+
 /* Rows [r0, r0 + rows) of an operand (row stride `stride`, from element `base`), n elements
  * each, times mul, into a local tile of row length ld, VW elements per global read; rows
  * [rows, pad_rows) are zero. Every work-item of the group takes part. */
