@@ -7,7 +7,8 @@
  *
  * Local tiles (OR_WG_FWD_TILES in params.h; LDQ, LDKV, LDP as in wg.cl):
  *   qs   BQ x LDQ    the block's queries, times scale; rows past Nq zero
- *   kvs  BK x LDKV   the key tile, then the value tile in the same memory
+ *   kvs  BK x LDKV   the key tile, then the value tile in the same memory (so that larger
+ *                    blocks fit the 48 KiB that GPUs commonly offer)
  *   ps   BQ x LDP    the tile's probabilities, dropout applied
  *   red  BQ x LANES  partial row maxima and sums, when no subgroups reduce them
  * Per key tile: S = Q K^T in micro-tiles, the spec's transforms, the online softmax (running
@@ -41,7 +42,7 @@ __kernel void flash_fwd_wg(__global const storage_t *q, __global const storage_t
         barrier(CLK_LOCAL_MEM_FENCE);
         wg_load(kvs, LDKV, k, b.kvunit[OR_K], meta[OR_K], j0, cols, BK, HEAD_D, 1, lid);
         barrier(CLK_LOCAL_MEM_FENCE);
-        real s[WTM][WN], mx[WTM], sum[WTM];
+        real s[WTM][WN], mx[WTM], sum[WTM], alpha[WTM];
         wg_dot_tile(s, qs, LDQ, kvs, LDKV, HEAD_D, tx, ty);
         for (int a = 0; a < WTM; a++) {
             const long i = b.i0 + ty * WTM + a;
@@ -70,14 +71,14 @@ __kernel void flash_fwd_wg(__global const storage_t *q, __global const storage_t
                 ps[(ty * WTM + a) * LDP + col] = e;
             }
             /* nothing visible to this row yet: its (zero) state stays as it is */
-            mx[a] = mnew == -INFINITY ? 1 : exp(m[a] - mnew);
+            alpha[a] = mnew == -INFINITY ? 1 : exp(m[a] - mnew);
             m[a] = mnew;
         }
         wg_reduce_rows(sum, 0, red, tx, ty);
         for (int a = 0; a < WTM; a++) {
-            l[a] = l[a] * mx[a] + sum[a];
+            l[a] = l[a] * alpha[a] + sum[a];
             for (int x = 0; x < WDV; x++)
-                o[a * WDV + x] *= mx[a];
+                o[a * WDV + x] *= alpha[a];
         }
         barrier(CLK_LOCAL_MEM_FENCE);       /* every product with the key tile is done */
         wg_load(kvs, LDKV, v, b.kvunit[OR_V], meta[OR_V], j0, cols, cols, HEAD_DV, 1, lid);
