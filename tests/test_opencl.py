@@ -522,3 +522,35 @@ def test_build_failure_is_orchard_error_with_log():
     assert "clBuildProgram" in out["msg"] and "CL_BUILD_PROGRAM_FAILURE" in out["msg"]
     assert "build log" in out["msg"] and "no_such_size" in out["msg"]
     assert out["cpu"] == pytest.approx(32.0)
+
+
+@needs_opencl
+def test_gpu_benchmark_script_runs(tmp_path):
+    """benchmarks/gpu_opencl.py, the measurement written for the first GPU, runs end to end
+    on any OpenCL device at a tiny shape: its own FMA-peak kernel, both families in their
+    child processes, the JSON file (no figure is asserted: the machine is shared)."""
+    out = tmp_path / "gpu.json"
+    r = run_python("""
+        import runpy, sys
+        sys.argv = ["gpu_opencl.py", "--device", "%s", "--out", "%s", "--repeats", "3",
+                    "--quick", "--shapes", "1,1,40,16"]
+        runpy.run_path("%s", run_name="__main__")
+    """ % (OPENCL_IDS[0], out, os.path.join(REPO_ROOT, "benchmarks", "gpu_opencl.py")),
+                   timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "float32 FMA peak (measured)" in r.stdout and "driver: " in r.stdout
+    result = json.loads(out.read_text())
+    assert result["fma_peak_gflops"] > 0 and result["device"]["id"] == OPENCL_IDS[0]
+    assert result["device_resident"]["measured"] is False
+    for family in ("wg", "rows"):
+        rows = result["families"][family]["rows"]
+        assert result["families"][family]["family"] == family
+        assert {(r["dtype"], r["causal"]) for r in rows} == {
+            (d, c) for d in ("float32", "float16") for c in (False, True)}
+        assert all(r["fwd_gflops"] > 0 and r["bwd_of_peak"] > 0 for r in rows)
+    bad = run_python("""
+        import runpy, sys
+        sys.argv = ["gpu_opencl.py", "--device", "opencl:99"]
+        runpy.run_path("%s", run_name="__main__")
+    """ % os.path.join(REPO_ROOT, "benchmarks", "gpu_opencl.py"))
+    assert bad.returncode == 2 and "gpu_opencl: error: --device 'opencl:99'" in bad.stderr
