@@ -461,6 +461,11 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
                        ? 4 : 8;
     const int overridden = getenv("ORCHARD_CL_BLOCK_Q") || getenv("ORCHARD_CL_BLOCK_K");
     int family = family_of(dev), bq, bk, tuned;
+    or_cl_info facts = dev->info;       /* what the blocks are fitted to */
+#ifdef ORCHARD_TEST_HOOKS
+    /* ORCHARD_CL_LOCAL_MEM=bytes: a device with that much local memory, to test the rules */
+    facts.local_mem = (unsigned long long)env_int("ORCHARD_CL_LOCAL_MEM", (int)facts.local_mem);
+#endif
     if (family < 0) {
         snprintf(err->msg, sizeof(err->msg), "ORCHARD_CL_FAMILY='%.64s' names no kernel family "
                  "(rows, tiled or wg)", getenv("ORCHARD_CL_FAMILY"));
@@ -473,7 +478,7 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
         tuned = load_tuned(dev, family, &bq, &bk);
         bq = env_int("ORCHARD_CL_BLOCK_Q", bq);
         bk = env_int("ORCHARD_CL_BLOCK_K", bk);
-        if (f->fit(&dev->info, real, d, dv, vw, &bq, &bk))
+        if (f->fit(&facts, real, d, dv, vw, &bq, &bk))
             break;
         family = OR_FAMILY_ROWS;        /* tiles that cannot fit: the rows family */
     }

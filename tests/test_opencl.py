@@ -307,6 +307,35 @@ def test_wg_reductions_and_determinism(tmp_path):
     assert "wg kernels, blocks 12 x 32" in log.read_text()
 
 
+FIT_RUN = """
+    import json, numpy as np, orchard_ops as o
+    from orchard.reference import ref_fwd, ref_bwd
+    rng = np.random.default_rng(2)
+    q, k, v, do = (rng.standard_normal((1, 2, 50, %d)).astype(np.%s) for _ in range(4))
+    out, lse = o.flash_attn_fwd(q, k, v, causal=True, device="%s")
+    got = (out, lse) + o.flash_attn_bwd(do, q, k, v, out, lse, causal=True, device="%s")
+    want = ref_fwd(q, k, v, causal=True) + ref_bwd(do, q, k, v, causal=True)
+    print(json.dumps(max(float(np.abs(g - w).max()) for g, w in zip(got, want))))
+"""
+
+
+@needs_opencl
+@needs_test_hooks
+@pytest.mark.parametrize("dtype, d, logged", [
+    ("float32", 128, "wg kernels, blocks 24 x 16"),
+    ("float64", 256, "rows kernels")])
+def test_wg_blocks_fit_local_memory(tmp_path, dtype, d, logged):
+    """With 48 KiB of local memory, as GPUs commonly offer (ORCHARD_CL_LOCAL_MEM, a test
+    hook): float32 D 128 runs the wg family on blocks shrunk until the tiles of its forward,
+    backward and decode kernels fit (24 x 16, from 64 x 64); float64 D 256, whose smallest wg
+    tiles (4 x 16) need 82 KiB, runs the rows family. Results stay those of the reference."""
+    dev, log = OPENCL_IDS[0], tmp_path / "orchard.log"
+    err = child(FIT_RUN % (d, dtype, dev, dev), ORCHARD_CL_FAMILY="wg", ORCHARD_NO_CACHE=1,
+                ORCHARD_CL_LOCAL_MEM=48 * 1024, ORCHARD_DEBUG_FLASH_ATN=1, ORCHARD_LOG=log)
+    assert err < (1e-4 if dtype == "float32" else 1e-10)
+    assert logged in log.read_text()
+
+
 def kernel_source():
     """The program source setup.py embeds: the kernels/ files in its order."""
     setup_py = os.path.join(REPO_ROOT, "setup.py")
