@@ -6,7 +6,8 @@ extension never links libOpenCL; it opens the ICD loader at run time. ORCHARD_NO
 builds the native path only. kernels/*.cl are embedded into a generated header.
 ORCHARD_SANITIZE=1 builds with AddressSanitizer and UndefinedBehaviorSanitizer for
 tools/sanitize.sh (which also says how to run Python with it). ORCHARD_TEST_HOOKS=1 compiles
-in the switches only tests use (ORCHARD_FAULT, ORCHARD_AUTO_ANY_OPENCL, ORCHARD_CL_TRANSFERS);
+in the switches only tests use (ORCHARD_FAULT, ORCHARD_AUTO_ANY_OPENCL, ORCHARD_CL_TRANSFERS,
+ORCHARD_CL_LOCAL_MEM);
 without it they have no effect. orchard_ops.build_info() says how the extension was built.
 """
 import glob
@@ -18,9 +19,10 @@ from setuptools import Extension, setup
 
 VERSION = "0.1.0"
 # params.h first: the contract every kernel (and csrc/) reads
-KERNELS = ["kernels/params.h", "kernels/common.cl", "kernels/tiles.cl",
+KERNELS = ["kernels/params.h", "kernels/common.cl", "kernels/tiles.cl", "kernels/wg.cl",
            "kernels/flash_fwd_rows.cl", "kernels/flash_bwd_rows.cl",
            "kernels/flash_fwd_tiled.cl", "kernels/flash_bwd_tiled.cl",
+           "kernels/flash_fwd_wg.cl", "kernels/flash_bwd_wg.cl",
            "kernels/flash_decode.cl"]
 GENERATED = os.path.join("build", "generated")
 

@@ -214,6 +214,18 @@ static int enqueue(launch_t *L, cl_kernel k, or_ssize rows, or_ssize units, int 
     return enqueue_nd(L, k, global, local);
 }
 
+/* Enqueues a kernel of the wg family over ceil(rows / bq) blocks per unit, a work-group of
+ * (OR_WG_LANES, bq / OR_WG_TM) work-items each (kernels/wg.cl). */
+static int enqueue_wg(launch_t *L, cl_kernel k, or_ssize rows, or_ssize units)
+{
+    if (rows <= 0 || units <= 0)
+        return OR_OK;
+    const size_t bq = (size_t)L->prog.bq, groups = ((size_t)rows + bq - 1) / bq,
+                 global[3] = {groups * OR_WG_LANES, bq / OR_WG_TM, (size_t)units},
+                 local[3] = {OR_WG_LANES, bq / OR_WG_TM, 1};
+    return enqueue_nd(L, k, global, local);
+}
+
 /* Waits for the kernels and brings the outputs to the host arrays. */
 static int finish_outputs(launch_t *L)
 {
@@ -304,8 +316,8 @@ static int prepare(launch_t *L, int i, const or_problem *p, unsigned outputs, or
     return rc;
 }
 
-/* The forward of the program's family: bq query rows per work-group, a work-item each (rows)
- * or one in all (tiled). */
+/* The forward of the program's family: bq query rows per work-group, a work-item each (rows),
+ * one in all (tiled) or a micro-tile layout (wg). */
 static int fwd_kernel(launch_t *L)
 {
     static const int args[] = {OR_Q, OR_K, OR_V, OR_O, OR_LSE};
@@ -313,6 +325,8 @@ static int fwd_kernel(launch_t *L)
     int idx, rc = kernel_with(L, 0, or_cl_families[L->prog.family].fwd, args, 5, &idx);
     if (rc == OR_OK)
         rc = set_params(L, L->kernel[0], &idx);
+    if (rc == OR_OK && L->prog.family == OR_FAMILY_WG)
+        return enqueue_wg(L, L->kernel[0], longest(p->nq, p->n_units), p->n_units);
     if (rc == OR_OK)
         rc = enqueue(L, L->kernel[0], longest(p->nq, p->n_units), p->n_units, L->prog.bq,
                      L->prog.family == OR_FAMILY_TILED ? 1 : L->prog.bq);
@@ -381,7 +395,7 @@ static int decode_kernels(launch_t *L)
         rc = set_long(L, L->kernel[1], &idx, nsplit);
     if (rc == OR_OK)
         rc = set_mem(L, L->kernel[1], &idx, L->meta);
-    /* the split kernel: bq work-items per block (rows family) or one (tiled) */
+    /* the split kernel: bq work-items per block (rows family and wg) or one (tiled) */
     const size_t lanes = L->prog.family == OR_FAMILY_TILED ? 1 : (size_t)L->prog.bq,
                  split_global[3] = {(size_t)blocks * lanes, (size_t)nsplit, (size_t)n_kv},
                  split_local[3] = {lanes, 1, 1},
@@ -407,7 +421,7 @@ int or_cl_fwd(int i, const or_problem *p, or_counters *ct, or_error *err)
 
 static const int bwd_args[] = {OR_Q, OR_K, OR_V, OR_DO, OR_LSE, -1};   /* -1: the D buffer */
 
-/* The rows family: dQ per query row, then dK, dV per key row. */
+/* The rows and wg families: dQ per query row (or block), then dK, dV per key row (block). */
 static int row_bwd_kernels(launch_t *L, or_ssize nq_max)
 {
     const or_cl_family *f = &or_cl_families[L->prog.family];
@@ -472,16 +486,19 @@ int or_cl_bwd(int i, const or_problem *p, or_counters *ct, or_error *err)
         if (rc == OR_OK)
             rc = set_long(&L, L.kernel[0], &idx, nq_max);
     }
-    const int tiled = L.prog.family == OR_FAMILY_TILED;
+    const int tiled = L.prog.family == OR_FAMILY_TILED, wg = L.prog.family == OR_FAMILY_WG;
+    const or_ssize n_kv = p->n_units / p->prm.group;
     if (rc == OR_OK)
         rc = tiled ? tiled_bwd_kernel(&L, nq_max) : row_bwd_kernels(&L, nq_max);
     if (rc == OR_OK)
         rc = enqueue(&L, L.kernel[0], nq_max, p->n_units, L.prog.prep_rows, L.prog.prep_rows);
     if (rc == OR_OK)        /* tiled: one work-item per kv unit */
-        rc = tiled ? enqueue(&L, L.kernel[1], 1, p->n_units / p->prm.group, 1, 1)
+        rc = tiled ? enqueue(&L, L.kernel[1], 1, n_kv, 1, 1)
+             : wg  ? enqueue_wg(&L, L.kernel[1], nq_max, p->n_units)
                    : enqueue(&L, L.kernel[1], nq_max, p->n_units, L.prog.bq, L.prog.bq);
     if (rc == OR_OK && !tiled)
-        rc = enqueue(&L, L.kernel[2], nk_max, p->n_units / p->prm.group, L.prog.bq, L.prog.bq);
+        rc = wg ? enqueue_wg(&L, L.kernel[2], nk_max, n_kv)
+                : enqueue(&L, L.kernel[2], nk_max, n_kv, L.prog.bq, L.prog.bq);
     if (rc == OR_OK)
         rc = finish_outputs(&L);
     release(&L);

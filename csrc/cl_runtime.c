@@ -95,13 +95,14 @@ static void query_info(device_t *dev)
     in->base_align = align_bits >= 8 ? align_bits / 8 : 1;
 
     size_t ext_size = 0;
-    in->fp16 = in->fp64 = 0;
+    in->fp16 = in->fp64 = in->subgroups = 0;
     if (api->clGetDeviceInfo(d, CL_DEVICE_EXTENSIONS, 0, NULL, &ext_size) == CL_SUCCESS) {
         char *ext = malloc(ext_size + 1);
         if (ext && api->clGetDeviceInfo(d, CL_DEVICE_EXTENSIONS, ext_size, ext, NULL) == CL_SUCCESS) {
             ext[ext_size] = '\0';
             in->fp16 = strstr(ext, "cl_khr_fp16") != NULL;
             in->fp64 = strstr(ext, "cl_khr_fp64") != NULL;
+            in->subgroups = strstr(ext, "cl_khr_subgroups") || strstr(ext, "cl_intel_subgroups");
         }
         free(ext);
     }
@@ -279,15 +280,15 @@ int or_cl_family_of(int i)
     return i >= 0 && i < or_cl_count() ? family_of(&devices[i]) : -1;
 }
 
-/* The smallest CL_KERNEL_WORK_GROUP_SIZE over the kernels that run a row per work-item:
- * flash_bwd_prep, and every kernel of the rows family (tiled kernels run one per group;
- * flash_decode_combine lets the runtime choose its work-groups). */
+/* The smallest CL_KERNEL_WORK_GROUP_SIZE over the kernels that run work-groups of many
+ * work-items: flash_bwd_prep, and every kernel of the rows and wg families (tiled kernels run
+ * one per group; flash_decode_combine lets the runtime choose its work-groups). */
 static int kernel_limit(device_t *dev, cl_program prog, int family, size_t *limit, or_error *err)
 {
     const or_cl_family *f = &or_cl_families[family];
     const char *const names[] = {"flash_bwd_prep", f->fwd, f->bwd, f->bwd_keys, f->decode};
     *limit = dev->info.max_work_group;
-    for (int i = 0; i < (family == OR_FAMILY_ROWS ? 5 : 1); i++) {
+    for (int i = 0; i < (family == OR_FAMILY_TILED ? 1 : 5); i++) {
         cl_int rc;
         cl_kernel k = api->clCreateKernel(prog, names[i], &rc);
         if (k == NULL)
@@ -398,10 +399,46 @@ static int fit_tiles(const or_cl_info *in, size_t real, int d, int dv, int vw, i
     return tiled_bytes(real, d, dv, vw, tq, tk) <= in->local_mem;
 }
 
+/* Local bytes of the wg family's kernels: the largest of its forward's and backward's tiles
+ * (params.h's lists) and those of the rows family's decode kernel, which it runs. */
+static unsigned long long wg_bytes(size_t real, int d, int dv, int vw, int bq, int bk)
+{
+    const unsigned long long fwd = 0 OR_WG_FWD_TILES(OR_ADD_TILE, d, dv, bq, bk),
+                             bwd = 0 OR_WG_BWD_TILES(OR_ADD_TILE, d, dv, bq, bk),
+                             decode = (unsigned long long)bk * (round_up_to(d, vw)
+                                                                + round_up_to(dv, vw));
+    const unsigned long long most = fwd > bwd ? fwd : bwd;
+    return real * (most > decode ? most : decode);
+}
+
+/* The wg family's rule: blocks of whole micro-tiles (bq rows a multiple of OR_WG_TM, bk keys
+ * of OR_WG_LANES), work-groups of OR_WG_THREADS(bq) the device allows, tiles in local memory:
+ * bk shrinks first, to no less than bq, then bq; 0 when even the smallest do not fit (the
+ * rows family runs instead). */
+static int fit_wg(const or_cl_info *in, size_t real, int d, int dv, int vw, int *bq, int *bk)
+{
+    int tq = round_up_to(*bq, OR_WG_TM), tk = round_up_to(*bk, OR_WG_LANES);
+    while ((size_t)OR_WG_THREADS(tq) > in->max_work_group && tq > OR_WG_TM)
+        tq -= OR_WG_TM;
+    while (wg_bytes(real, d, dv, vw, tq, tk) > in->local_mem
+           && (tq > OR_WG_TM || tk > OR_WG_LANES)) {
+        if (tk > OR_WG_LANES && (tk > tq || tq == OR_WG_TM))
+            tk -= OR_WG_LANES;
+        else
+            tq -= OR_WG_TM;
+    }
+    *bq = tq;
+    *bk = tk;
+    return wg_bytes(real, d, dv, vw, tq, tk) <= in->local_mem
+           && (size_t)OR_WG_THREADS(tq) <= in->max_work_group;
+}
+
 /* The kernel families. Rows: a query (or key) row per work-item, K/V tiles shared through
- * local memory by the work-group (GPUs). Tiled: a single work-item per group forms every
- * product in register tiles, on 96 x 96 blocks as the native path (a CPU runs a work-group on
- * one core and a work-item on its SIMD lanes). */
+ * local memory by the work-group (every device kind but CPUs and GPUs). Tiled: a single
+ * work-item per group forms every product in register tiles, on 96 x 96 blocks as the native
+ * path (a CPU runs a work-group on one core and a work-item on its SIMD lanes). Wg (GPUs): a
+ * work-group per block, each work-item a register micro-tile of it (wg.cl); it decodes with
+ * the rows family's split kernel. */
 const or_cl_family or_cl_families[OR_NFAMILIES] = {
     [OR_FAMILY_ROWS] = {"rows", NULL, "flash_fwd_rows", "flash_bwd_rows_dq",
                         "flash_bwd_rows_dkdv", "flash_decode_split", 64, 64,
@@ -409,6 +446,9 @@ const or_cl_family or_cl_families[OR_NFAMILIES] = {
     [OR_FAMILY_TILED] = {"tiled", "cpu", "flash_fwd_tiled", "flash_bwd_tiled", NULL,
                          "flash_decode_split", 96, 96,
                          {{48, 48}, {48, 96}, {96, 48}, {96, 96}, {144, 96}}, fit_tiles},
+    [OR_FAMILY_WG] = {"wg", "gpu", "flash_fwd_wg", "flash_bwd_wg_dq", "flash_bwd_wg_dkdv",
+                      "flash_decode_split", 64, 64,
+                      {{16, 32}, {32, 32}, {32, 64}, {64, 32}, {64, 64}}, fit_wg},
 };
 
 static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *ct,
@@ -421,9 +461,14 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
                        ? 4 : 8;
     const int overridden = getenv("ORCHARD_CL_BLOCK_Q") || getenv("ORCHARD_CL_BLOCK_K");
     int family = family_of(dev), bq, bk, tuned;
+    or_cl_info facts = dev->info;       /* what the blocks are fitted to */
+#ifdef ORCHARD_TEST_HOOKS
+    /* ORCHARD_CL_LOCAL_MEM=bytes: a device with that much local memory, to test the rules */
+    facts.local_mem = (unsigned long long)env_int("ORCHARD_CL_LOCAL_MEM", (int)facts.local_mem);
+#endif
     if (family < 0) {
         snprintf(err->msg, sizeof(err->msg), "ORCHARD_CL_FAMILY='%.64s' names no kernel family "
-                 "(rows or tiled)", getenv("ORCHARD_CL_FAMILY"));
+                 "(rows, tiled or wg)", getenv("ORCHARD_CL_FAMILY"));
         return OR_EDEVICE;
     }
     for (;;) {      /* the family's blocks: defaults, a tuned record, the environment, its rule */
@@ -433,7 +478,7 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
         tuned = load_tuned(dev, family, &bq, &bk);
         bq = env_int("ORCHARD_CL_BLOCK_Q", bq);
         bk = env_int("ORCHARD_CL_BLOCK_K", bk);
-        if (f->fit(&dev->info, real, d, dv, vw, &bq, &bk))
+        if (f->fit(&facts, real, d, dv, vw, &bq, &bk))
             break;
         family = OR_FAMILY_ROWS;        /* tiles that cannot fit: the rows family */
     }
@@ -443,10 +488,10 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
         const char *extra = getenv("ORCHARD_CL_OPTIONS");
         snprintf(options, sizeof(options),
                  "-cl-std=CL1.2 -DOR_STORAGE=%d -DHEAD_D=%d -DHEAD_DV=%d -DVW=%d -DOR_FAMILY=%d "
-                 "-DBQ=%d -DBK=%d -DOR_PARAMS_SIZE=%d %s",
+                 "-DBQ=%d -DBK=%d -DOR_PARAMS_SIZE=%d%s %s",
                  storage[dt], d, dv, vw, family, bq, bk,
                  (int)(real == 8 ? sizeof(or_params) : sizeof(or_params_f)),
-                 extra ? extra : "");
+                 dev->info.subgroups ? " -DOR_WG_SUBGROUPS" : "", extra ? extra : "");
         cl_program prog;
         size_t limit;
         int rc = build(dev, options, ct, &prog, err);
@@ -456,9 +501,10 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
             api->clReleaseProgram(prog);
             return rc;
         }
-        /* flash_bwd_prep runs bq-row groups in the rows family, up to 64 in the tiled one */
+        /* flash_bwd_prep runs bq-row groups in the rows family, up to 64 in the others */
         const int prep = family == OR_FAMILY_ROWS ? bq : (limit < 64 ? (int)limit : 64);
-        if (family == OR_FAMILY_TILED || (size_t)bq <= limit || bq == 1) {
+        const int wg = family == OR_FAMILY_WG, width = wg ? OR_WG_THREADS(bq) : bq;
+        if (family == OR_FAMILY_TILED || (size_t)width <= limit || bq == (wg ? OR_WG_TM : 1)) {
             *out = (or_cl_program){api, dev->ctx, dev->queue, prog, family, bq, bk,
                                    prep > 1 ? prep : 1, round_up_to(d, OR_TN(vw))};
             if (or_log_enabled("ORCHARD_DEBUG_FLASH_ATN"))
@@ -467,8 +513,9 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
                        or_cl_families[family].name, bq, bk, tuned && !overridden ? " (tuned)" : "");
             return OR_OK;
         }
-        api->clReleaseProgram(prog);    /* the kernels cannot run bq wide here: narrower */
-        bq = limit > 1 ? (int)limit : 1;
+        api->clReleaseProgram(prog);    /* the kernels cannot run so wide here: narrower */
+        bq = wg ? ((int)limit / OR_WG_LANES > 1 ? (int)limit / OR_WG_LANES * OR_WG_TM : OR_WG_TM)
+                : (limit > 1 ? (int)limit : 1);
     }
 }
 int or_cl_get_program(int i, or_dtype dt, int d, int dv, or_counters *ct, or_cl_program *out,

@@ -14,6 +14,7 @@ typedef struct {
     unsigned long long global_mem, local_mem;
     size_t max_work_group;
     int fp16, fp64, unified;
+    int subgroups;                  /* cl_khr_subgroups or cl_intel_subgroups */
     size_t base_align;              /* CL_DEVICE_MEM_BASE_ADDR_ALIGN, in bytes */
 } or_cl_info;
 
@@ -26,7 +27,8 @@ typedef struct {
     const char *decode;             /* the split-KV forward for decoding (flash_decode.cl),
                                        before flash_decode_combine */
     int bq, bk;                     /* default blocks: rows family (work-group rows, keys per
-                                       local tile), tiled family (query rows, keys per block) */
+                                       local tile), tiled family (query rows, keys per block),
+                                       wg family (block rows, tile rows: wg.cl) */
     int candidates[5][2];           /* the blocks orchard-tune times */
     /* its local-memory rule: fits (bq, bk) to the device; 0 when nothing fits */
     int (*fit)(const or_cl_info *in, size_t real, int d, int dv, int vw, int *bq, int *bk);
@@ -40,7 +42,7 @@ typedef struct {
     cl_context ctx;
     cl_command_queue queue;
     cl_program program;
-    int family;                     /* OR_FAMILY_ROWS or OR_FAMILY_TILED */
+    int family;                     /* OR_FAMILY_ROWS, OR_FAMILY_TILED or OR_FAMILY_WG */
     int bq, bk;                     /* the family's blocks, as in or_cl_family */
     int prep_rows;                  /* work-group rows of flash_bwd_prep */
     int tile_d;                     /* head dim padded to whole register tiles (tiles.cl DT) */

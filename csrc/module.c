@@ -456,8 +456,8 @@ static PyObject *set_native_isa(PyObject *module, PyObject *name)
 PyDoc_STRVAR(build_info_doc,
 "build_info() -> dict: how this orchard_ops was built. 'version'; 'opencl': the OpenCL backend\n"
 "is compiled in; 'test_hooks': built with ORCHARD_TEST_HOOKS=1, so that ORCHARD_FAULT,\n"
-"ORCHARD_AUTO_ANY_OPENCL and ORCHARD_CL_TRANSFERS take effect; 'max_head_dim': the largest\n"
-"D and Dv; 'dtypes': the array dtypes read and written.");
+"ORCHARD_AUTO_ANY_OPENCL, ORCHARD_CL_TRANSFERS and ORCHARD_CL_LOCAL_MEM take effect;\n"
+"'max_head_dim': the largest D and Dv; 'dtypes': the array dtypes read and written.");
 
 static PyObject *build_info(PyObject *module, PyObject *unused)
 {

@@ -1,5 +1,5 @@
-/* common.cl - definitions shared by the kernels of both families (setup.py concatenates
- * params.h, this file, tiles.cl and the kernel files into one program source).
+/* common.cl - definitions shared by the kernels of every family (setup.py concatenates
+ * params.h, this file, tiles.cl, wg.cl and the kernel files into one program source).
  *
  * Build-time constants (cl_runtime.c passes them as -D options):
  *   OR_STORAGE   the element type of q, k, v, out and gradients in memory (params.h's codes).
@@ -12,7 +12,8 @@
  *   OR_FAMILY    the kernel family the program holds (params.h); only its kernels are built.
  *   BQ, BK       the family's blocks. Rows: rows per work-group (one per work-item) and rows
  *                per local-memory tile. Tiled: query rows per single-work-item group and keys
- *                per block, multiples of the register tile (tiles.cl).
+ *                per block, multiples of the register tile (tiles.cl). Wg: rows of a
+ *                work-group's block and of each tile it streams, whole micro-tiles (wg.cl).
  *
  * Operands are addressed like the native path's views, through the meta table of params.h
  * (embedded ahead of this file, with the parameter struct, the mask rule and Philox). The last
@@ -132,7 +133,7 @@ inline void load_tiles(__local realv (*a)[DP], __global const storage_t *x, long
         b[e / DVP][e % DVP] = load_vec(y, y_base + (r0 + e / DVP) * y_rs, e % DVP * VW, HEAD_DV, 1);
 }
 
-/* The backward's first kernel, in both families: D_i = rowsum(dO_i * O_i), one work-item per
+/* The backward's first kernel, in every family: D_i = rowsum(dO_i * O_i), one work-item per
  * query row, into di (unit, di_stride). */
 __kernel void flash_bwd_prep(__global const storage_t *dout, __global const storage_t *out,
                              __global const long *meta, __global real *di, long di_stride)

@@ -1,4 +1,4 @@
-/* flash_decode.cl - split-KV attention forward for decoding (Flash-Decoding), both families:
+/* flash_decode.cl - split-KV attention forward for decoding (Flash-Decoding), every family:
  * taken when every unit has at most OR_DECODE_MAX_QUERIES (16) query rows (csrc/orchard.h).
  *
  *   q   (unit, Nq, HEAD_D)   k (kv unit, Nk, HEAD_D)   v (kv unit, Nk, HEAD_DV)
@@ -46,9 +46,10 @@ inline void split_keys(const or_params *p, long nq, long nk, long i0, int irows,
     *hi = min(*hi, (split + 1) * chunk);
 }
 
-#if OR_FAMILY == OR_FAMILY_ROWS
-/* Rows family: a work-item per query row of the block (BQ work-items), K/V tiles of the
- * split shared through local memory as in flash_fwd_rows (row_keys). */
+#if OR_FAMILY == OR_FAMILY_ROWS || OR_FAMILY == OR_FAMILY_WG
+/* Rows family, and the wg family with its blocks: a work-item per query row of the block (BQ
+ * work-items), K/V tiles of the split shared through local memory as in flash_fwd_rows
+ * (row_keys). */
 __kernel void flash_decode_split(__global const storage_t *q, __global const storage_t *k,
                                  __global const storage_t *v, __global real *part,
                                  __global real *part_ml, long nq_max, long chunk,
@@ -145,7 +146,7 @@ void flash_decode_split(__global const storage_t *q, __global const storage_t *k
 }
 #endif
 
-/* Both families: a work-item per (query row i, unit u) merges the nsplit partial rows. */
+/* Every family: a work-item per (query row i, unit u) merges the nsplit partial rows. */
 __kernel void flash_decode_combine(__global const real *part, __global const real *part_ml,
                                    __global storage_t *out, __global real *lse, long nq_max,
                                    long nsplit, __global const long *meta)

@@ -8,7 +8,8 @@
  * the work-group streams BK-key tiles of K and V through local memory and keeps an online
  * softmax (running max m, running sum l) per row, as FlashAttention-2.
  */
-#if OR_FAMILY == OR_FAMILY_ROWS
+/* the online-softmax steps also serve flash_decode_split of the wg family (flash_decode.cl) */
+#if OR_FAMILY == OR_FAMILY_ROWS || OR_FAMILY == OR_FAMILY_WG
 /* One K/V tile (cols keys from j0, in kt and vt) into the online softmax of query row i of
  * unit u (qv pre-scaled): running max *m, running sum *l, output accumulator acc. */
 inline void row_tile(const realv *qv, realv *acc, real *m, real *l, __local realv (*kt)[DP],
@@ -74,6 +75,9 @@ inline void row_keys(__global const storage_t *q, __global const storage_t *k,
             row_tile(qv, acc, m, l, kt, vt, cols, u, i, j0, off, slope, p);
     }
 }
+#endif
+
+#if OR_FAMILY == OR_FAMILY_ROWS
 
 __kernel void flash_fwd_rows(__global const storage_t *q, __global const storage_t *k,
                         __global const storage_t *v, __global storage_t *out,

@@ -7,8 +7,9 @@
  *   - the score parameters (or_params), passed to every attention kernel as one struct;
  *   - the mask rule: which keys a query row sees (key_range / query_range);
  *   - the dropout stream: Philox4x32-10, keyed by (seed, batch-head, row, column);
- *   - the OpenCL kernel families and the local tiles of each kernel, from which the host
- *     sizes its blocks; the row of the split-KV decode's scratch.
+ *   - the OpenCL kernel families, the wg family's work-group layout, and the local tiles of
+ *     each kernel, from which the host sizes its blocks; the row of the split-KV decode's
+ *     scratch.
  *
  * Adding a score modifier: a field in OR_PARAMS, the rule below if it masks, and its use in
  * the kernels.
@@ -204,7 +205,9 @@ static inline or_u32 or_dropout_threshold(double p) { return (or_u32)(p * 429496
  * when it runs; a program is built for one family, -DOR_FAMILY=...). */
 #define OR_FAMILY_ROWS 0        /* a query (or key) row per work-item: GPUs */
 #define OR_FAMILY_TILED 1       /* a block per single-work-item group, register tiles: CPUs */
-#define OR_NFAMILIES 2
+#define OR_FAMILY_WG 2          /* a block per work-group, register micro-tiles per work-item:
+                                   GPUs, as FlashAttention-2 */
+#define OR_NFAMILIES 3
 
 /* Split-KV decoding (flash_decode.cl). A row of the scratch of partial outputs holds the head
  * dim of v rounded up to 8 reals, so that the rows family, of either vector width (4 or 8),
@@ -238,5 +241,25 @@ OR_FN or_i64 or_decode_blocks(or_i64 nq, or_i64 group, or_i64 bq)
     X(qs, (tq) * (dt)) X(dos, (tq) * (dvt)) X(dqs, (tq) * (dt))                              \
     X(s, (tq) * (tk)) X(dp, (tq) * (tk)) X(dcap, (tq) * (tk))                                \
     X(lse_t, (tq)) X(di_t, (tq))
+
+/* The wg family's work-group (wg.cl): OR_WG_LANES work-items share each row of a block's
+ * scores, and each owns OR_WG_TM of its rows, so a block of bq rows runs
+ * bq / OR_WG_TM x OR_WG_LANES work-items. bq is a multiple of OR_WG_TM, bk of OR_WG_LANES. */
+#define OR_WG_LANES 16
+#define OR_WG_TM 4
+#define OR_WG_THREADS(bq) ((bq) / OR_WG_TM * OR_WG_LANES)
+
+/* Its local tiles, X(name, reals), from the head dims d, dv and the blocks bq (rows of the
+ * micro-tiles: query rows, or key rows in dK/dV) and bk (their columns). Tile rows are one
+ * real longer than the head dim (or bk), so that lanes reading one column of different rows
+ * meet different local-memory banks. red: the row reductions without subgroups. */
+#define OR_WG_MAX(a, b) ((a) > (b) ? (a) : (b))
+#define OR_WG_FWD_TILES(X, d, dv, bq, bk)                                                    \
+    X(qs, (bq) * ((d) + 1)) X(kvs, (bk) * (OR_WG_MAX(d, dv) + 1))                             \
+    X(ps, (bq) * ((bk) + 1)) X(red, (bq) * OR_WG_LANES)
+#define OR_WG_BWD_TILES(X, d, dv, bq, bk)                                                    \
+    X(rs, (bq) * ((d) + 1)) X(rvs, (bq) * ((dv) + 1)) X(cs, (bk) * ((d) + 1))                 \
+    X(cvs, (bk) * ((dv) + 1)) X(ps, (bq) * ((bk) + 1)) X(ds, (bq) * ((bk) + 1))              \
+    X(lse_t, (bk)) X(di_t, (bk))
 
 #endif

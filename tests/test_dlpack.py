@@ -106,9 +106,9 @@ print(json.dumps([str(out.dtype), (out.float() - ref.float()).abs().max().item()
 
 
 @pytest.mark.skipif(not OPENCL_IDS, reason="no OpenCL device listed")
-@pytest.mark.parametrize("family", ["rows", "tiled"])
+@pytest.mark.parametrize("family", ["rows", "tiled", "wg"])
 def test_bfloat16_kernel_families(family):
-    """bfloat16 storage in both OpenCL kernel families agrees with the native path to a
+    """bfloat16 storage in every OpenCL kernel family agrees with the native path to a
     bfloat16 rounding; their split-KV decode with the float64 reference too."""
     dev = OPENCL_IDS[0]
     r = run_python(FAMILY_RUN % (dev, dev, dev), timeout=300, ORCHARD_CL_FAMILY=family)

@@ -8,7 +8,9 @@ memory (the unified-memory path) with race and API checks, and explicit transfer
 discrete-GPU path, ORCHARD_CL_TRANSFERS=1: builds with ORCHARD_TEST_HOOKS=1) with the
 uninitialised-read checker too, which needs unoptimised kernels:
 Debian's Oclgrind 21.10 cannot simulate the LLVM `freeze` instruction that optimisation emits.
-Each with the row-per-work-item kernels (GPUs) and the register-tiled ones (CPUs). The tiled
+Each with every kernel family: row per work-item, register-tiled (CPUs) and the work-group
+tiles of the wg family (GPUs), whose reductions take the local-memory path here (Oclgrind has
+no subgroups). The tiled
 kernels skip the uninitialised-read checker: on them it reports values that are initialised
 (the results are checked in the same run, and the reports move or vanish with unrelated edits
 such as a printf), as in Oclgrind's open issue #126 about its shadow tracking of vector types,
@@ -90,18 +92,19 @@ REPORT = re.compile(r"Invalid (read|write)|data race|[Uu]ninitiali[sz]ed|FATAL|"
                     r"Oclgrind - |errors generated|out of bounds", re.I)
 
 
-@pytest.mark.parametrize("family", ["rows", "tiled"])
+@pytest.mark.parametrize("family", ["rows", "tiled", "wg"])
 @pytest.mark.parametrize("mode", ["in-place", pytest.param("transfers", marks=needs_test_hooks)])
 def test_kernels_clean_under_oclgrind(tmp_path, mode, family):
     script = tmp_path / "kernels.py"
     script.write_text(textwrap.dedent(SCRIPT))
     checks = ["--data-races", "--check-api"]
-    # tiled: 6-row, 24-key tiles (block sizes round up to the register tile)
-    env = dict(ORCHARD_CL_BLOCK_Q=8 if family == "rows" else 6, ORCHARD_CL_BLOCK_K=4,
+    # tiled: 6-row, 24-key tiles (block sizes round up to the register tile); wg: 8-row blocks
+    # of 32 work-items, 16-key tiles (a key block of whole lanes)
+    env = dict(ORCHARD_CL_BLOCK_Q=6 if family == "tiled" else 8, ORCHARD_CL_BLOCK_K=4,
                ORCHARD_CL_FAMILY=family, ORCHARD_NO_CACHE=1)
     runs = [[]]         # one process, every case
     if mode == "transfers":
-        if family == "rows":
+        if family != "tiled":
             checks.append("--uninitialized")
             # a process per case: Oclgrind 21.10 never frees the shadow of a released buffer
             # (plugins/Uninitialized.cpp allocates one only where none is), so a later buffer at

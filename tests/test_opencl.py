@@ -7,14 +7,18 @@ device that devices() lists, with the kernel family chosen for it (register-tile
 row per work-item on GPUs); test_kernel_families runs each family on every feature. These
 tests need a device, and skip when there is none.
 """
+import ast
 import json
 import os
+import re
+import shutil
 import stat
+import subprocess
 
 import numpy as np
 import pytest
 
-from conftest import DEVICE_IDS, needs_test_hooks, randn, run_python
+from conftest import DEVICE_IDS, REPO_ROOT, needs_test_hooks, randn, run_python
 
 OPENCL_IDS = [d for d in DEVICE_IDS if isinstance(d, str) and d.startswith("opencl:")]
 needs_opencl = pytest.mark.skipif(not OPENCL_IDS, reason="no OpenCL device listed")
@@ -142,6 +146,7 @@ FAMILY_RUN = """
               dropout_p=0.2, seed=9)),
         (np.float16, (1, 3, 3, 50, 31, 80, 8), dict(causal=True)),
         (np.float64, (1, 1, 1, 120, 40, 16, 16), dict(causal=True)),   # rows that see no key
+        (np.float32, (1, 2, 1, 40, 70, 256, 200), dict(softcap=2.0)),  # the largest head dims
     ]
     checked = 0
     for dtype, (b, h, hkv, nq, nk, d, dv), kw in cases:
@@ -187,14 +192,15 @@ FAMILY_RUN = """
 
 
 @needs_opencl
-@pytest.mark.parametrize("family", ["rows", "tiled"])
+@pytest.mark.parametrize("family", ["rows", "tiled", "wg"])
 def test_kernel_families(family):
-    """Both OpenCL kernel families (ORCHARD_CL_FAMILY) on every feature, several blocks each
-    way, against the float64 reference; small blocks so that every edge is crossed."""
+    """Every OpenCL kernel family (ORCHARD_CL_FAMILY) on every feature, several blocks each
+    way, against the float64 reference; small blocks so that every edge is crossed (the wg
+    family rounds them to whole micro-tiles: 32 x 32)."""
     dev = OPENCL_IDS[0]
     checked = child(FAMILY_RUN % ((dev,) * 5), ORCHARD_CL_FAMILY=family, ORCHARD_CL_BLOCK_Q=30,
                     ORCHARD_CL_BLOCK_K=20)
-    assert checked == 4 * 5 + 5 + 5     # out, lse, dq, dk, dv of every case
+    assert checked == 5 * 5 + 5 + 5     # out, lse, dq, dk, dv of every case
 
 
 DECODE_RUN = """
@@ -255,16 +261,127 @@ DECODE_RUN = """
 
 
 @needs_opencl
-@pytest.mark.parametrize("family", ["rows", "tiled"])
+@pytest.mark.parametrize("family", ["rows", "tiled", "wg"])
 def test_decode_families(family):
-    """The split-KV decode (<= 16 query rows per head, flash_decode.cl) of both families with
-    their default blocks, so long caches take several key splits: every feature, GQA, head
-    dims 1 to 256, dv != d, strided queries, varlen, rows that see no key, against the float64
-    reference; at least as close to it as the unsplit forward of the same rows; every such
-    call counted in decode_calls."""
+    """The split-KV decode (<= 16 query rows per head, flash_decode.cl) of every family (wg
+    programs run the rows family's split kernel with their own blocks) with their default
+    blocks, so long caches take several key splits: every feature, GQA, head dims 1 to 256,
+    dv != d, strided queries, varlen, rows that see no key, against the float64 reference; at
+    least as close to it as the unsplit forward of the same rows; every such call counted in
+    decode_calls."""
     checked, counted, decode_calls = child(DECODE_RUN % OPENCL_IDS[0], ORCHARD_CL_FAMILY=family)
     assert checked == 6 * 2 + 2 + 9 * 2 and counted
     assert decode_calls == 7 + 9      # the unsplit calls have 17 rows or more
+
+
+WG_RUN = """
+    import json, numpy as np, orchard_ops as o
+    from orchard.reference import ref_fwd, ref_bwd
+    rng = np.random.default_rng(3)
+    q, do = (rng.standard_normal((1, 4, 75, 48)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((1, 2, 90, 48)).astype(np.float32) for _ in range(2))
+    kw = dict(causal=True, softcap=4.0, dropout_p=0.1, seed=5)
+    out, lse = o.flash_attn_fwd(q, k, v, device="%s", **kw)
+    runs = [o.flash_attn_bwd(do, q, k, v, out, lse, device="%s", **kw) for _ in range(2)]
+    want = ref_fwd(q.astype(float), k, v, **kw) + ref_bwd(do.astype(float), q.astype(float), k, v, **kw)
+    err = max(float(np.abs(g - w).max()) for g, w in zip((out, lse) + runs[0], want))
+    print(json.dumps({"err": err, "same": all(np.array_equal(a, b) for a, b in zip(*runs)),
+                      "out": out.ravel()[::97].tolist()}))
+"""
+
+
+@needs_opencl
+def test_wg_reductions_and_determinism(tmp_path):
+    """The wg family's softmax row reductions, through subgroups where the device has them
+    and through local memory (forced by -DOR_WG_NO_SUBGROUPS): both match the float64
+    reference and each other; two backward runs give identical bits (no atomics). The debug
+    log names the blocks, rounded to whole micro-tiles (bq of 4 rows, bk of 16 keys)."""
+    dev, log = OPENCL_IDS[0], tmp_path / "orchard.log"
+    env = dict(ORCHARD_CL_FAMILY="wg", ORCHARD_CL_BLOCK_Q=10, ORCHARD_CL_BLOCK_K=20,
+               ORCHARD_NO_CACHE=1)
+    default = child(WG_RUN % (dev, dev), ORCHARD_DEBUG_FLASH_ATN=1, ORCHARD_LOG=log, **env)
+    local = child(WG_RUN % (dev, dev), ORCHARD_CL_OPTIONS="-DOR_WG_NO_SUBGROUPS", **env)
+    for run in (default, local):
+        assert run["err"] < 1e-4 and run["same"]
+    np.testing.assert_allclose(default["out"], local["out"], rtol=1e-5, atol=1e-6)
+    assert "wg kernels, blocks 12 x 32" in log.read_text()
+
+
+FIT_RUN = """
+    import json, numpy as np, orchard_ops as o
+    from orchard.reference import ref_fwd, ref_bwd
+    rng = np.random.default_rng(2)
+    q, k, v, do = (rng.standard_normal((1, 2, 50, %d)).astype(np.%s) for _ in range(4))
+    out, lse = o.flash_attn_fwd(q, k, v, causal=True, device="%s")
+    got = (out, lse) + o.flash_attn_bwd(do, q, k, v, out, lse, causal=True, device="%s")
+    want = ref_fwd(q, k, v, causal=True) + ref_bwd(do, q, k, v, causal=True)
+    print(json.dumps(max(float(np.abs(g - w).max()) for g, w in zip(got, want))))
+"""
+
+
+@needs_opencl
+@needs_test_hooks
+@pytest.mark.parametrize("dtype, d, logged", [
+    ("float32", 128, "wg kernels, blocks 24 x 16"),
+    ("float64", 256, "rows kernels")])
+def test_wg_blocks_fit_local_memory(tmp_path, dtype, d, logged):
+    """With 48 KiB of local memory, as GPUs commonly offer (ORCHARD_CL_LOCAL_MEM, a test
+    hook): float32 D 128 runs the wg family on blocks shrunk until the tiles of its forward,
+    backward and decode kernels fit (24 x 16, from 64 x 64); float64 D 256, whose smallest wg
+    tiles (4 x 16) need 82 KiB, runs the rows family. Results stay those of the reference."""
+    dev, log = OPENCL_IDS[0], tmp_path / "orchard.log"
+    err = child(FIT_RUN % (d, dtype, dev, dev), ORCHARD_CL_FAMILY="wg", ORCHARD_NO_CACHE=1,
+                ORCHARD_CL_LOCAL_MEM=48 * 1024, ORCHARD_DEBUG_FLASH_ATN=1, ORCHARD_LOG=log)
+    assert err < (1e-4 if dtype == "float32" else 1e-10)
+    assert logged in log.read_text()
+
+
+def kernel_source():
+    """The program source setup.py embeds: the kernels/ files in its order."""
+    setup_py = os.path.join(REPO_ROOT, "setup.py")
+    tree = ast.parse(open(setup_py).read())
+    files = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                 and getattr(node.targets[0], "id", None) == "KERNELS")
+    return "".join(open(os.path.join(REPO_ROOT, f)).read() for f in files)
+
+
+CLANG = next((c for c in ("clang", "clang-15", "clang-16", "clang-17", "clang-18", "clang-19")
+              if shutil.which(c)), None)
+
+
+@pytest.mark.skipif(CLANG is None, reason="no clang to compile OpenCL C with")
+@pytest.mark.parametrize("dtype", ["f16", "bf16", "f32", "f64"])
+def test_wg_subgroup_path_compiles(tmp_path, dtype):
+    """No device here has subgroups (PoCL's CPU device, Oclgrind), so the subgroup reductions
+    of the wg family are checked by compiling its kernels for SPIR with clang: where the host
+    says the device has subgroups (-DOR_WG_SUBGROUPS) and the compiler declares them, with
+    cl_intel_subgroups in OpenCL C 1.2 (what orchard builds), cl_khr_subgroups in 2.0 or the
+    __opencl_c_subgroups feature in 3.0, the kernels call sub_group_reduce_max/add; with
+    -DOR_WG_NO_SUBGROUPS, or where either is missing, they do not."""
+    src = tmp_path / "orchard.cl"
+    src.write_text(kernel_source())
+    storage, real = {"f16": (16, 4), "bf16": (116, 4), "f32": (32, 4), "f64": (64, 8)}[dtype]
+    modes = {   # options: whether subgroups reduce the rows
+        "-cl-std=CL1.2 -DOR_WG_SUBGROUPS": True,
+        "-cl-std=CL2.0 -DOR_WG_SUBGROUPS -Xclang -cl-ext=-cl_intel_subgroups": True,
+        "-cl-std=CL3.0 -DOR_WG_SUBGROUPS -Xclang "
+        "-cl-ext=-cl_intel_subgroups,-cl_khr_subgroups,+__opencl_c_subgroups": True,
+        "-cl-std=CL1.2 -DOR_WG_SUBGROUPS -DOR_WG_NO_SUBGROUPS": False,
+        "-cl-std=CL1.2 -DOR_WG_SUBGROUPS -Xclang -cl-ext=-cl_intel_subgroups": False,
+        "-cl-std=CL1.2": False,     # the device lists neither extension
+    }
+    params_size = 64 if real == 8 else 56      # or_params: 3 longs, 3 reals, 4 ints, aligned
+    for options, subgroups in modes.items():
+        ir = tmp_path / "orchard.ll"
+        # -Dinline=: the helpers get bodies in the module, so their calls show
+        r = subprocess.run([CLANG, "-x", "cl", *options.split(), "-target", "spir64", "-Xclang",
+                            "-finclude-default-header", "-DOR_FAMILY=2", "-DOR_STORAGE=%d" % storage,
+                            "-DHEAD_D=72", "-DHEAD_DV=40", "-DVW=4", "-DBQ=32", "-DBK=32",
+                            "-DOR_PARAMS_SIZE=%d" % params_size, "-Dinline=", "-O0", "-emit-llvm",
+                            "-S", "-o", str(ir), str(src)], capture_output=True, text=True)
+        assert r.returncode == 0, (options, r.stderr[-3000:])
+        calls = set(re.findall(r"@_Z\d+(sub_group_reduce_\w+?)[fd]\b", ir.read_text()))
+        assert calls == ({"sub_group_reduce_max", "sub_group_reduce_add"} if subgroups else set()), options
 
 
 FAMILY_PROBE = """
@@ -300,7 +417,7 @@ def test_kernel_family_listed_and_named():
                           for d in o.devices() if d["backend"] == "opencl"]))
     """)
     for kind, family, blocks in listed:
-        assert family == ("tiled" if kind == "cpu" else "rows")
+        assert family == {"cpu": "tiled", "gpu": "wg"}.get(kind, "rows")
         assert len(blocks) == 5 and all(bq >= 1 and bk >= 1 for bq, bk in blocks)
     forced = child("""
         import json, orchard_ops as o
@@ -434,3 +551,35 @@ def test_build_failure_is_orchard_error_with_log():
     assert "clBuildProgram" in out["msg"] and "CL_BUILD_PROGRAM_FAILURE" in out["msg"]
     assert "build log" in out["msg"] and "no_such_size" in out["msg"]
     assert out["cpu"] == pytest.approx(32.0)
+
+
+@needs_opencl
+def test_gpu_benchmark_script_runs(tmp_path):
+    """benchmarks/gpu_opencl.py, the measurement written for the first GPU, runs end to end
+    on any OpenCL device at a tiny shape: its own FMA-peak kernel, both families in their
+    child processes, the JSON file (no figure is asserted: the machine is shared)."""
+    out = tmp_path / "gpu.json"
+    r = run_python("""
+        import runpy, sys
+        sys.argv = ["gpu_opencl.py", "--device", "%s", "--out", "%s", "--repeats", "3",
+                    "--quick", "--shapes", "1,1,40,16"]
+        runpy.run_path("%s", run_name="__main__")
+    """ % (OPENCL_IDS[0], out, os.path.join(REPO_ROOT, "benchmarks", "gpu_opencl.py")),
+                   timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "float32 FMA peak (measured)" in r.stdout and "driver: " in r.stdout
+    result = json.loads(out.read_text())
+    assert result["fma_peak_gflops"] > 0 and result["device"]["id"] == OPENCL_IDS[0]
+    assert result["device_resident"]["measured"] is False
+    for family in ("wg", "rows"):
+        rows = result["families"][family]["rows"]
+        assert result["families"][family]["family"] == family
+        assert {(r["dtype"], r["causal"]) for r in rows} == {
+            (d, c) for d in ("float32", "float16") for c in (False, True)}
+        assert all(r["fwd_gflops"] > 0 and r["bwd_of_peak"] > 0 for r in rows)
+    bad = run_python("""
+        import runpy, sys
+        sys.argv = ["gpu_opencl.py", "--device", "opencl:99"]
+        runpy.run_path("%s", run_name="__main__")
+    """ % os.path.join(REPO_ROOT, "benchmarks", "gpu_opencl.py"))
+    assert bad.returncode == 2 and "gpu_opencl: error: --device 'opencl:99'" in bad.stderr

@@ -8,7 +8,8 @@ The fastest is stored with orchard_ops.save_tuned_blocks(); the environment vari
 override it. A candidate the device cannot run (too much local memory, a build failure) is
 reported and skipped. The candidates are those of the kernel family the device runs, as
 devices() lists them from orchard_ops' family table: for the tiled family a block is (query
-rows, keys); for the rows family (work-group rows, keys per local tile).
+rows, keys); for the rows family (work-group rows, keys per local tile); for the wg family
+(block rows, tile rows).
 """
 import json
 import os

@@ -1,0 +1,261 @@
+"""orchard's OpenCL kernels on a GPU, against the device's own float32 FMA peak (issue 17).
+
+    python3 benchmarks/gpu_opencl.py [--device opencl:0] [--out gpu_opencl.json] [--quick]
+
+Prints the device, its driver and platform; measures the device's float32 FMA peak with an
+FMA-chain kernel of its own (below); then times orchard's forward and backward with the wg
+kernel family and, for comparison, the rows family, each family in a child process of its own
+(ORCHARD_CL_FAMILY is read when a process builds its programs), at the shapes of the CPU
+tables (benchmarks/kernel_targets.py: B,H = 4,8 at N 1024 and 2,16 at N 4096), D 64 and 128,
+causal and not, float32 and float16: GFLOP/s with FlashAttention-2's accounting
+(orchard.benchmark: forward 4*B*H*N*N*D, halved when causal; backward 2.5x) and the fraction
+of the measured peak. Times are medians of --repeats calls after a warm-up call that also builds
+the program, wall clock of whole calls with host arrays, so they include the copies over the
+host bus. Writes everything to a JSON file.
+
+--quick runs small shapes and a short peak kernel, so that the script can be checked on any
+OpenCL device (PoCL's CPU device too: slowly, and its figures mean nothing for a GPU).
+
+Peak method: PEAK_SOURCE runs CHAINS independent chains a = a * b + c (fma, 2 flops) of
+`iters` steps per work-item, in work-groups of 256, compute units x 2048 work-items in all;
+its time is the device's own (event profiling: end - start), the best of 5 launches after a
+warm-up; peak = 2 * CHAINS * iters * work-items / time. Independent chains hide the FMA latency,
+so the figure is the throughput of the device's float32 FMA units as OpenCL C reaches them.
+"""
+import argparse
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+import orchard_ops
+from orchard import benchmark
+
+SHAPES = [(4, 8, 1024, 64), (4, 8, 1024, 128), (2, 16, 4096, 64), (2, 16, 4096, 128)]
+QUICK_SHAPES = [(1, 2, 128, 64), (1, 2, 256, 128)]
+FAMILIES = ("wg", "rows")
+DTYPES = ("float32", "float16")
+
+CHAINS = 16
+PEAK_SOURCE = """
+__kernel void fma_chains(__global float *out, float b, float c, int iters)
+{
+    float a[%(chains)d];
+    for (int i = 0; i < %(chains)d; i++)
+        a[i] = get_global_id(0) + i;
+    for (int n = 0; n < iters; n++)
+        for (int i = 0; i < %(chains)d; i++)
+            a[i] = fma(a[i], b, c);
+    float s = 0;
+    for (int i = 0; i < %(chains)d; i++)
+        s += a[i];
+    out[get_global_id(0)] = s;      /* every chain is used: none is optimised away */
+}
+""" % {"chains": CHAINS}
+
+
+class OpenCL:
+    """The few OpenCL calls the peak kernel needs, through ctypes and the ICD loader (the
+    library orchard_ops opens too), so the script needs no OpenCL package."""
+    CL_DEVICE_TYPE_ALL = 0xFFFFFFFF
+    CL_DEVICE_NAME, CL_PLATFORM_NAME = 0x102B, 0x0902
+    CL_QUEUE_PROFILING_ENABLE, CL_MEM_WRITE_ONLY = 1 << 1, 1 << 1
+    CL_PROFILING_COMMAND_START, CL_PROFILING_COMMAND_END = 0x1282, 0x1283
+
+    def __init__(self):
+        self.lib = ctypes.CDLL(os.environ.get("ORCHARD_OPENCL_LIBRARY") or "libOpenCL.so.1")
+        for name, restype in (("clCreateContext", ctypes.c_void_p),
+                              ("clCreateCommandQueue", ctypes.c_void_p),
+                              ("clCreateProgramWithSource", ctypes.c_void_p),
+                              ("clCreateKernel", ctypes.c_void_p),
+                              ("clCreateBuffer", ctypes.c_void_p)):
+            getattr(self.lib, name).restype = restype
+
+    def check(self, rc, call):
+        if rc != 0:
+            raise RuntimeError("%s failed: OpenCL error %d" % (call, rc))
+
+    def ids(self, get, *args):
+        n = ctypes.c_uint()
+        self.check(get(*args, 0, None, ctypes.byref(n)), get.__name__)
+        out = (ctypes.c_void_p * n.value)()
+        self.check(get(*args, n.value, out, None), get.__name__)
+        return list(out)
+
+    def text(self, get, obj, what):
+        buf = ctypes.create_string_buffer(1024)
+        self.check(get(ctypes.c_void_p(obj), what, ctypes.c_size_t(1024), buf, None),
+                   get.__name__)
+        return buf.value.decode(errors="replace")
+
+    def find(self, name, platform):
+        """The device of this name on this platform, as orchard_ops lists it."""
+        for p in self.ids(self.lib.clGetPlatformIDs):
+            if self.text(self.lib.clGetPlatformInfo, p, self.CL_PLATFORM_NAME) != platform:
+                continue
+            for d in self.ids(self.lib.clGetDeviceIDs, ctypes.c_void_p(p),
+                              ctypes.c_ulong(self.CL_DEVICE_TYPE_ALL)):
+                if self.text(self.lib.clGetDeviceInfo, d, self.CL_DEVICE_NAME) == name:
+                    return d
+        raise RuntimeError("OpenCL device %r of platform %r not found" % (name, platform))
+
+    def fma_peak(self, device, compute_units, iters):
+        """GFLOP/s of the FMA-chain kernel (the method in the module's docstring)."""
+        lib, rc = self.lib, ctypes.c_int()
+        dev = ctypes.c_void_p(device)
+        ctx = lib.clCreateContext(None, 1, ctypes.byref(dev), None, None, ctypes.byref(rc))
+        self.check(rc.value, "clCreateContext")
+        queue = lib.clCreateCommandQueue(ctypes.c_void_p(ctx), dev,
+                                         ctypes.c_ulong(self.CL_QUEUE_PROFILING_ENABLE),
+                                         ctypes.byref(rc))
+        self.check(rc.value, "clCreateCommandQueue")
+        src = ctypes.c_char_p(PEAK_SOURCE.encode())
+        prog = lib.clCreateProgramWithSource(ctypes.c_void_p(ctx), 1, ctypes.byref(src), None,
+                                             ctypes.byref(rc))
+        self.check(rc.value, "clCreateProgramWithSource")
+        self.check(lib.clBuildProgram(ctypes.c_void_p(prog), 1, ctypes.byref(dev), None, None,
+                                      None), "clBuildProgram")
+        kernel = lib.clCreateKernel(ctypes.c_void_p(prog), b"fma_chains", ctypes.byref(rc))
+        self.check(rc.value, "clCreateKernel")
+        local = 256
+        items = max(1, compute_units) * 2048
+        buf = lib.clCreateBuffer(ctypes.c_void_p(ctx), ctypes.c_ulong(self.CL_MEM_WRITE_ONLY),
+                                 ctypes.c_size_t(4 * items), None, ctypes.byref(rc))
+        self.check(rc.value, "clCreateBuffer")
+        mem = ctypes.c_void_p(buf)
+        for i, (arg, size) in enumerate(((mem, 8), (ctypes.c_float(1.0000001), 4),
+                                         (ctypes.c_float(1e-7), 4), (ctypes.c_int(iters), 4))):
+            self.check(lib.clSetKernelArg(ctypes.c_void_p(kernel), i, ctypes.c_size_t(size),
+                                          ctypes.byref(arg)), "clSetKernelArg")
+        best = float("inf")
+        for run in range(6):            # the first is a warm-up
+            event = ctypes.c_void_p()
+            self.check(lib.clEnqueueNDRangeKernel(
+                ctypes.c_void_p(queue), ctypes.c_void_p(kernel), 1, None,
+                ctypes.byref(ctypes.c_size_t(items)), ctypes.byref(ctypes.c_size_t(local)), 0,
+                None, ctypes.byref(event)), "clEnqueueNDRangeKernel")
+            self.check(lib.clWaitForEvents(1, ctypes.byref(event)), "clWaitForEvents")
+            start, end = ctypes.c_ulong(), ctypes.c_ulong()
+            for what, out in ((self.CL_PROFILING_COMMAND_START, start),
+                              (self.CL_PROFILING_COMMAND_END, end)):
+                self.check(lib.clGetEventProfilingInfo(event, what, ctypes.c_size_t(8),
+                                                      ctypes.byref(out), None),
+                           "clGetEventProfilingInfo")
+            lib.clReleaseEvent(event)
+            if run > 0:
+                best = min(best, (end.value - start.value) * 1e-9)
+        for release, obj in ((lib.clReleaseMemObject, buf), (lib.clReleaseKernel, kernel),
+                             (lib.clReleaseProgram, prog), (lib.clReleaseCommandQueue, queue),
+                             (lib.clReleaseContext, ctx)):
+            release(ctypes.c_void_p(obj))
+        return 2.0 * CHAINS * iters * items / best / 1e9
+
+
+def measure_family(device, shapes, repeats):
+    """The child process: forward and backward rows of the family ORCHARD_CL_FAMILY names."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for shape in shapes:
+        for dtype in DTYPES:
+            arrays, ops = benchmark.operands(shape, dtype, rng)
+            for causal in (False, True):
+                fwd, bwd = benchmark.orchard_calls(*ops, causal, device)
+                flops = benchmark.attention_flops(*shape, causal)
+                fwd_s, bwd_s = (benchmark.median_time(fn, repeats) for fn in (fwd, bwd))
+                rows.append({"B,H,N,D": list(shape), "dtype": dtype, "causal": causal,
+                             "fwd_ms": fwd_s * 1e3, "fwd_gflops": flops / fwd_s / 1e9,
+                             "bwd_ms": bwd_s * 1e3, "bwd_gflops": 2.5 * flops / bwd_s / 1e9})
+    info = next(d for d in orchard_ops.devices() if d["id"] == device)
+    return {"family": info["kernel_family"], "rows": rows}
+
+
+def device_resident_vs_host(device):
+    """TO BE FILLED IN AT MERGE (issue 17, goal: device-resident calls >= 10x faster than
+    host-array calls at N 1024): time the forward and backward at (4, 8, 1024, 64) float32 on
+    operands made with orchard_ops.to_device(array, device), against the same calls on host
+    arrays, and return both times and their ratio. orchard_ops.to_device comes from another
+    change; until it is merged, this says that it was not measured."""
+    if not hasattr(orchard_ops, "to_device"):
+        return {"measured": False, "why": "orchard_ops.to_device is not in this build"}
+    return {"measured": False, "why": "the device-resident timing is not written yet"}
+
+
+def run_family(family, device, shapes, repeats):
+    """measure_family in a child process with ORCHARD_CL_FAMILY=family."""
+    env = dict(os.environ, ORCHARD_CL_FAMILY=family)
+    r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--device", device,
+                        "--repeats", str(repeats), "--shapes",
+                        *(",".join(map(str, s)) for s in shapes)],
+                       env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError("the %s family's run failed:\n%s" % (family, r.stderr[-3000:]))
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", help="an OpenCL device (default: the first GPU, else the "
+                        "first OpenCL device)")
+    parser.add_argument("--out", default="gpu_opencl.json", help="the JSON file to write")
+    parser.add_argument("--quick", action="store_true", help="small shapes, a short peak run")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--shapes", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    opencl = [d for d in orchard_ops.devices() if d["backend"] == "opencl"]
+    if not opencl:
+        parser.exit(2, "gpu_opencl: error: no OpenCL device is listed by orchard_ops.devices()\n")
+    if args.device is None:
+        args.device = next((d for d in opencl if d["kind"] == "gpu"), opencl[0])["id"]
+    info = next((d for d in opencl if d["id"] == args.device), None)
+    if info is None:
+        parser.exit(2, "gpu_opencl: error: --device %r is not an OpenCL device (%s)\n"
+                    % (args.device, ", ".join(d["id"] for d in opencl)))
+    if args.repeats < benchmark.MIN_REPEATS:
+        parser.exit(2, "gpu_opencl: error: --repeats must be >= %d, got %d\n"
+                    % (benchmark.MIN_REPEATS, args.repeats))
+    shapes = ([tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes
+              else QUICK_SHAPES if args.quick else SHAPES)
+    if args.child:
+        print(json.dumps(measure_family(args.device, shapes, args.repeats)))
+        return 0
+
+    print("device: %s (%s, %d compute units, %.1f GiB, %d KiB local memory)"
+          % (info["name"], info["kind"], info["compute_units"], info["global_mem_bytes"] / 2**30,
+             info["local_mem_bytes"] // 1024))
+    print("driver: %s; platform: %s" % (info["driver_version"], info["platform"]), flush=True)
+    cl = OpenCL()
+    peak = cl.fma_peak(cl.find(info["name"], info["platform"]), info["compute_units"],
+                       1024 if args.quick else 4096)
+    print("float32 FMA peak (measured): %.0f GFLOP/s" % peak, flush=True)
+    result = {"device": {k: info[k] for k in ("id", "name", "vendor", "kind", "platform",
+                                              "driver_version", "compute_units",
+                                              "local_mem_bytes", "fp16", "fp64")},
+              "fma_peak_gflops": peak, "peak_method": __doc__.split("Peak method: ")[1].strip(),
+              "repeats": args.repeats, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "families": {}, "device_resident": device_resident_vs_host(args.device)}
+    print("\n| family | B,H,N,D | dtype | causal | fwd ms | fwd GFLOP/s | of peak | bwd ms "
+          "| bwd GFLOP/s | of peak |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- "
+          "| --- |")
+    for family in FAMILIES:
+        got = run_family(family, args.device, shapes, args.repeats)
+        result["families"][family] = got
+        for r in got["rows"]:
+            r["fwd_of_peak"], r["bwd_of_peak"] = r["fwd_gflops"] / peak, r["bwd_gflops"] / peak
+            print("| %s | %s | %s | %s | %.2f | %.1f | %.1f %% | %.2f | %.1f | %.1f %% |"
+                  % (got["family"], ",".join(map(str, r["B,H,N,D"])), r["dtype"],
+                     "yes" if r["causal"] else "no", r["fwd_ms"], r["fwd_gflops"],
+                     100 * r["fwd_of_peak"], r["bwd_ms"], r["bwd_gflops"],
+                     100 * r["bwd_of_peak"]), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print("\nwrote %s" % args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
