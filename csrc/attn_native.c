@@ -124,8 +124,8 @@ static int decode_fwd(const or_problem *p, const or_kernels *kern, int dbl)
     job.part = aligned_alloc(64, real * (size_t)job.part_stride * items);
     if (job.part == NULL)
         return OR_ENOMEM;
-    /* q and s tiles, four widened key or value rows, the dropout keep row */
-    job.per_worker = round_up(real * (rows * dp + rows * bc + 4 * (dp > dvp ? dp : dvp)) + bc);
+    /* q and s tiles, the dropout keep row */
+    job.per_worker = round_up(real * (rows * dp + rows * bc) + bc);
     int rc = run_job(&job, (or_ssize)items, kern->decode_item[dbl]);
     if (rc == OR_OK) {
         job.per_worker = round_up(real * dvp);      /* a row of out */
