@@ -59,9 +59,9 @@ static inline __attribute__((always_inline)) int FN(decode_size)(or_dtype dt)
 
 #if REAL_SIZE == 4   /* 16-bit lane 2j from a zero vector, 2j + 1 from lane j of h */
 #  if VBYTES / REAL_SIZE == 16
-#    define BF16_SPREAD 0, 4, 0, 5, 0, 6, 0, 7, 0, 12, 0, 13, 0, 14, 0, 15, 0, 24, 0, 25, 0, 26, 0, 27, 0, 28, 0, 29, 0, 30, 0, 31
+#    define BF16_SPREAD 0, 16, 0, 17, 0, 18, 0, 19, 0, 20, 0, 21, 0, 22, 0, 23, 0, 24, 0, 25, 0, 26, 0, 27, 0, 28, 0, 29, 0, 30, 0, 31
 #  elif VBYTES / REAL_SIZE == 8
-#    define BF16_SPREAD 0, 4, 0, 5, 0, 6, 0, 7, 0, 12, 0, 13, 0, 14, 0, 15
+#    define BF16_SPREAD 0, 8, 0, 9, 0, 10, 0, 11, 0, 12, 0, 13, 0, 14, 0, 15
 #  elif VBYTES / REAL_SIZE == 4
 #    define BF16_SPREAD 0, 4, 0, 5, 0, 6, 0, 7
 #  endif
