@@ -272,8 +272,12 @@ FN(decode_pv)(REAL *o, int dvp, int dv, const REAL *s, int rows, const char *con
     }
 }
 
-/* The addresses of rows [j0, j0 + n) of kv unit kvu in K or V (slot), paged or not, and
- * copies of the last up to a multiple of NKEYS (their scores are masked, their weights 0). */
+/* A row of zeros, long enough for any head dim and dtype. */
+static const double FN(zero_row)[OR_MAX_HEAD_DIM];
+
+/* The addresses of rows [j0, j0 + n) of kv unit kvu in K or V (slot), paged or not, then rows
+ * of zeros up to a multiple of NKEYS (their scores are masked, and their weights 0 times 0
+ * adds nothing, where a copy of a real row could add 0 * inf = NaN). */
 static inline __attribute__((always_inline)) void
 FN(decode_rows)(const or_problem *p, int slot, or_ssize kvu, or_ssize j0, int n,
                 const char **out)
@@ -286,7 +290,7 @@ FN(decode_rows)(const or_problem *p, int slot, or_ssize kvu, or_ssize j0, int n,
             out[c++] = r + i * stride;
     }
     for (int c = n; c % NKEYS; c++)
-        out[c] = out[n - 1];
+        out[c] = (const char *)FN(zero_row);
 }
 
 /* One split of one kv unit, whose keys and values are of dtype dt. */
