@@ -273,7 +273,7 @@ static PyArrayObject *check_cu_seqlens(or_call *c, PyObject *obj, const char *na
     const int64_t *v = PyArray_DATA(cu);
     npy_intp n = PyArray_DIM(cu, 0);
     *max_len = 0;
-    int ok = v[0] == 0 && v[n - 1] == total;
+    int ok = v[0] == 0 && (total < 0 || v[n - 1] == total);     /* total < 0: paged k */
     for (npy_intp i = 1; ok && i < n; i++) {
         ok = v[i] >= v[i - 1];
         *max_len = v[i] - v[i - 1] > *max_len ? v[i] - v[i - 1] : *max_len;
@@ -351,7 +351,8 @@ int or_check_varlen(or_call *c, const or_opts *o, PyObject *cuq_obj, PyObject *c
     c->cu_q = check_cu_seqlens(c, cuq_obj, "cu_seqlens_q", PyArray_DIM(c->arr[OR_Q], 0), &maxq);
     if (c->cu_q == NULL)
         return -1;
-    c->cu_k = check_cu_seqlens(c, cuk_obj, "cu_seqlens_k", PyArray_DIM(c->arr[OR_K], 0), &maxk);
+    c->cu_k = check_cu_seqlens(c, cuk_obj, "cu_seqlens_k",
+                               c->p.pages.rows ? -1 : PyArray_DIM(c->arr[OR_K], 0), &maxk);
     if (c->cu_k == NULL)
         return -1;
     if (PyArray_DIM(c->cu_q, 0) != PyArray_DIM(c->cu_k, 0)) {
@@ -364,6 +365,113 @@ int or_check_varlen(or_call *c, const or_opts *o, PyObject *cuq_obj, PyObject *c
     if (check_max_seqlen(c, o->max_q, "max_seqlen_q", maxq) < 0
         || check_max_seqlen(c, o->max_k, "max_seqlen_k", maxk) < 0)
         return -1;
+    return 0;
+}
+
+/* Paged k and v (a block_table given): each (num_pages, page_size, Hkv, D), on the native
+ * device. Records the pages' geometry and leaves page 0, a (page_size, Hkv, D) view, as the
+ * operand, so that the varlen checks and tables see k and v as for packed sequences. */
+int or_check_paged_kv(or_call *c)
+{
+    if (c->device.index != 0) {
+        PyObject *id = or_device_id(c->device.index);
+        if (id != NULL)
+            PyErr_Format(PyExc_ValueError, "%s(): 'block_table' (paged k and v) is read on "
+                         "device 'cpu' only, not %S: gather the pages for it", c->func, id);
+        Py_XDECREF(id);
+        return -1;
+    }
+    PyArrayObject *k = c->arr[OR_K], *v = c->arr[OR_V];
+    if (PyArray_NDIM(k) != 4 || PyArray_NDIM(v) != 4 || PyArray_DIM(k, 0) < 1
+        || PyArray_DIM(k, 1) < 1 || PyArray_DIM(v, 0) != PyArray_DIM(k, 0)
+        || PyArray_DIM(v, 1) != PyArray_DIM(k, 1)) {
+        PyObject *ks = or_shape_str(k), *vs = or_shape_str(v);
+        PyErr_Format(PyExc_ValueError, "%s(): with a 'block_table', 'k' and 'v' must be pages "
+                     "(num_pages >= 1, page_size >= 1, Hkv, D) of one geometry, got %S and %S",
+                     c->func, ks ? ks : Py_None, vs ? vs : Py_None);
+        Py_XDECREF(ks);
+        Py_XDECREF(vs);
+        return -1;
+    }
+    c->num_pages = PyArray_DIM(k, 0);
+    c->p.pages.rows = PyArray_DIM(k, 1);
+    c->p.pages.k_stride = PyArray_STRIDE(k, 0);
+    c->p.pages.v_stride = PyArray_STRIDE(v, 0);
+    for (int s = OR_K; s <= OR_V; s++) {
+        PyArrayObject *page0 = (PyArrayObject *)PySequence_GetItem((PyObject *)c->arr[s], 0);
+        if (page0 == NULL)
+            return -1;
+        Py_SETREF(c->arr[s], page0);
+    }
+    return 0;
+}
+
+/* An integer array argument as an int64 array of `n` entries (rank nd: n rows when 2-D). */
+static PyArrayObject *int64_array(or_call *c, PyObject *obj, const char *name, int nd,
+                                  npy_intp n, const char *layout)
+{
+    PyArrayObject *raw = (PyArrayObject *)PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
+    if (raw == NULL)
+        return NULL;
+    if (!PyArray_ISINTEGER(raw) || PyArray_NDIM(raw) != nd || PyArray_DIM(raw, 0) != n) {
+        PyObject *got = or_shape_str(raw);
+        PyErr_Format(PyExc_ValueError, "%s(): '%s' must be an integer array %s, got shape %S",
+                     c->func, name, layout, got ? got : Py_None);
+        Py_XDECREF(got);
+        Py_DECREF(raw);
+        return NULL;
+    }
+    PyArrayObject *a = (PyArrayObject *)PyArray_FromAny(
+        (PyObject *)raw, PyArray_DescrFromType(NPY_INT64), nd, nd,
+        NPY_ARRAY_CARRAY | NPY_ARRAY_FORCECAST, NULL);
+    Py_DECREF(raw);
+    return a;
+}
+
+/* block_table and leftpad_k of a paged call, against the sequences' key counts: every page a
+ * sequence reads is listed and exists. */
+int or_check_pages(or_call *c, const or_opts *o)
+{
+    if (o->block_table == Py_None) {
+        if (o->leftpad_k == Py_None)
+            return 0;
+        PyErr_Format(PyExc_ValueError, "%s(): 'leftpad_k' needs a 'block_table'", c->func);
+        return -1;
+    }
+    const npy_intp nseq = PyArray_DIM(c->cu_k, 0) - 1, page = c->p.pages.rows;
+    c->pages = int64_array(c, o->block_table, "block_table", 2, nseq,
+                           "(batch_size, max_num_pages), one row per sequence");
+    if (c->pages == NULL)
+        return -1;
+    if (o->leftpad_k != Py_None
+        && !(c->leftpad = int64_array(c, o->leftpad_k, "leftpad_k", 1, nseq, "(batch_size,)")))
+        return -1;
+    const int64_t *ck = PyArray_DATA(c->cu_k), *tbl = PyArray_DATA(c->pages);
+    const int64_t *used = c->used_k ? PyArray_DATA(c->used_k) : NULL;
+    const int64_t *lp = c->leftpad ? PyArray_DATA(c->leftpad) : NULL;
+    const npy_intp width = PyArray_DIM(c->pages, 1);
+    for (npy_intp b = 0; b < nseq; b++) {
+        const int64_t len = used ? used[b] : ck[b + 1] - ck[b], first = lp ? lp[b] : 0;
+        if (first < 0 || first > len) {
+            PyErr_Format(PyExc_ValueError, "%s(): 'leftpad_k'[%zd] = %lld must lie in [0, %lld], "
+                         "the keys of that sequence", c->func, b, (long long)first,
+                         (long long)len);
+            return -1;
+        }
+        if ((len + page - 1) / page > width) {
+            PyErr_Format(PyExc_ValueError, "%s(): sequence %zd has %lld keys, more than the %zd "
+                         "pages of %zd in its row of 'block_table' hold", c->func, b,
+                         (long long)len, width, page);
+            return -1;
+        }
+        for (npy_intp t = first / page; t < (len + page - 1) / page; t++)
+            if (tbl[b * width + t] < 0 || tbl[b * width + t] >= c->num_pages) {
+                PyErr_Format(PyExc_ValueError, "%s(): 'block_table'[%zd, %zd] = %lld is not a "
+                             "page: k and v hold %zd", c->func, b, t,
+                             (long long)tbl[b * width + t], c->num_pages);
+                return -1;
+            }
+    }
     return 0;
 }
 

@@ -8,9 +8,11 @@
  * contiguous range of keys, read once, in order, a block of BC keys at a time:
  *   q    R x dp        the group's query rows, pre-multiplied by scale (row g * nq + i is
  *                      query row i of the group's head g)
- *   k, v               read in place through their strides, in their own dtype, widened to
+ *   k, v               read in place, in their own dtype, through a list of row addresses
+ *                      per block (so a paged cache is read where its pages lie), widened to
  *                      REAL in registers (no tile: a float16/bfloat16 step would otherwise
- *                      write and reread a float copy of the cache)
+ *                      write and reread a float copy of the cache); NKEYS rows at a time, so
+ *                      that one tree of shuffles sums NKEYS dot products (decode_sums)
  *   s    R x BC        scores, then probabilities (the forward's s tile)
  * and leaves, per row, its partial (unnormalised output o, running max m, sum l) in part.
  * The combine item of a kv unit then merges its splits exactly, in split order:
@@ -20,6 +22,10 @@
  */
 
 #define DVL (VBYTES / (int)sizeof(REAL))    /* lanes of FN(vec) */
+#define NKEYS 8     /* keys per step of the score and value loops */
+/* query rows per pass over NKEYS keys: their NKEYS accumulators each, their q vectors and a key
+ * vector must fit the register file (32 vectors with AVX-512, 16 otherwise) */
+#define DROWS (VBYTES == 64 ? 2 : 1)
 
 /* Layout of one item's partial results in job->part, in REALs: o (R x dvp), then m, then l. */
 static inline REAL *FN(decode_part)(const or_job *job, or_ssize item)
@@ -27,149 +33,264 @@ static inline REAL *FN(decode_part)(const or_job *job, or_ssize item)
     return (REAL *)job->part + item * job->part_stride;
 }
 
-/* The sum of a vector's lanes. */
-static inline __attribute__((always_inline)) REAL FN(hsum)(const FN(vec) *a)
-{
-    REAL lane[DVL];
-    memcpy(lane, a, sizeof(lane));
-    return FN(lanes_sum)(lane, DVL);
-}
-
-/* n rows of a key or value block (len elements of dtype dt, stride bytes apart) as REAL rows
- * of *ld: in place when they already are REAL, else widened into buf (n x len, in L1): once
- * per key for all the rows of the group, not once per row. dt is a constant wherever this is
+/* Element i of a key or value row of dtype dt, as REAL. dt is a constant wherever this is
  * inlined (decode_item's dispatch), so the switch folds away. */
-static inline __attribute__((always_inline)) const REAL *
-FN(decode_rows)(REAL *buf, const char *src, or_ssize stride, int n, int len, or_dtype dt,
-                or_ssize *ld)
+static inline __attribute__((always_inline)) REAL FN(decode_load)(const char *row, int i,
+                                                                  or_dtype dt)
 {
-    if (dt == (sizeof(REAL) == sizeof(double) ? OR_F64 : OR_F32)) {
-        *ld = stride / (or_ssize)sizeof(REAL);
-        return (const REAL *)src;
-    }
-    /* the same rows of the next block, asked for here, a few at a time between the widening
-     * work, rather than all at the block's start: 1.15-1.33x faster in bfloat16 (A/B) */
-    for (int t = 0; t < n; t++)
-        for (int b = 0; b < len * or_dtypes[dt].itemsize; b += 64)
-            __builtin_prefetch(src + (BC + t) * stride + b, 0, 3);
-    for (int t = 0; t < n; t++, src += stride) {
-        REAL *restrict out = buf + t * len;
-        switch (dt) {
-#define OR_LOAD(id, tag, ...) \
-        case id: for (int i = 0; i < len; i++) out[i] = (REAL)or_load_##tag(src, i); break;
-        OR_DTYPES(OR_LOAD)
+    switch (dt) {
+#define OR_LOAD(id, tag, ...) case id: return (REAL)or_load_##tag(row, i);
+    OR_DTYPES(OR_LOAD)
 #undef OR_LOAD
-        }
     }
-    *ld = len;
-    return buf;
+    return 0;
 }
 
-/* q row . key row over d elements: whole vectors into acc, then the tail. */
-static inline __attribute__((always_inline)) REAL
-FN(dot)(const REAL *qrow, const REAL *krow, int d)
+/* Bytes of an element of dtype dt. */
+static inline __attribute__((always_inline)) int FN(decode_size)(or_dtype dt)
+{
+    switch (dt) {
+#define OR_SIZE(id, tag, name, npy, numpy, dlpack, size, ...) case id: return size;
+    OR_DTYPES(OR_SIZE)
+#undef OR_SIZE
+    }
+    return 0;
+}
+
+#if REAL_SIZE == 4   /* 16-bit lane 2j from a zero vector, 2j + 1 from lane j of h */
+#  if VBYTES / REAL_SIZE == 16
+#    define BF16_SPREAD 0, 16, 0, 17, 0, 18, 0, 19, 0, 20, 0, 21, 0, 22, 0, 23, 0, 24, 0, 25, 0, 26, 0, 27, 0, 28, 0, 29, 0, 30, 0, 31
+#  elif VBYTES / REAL_SIZE == 8
+#    define BF16_SPREAD 0, 8, 0, 9, 0, 10, 0, 11, 0, 12, 0, 13, 0, 14, 0, 15
+#  elif VBYTES / REAL_SIZE == 4
+#    define BF16_SPREAD 0, 4, 0, 5, 0, 6, 0, 7
+#  endif
+#endif
+
+/* Elements [i, i + DVL) of such a row as a vector, widened in registers (a float16 or
+ * bfloat16 cache is never written out as floats). */
+static inline __attribute__((always_inline)) FN(vec) FN(decode_vec)(const char *row, int i,
+                                                                   or_dtype dt)
+{
+    FN(vec) v;
+    if (dt == (REAL_SIZE == 8 ? OR_F64 : OR_F32)) {
+        memcpy(&v, row + (size_t)i * REAL_SIZE, sizeof(v));
+        return v;
+    }
+#if REAL_SIZE == 4
+    if (dt == OR_BF16) {    /* the top halves of floats: one shuffle with zeros */
+        typedef uint16_t hvec __attribute__((vector_size(VBYTES / 2)));
+        typedef uint16_t wvec __attribute__((vector_size(VBYTES)));
+        hvec h;
+        memcpy(&h, row + (size_t)i * 2, sizeof(h));
+        const wvec w = __builtin_shufflevector((hvec){0}, h, BF16_SPREAD);
+        memcpy(&v, &w, sizeof(v));
+        return v;
+    }
+#endif
+    REAL lane[DVL];
+    for (int t = 0; t < DVL; t++)
+        lane[t] = FN(decode_load)(row, i + t, dt);
+    memcpy(&v, lane, sizeof(v));
+    return v;
+}
+
+/* Pairwise sums of blocks of b lanes, FOLD(x, y, b): lane i of the first half of the result
+ * is the sum of blocks 2k and 2k + 1 of x (k = i / b; the same offset in each block), of the
+ * second half the same of y; so accumulators held in blocks of x and y stay in order, each in
+ * half as many lanes. The shuffles' lane lists, for the DVL_PP lanes of this instance: */
+#define DVL_PP (VBYTES / REAL_SIZE)
+#if DVL_PP == 16
+#define FOLD_E8 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define FOLD_O8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define FOLD_E4 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27
+#define FOLD_O4 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31
+#define FOLD_E2 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29
+#define FOLD_O2 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31
+#define FOLD_E1 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30
+#define FOLD_O1 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
+#elif DVL_PP == 8
+#define FOLD_E4 0, 1, 2, 3, 8, 9, 10, 11
+#define FOLD_O4 4, 5, 6, 7, 12, 13, 14, 15
+#define FOLD_E2 0, 1, 4, 5, 8, 9, 12, 13
+#define FOLD_O2 2, 3, 6, 7, 10, 11, 14, 15
+#define FOLD_E1 0, 2, 4, 6, 8, 10, 12, 14
+#define FOLD_O1 1, 3, 5, 7, 9, 11, 13, 15
+#elif DVL_PP == 4
+#define FOLD_E2 0, 1, 4, 5
+#define FOLD_O2 2, 3, 6, 7
+#define FOLD_E1 0, 2, 4, 6
+#define FOLD_O1 1, 3, 5, 7
+#elif DVL_PP == 2
+#define FOLD_E1 0, 2
+#define FOLD_O1 1, 3
+#endif
+#define FOLD(x, y, b) (__builtin_shufflevector(x, y, FOLD_E##b) \
+                       + __builtin_shufflevector(x, y, FOLD_O##b))
+#define FOLD_LEVEL(b) \
+    for (int i = 0; i < m / 2; i++) \
+        acc[i] = FOLD(acc[2 * i], acc[2 * i + 1], b); \
+    m /= 2;
+
+/* sum[t] = the sum of the lanes of acc[t], t < NKEYS (8): one transpose-and-add tree of
+ * shuffles for all of them (a reduction per key cost as much as its dot product), always in
+ * the same order. */
+static inline __attribute__((always_inline)) void FN(decode_sums)(FN(vec) *acc, REAL *sum)
+{
+    _Static_assert(NKEYS == 8, "decode_sums folds 8 accumulators");
+    int m = NKEYS;
+#if DVL_PP == 16
+    FOLD_LEVEL(8)
+    FOLD_LEVEL(4)
+    FOLD_LEVEL(2)
+    acc[0] = FOLD(acc[0], acc[0], 1);      /* 8 sums, twice */
+#else
+#if DVL_PP == 8
+    FOLD_LEVEL(4)
+#endif
+#if DVL_PP >= 4
+    FOLD_LEVEL(2)
+#endif
+    FOLD_LEVEL(1)
+#endif
+    for (int i = 0; i < m; i++) {
+        REAL lane[DVL];
+        memcpy(lane, &acc[i], sizeof(lane));
+        memcpy(sum + i * (NKEYS / m), lane, sizeof(REAL) * (size_t)(NKEYS / m));
+    }
+}
+#undef FOLD_LEVEL
+#undef FOLD
+#undef FOLD_E1
+#undef FOLD_O1
+#undef FOLD_E2
+#undef FOLD_O2
+#undef FOLD_E4
+#undef FOLD_O4
+#undef FOLD_E8
+#undef FOLD_O8
+#undef DVL_PP
+#undef BF16_SPREAD
+
+/* s[r * BC + t] = q row r . key row t, for r < nr (a constant), t < NKEYS (keys of dtype dt at
+ * kr[t]): NKEYS x nr independent sums hide the FMA latency, and each key vector is loaded and
+ * widened once for the nr rows. */
+static inline __attribute__((always_inline)) void
+FN(decode_dots)(REAL *s, const REAL *q, int dp, const char *const *kr, int d, or_dtype dt,
+                const int nr)
 {
     const int dvec = d - d % DVL;
-    FN(vec) a = {0}, x, y;
+    FN(vec) acc[DROWS][NKEYS];
+    for (int r = 0; r < nr; r++)
+        for (int t = 0; t < NKEYS; t++)
+            acc[r][t] = (FN(vec)){0};
     for (int i = 0; i < dvec; i += DVL) {
-        memcpy(&x, qrow + i, sizeof(x));
-        memcpy(&y, krow + i, sizeof(y));
-        a += x * y;
+        FN(vec) x[DROWS];
+        for (int r = 0; r < nr; r++)
+            memcpy(&x[r], q + (or_ssize)r * dp + i, sizeof(x[r]));
+        for (int t = 0; t < NKEYS; t++) {
+            const FN(vec) y = FN(decode_vec)(kr[t], i, dt);
+            for (int r = 0; r < nr; r++)
+                acc[r][t] += x[r] * y;
+        }
     }
-    REAL t = FN(hsum)(&a);
-    for (int i = dvec; i < d; i++)
-        t += qrow[i] * krow[i];
-    return t;
+    for (int r = 0; r < nr; r++) {
+        REAL sum[NKEYS];
+        FN(decode_sums)(acc[r], sum);
+        for (int i = dvec; i < d; i++)
+            for (int t = 0; t < NKEYS; t++)
+                sum[t] += q[(or_ssize)r * dp + i] * FN(decode_load)(kr[t], i, dt);
+        memcpy(s + (or_ssize)r * BC, sum, sizeof(sum));
+    }
 }
 
-/* s[r * BC + c] = q row r . key row c, for r < rows, c < cols (keys of dtype dt, ks bytes
- * apart). Four keys at a time: four independent sums hide the FMA latency that one dot
- * product's chain exposes (about 2x the decode step, measured). */
+/* Asks for n rows of len bytes each, for the next block: a few at a time between the work on
+ * this one (one core alone reads the cache at well below the machine's bandwidth otherwise),
+ * into L2 (prefetcht1: 3-10 % faster than into L1 at 4,096 keys, measured). */
 static inline __attribute__((always_inline)) void
-FN(decode_scores)(REAL *s, const REAL *q, int rows, int dp, const char *k, or_ssize ks,
-                  int cols, int d, or_dtype dt, REAL *buf)
+FN(decode_prefetch)(const char *const *rows, int n, int len)
 {
-    const int dvec = d - d % DVL;
-    or_ssize ld;
-    int c = 0;
-    for (; c + 4 <= cols; c += 4) {
-        const REAL *k0 = FN(decode_rows)(buf, k + c * ks, ks, 4, d, dt, &ld);
-        const REAL *k1 = k0 + ld, *k2 = k1 + ld, *k3 = k2 + ld;
-        for (int r = 0; r < rows; r++) {
-            const REAL *qrow = q + (or_ssize)r * dp;
-            FN(vec) a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, x, y;
-            for (int i = 0; i < dvec; i += DVL) {
-                memcpy(&x, qrow + i, sizeof(x));
-                memcpy(&y, k0 + i, sizeof(y));
-                a0 += x * y;
-                memcpy(&y, k1 + i, sizeof(y));
-                a1 += x * y;
-                memcpy(&y, k2 + i, sizeof(y));
-                a2 += x * y;
-                memcpy(&y, k3 + i, sizeof(y));
-                a3 += x * y;
+    for (int t = 0; t < n; t++)
+        for (int b = 0; b < len; b += 64)
+            __builtin_prefetch(rows[t] + b, 0, 2);
+}
+
+/* s[r * BC + c] = q row r . key row c, for r < rows, c < cols rounded up to NKEYS (kr holds
+ * that many row addresses); asks for the next block's keys (next, n_next rows) meanwhile. */
+static inline __attribute__((always_inline)) void
+FN(decode_scores)(REAL *s, const REAL *q, int rows, int dp, const char *const *kr, int cols,
+                  int d, or_dtype dt, const char *const *next, int n_next)
+{
+    const int len = d * FN(decode_size)(dt);
+    for (int c = 0; c < cols; c += NKEYS) {
+        if (c < n_next)
+            FN(decode_prefetch)(next + c, n_next - c < NKEYS ? n_next - c : NKEYS, len);
+        int r = 0;
+        for (; r + DROWS <= rows; r += DROWS)
+            FN(decode_dots)(s + (or_ssize)r * BC + c, q + (or_ssize)r * dp, dp, kr + c, d, dt,
+                            DROWS);
+        for (; r < rows; r++)
+            FN(decode_dots)(s + (or_ssize)r * BC + c, q + (or_ssize)r * dp, dp, kr + c, d, dt, 1);
+    }
+}
+
+/* o (rows x dvp) += P (s, rows x BC) V (value rows of dtype dt at vr, cols rounded up to
+ * NKEYS, whose columns of s past cols are 0), NKEYS value rows at a time: each value vector is
+ * loaded and widened once for all rows, an output vector loaded and stored once per NKEYS
+ * keys. Asks for the next block's values meanwhile. */
+static inline __attribute__((always_inline)) void
+FN(decode_pv)(REAL *o, int dvp, int dv, const REAL *s, int rows, const char *const *vr,
+              int cols, or_dtype dt, const char *const *next, int n_next)
+{
+    const int dvec = dv - dv % DVL;
+    const int len = dv * FN(decode_size)(dt);
+    for (int c = 0; c < cols; c += NKEYS) {
+        if (c < n_next)
+            FN(decode_prefetch)(next + c, n_next - c < NKEYS ? n_next - c : NKEYS, len);
+        for (int x = 0; x < dvec; x += DVL) {
+            FN(vec) y[NKEYS];
+            for (int t = 0; t < NKEYS; t++)
+                y[t] = FN(decode_vec)(vr[c + t], x, dt);
+            for (int r = 0; r < rows; r++) {
+                const REAL *p = s + (or_ssize)r * BC + c;
+                REAL *orow = o + (or_ssize)r * dvp + x;
+                FN(vec) a;
+                memcpy(&a, orow, sizeof(a));
+                for (int t = 0; t < NKEYS; t++)
+                    a += p[t] * y[t];
+                memcpy(orow, &a, sizeof(a));
             }
-            REAL t[4] = {FN(hsum)(&a0), FN(hsum)(&a1), FN(hsum)(&a2), FN(hsum)(&a3)};
-            for (int i = dvec; i < d; i++) {
-                t[0] += qrow[i] * k0[i];
-                t[1] += qrow[i] * k1[i];
-                t[2] += qrow[i] * k2[i];
-                t[3] += qrow[i] * k3[i];
+        }
+        for (int x = dvec; x < dv; x++)
+            for (int r = 0; r < rows; r++) {
+                const REAL *p = s + (or_ssize)r * BC + c;
+                REAL a = o[(or_ssize)r * dvp + x];
+                for (int t = 0; t < NKEYS; t++)
+                    a += p[t] * FN(decode_load)(vr[c + t], x, dt);
+                o[(or_ssize)r * dvp + x] = a;
             }
-            memcpy(s + (or_ssize)r * BC + c, t, sizeof(t));
-        }
-    }
-    for (; c < cols; c++) {
-        const REAL *krow = FN(decode_rows)(buf, k + c * ks, ks, 1, d, dt, &ld);
-        for (int r = 0; r < rows; r++)
-            s[(or_ssize)r * BC + c] = FN(dot)(q + (or_ssize)r * dp, krow, d);
     }
 }
 
-/* o (rows x dvp) += P (s, rows x BC) V (cols value rows of dtype dt, vs bytes apart), four
- * value rows at a time so that an output row is loaded and stored once per four keys; each
- * value row is read (and widened) once. */
-static inline __attribute__((always_inline)) void
-FN(decode_pv)(REAL *o, int dvp, int dv, const REAL *s, int rows, const char *v, or_ssize vs,
-              int cols, or_dtype dt, REAL *buf)
-{
-    or_ssize ld;
-    int c = 0;
-    for (; c + 4 <= cols; c += 4) {
-        const REAL *v0 = FN(decode_rows)(buf, v + c * vs, vs, 4, dv, dt, &ld);
-        const REAL *v1 = v0 + ld, *v2 = v1 + ld, *v3 = v2 + ld;
-        for (int r = 0; r < rows; r++) {
-            const REAL *p = s + (or_ssize)r * BC + c;
-            REAL *orow = o + (or_ssize)r * dvp;
-            for (int x = 0; x < dv; x++)
-                orow[x] += p[0] * v0[x] + p[1] * v1[x] + p[2] * v2[x] + p[3] * v3[x];
-        }
-    }
-    for (; c < cols; c++) {
-        const REAL *vrow = FN(decode_rows)(buf, v + c * vs, vs, 1, dv, dt, &ld);
-        for (int r = 0; r < rows; r++) {
-            const REAL pc = s[(or_ssize)r * BC + c];
-            REAL *orow = o + (or_ssize)r * dvp;
-            for (int x = 0; x < dv; x++)
-                orow[x] += pc * vrow[x];
-        }
-    }
-}
+/* A row of zeros, long enough for any head dim and dtype. */
+static const double FN(zero_row)[OR_MAX_HEAD_DIM];
 
-/* Asks for the next block's key and value rows while this one is computed, for rows read in
- * place (decode_rows asks for widened ones itself): one core alone reads the cache at well
- * below the machine's bandwidth otherwise (without it, 1.05-1.3x slower in float32,
- * measured). */
+/* The addresses of rows [j0, j0 + n) of kv unit kvu in K or V (slot), paged or not, then rows
+ * of zeros up to a multiple of NKEYS (their scores are masked, and their weights 0 times 0
+ * adds nothing, where a copy of a real row could add 0 * inf = NaN). */
 static inline __attribute__((always_inline)) void
-FN(decode_prefetch)(const char *k, const char *v, or_ssize kstride, or_ssize vstride, int rows,
-                    int kbytes, int vbytes)
+FN(decode_rows)(const or_problem *p, int slot, or_ssize kvu, or_ssize j0, int n,
+                const char **out)
 {
-    for (int r = 0; r < rows; r++) {
-        for (int b = 0; b < kbytes; b += 64)
-            __builtin_prefetch(k + r * kstride + b, 0, 3);
-        for (int b = 0; b < vbytes; b += 64)
-            __builtin_prefetch(v + r * vstride + b, 0, 3);
+    const or_ssize stride = p->view[slot].row_stride;
+    or_ssize run;
+    for (int c = 0; c < n;) {
+        const char *r = or_kv_row(p, slot, kvu, j0 + c, &run);
+        for (or_ssize i = 0; i < run && c < n; i++)
+            out[c++] = r + i * stride;
     }
+    for (int c = n; c % NKEYS; c++)
+        out[c] = (const char *)FN(zero_row);
 }
 
 /* One split of one kv unit, whose keys and values are of dtype dt. */
@@ -186,8 +307,11 @@ FN(decode_split)(const or_job *job, or_ssize item, int worker, or_dtype dt)
 
     REAL *o = FN(decode_part)(job, item), *m = o + (or_ssize)rows * dvp, *l = m + rows;
     REAL *q = (REAL *)(job->scratch + (size_t)worker * job->per_worker);
-    REAL *s = q + (or_ssize)rows * dp, *buf = s + (or_ssize)rows * BC;     /* buf: 4 x max(d, dv) */
-    unsigned char *keep = (unsigned char *)(buf + 4 * (d > dv ? d : dv));
+    REAL *s = q + (or_ssize)rows * dp;
+    unsigned char *keep = (unsigned char *)(s + (or_ssize)rows * BC);
+    /* row addresses of this block's keys and values and of the next block's, swapped */
+    const char *rows_a[2][BC + NKEYS], *rows_b[2][BC + NKEYS];
+    const char *(*cur)[BC + NKEYS] = rows_a, *(*nxt)[BC + NKEYS] = rows_b;
 
     for (int r = 0; r < rows; r++) {
         m[r] = -INFINITY;
@@ -204,15 +328,17 @@ FN(decode_split)(const or_job *job, or_ssize item, int worker, or_dtype dt)
     for (or_ssize g = 0; g < group; g++)
         FN(load_rows)(q + g * nq * dp, dp, FN(row_ptr)(p, OR_Q, u0 + g, 0), w[OR_Q].row_stride,
                       nq, d, nq, w[OR_Q].dtype, (REAL)p->prm.scale);
-    const or_ssize ks = w[OR_K].row_stride, vs = w[OR_V].row_stride;
+    int cols = (int)(hi - lo < BC ? hi - lo : BC);
+    FN(decode_rows)(p, OR_K, kvu, lo, cols, cur[0]);
+    FN(decode_rows)(p, OR_V, kvu, lo, cols, cur[1]);
     for (or_ssize j0 = lo; j0 < hi; j0 += BC) {
-        const int cols = (int)(hi - j0 < BC ? hi - j0 : BC), ncols = FN(pad)(cols);
-        const char *kr = FN(row_ptr)(p, OR_K, kvu, j0), *vr = FN(row_ptr)(p, OR_V, kvu, j0);
-        if (j0 + BC < hi && dt == (sizeof(REAL) == sizeof(double) ? OR_F64 : OR_F32))
-            FN(decode_prefetch)(kr + BC * ks, vr + BC * vs, ks, vs,
-                                (int)(hi - j0 - BC < BC ? hi - j0 - BC : BC),
-                                d * w[OR_K].itemsize, dv * w[OR_V].itemsize);
-        FN(decode_scores)(s, q, rows, dp, kr, ks, cols, d, dt, buf);
+        const int ncols = FN(pad)(cols), kcols = (cols + NKEYS - 1) / NKEYS * NKEYS;
+        const int n_next = (int)(hi - j0 - BC < 0 ? 0 : hi - j0 - BC < BC ? hi - j0 - BC : BC);
+        if (n_next > 0) {
+            FN(decode_rows)(p, OR_K, kvu, j0 + BC, n_next, nxt[0]);
+            FN(decode_rows)(p, OR_V, kvu, j0 + BC, n_next, nxt[1]);
+        }
+        FN(decode_scores)(s, q, rows, dp, cur[0], cols, d, dt, nxt[0], n_next);
         for (or_ssize g = 0; g < group; g++)
             FN(transform_scores)(p, (int)nq, cols, 0, j0, nq, nk,
                                  p->slopes ? (REAL)p->slopes[u0 + g] : 0, s + g * nq * BC, NULL);
@@ -226,6 +352,8 @@ FN(decode_split)(const or_job *job, or_ssize item, int worker, or_dtype dt)
             const REAL alpha = EXP(m[r] - mnew);
             m[r] = mnew;
             l[r] = l[r] * alpha + FN(exp_row)(srow, mnew, ncols);
+            for (int c = ncols; c < kcols; c++)     /* past the tile's padding: weight 0 */
+                srow[c] = 0;
             if (alpha != 1)
                 for (int x = 0; x < dv; x++)
                     orow[x] *= alpha;
@@ -237,7 +365,11 @@ FN(decode_split)(const or_job *job, or_ssize item, int worker, or_dtype dt)
                     srow[c] = keep[c] ? srow[c] * drop_scale : 0;
             }
         }
-        FN(decode_pv)(o, dvp, dv, s, rows, vr, vs, cols, dt, buf);
+        FN(decode_pv)(o, dvp, dv, s, rows, cur[1], cols, dt, nxt[1], n_next);
+        const char *(*t)[BC + NKEYS] = cur;
+        cur = nxt;
+        nxt = t;
+        cols = n_next;
     }
 }
 
@@ -290,3 +422,5 @@ static void FN(decode_combine_item)(void *vjob, or_ssize kvu, int worker)
 }
 
 #undef DVL
+#undef NKEYS
+#undef DROWS

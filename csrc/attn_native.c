@@ -124,8 +124,8 @@ static int decode_fwd(const or_problem *p, const or_kernels *kern, int dbl)
     job.part = aligned_alloc(64, real * (size_t)job.part_stride * items);
     if (job.part == NULL)
         return OR_ENOMEM;
-    /* q and s tiles, four widened key or value rows, the dropout keep row */
-    job.per_worker = round_up(real * (rows * dp + rows * bc + 4 * (dp > dvp ? dp : dvp)) + bc);
+    /* q and s tiles, the dropout keep row */
+    job.per_worker = round_up(real * (rows * dp + rows * bc) + bc);
     int rc = run_job(&job, (or_ssize)items, kern->decode_item[dbl]);
     if (rc == OR_OK) {
         job.per_worker = round_up(real * dvp);      /* a row of out */
@@ -146,11 +146,11 @@ int or_native_fwd(const or_problem *p)
     const or_ssize bc = kern->block_keys;
     const size_t lanes = (size_t)kern->width / real, dp = (p->d + lanes - 1) / lanes * lanes,
                  dvp = (p->dv + lanes - 1) / lanes * lanes;
-    /* values already REAL, in rows of whole vectors, are read in place; others (float16,
-     * bfloat16) are converted once per call, not once per query block */
+    /* values already REAL, in rows of whole vectors and not paged, are read in place; others
+     * (float16, bfloat16) are converted once per call, not once per query block */
     const or_view *v = &p->view[OR_V];
     const int v_in_place = v->dtype == (dbl ? OR_F64 : OR_F32) && (size_t)p->dv == dvp
-                           && v->row_stride % (or_ssize)real == 0;
+                           && v->row_stride % (or_ssize)real == 0 && p->pages.rows == 0;
     or_job job = {.p = p, .blocks = 0};
     job.kt_off = malloc(sizeof(or_ssize) * (size_t)(n_kv + 1) * 2);
     if (job.kt_off == NULL)

@@ -314,6 +314,39 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
                    w[OR_LSE].dtype);
 }
 
+/* transpose_keys_item of paged keys and values (orchard.h): the same tiles, filled a run of
+ * rows (to the end of its page) at a time. */
+static inline __attribute__((always_inline)) void
+FN(paged_keys_item)(const or_job *job, or_ssize kvu, or_ssize nk)
+{
+    const or_problem *p = job->p;
+    const int d = p->d;
+    const or_view *k = &p->view[OR_K], *v = &p->view[OR_V];
+    REAL *kt = (REAL *)job->kt + job->kt_off[kvu];
+    memset(kt, 0, sizeof(REAL) * (size_t)((nk + BC - 1) / BC * BC) * (size_t)d);
+    or_ssize run;
+    for (or_ssize j = 0; j < nk; j += run) {
+        const char *src = or_kv_row(p, OR_K, kvu, j, &run);
+        run = run < nk - j ? run : nk - j;
+        for (or_ssize r = j; r < j + run; r++, src += k->row_stride) {
+            REAL *dst = kt + r / BC * BC * d + r % BC;     /* column c at dst[c * BC] */
+            switch (k->dtype) {
+#define OR_LOAD(id, tag, ...) \
+            case id: for (int c = 0; c < d; c++) dst[c * BC] = (REAL)or_load_##tag(src, c); break;
+            OR_DTYPES(OR_LOAD)
+#undef OR_LOAD
+            }
+        }
+    }
+    const int dvp = FN(pad)(p->dv);
+    for (or_ssize j = 0; j < nk; j += run) {   /* paged values are never read in place */
+        const char *src = or_kv_row(p, OR_V, kvu, j, &run);
+        run = run < nk - j ? run : nk - j;
+        FN(load_rows)((REAL *)job->vc + job->vc_off[kvu] + j * dvp, dvp, src, v->row_stride, run,
+                      p->dv, run, v->dtype, 1);
+    }
+}
+
 /* Forward pre-pass, one item per kv unit: its keys transposed, in blocks (load_cols_blocked),
  * and its values converted when they are not read in place. Cloned (and the loads inlined) as
  * the kernels are, so that float16 converts with the CPU's F16C instructions rather than a
@@ -323,6 +356,10 @@ static void FN(transpose_keys_item)(void *vjob, or_ssize kvu, int worker)
     const or_job *job = vjob;
     const or_problem *p = job->p;
     const or_ssize nk = p->nk[kvu * p->prm.group];
+    if (p->pages.rows) {
+        FN(paged_keys_item)(job, kvu, nk);
+        return;
+    }
     FN(load_cols_blocked)((REAL *)job->kt + job->kt_off[kvu], FN(row_ptr)(p, OR_K, kvu, 0),
                           p->view[OR_K].row_stride, nk, p->d, p->view[OR_K].dtype);
     if (job->vc)

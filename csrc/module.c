@@ -130,8 +130,10 @@ static PyObject *attention(PyObject *module, or_call *c, or_opts *o, PyObject **
         goto done;
     c->ct = or_device_counters(c->device.index);
     if (or_load_operands(c, objs, slots, nobj) < 0
+        || (o->block_table != Py_None && or_check_paged_kv(c) < 0)
         || or_check_qkv(c) < 0 || or_check_scale(c, o) < 0
-        || (c->varlen && or_check_varlen(c, o, cuq, cuk) < 0))
+        || (c->varlen && or_check_varlen(c, o, cuq, cuk) < 0)
+        || or_check_pages(c, o) < 0)
         goto done;
     or_dtype dt = c->p.view[OR_Q].dtype;
     or_out_shapes(c, oshape, lshape, &ond, &lnd);
@@ -161,7 +163,8 @@ done:
 #define OPTION_ARGS &o.window, &o.alibi, &o.softcap, &o.seed, &o.device
 /* window NULL = (-1, -1), seed NULL = 0 */
 #define OPTS_INIT {.scale = Py_None, .window = NULL, .alibi = Py_None, .seed = NULL, \
-                   .device = Py_None, .max_q = Py_None, .max_k = Py_None, .seqused_k = Py_None}
+                   .device = Py_None, .max_q = Py_None, .max_k = Py_None, .seqused_k = Py_None, \
+                   .block_table = Py_None, .leftpad_k = Py_None}
 
 static const int FWD_SLOTS[] = {OR_Q, OR_K, OR_V};
 static const int BWD_SLOTS[] = {OR_DO, OR_Q, OR_K, OR_V, OR_O, OR_LSE};
@@ -197,15 +200,15 @@ static PyObject *flash_attn_varlen_fwd(PyObject *module, PyObject *args, PyObjec
 {
     static char *kwlist[] = {"q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
                              "max_seqlen_k", "scale", "dropout_p", "causal", OPTION_KWLIST,
-                             "seqused_k", NULL};
+                             "seqused_k", "block_table", "leftpad_k", NULL};
     or_opts o = OPTS_INIT;
     PyObject *x[3], *cuq, *cuk;
     or_call c = {.func = "flash_attn_varlen_fwd", .varlen = 1};
     if (!PyArg_ParseTupleAndKeywords(args, kw,
-                                     "OOOOO|OOOdp" OPTION_FORMAT "O:flash_attn_varlen_fwd",
+                                     "OOOOO|OOOdp" OPTION_FORMAT "OOO:flash_attn_varlen_fwd",
                                      kwlist, &x[0], &x[1], &x[2], &cuq, &cuk, &o.max_q, &o.max_k,
                                      &o.scale, &o.dropout_p, &o.causal, OPTION_ARGS,
-                                     &o.seqused_k))
+                                     &o.seqused_k, &o.block_table, &o.leftpad_k))
         return NULL;
     return attention(module, &c, &o, x, FWD_SLOTS, 3, cuq, cuk);
 }
@@ -501,10 +504,13 @@ PyDoc_STRVAR(bwd_doc,
 PyDoc_STRVAR(varlen_fwd_doc,
 "flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,\n"
 "                      max_seqlen_k=None, scale=None, dropout_p=0.0, causal=False, *, ...,\n"
-"                      seqused_k=None) -> (out, lse)\n\n"
+"                      seqused_k=None, block_table=None, leftpad_k=None) -> (out, lse)\n\n"
 "Packed sequences: q (total_q, H, D), k/v (total_k, Hkv, D/Dv); out (total_q, H, Dv),\n"
 "lse (H, total_q). seqused_k (B,) uses only the first seqused_k[b] keys of sequence b (its\n"
-"slot in k/v, from cu_seqlens_k, may be longer: a KV cache with room to grow).");
+"slot in k/v, from cu_seqlens_k, may be longer: a KV cache with room to grow).\n"
+"block_table (B, max_pages) of ints: k/v are pages (num_pages, page_size, Hkv, D/Dv), read in\n"
+"place (device 'cpu' only), and sequence b's keys are positions leftpad_k[b] (default 0) to\n"
+"cu_seqlens_k[b + 1] - cu_seqlens_k[b] (or seqused_k[b]) of its pages.");
 PyDoc_STRVAR(varlen_bwd_doc,
 "flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,\n"
 "                      max_seqlen_q=None, max_seqlen_k=None, scale=None, dropout_p=0.0,\n"

@@ -12,6 +12,23 @@
 
 #define BR 96   /* query rows per block; key rows per block (BC) are the kernel set's */
 
+/* Address of row j of kv unit kvu in K or V (slot), paged or not (orchard.h), and in *run how
+ * many rows from it on lie stride apart (to its page's end). */
+static inline const char *or_kv_row(const or_problem *p, int slot, or_ssize kvu, or_ssize j,
+                                    or_ssize *run)
+{
+    const or_view *w = &p->view[slot];
+    const or_pages *pg = &p->pages;
+    if (pg->rows == 0) {
+        *run = p->nk[kvu * p->prm.group] - j;
+        return w->base + w->offs[kvu] + j * w->row_stride;
+    }
+    const or_ssize pos = pg->first[kvu] + j, r = pos % pg->rows;
+    *run = pg->rows - r;
+    return w->base + pg->table[kvu][pos / pg->rows] * (slot == OR_K ? pg->k_stride : pg->v_stride)
+           + w->offs[kvu] + r * w->row_stride;
+}
+
 /* One native call: the problem, its plan and its temporary buffers. */
 typedef struct {
     const or_problem *p;

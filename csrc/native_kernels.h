@@ -47,6 +47,7 @@ static inline __attribute__((always_inline)) float or_expf(float x)
 }
 
 #define REAL float
+#define REAL_SIZE 4     /* sizeof(REAL), for the preprocessor */
 #define SFX _f
 #define EXP or_expf
 #define LOG logf
@@ -54,12 +55,14 @@ static inline __attribute__((always_inline)) float or_expf(float x)
 #include "attn_native_impl.h"
 #include "attn_decode_impl.h"
 #undef REAL
+#undef REAL_SIZE
 #undef SFX
 #undef EXP
 #undef LOG
 #undef TANH
 
 #define REAL double
+#define REAL_SIZE 8
 #define SFX _d
 #define EXP exp
 #define LOG log

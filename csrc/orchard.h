@@ -36,6 +36,17 @@ typedef struct {
                                by query unit, k/v/dk/dv slots by kv unit */
 } or_view;
 
+/* Paged keys and values (FlashAttention's block_table), when rows > 0: K and V lie in pages of
+ * `rows` rows, k_stride and v_stride bytes apart, and key j of kv unit w is row r of page
+ * table[w][t], (t, r) = divmod(first[w] + j, rows), at that row's address plus offs[w] (the
+ * head's offset within a row) in its view. Only the native path reads pages (args.c). */
+typedef struct {
+    or_ssize rows;                  /* keys per page; 0: K and V are not paged */
+    or_ssize k_stride, v_stride;
+    const int64_t *const *table;    /* per kv unit: its sequence's row of the block table */
+    const or_ssize *first;          /* per kv unit: the page position of its key 0 */
+} or_pages;
+
 typedef struct {
     or_ssize n_units;       /* query batch-heads; unit index = dropout batch-head index */
     const or_ssize *nq;     /* per unit: query rows */
@@ -44,6 +55,7 @@ typedef struct {
     or_params prm;          /* scale, masks, softcap, dropout, GQA group: what kernels read */
     const double *slopes;   /* per unit ALiBi slope when prm.has_alibi, else NULL */
     or_view view[OR_NSLOTS];
+    or_pages pages;
 } or_problem;
 
 /* Decoding: a forward whose units all have at most OR_DECODE_MAX_QUERIES query rows (one

@@ -16,6 +16,12 @@ void or_call_clear(or_call *c)
     Py_CLEAR(c->cu_q);
     Py_CLEAR(c->cu_k);
     Py_CLEAR(c->used_k);
+    Py_CLEAR(c->pages);
+    Py_CLEAR(c->leftpad);
+    PyMem_Free(c->page_list);
+    PyMem_Free(c->page_first);
+    c->page_list = NULL;
+    c->page_first = NULL;
     PyMem_Free(c->nq);
     PyMem_Free(c->nk);
     PyMem_Free(c->slopes);
@@ -108,6 +114,31 @@ static int dense_tables(or_call *c)
     return 0;
 }
 
+/* Paged k and v (or_check_pages): kv unit (b, h) reads sequence b's row of pages from its
+ * leftpad on, at head h's offset within a page row. */
+static int paged_tables(or_call *c, or_ssize nseq, or_ssize hkv)
+{
+    const int64_t *tbl = PyArray_DATA(c->pages), *lp = c->leftpad ? PyArray_DATA(c->leftpad) : NULL;
+    const npy_intp width = PyArray_DIM(c->pages, 1);
+    if (!(c->page_list = or_alloc_units(nseq * hkv, sizeof(*c->page_list)))
+        || !(c->page_first = or_alloc_units(nseq * hkv, sizeof(or_ssize))))
+        return -1;
+    for (int s = OR_K; s <= OR_V; s++) {
+        if (!(c->offs[s] = or_alloc_units(nseq * hkv, sizeof(or_ssize))))
+            return -1;
+        for (or_ssize w = 0; w < nseq * hkv; w++)
+            c->offs[s][w] = (w % hkv) * PyArray_STRIDE(c->arr[s], 1);
+        c->p.view[s].row_stride = PyArray_STRIDE(c->arr[s], 0);
+    }
+    for (or_ssize w = 0; w < nseq * hkv; w++) {
+        c->page_list[w] = tbl + (w / hkv) * width;
+        c->page_first[w] = lp ? lp[w / hkv] : 0;
+    }
+    c->p.pages.table = c->page_list;
+    c->p.pages.first = c->page_first;
+    return 0;
+}
+
 /* Varlen layout: unit (b, h) is sequence b of head h. */
 static int varlen_tables(or_call *c)
 {
@@ -118,13 +149,16 @@ static int varlen_tables(or_call *c)
     if (!(c->nq = or_alloc_units(nseq * h, sizeof(or_ssize)))
         || !(c->nk = or_alloc_units(nseq * h, sizeof(or_ssize))))
         return -1;
+    const int64_t *lp = c->leftpad ? PyArray_DATA(c->leftpad) : NULL;
     for (or_ssize b = 0; b < nseq; b++)
         for (or_ssize i = 0; i < h; i++) {
             c->nq[b * h + i] = cq[b + 1] - cq[b];
-            c->nk[b * h + i] = used ? used[b] : ck[b + 1] - ck[b];
+            c->nk[b * h + i] = (used ? used[b] : ck[b + 1] - ck[b]) - (lp ? lp[b] : 0);
         }
+    if (c->pages != NULL && paged_tables(c, nseq, hkv) < 0)
+        return -1;
     for (int s = 0; s < OR_NSLOTS; s++) {
-        if (c->arr[s] == NULL)
+        if (c->arr[s] == NULL || (c->pages != NULL && (s == OR_K || s == OR_V)))
             continue;
         int kv_side = s == OR_K || s == OR_V || s == OR_DK || s == OR_DV;
         int seq_axis = s == OR_LSE ? 1 : 0, head_axis = s == OR_LSE ? 0 : 1;

@@ -54,6 +54,7 @@ int or_device_save_tuned_blocks(int index, int bq, int bk);
 /* The options of an attention call as parsed; window NULL = (-1, -1), seed NULL = 0. */
 typedef struct {
     PyObject *scale, *window, *alibi, *seed, *device, *max_q, *max_k, *seqused_k;
+    PyObject *block_table, *leftpad_k;      /* paged K and V (varlen forward), or None */
     double dropout_p, softcap;
     int causal;
 } or_opts;
@@ -68,6 +69,10 @@ typedef struct {
     or_ssize *offs[OR_NSLOTS];
     PyArrayObject *cu_q, *cu_k;     /* int64 copies of cu_seqlens */
     PyArrayObject *used_k;          /* int64 copy of seqused_k, or NULL */
+    PyArrayObject *pages, *leftpad; /* int64 copies of block_table and leftpad_k, or NULL */
+    const int64_t **page_list;      /* per kv unit: its row of pages (or_pages.table) */
+    or_ssize *page_first;           /* per kv unit: its leftpad (or_pages.first) */
+    npy_intp num_pages;             /* pages in k and v */
     or_ssize *nq, *nk;
     double *slopes;
     or_ssize heads;                 /* query heads H (dense: size of dim -3, or 1) */
@@ -83,6 +88,8 @@ int or_load_operands(or_call *c, PyObject **objs, const int *slots, int n);
 int or_check_qkv(or_call *c);
 int or_check_scale(or_call *c, const or_opts *o);
 int or_check_varlen(or_call *c, const or_opts *o, PyObject *cuq_obj, PyObject *cuk_obj);
+int or_check_paged_kv(or_call *c);
+int or_check_pages(or_call *c, const or_opts *o);
 int or_check_like(or_call *c, int slot, const npy_intp *shape, int nd);
 int or_parse_shape(PyObject *obj, const char *name, npy_intp *dims);    /* its length or -1 */
 

@@ -5,6 +5,11 @@ benchmarks/decode.py print it.
 
 A decode step reads every key and value once and does little arithmetic with them, so its
 roof is memory bandwidth: GB/s here are bytes of K and V per second.
+
+On the native device each case has a second row: the same keys and values as a paged cache
+(pages of PAGE rows, (num_pages, PAGE, kv heads, D), in scrambled order, read in place through
+a block_table), against torch SDPA on the contiguous tensors, timed alongside. OpenCL devices
+gather pages into a copy (orchard.flash_attn), so they get no paged row.
 """
 import statistics
 
@@ -17,6 +22,7 @@ from orchard.benchmark import best_time
 # (query heads, kv heads, head dim, cache length): the issue's shapes, a Llama-style model
 CASES = [(32, 8, 128, 4096), (32, 8, 128, 16384), (32, 32, 128, 4096), (32, 32, 128, 16384)]
 DTYPES = (torch.float32, torch.bfloat16)
+PAGE = 256  # rows per page of the paged rows (vLLM's and FlashAttention's usual sizes: 16-256)
 
 
 def read_bandwidth(repeats=5, nbytes=1 << 30):
@@ -26,10 +32,22 @@ def read_bandwidth(repeats=5, nbytes=1 << 30):
     return nbytes / best_time(lambda: x.sum(), repeats) / 1e9
 
 
+def paged(x, order):
+    """x (1, kv heads, n, D) as pages (num_pages, PAGE, kv heads, D), page i of the sequence
+    stored at order[i]."""
+    pages = len(order)
+    rows = torch.zeros(pages * PAGE, x.shape[1], x.shape[3], dtype=x.dtype)
+    rows[:x.shape[2]] = x[0].transpose(0, 1)
+    out = torch.empty(pages, PAGE, x.shape[1], x.shape[3], dtype=x.dtype)
+    out[order] = rows.view(pages, PAGE, x.shape[1], x.shape[3])
+    return out
+
+
 def measure(cases=CASES, dtypes=DTYPES, rounds=5, device="cpu"):
-    """One row per (case, dtype): orchard and torch ms (medians over rounds of the best of 3),
-    their GB/s of K and V read, the ratio, and the fraction of the machine's bandwidth."""
+    """One row per (case, dtype, layout): orchard and torch ms (medians over rounds of the best
+    of 3), their GB/s of K and V read, the ratio, and the fraction of the machine's bandwidth."""
     bandwidth = read_bandwidth()
+    native = orchard_ops.resolve_device(device) == "cpu"
     rows = []
     for h, hkv, d, n in cases:
         g = torch.Generator().manual_seed(0)
@@ -38,18 +56,28 @@ def measure(cases=CASES, dtypes=DTYPES, rounds=5, device="cpu"):
             k = torch.randn(1, hkv, n, d, generator=g).to(dt)
             v = torch.randn(1, hkv, n, d, generator=g).to(dt)
             gqa = hkv != h
-            ours, theirs = [], []
-            for _ in range(rounds):
-                ours.append(best_time(lambda: orchard_ops.flash_attn_fwd(
-                    q, k, v, causal=True, device=device), 3))
-                theirs.append(best_time(lambda: F.scaled_dot_product_attention(
-                    q, k, v, enable_gqa=gqa), 3))
-            t_o, t_t = statistics.median(ours), statistics.median(theirs)
-            kv_bytes = 2 * hkv * n * d * k.element_size()
-            rows.append(dict(heads=h, kv_heads=hkv, d=d, n=n, dtype=str(dt).split(".")[-1],
-                             orchard_ms=t_o * 1e3, torch_ms=t_t * 1e3,
-                             orchard_gbs=kv_bytes / t_o / 1e9, torch_gbs=kv_bytes / t_t / 1e9,
-                             speedup=t_t / t_o, bandwidth_fraction=kv_bytes / t_o / 1e9 / bandwidth))
+            calls = {"contiguous": lambda: orchard_ops.flash_attn_fwd(q, k, v, causal=True,
+                                                                      device=device)}
+            if native:
+                order = torch.randperm(-(-n // PAGE), generator=g)     # scrambled pages
+                kp, vp, qp = paged(k, order), paged(v, order), q[0].transpose(0, 1)
+                table = order[None].to(torch.int32)
+                cu_q, cu_k = (torch.tensor([0, m], dtype=torch.int32) for m in (1, n))
+                calls["paged %d" % PAGE] = lambda: orchard_ops.flash_attn_varlen_fwd(
+                    qp, kp, vp, cu_q, cu_k, causal=True, block_table=table, device=device)
+            for layout, call in calls.items():
+                ours, theirs = [], []
+                for _ in range(rounds):
+                    ours.append(best_time(call, 3))
+                    theirs.append(best_time(lambda: F.scaled_dot_product_attention(
+                        q, k, v, enable_gqa=gqa), 3))
+                t_o, t_t = statistics.median(ours), statistics.median(theirs)
+                kv_bytes = 2 * hkv * n * d * k.element_size()
+                rows.append(dict(heads=h, kv_heads=hkv, d=d, n=n, dtype=str(dt).split(".")[-1],
+                                 layout=layout, orchard_ms=t_o * 1e3, torch_ms=t_t * 1e3,
+                                 orchard_gbs=kv_bytes / t_o / 1e9, torch_gbs=kv_bytes / t_t / 1e9,
+                                 speedup=t_t / t_o,
+                                 bandwidth_fraction=kv_bytes / t_o / 1e9 / bandwidth))
     return bandwidth, rows
 
 
@@ -57,12 +85,12 @@ def table(bandwidth, rows, device="cpu"):
     """Markdown table of measure()'s rows."""
     lines = ["decode, batch 1, one query token, orchard device %s; machine read bandwidth "
              "%.1f GB/s (multithreaded sum, this run)" % (device, bandwidth), "",
-             "| heads / kv heads | D | cache | dtype | orchard ms | torch SDPA ms | orchard GB/s "
-             "| torch GB/s | orchard vs torch | orchard / bandwidth |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| heads / kv heads | D | cache | layout | dtype | orchard ms | torch SDPA ms "
+             "| orchard GB/s | torch GB/s | orchard vs torch | orchard / bandwidth |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append("| %d / %d | %d | %d | %s | %.3f | %.3f | %.1f | %.1f | %.2fx | %.0f %% |" % (
-            r["heads"], r["kv_heads"], r["d"], r["n"], r["dtype"], r["orchard_ms"],
+        lines.append("| %d / %d | %d | %d | %s | %s | %.3f | %.3f | %.1f | %.1f | %.2fx | %.0f %% |" % (
+            r["heads"], r["kv_heads"], r["d"], r["n"], r["layout"], r["dtype"], r["orchard_ms"],
             r["torch_ms"], r["orchard_gbs"], r["torch_gbs"], r["speedup"],
             100 * r["bandwidth_fraction"]))
     return "\n".join(lines)

@@ -12,6 +12,7 @@ import math
 
 import torch
 
+import orchard_ops
 from orchard.torch import _MAX_HEAD_DIM, _Options, _attention, _forward, _check_tensors, _dropout_keep, _seed
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
@@ -226,10 +227,16 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 # ----------------------------------------------------------------------------- varlen
 
 
-def _paged_gather(fn, k, v, cu_k, block_table, d):
+def _reads_pages(device):
+    """Whether this device reads a paged cache in place: the native path does; for OpenCL
+    devices orchard gathers the pages into a copy."""
+    return orchard_ops.resolve_device(device) == "cpu"
+
+
+def _paged_gather(fn, k, v, cu_k, block_table, d, gather):
     """The keys and values of every sequence, packed (total_k, nheads_k, headdim), from the
     pages (num_blocks, page_block_size, nheads_k, headdim) that block_table lists; a copy
-    through torch indexing, so gradients reach the pages."""
+    through torch indexing, so gradients reach the pages. Without gather, only the checks."""
     layout = "(num_blocks, page_block_size, nheads_k, headdim) with a block_table"
     _check_shape(fn, "k", k, (None, None, None, d), layout)
     _check_shape(fn, "v", v, tuple(k.shape[:3]) + (None,), layout)
@@ -247,7 +254,9 @@ def _paged_gather(fn, k, v, cu_k, block_table, d):
         if any(not 0 <= p < nblocks for p in used):
             _fail(fn, "block_table", "row %d lists pages %s, outside [0, %d) (num_blocks)"
                   % (b, used, nblocks))
-        flat += [p * page + i for p in used for i in range(page)][:n]
+        flat += [p * page + i for p in used for i in range(page)][:n] if gather else []
+    if not gather:
+        return k, v
     index = torch.tensor(flat, dtype=torch.long)
     return k.flatten(0, 1)[index], v.flatten(0, 1)[index]
 
@@ -265,19 +274,29 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         cu_k = _cu_seqlens(fn, cu_names[1], cu_seqlens_k, k.shape[0])
     else:
         cu_k = _cu_seqlens(fn, cu_names[1], cu_seqlens_k, None)
-        k, v = _paged_gather(fn, k, v, cu_k, block_table, q.shape[2])
+        # read in place, unless gradients must reach the pages or the device is OpenCL
+        in_place = _reads_pages(device) and not (torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad))
+        k, v = _paged_gather(fn, k, v, cu_k, block_table, q.shape[2], not in_place)
+        if not in_place:
+            block_table = None
     if len(cu_k) != len(cu_q):
         _fail(fn, cu_names[1], "has %d entries, %s has %d: one per sequence plus one"
               % (len(cu_k), cu_names[0], len(cu_q)))
-    _check_heads(fn, q, k, v, 1)
+    _check_heads(fn, q, k, v, -2)
     seqlen_k = max(b - a for a, b in zip(cu_k, cu_k[1:])) if max_seqlen_k is None else max_seqlen_k
     opts = _options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
                     alibi_slopes, len(cu_q) - 1, device, cu_seqlens_q=cu_seqlens_q,
                     cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                    max_seqlen_k=max_seqlen_k)
-    out, lse = _attention(q, k, v, opts)
+                    max_seqlen_k=max_seqlen_k, block_table=block_table)
+    if block_table is not None:     # pages read in place: nothing to differentiate
+        out, lse = _forward(q, k, v, opts)
+    else:
+        out, lse = _attention(q, k, v, opts)
     if not return_attn_probs:
         return out
+    if block_table is not None:
+        k, _ = _paged_gather(fn, k, v, cu_k, block_table, q.shape[2], True)
     probs = _varlen_probs(q, k, opts, cu_q, cu_k, max_seqlen_q, max_seqlen_k).to(q.dtype)
     return out, lse, probs
 
@@ -289,7 +308,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """Attention over packed sequences: q (total_q, nheads, headdim), k, v (total_k, nheads_k,
     headdim), sequence b at rows cu_seqlens[b]:cu_seqlens[b + 1] (int32). With block_table
     (batch, max_num_blocks_per_seq), k and v are pages (num_blocks, page_block_size, nheads_k,
-    headdim) of any page size, gathered per call (a copy). softmax_lse is (nheads, total_q);
+    headdim) of any page size, read in place (gathered into a copy per call when gradients
+    must reach them, or for an OpenCL device). softmax_lse is (nheads, total_q);
     S_dmask (batch, nheads, max_seqlen_q, max_seqlen_k)."""
     return _varlen("flash_attn_varlen_func", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                    max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
@@ -353,8 +373,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     (batch, seqlen_new, nheads_k, headdim) into it in place at cache_seqlens (rotated first
     when rotary_cos/rotary_sin are given). Sequence b uses cache row cache_batch_idx[b] from
     cache_leftpad[b] to cache_seqlens[b] + seqlen_new. The cache is (batch_cache, seqlen_cache,
-    nheads_k, headdim), read in place, or with block_table pages (num_blocks, page_block_size,
-    nheads_k, headdim) of any page size, gathered per call (a copy). One call for the
+    nheads_k, headdim), or with block_table pages (num_blocks, page_block_size, nheads_k,
+    headdim) of any page size, both read in place (pages for an OpenCL device are gathered
+    into a copy per call). One call for the
     whole batch; a decode step (seqlen_q <= 16) takes the split-KV path. Not differentiable.
     Returns out, or (out, softmax_lse) with return_softmax_lse."""
     fn = "flash_attn_with_kvcache"
@@ -462,10 +483,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         q = torch.stack(qs)
 
     # One varlen call over the whole batch: sequence b's keys are cache rows [leftpad, seqlen
-    # + n), read in place from its slot of the flattened cache (seqused_k says how many are
-    # used); a paged or reordered cache is gathered first (a copy).
+    # + n), read in place: from its pages (the native path reads block_table itself), or
+    # from its slot of the flattened cache (seqused_k says how many are used). Pages on an
+    # OpenCL device, or a reordered cache, are gathered first (a copy).
     used = [s + n - p for s, p in zip(seqlens, leftpad)]
-    if paged:
+    extra = {}
+    if paged and _reads_pages(device):
+        kc, vc = k_cache, v_cache
+        starts = [0] + list(itertools.accumulate(s + n for s in seqlens))
+        extra = dict(block_table=block_table, leftpad_k=cache_leftpad)
+    elif paged:
         index = torch.cat([(torch.tensor(table[b], dtype=torch.long)[:, None] * page
                             + torch.arange(page)).flatten()[p:s + n]
                            for b, (s, p) in enumerate(zip(seqlens, leftpad))])
@@ -480,7 +507,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     cu_q = torch.arange(0, (batch + 1) * nq, nq, dtype=torch.int32)
     out, lse = _forward(q.flatten(0, 1), kc, vc, opts._replace(
         cu_seqlens_q=cu_q, cu_seqlens_k=torch.tensor(starts, dtype=torch.int32),
-        seqused_k=None if paged else torch.tensor(used, dtype=torch.int32)))
+        seqused_k=None if paged else torch.tensor(used, dtype=torch.int32), **extra))
     out = out.unflatten(0, (batch, nq))
     lse = lse.unflatten(1, (batch, nq)).transpose(0, 1)
     return (out, lse) if return_softmax_lse else out

@@ -24,8 +24,9 @@ _MAX_HEAD_DIM = orchard_ops.build_info()["max_head_dim"]
 # the packed (total, H, D) layout; otherwise tensors are (..., N, D) with optional GQA heads.
 _Options = collections.namedtuple(
     "_Options", "scale dropout_p causal window alibi_slopes softcap seed device "
-                "cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k seqused_k",
-    defaults=(None, 0.0, False, (-1, -1), None, 0.0, 0, None, None, None, None, None, None))
+                "cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k seqused_k block_table leftpad_k",
+    defaults=(None, 0.0, False, (-1, -1), None, 0.0, 0, None, None, None, None, None, None, None,
+              None))
 
 
 def _seed(dropout_p):
@@ -49,6 +50,10 @@ def _ops_call(dense, varlen, o, *arrays):
         kw["alibi_slopes"] = o.alibi_slopes
     if o.seqused_k is not None:     # forward only (flash_attn_with_kvcache)
         kw["seqused_k"] = o.seqused_k
+    if o.block_table is not None:   # forward only: paged k and v, read in place
+        kw["block_table"] = o.block_table
+        if o.leftpad_k is not None:
+            kw["leftpad_k"] = o.leftpad_k
     if o.cu_seqlens_q is None:
         return dense(*arrays, o.scale, o.dropout_p, o.causal, **kw)
     return varlen(*arrays, o.cu_seqlens_q, o.cu_seqlens_k, o.max_seqlen_q, o.max_seqlen_k,

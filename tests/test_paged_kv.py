@@ -1,0 +1,247 @@
+"""Paged KV caches (block_table) read in place by the native path: flash_attn_with_kvcache and
+flash_attn_varlen_func against the same cache laid out contiguously and against the float64
+reference, for page sizes from 1 to past the cache, scrambled and shared pages, ragged and
+left-padded sequences, GQA, decode and prefill, every native kernel set; that no copy of the
+pages is made; that bad tables are refused; and that OpenCL devices get the pages gathered."""
+
+import numpy as np
+import pytest
+
+from conftest import DEVICE_IDS, assert_close
+
+torch = pytest.importorskip("torch")
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from orchard.flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache  # noqa: E402
+from orchard.reference import ref_fwd  # noqa: E402
+
+import orchard_ops  # noqa: E402
+
+H, HK, D = 8, 2, 64
+
+
+def paginate(k_cache, v_cache, page, g, share_prefix=0):
+    """The contiguous caches (B, cap, HK, D) as pages of `page` rows in scrambled order, plus
+    unused pages of garbage; with share_prefix, sequence 1 lists sequence 0's first pages
+    (whose rows must then be equal in the contiguous caches). Returns (kp, vp, table)."""
+    batch, cap = k_cache.shape[:2]
+    per_seq = -(-cap // page)
+    n = batch * per_seq + 3
+    order = torch.randperm(n, generator=g)
+    table = order[:batch * per_seq].reshape(batch, per_seq).to(torch.int32)
+    if share_prefix:
+        table[1, :share_prefix] = table[0, :share_prefix]
+    kp = torch.randn((n, page) + tuple(k_cache.shape[2:]), generator=g).to(k_cache.dtype)
+    vp = torch.randn((n, page) + tuple(v_cache.shape[2:]), generator=g).to(v_cache.dtype)
+    for b in range(batch):
+        for i in range(per_seq):
+            rows = slice(i * page, min((i + 1) * page, cap))
+            kp[table[b, i], :rows.stop - rows.start] = k_cache[b, rows]
+            vp[table[b, i], :rows.stop - rows.start] = v_cache[b, rows]
+    return kp, vp, table
+
+
+def caches(g, batch, cap, dtype, share_prefix_rows=0):
+    k = torch.randn(batch, cap, HK, D, generator=g).to(dtype)
+    v = torch.randn(batch, cap, HK, D, generator=g).to(dtype)
+    if share_prefix_rows:       # sequences 0 and 1 share their first rows
+        k[1, :share_prefix_rows] = k[0, :share_prefix_rows]
+        v[1, :share_prefix_rows] = v[0, :share_prefix_rows]
+    return k, v
+
+
+def reference(q, k_cache, v_cache, starts, ends, causal):
+    """float64 out (B, Nq, H, D) of q over cache rows [starts[b], ends[b]) of sequence b."""
+    outs = []
+    for b, (s, e) in enumerate(zip(starts, ends)):
+        qb = q[b].double().transpose(0, 1).numpy()[None]
+        kb = k_cache[b, s:e].double().transpose(0, 1).numpy()[None]
+        vb = v_cache[b, s:e].double().transpose(0, 1).numpy()[None]
+        o, _ = ref_fwd(qb, kb, vb, causal=causal)
+        outs.append(o[0].transpose(1, 0, 2))
+    return np.stack(outs)
+
+
+def tol(dtype):
+    return 1e-5 if dtype == torch.float32 else 8e-3     # bfloat16: the output's rounding
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("page", [1, 7, 16, 256, 1000])
+def test_decode_paged_equals_contiguous(dtype, page):
+    """Ragged lengths (an empty one too), scrambled pages, two sequences sharing their first
+    pages, GQA: the paged result is the contiguous one bit for bit (same splits, same order),
+    and both match the reference."""
+    g = torch.Generator().manual_seed(page)
+    seqlens = [300, 777, 0, 1]
+    batch, cap = len(seqlens), 800
+    shared = 2 * page if 2 * page <= 300 else 0
+    k_cache, v_cache = caches(g, batch, cap, dtype, share_prefix_rows=shared)
+    kp, vp, table = paginate(k_cache, v_cache, page, g, share_prefix=shared // page)
+    q = torch.randn(batch, 1, H, D, generator=g).to(dtype)
+    kw = dict(cache_seqlens=torch.tensor(seqlens, dtype=torch.int32), causal=True,
+              return_softmax_lse=True)
+    out_p, lse_p = flash_attn_with_kvcache(q, kp, vp, block_table=table, **kw)
+    out_c, lse_c = flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
+    assert torch.equal(out_p, out_c) and torch.equal(lse_p, lse_c)
+    ref = reference(q, k_cache, v_cache, [0] * batch, seqlens, causal=True)
+    assert_close(out_p.float().numpy(), ref, np.float32, "out", "page %d" % page, t=tol(dtype))
+
+
+@pytest.mark.parametrize("nq", [1, 5, 40], ids=["decode", "speculative", "prefill"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_new_tokens_leftpad_and_prefill(nq, dtype):
+    """New keys written into the pages, left padding, and more than 16 query rows (the
+    forward's pre-pass reads the pages, a run of rows at a time)."""
+    g = torch.Generator().manual_seed(nq)
+    seqlens, leftpad, page = [100, 37, 250], [5, 0, 70], 13
+    batch, cap = len(seqlens), 300
+    k_cache, v_cache = caches(g, batch, cap, dtype)
+    kp, vp, table = paginate(k_cache, v_cache, page, g)
+    q = torch.randn(batch, nq, H, D, generator=g).to(dtype)
+    k = torch.randn(batch, nq, HK, D, generator=g).to(dtype)
+    v = torch.randn(batch, nq, HK, D, generator=g).to(dtype)
+    kw = dict(cache_seqlens=torch.tensor(seqlens, dtype=torch.int32), causal=True,
+              cache_leftpad=torch.tensor(leftpad, dtype=torch.int32))
+    out_p = flash_attn_with_kvcache(q, kp, vp, k, v, block_table=table, **kw)
+    out_c = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **kw)
+    assert torch.equal(out_p, out_c)
+    ends = [s + nq for s in seqlens]
+    ref = reference(q, k_cache, v_cache, leftpad, ends, causal=True)
+    assert_close(out_p.float().numpy(), ref, np.float32, "out", "nq %d" % nq, t=tol(dtype))
+
+
+@pytest.fixture(params=orchard_ops.devices()[0]["kernel_isas"])
+def isa(request):
+    before = orchard_ops.devices()[0]["kernel_isa"]
+    orchard_ops.set_native_isa(request.param)
+    yield request.param
+    orchard_ops.set_native_isa(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("d", [128, 37])
+def test_every_kernel_set(isa, dtype, d):
+    """Every kernel set's decode (its lane count decides the sums' shuffles and the 16-bit
+    widening), paged and not, whole vectors and a ragged head dim, with and without GQA."""
+    g = torch.Generator().manual_seed(d)
+    for hk in (HK, H):
+        seqlens, page = [1000, 3], 32
+        k_cache = torch.randn(2, 1024, hk, d, generator=g).to(dtype)
+        v_cache = torch.randn(2, 1024, hk, d, generator=g).to(dtype)
+        kp, vp, table = paginate(k_cache, v_cache, page, g)
+        q = torch.randn(2, 1, H, d, generator=g).to(dtype)
+        kw = dict(cache_seqlens=torch.tensor(seqlens, dtype=torch.int32))
+        out_p = flash_attn_with_kvcache(q, kp, vp, block_table=table, **kw)
+        out_c = flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
+        assert torch.equal(out_p, out_c)
+        ref = reference(q, k_cache, v_cache, [0, 0], seqlens, causal=False)
+        t = 1e-5 if dtype == torch.float32 else 8e-3 if dtype == torch.bfloat16 else 1e-3
+        assert_close(out_p.float().numpy(), ref, np.float32, "out", "%s hk %d" % (isa, hk), t=t)
+
+
+def test_no_copy_of_the_pages():
+    """The pages reach the kernel as they are: torch allocates nothing the size of the keys
+    (gathering them would: the OpenCL path shows it), and orchard_ops stages nothing."""
+    g = torch.Generator().manual_seed(0)
+    kp, vp = torch.randn(300, 16, HK, D, generator=g), torch.randn(300, 16, HK, D, generator=g)
+    table = torch.randperm(300, generator=g)[:200].reshape(2, 100).to(torch.int32)
+    q = torch.randn(2, 1, H, D, generator=g)
+    kw = dict(block_table=table, cache_seqlens=torch.tensor([1500, 1000], dtype=torch.int32))
+    key_bytes = 2500 * HK * D * 4
+    orchard_ops.reset_stats()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        flash_attn_with_kvcache(q, kp, vp, **kw)
+    allocated = sum(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0)
+    assert allocated < key_bytes / 100, "torch allocated %d bytes" % allocated
+    stats = orchard_ops.stats()["per_device"]["cpu"]
+    assert stats["bytes_staged"] == 0 and stats["decode_calls"] == 1
+    if any(d.startswith("opencl") for d in DEVICE_IDS):     # the check can see a copy
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            flash_attn_with_kvcache(q, kp, vp, device="opencl:0", **kw)
+        allocated = sum(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0)
+        assert allocated >= 2 * key_bytes
+
+
+@pytest.mark.skipif(not any(d.startswith("opencl") for d in DEVICE_IDS), reason="no OpenCL")
+def test_opencl_gets_the_pages_gathered():
+    g = torch.Generator().manual_seed(1)
+    k_cache, v_cache = caches(g, 2, 200, torch.float32)
+    kp, vp, table = paginate(k_cache, v_cache, 16, g)
+    q = torch.randn(2, 1, H, D, generator=g)
+    kw = dict(cache_seqlens=torch.tensor([200, 17], dtype=torch.int32))
+    out = flash_attn_with_kvcache(q, kp, vp, block_table=table, device="opencl:0", **kw)
+    ref = reference(q, k_cache, v_cache, [0, 0], [200, 17], causal=False)
+    assert_close(out.numpy(), ref, np.float32, "out", "opencl paged", t=1e-5)
+    with pytest.raises(ValueError, match="'block_table'.*device 'cpu' only"):
+        orchard_ops.flash_attn_varlen_fwd(
+            q.flatten(0, 1), kp, vp, torch.tensor([0, 1, 2], dtype=torch.int32),
+            torch.tensor([0, 200, 217], dtype=torch.int32), block_table=table,
+            device="opencl:0")
+
+
+def test_varlen_func_reads_pages_in_place_without_grad():
+    """flash_attn_varlen_func with a block_table: in place when nothing needs a gradient,
+    gathered (so gradients reach the pages) when something does; the same result."""
+    g = torch.Generator().manual_seed(2)
+    k_cache, v_cache = caches(g, 2, 90, torch.float32)
+    kp, vp, table = paginate(k_cache, v_cache, 8, g)
+    lens = [90, 41]
+    q = torch.randn(sum(lens), H, D, generator=g)
+    cu = torch.tensor([0, 90, 131], dtype=torch.int32)
+    orchard_ops.reset_stats()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = flash_attn_varlen_func(q, kp, vp, cu, cu, 90, 90, causal=True, block_table=table)
+    assert "aten::index" not in {e.name for e in prof.events()}
+    kg, vg = kp.clone().requires_grad_(), vp.clone().requires_grad_()
+    out_g = flash_attn_varlen_func(q, kg, vg, cu, cu, 90, 90, causal=True, block_table=table)
+    assert torch.equal(out, out_g.detach())
+    out_g.sum().backward()
+    assert kg.grad is not None and kg.grad[table[0, 0]].abs().sum() > 0
+    for b, n in enumerate(lens):
+        qb = q[cu[b]:cu[b + 1]].double().transpose(0, 1).numpy()[None]
+        kb = k_cache[b, :n].double().transpose(0, 1).numpy()[None]
+        vb = v_cache[b, :n].double().transpose(0, 1).numpy()[None]
+        ref, _ = ref_fwd(qb, kb, vb, causal=True)
+        assert_close(out[cu[b]:cu[b + 1]].numpy(), ref[0].transpose(1, 0, 2), np.float32,
+                     "out", "varlen paged %d" % b, t=1e-5)
+
+
+def ops_call(**kw):
+    """flash_attn_varlen_fwd over two sequences of pages (5 pages of 4 rows), with kw."""
+    q = torch.randn(2, H, D)
+    kp = torch.randn(5, 4, HK, D)
+    args = dict(q=q, k=kp, v=kp, cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32),
+                cu_seqlens_k=torch.tensor([0, 6, 9], dtype=torch.int32),
+                block_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32))
+    args.update(kw)
+    return orchard_ops.flash_attn_varlen_fwd(**args)
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(block_table=torch.tensor([[0, 5], [2, 3]], dtype=torch.int32)),
+     r"'block_table'\[0, 1\] = 5 is not a page"),
+    (dict(block_table=torch.tensor([[0, -1], [2, 3]], dtype=torch.int32)),
+     r"'block_table'\[0, 1\] = -1"),
+    (dict(block_table=torch.tensor([[0, 1]], dtype=torch.int32)), "'block_table' must be"),
+    (dict(block_table=torch.tensor([[0], [2]], dtype=torch.int32)), "sequence 0 has 6 keys"),
+    (dict(block_table=torch.tensor([[0.0, 1], [2, 3]])), "'block_table' must be an integer"),
+    (dict(k=torch.randn(20, HK, D)), "'k' and 'v' must be pages"),
+    (dict(v=torch.randn(5, 3, HK, D)), "'k' and 'v' must be pages"),
+    (dict(k=torch.randn(0, 4, HK, D), v=torch.randn(0, 4, HK, D)), "num_pages >= 1"),
+    (dict(leftpad_k=torch.tensor([7, 0])), r"'leftpad_k'\[0\] = 7"),
+    (dict(leftpad_k=torch.tensor([0])), "'leftpad_k' must be"),
+    (dict(block_table=None, k=torch.randn(9, HK, D), v=torch.randn(9, HK, D),
+          leftpad_k=torch.tensor([0, 0])), "'leftpad_k' needs a"),
+])
+def test_bad_pages_are_refused(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        ops_call(**kw)
+
+
+def test_unused_table_entries_are_not_read():
+    """Entries past a sequence's pages (or before its left padding) may hold anything."""
+    table = torch.tensor([[-7, 1, 99], [2, 3, 1000]], dtype=torch.int32)
+    out, _ = ops_call(block_table=table, leftpad_k=torch.tensor([4, 0]))
+    assert torch.isfinite(out).all()
