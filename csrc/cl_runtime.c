@@ -502,4 +502,19 @@ int or_cl_get_program(int i, or_dtype dt, int d, int dv, or_counters *ct, or_cl_
     pthread_mutex_unlock(&dev->lock);
     return rc;
 }
+
+int or_cl_queue(int i, const or_cl_api **api_out, cl_context *ctx, cl_command_queue *queue,
+                or_error *err)
+{
+    if (i < 0 || i >= or_cl_count())
+        return or_cl_fail(err, CL_INVALID_DEVICE, "orchard device lookup");
+    device_t *dev = &devices[i];
+    pthread_mutex_lock(&dev->lock);
+    int rc = ensure_queue(dev, err);
+    *api_out = api;
+    *ctx = dev->ctx;
+    *queue = dev->queue;
+    pthread_mutex_unlock(&dev->lock);
+    return rc;
+}
 #endif

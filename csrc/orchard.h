@@ -32,6 +32,8 @@ typedef struct {
     int itemsize;
     or_dtype dtype;
     or_ssize row_stride;    /* bytes between rows (between elements, for lse) */
+    void *mem;              /* a device-resident operand's cl_mem (a DeviceArray), else NULL:
+                               then base and lo only place offsets, they address no memory */
     const or_ssize *offs;   /* byte offset of each unit's row 0; q-side slots are indexed
                                by query unit, k/v/dk/dv slots by kv unit */
 } or_view;
@@ -74,6 +76,9 @@ typedef struct {
 typedef struct {
     long long fwd_calls, decode_calls, bwd_calls, zero_copy_buffers, staged_buffers, bytes_staged,
         kernel_builds, cache_hits;
+    /* operand data copied between host memory and device-owned buffers: to_device() and
+     * DeviceArray.numpy(), and a host-array call's copies on a device without shared memory */
+    long long host_to_device, host_to_device_bytes, device_to_host, device_to_host_bytes;
 } or_counters;
 #define OR_COUNT(ct, field, n) __atomic_fetch_add(&(ct)->field, (long long)(n), __ATOMIC_RELAXED)
 
