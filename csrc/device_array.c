@@ -25,6 +25,8 @@ typedef struct {
     npy_intp dims[NPY_MAXDIMS];
     size_t nbytes;
     void *mem;                  /* its cl_mem; NULL when nbytes is 0 */
+    const void *api;            /* the or_cl_api that made it, to release it without the
+                                   device's lock (held while programs build) */
 } device_array;
 
 static _Alignas(64) char anchor[64];   /* the data pointer of layouts: never dereferenced */
@@ -33,7 +35,8 @@ static _Alignas(64) char anchor[64];   /* the data pointer of layouts: never der
 
 #ifdef ORCHARD_HAVE_OPENCL
 /* A buffer of nbytes on device index `device`, filled from host when it is not NULL. */
-static int buffer_new(int device, size_t nbytes, const void *host, void **mem, or_error *err)
+static int buffer_new(int device, size_t nbytes, const void *host, void **mem,
+                      const void **api_out, or_error *err)
 {
     const or_cl_api *api;
     cl_context ctx;
@@ -44,6 +47,7 @@ static int buffer_new(int device, size_t nbytes, const void *host, void **mem, o
     cl_int code;
     cl_mem_flags flags = CL_MEM_READ_WRITE | (host ? CL_MEM_COPY_HOST_PTR : 0);
     *mem = api->clCreateBuffer(ctx, flags, nbytes, (void *)host, &code);
+    *api_out = api;
     return *mem ? OR_OK : or_cl_fail(err, code, "clCreateBuffer");
 }
 
@@ -60,14 +64,9 @@ static int buffer_read(int device, void *mem, size_t nbytes, void *host, or_erro
     return code == CL_SUCCESS ? OR_OK : or_cl_fail(err, code, "clEnqueueReadBuffer");
 }
 
-static void buffer_free(int device, void *mem)
+static void buffer_free(const void *api, void *mem)
 {
-    const or_cl_api *api;
-    cl_context ctx;
-    cl_command_queue queue;
-    or_error err = {0};
-    if (or_cl_queue(device - 1, &api, &ctx, &queue, &err) == OR_OK)
-        api->clReleaseMemObject((cl_mem)mem);
+    ((const or_cl_api *)api)->clReleaseMemObject((cl_mem)mem);
 }
 #else
 /* built without OpenCL there is no device to name, so no DeviceArray is ever made */
@@ -76,7 +75,8 @@ static int no_opencl(or_error *err)
     snprintf(err->msg, sizeof(err->msg), "orchard_ops was built without OpenCL headers");
     return OR_EDEVICE;
 }
-static int buffer_new(int device, size_t nbytes, const void *host, void **mem, or_error *err)
+static int buffer_new(int device, size_t nbytes, const void *host, void **mem,
+                      const void **api_out, or_error *err)
 {
     return no_opencl(err);
 }
@@ -84,7 +84,7 @@ static int buffer_read(int device, void *mem, size_t nbytes, void *host, or_erro
 {
     return no_opencl(err);
 }
-static void buffer_free(int device, void *mem) {}
+static void buffer_free(const void *api, void *mem) {}
 #endif
 
 /* ------------------------------------------------------------------ the object */
@@ -107,12 +107,13 @@ static PyObject *device_array_new(or_module_state *st, const char *func, int dev
         a->nbytes *= (size_t)dims[i];       /* cannot overflow: a host array this size exists */
     }
     a->mem = NULL;
+    a->api = NULL;
     if (a->nbytes == 0)
         return (PyObject *)a;
     or_error err = {0};
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = buffer_new(device, a->nbytes, host, &a->mem, &err);
+    rc = buffer_new(device, a->nbytes, host, &a->mem, &a->api, &err);
     Py_END_ALLOW_THREADS
     if (rc != OR_OK) {
         Py_DECREF(a);
@@ -126,7 +127,7 @@ static void device_array_dealloc(PyObject *self)
     device_array *a = (device_array *)self;
     PyTypeObject *type = Py_TYPE(self);
     if (a->mem != NULL)
-        buffer_free(a->device, a->mem);
+        buffer_free(a->api, a->mem);
     type->tp_free(self);
     Py_DECREF(type);
 }
@@ -249,6 +250,12 @@ PyObject *or_to_device(PyObject *module, PyObject *args, PyObject *kw)
     PyObject *obj, *device;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OO:to_device", kwlist, &obj, &device))
         return NULL;
+    or_module_state *st = PyModule_GetState(module);
+    if (Py_IS_TYPE(obj, st->device_array)) {
+        PyErr_Format(PyExc_TypeError, "to_device(): argument 'array' is already a DeviceArray "
+                     "(%R); .numpy() brings it to the host", obj);
+        return NULL;
+    }
     or_device_choice choice;
     if (or_resolve_device("to_device", device, &choice) < 0)
         return NULL;
@@ -265,7 +272,7 @@ PyObject *or_to_device(PyObject *module, PyObject *args, PyObject *kw)
         Py_SETREF(a, (PyArrayObject *)PyArray_NewCopy(a, NPY_CORDER));
     if (a == NULL)
         return NULL;
-    PyObject *r = device_array_new(PyModule_GetState(module), "to_device", choice.index,
+    PyObject *r = device_array_new(st, "to_device", choice.index,
                                    PyArray_NDIM(a), PyArray_DIMS(a), dt, PyArray_DATA(a));
     if (r != NULL) {
         OR_COUNT(ct, host_to_device, 1);
