@@ -38,29 +38,25 @@ static _Alignas(64) char anchor[64];   /* the data pointer of layouts: never der
 static int buffer_new(int device, size_t nbytes, const void *host, void **mem,
                       const void **api_out, or_error *err)
 {
-    const or_cl_api *api;
-    cl_context ctx;
-    cl_command_queue queue;
-    int rc = or_cl_queue(device - 1, &api, &ctx, &queue, err);
+    or_cl_queue_t cq;
+    int rc = or_cl_queue(device - 1, &cq, err);
     if (rc != OR_OK)
         return rc;
     cl_int code;
     cl_mem_flags flags = CL_MEM_READ_WRITE | (host ? CL_MEM_COPY_HOST_PTR : 0);
-    *mem = api->clCreateBuffer(ctx, flags, nbytes, (void *)host, &code);
-    *api_out = api;
+    *mem = cq.api->clCreateBuffer(cq.ctx, flags, nbytes, (void *)host, &code);
+    *api_out = cq.api;
     return *mem ? OR_OK : or_cl_fail(err, code, "clCreateBuffer");
 }
 
 static int buffer_read(int device, void *mem, size_t nbytes, void *host, or_error *err)
 {
-    const or_cl_api *api;
-    cl_context ctx;
-    cl_command_queue queue;
-    int rc = or_cl_queue(device - 1, &api, &ctx, &queue, err);
+    or_cl_queue_t cq;
+    int rc = or_cl_queue(device - 1, &cq, err);
     if (rc != OR_OK)
         return rc;
-    cl_int code = api->clEnqueueReadBuffer(queue, (cl_mem)mem, CL_TRUE, 0, nbytes, host, 0, NULL,
-                                           NULL);
+    cl_int code = cq.api->clEnqueueReadBuffer(cq.queue, (cl_mem)mem, CL_TRUE, 0, nbytes, host, 0,
+                                              NULL, NULL);
     return code == CL_SUCCESS ? OR_OK : or_cl_fail(err, code, "clEnqueueReadBuffer");
 }
 
