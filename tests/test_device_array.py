@@ -14,8 +14,8 @@ import threading
 import numpy as np
 import pytest
 
-from conftest import (DEVICE_IDS, TEST_HOOKS, assert_close, grad_floor, randn, rounded,
-                      run_python)
+from conftest import (DEVICE_IDS, TEST_HOOKS, assert_close, grad_floor, needs_test_hooks, randn,
+                      rounded, run_python)
 from orchard.reference import ref_bwd, ref_fwd
 
 OPENCL_IDS = [d for d in DEVICE_IDS if isinstance(d, str) and d.startswith("opencl:")]
@@ -221,6 +221,39 @@ def test_operands_on_two_devices(ops, rng):
     with pytest.raises(ValueError, match=r"argument 'k' is on %s but 'q' is on %s"
                                          % (OPENCL_IDS[1], OPENCL_IDS[0])):
         ops.flash_attn_fwd(a, b, a)
+
+
+FAULT_SCRIPT = r"""
+import json, numpy as np, orchard_ops as ops
+q = np.random.default_rng(0).standard_normal((1, 2, 20, 8)).astype(np.float32)
+def run():
+    d = ops.to_device(q, %(dev)r)
+    out, lse = ops.flash_attn_fwd(d, d, d)
+    return out.numpy()
+try:
+    run()
+    raised = None
+except Exception as e:
+    raised = [type(e).__name__, isinstance(e, MemoryError), str(e)]
+host = ops.flash_attn_fwd(q, q, q, device=%(dev)r)[0]
+print(json.dumps({"raised": raised, "recovered": bool((run() == host).all())}))
+"""
+
+
+@needs_test_hooks
+@pytest.mark.parametrize("fault, func, call", [
+    ("clCreateBuffer:1", "to_device", "clCreateBuffer"),
+    ("clCreateBuffer:3", "flash_attn_fwd", "clCreateBuffer"),   # the lse result
+    ("clEnqueueReadBuffer:1", "numpy", "clEnqueueReadBuffer")])
+def test_device_failures(fault, func, call):
+    """A failing OpenCL call raises OrchardOutOfMemory naming the function, the device and the
+    call (ORCHARD_FAULT, csrc/cl_fault.c); the next calls work."""
+    r = run_python(FAULT_SCRIPT % {"dev": DEV}, timeout=300, ORCHARD_FAULT=fault)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["raised"][:2] == ["OrchardOutOfMemory", True]
+    assert got["raised"][2].startswith("%s() on %s: %s failed: CL_" % (func, DEV, call))
+    assert got["recovered"]
 
 
 # ----------------------------------------------------------------------------- stats
