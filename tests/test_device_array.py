@@ -8,14 +8,17 @@ device.
 """
 import gc
 import json
+import re
+import shutil
+import subprocess
 import sys
 import threading
 
 import numpy as np
 import pytest
 
-from conftest import (DEVICE_IDS, TEST_HOOKS, assert_close, grad_floor, needs_test_hooks, randn,
-                      rounded, run_python)
+from conftest import (DEVICE_IDS, TEST_HOOKS, TESTS_DIR, assert_close, grad_floor,
+                      needs_test_hooks, randn, rounded, run_python, subprocess_env)
 from orchard.reference import ref_bwd, ref_fwd
 
 OPENCL_IDS = [d for d in DEVICE_IDS if isinstance(d, str) and d.startswith("opencl:")]
@@ -254,6 +257,45 @@ def test_device_failures(fault, func, call):
     assert got["raised"][:2] == ["OrchardOutOfMemory", True]
     assert got["raised"][2].startswith("%s() on %s: %s failed: CL_" % (func, DEV, call))
     assert got["recovered"]
+
+
+OCLGRIND_SCRIPT = r"""
+import numpy as np, orchard_ops as o
+from orchard.reference import ref_fwd, ref_bwd
+assert o.devices()[1]["platform"] == "Oclgrind", o.devices()
+rng = np.random.default_rng(0)
+q, do = (rng.standard_normal((1, 4, 10, 8)).astype(np.float32) for _ in range(2))
+k, v = (rng.standard_normal((1, 2, 13, 8)).astype(np.float32) for _ in range(2))
+kw = dict(causal=True, window=(6, 1), softcap=4.0, alibi_slopes=np.array([0.3, 0.1, 0.2, 0.4]),
+          dropout_p=0.25, seed=11)
+dq, dk, dv, ddo = (o.to_device(x, "opencl:0") for x in (q, k, v, do))
+res = o.flash_attn_fwd(dq, dk, dv, **kw)
+res += o.flash_attn_bwd(ddo, dq, dk, dv, *res, **kw)
+want = ref_fwd(q, k, v, **kw) + ref_bwd(do, q, k, v, **kw)
+for r, w in zip(res, want):
+    np.testing.assert_allclose(r.numpy(), w, rtol=1e-4, atol=1e-4)
+print("resident ok")
+"""
+
+
+@pytest.mark.skipif(shutil.which("oclgrind") is None, reason="oclgrind not installed")
+def test_resident_calls_clean_under_oclgrind(tmp_path):
+    """Resident operands and results under Oclgrind's bounds, race, API and uninitialised-read
+    checks (the rows family, small blocks, unoptimised kernels, as in test_oclgrind.py), checked
+    against the reference. Resident calls only: host-array calls in the same process make
+    Oclgrind 21.10 report reads of reused addresses (test_oclgrind.py says why)."""
+    script = tmp_path / "resident.py"
+    script.write_text(OCLGRIND_SCRIPT)
+    env = subprocess_env(ORCHARD_CL_BLOCK_Q=8, ORCHARD_CL_BLOCK_K=4, ORCHARD_CL_FAMILY="rows",
+                         ORCHARD_NO_CACHE=1, ORCHARD_CL_OPTIONS="-cl-opt-disable")
+    r = subprocess.run(["oclgrind", "--data-races", "--check-api", "--uninitialized",
+                        sys.executable, str(script)], capture_output=True, text=True,
+                       timeout=900, env=env, cwd=TESTS_DIR)
+    assert r.returncode == 0 and "resident ok" in r.stdout, r.stderr[-4000:]
+    reports = [line for line in r.stderr.splitlines()
+               if re.search(r"Invalid (read|write)|data race|uninitiali[sz]ed|out of bounds",
+                            line, re.I)]
+    assert not reports, "\n".join(reports[:20])
 
 
 # ----------------------------------------------------------------------------- stats
