@@ -4,11 +4,11 @@
  * memory (CPUs through PoCL, integrated GPUs) with CL_MEM_USE_HOST_PTR, so inputs are read in
  * place and outputs land directly in the returned NumPy arrays; on a discrete GPU with an
  * explicit copy in and out (counted in stats()). A device-resident operand (a DeviceArray,
- * or_view.mem) is its own buffer: used as it is, never copied, and not released here. The per-unit offsets and lengths travel in one "meta" buffer
- * (kernels/common.cl), so dense, strided, GQA and varlen inputs run the same kernels. A forward
- * with few query rows per unit (or_is_decode) runs the split-KV decode instead
- * (kernels/flash_decode.cl): partial outputs per key split into scratch buffers, then one
- * combining pass.
+ * or_view.mem) is its own buffer: used as it is, never copied, and not released here. The
+ * per-unit offsets and lengths travel in one "meta" buffer (kernels/common.cl), so dense,
+ * strided, GQA and varlen inputs run the same kernels. A forward with few query rows per unit
+ * (or_is_decode) runs the split-KV decode instead (kernels/flash_decode.cl): partial outputs
+ * per key split into scratch buffers, then one combining pass.
  */
 #include <stdio.h>
 #include <stdlib.h>

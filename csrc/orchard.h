@@ -32,8 +32,9 @@ typedef struct {
     int itemsize;
     or_dtype dtype;
     or_ssize row_stride;    /* bytes between rows (between elements, for lse) */
-    void *mem;              /* a device-resident operand's cl_mem (a DeviceArray), else NULL:
-                               then base and lo only place offsets, they address no memory */
+    void *mem;              /* a device-resident operand's cl_mem (a DeviceArray), whose base
+                               and lo then only place the offsets (they address no memory);
+                               NULL for host memory */
     const or_ssize *offs;   /* byte offset of each unit's row 0; q-side slots are indexed
                                by query unit, k/v/dk/dv slots by kv unit */
 } or_view;

@@ -103,8 +103,11 @@ int or_parse_shape(PyObject *obj, const char *name, npy_intp *dims);    /* its l
 PyTypeObject *or_device_array_type(PyObject *module);  /* made once, for the module state */
 PyObject *or_to_device(PyObject *module, PyObject *args, PyObject *kw);
 int or_device_array_index(or_module_state *st, PyObject *obj); /* its device, -1: not one */
+/* its shape, dtype and C strides as a NumPy array over no memory: what args.c and problem.c
+ * read of an operand */
 PyArrayObject *or_device_array_layout(PyObject *obj, or_dtype *dt);
 void *or_device_array_mem(PyObject *obj);               /* its cl_mem (NULL: no bytes) */
+/* a result of a call on DeviceArrays: c->dev[slot], c->arr[slot] its layout */
 int or_device_output(or_call *c, int slot, int nd, const npy_intp *shape, or_dtype dt);
 
 /* problem.c */
