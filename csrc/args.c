@@ -114,6 +114,57 @@ int or_check_scale(or_call *c, const or_opts *o)
     return 0;
 }
 
+/* The device of a call. DeviceArray operands (all of them or none) run where they live, which
+ * `device`, when given, must name; host operands run where `device` resolves to. */
+int or_call_device(or_call *c, PyObject *device, PyObject **objs, const int *slots, int n)
+{
+    int first = -1, where = -1;     /* the first DeviceArray operand and its device */
+    for (int i = 0; i < n; i++) {
+        int d = or_device_array_index(c->st, objs[i]);
+        if (d >= 0 && first < 0) {
+            first = i;
+            where = d;
+        }
+    }
+    if (first < 0)
+        return or_resolve_device(c->func, device, &c->device);
+    for (int i = 0; i < n; i++) {
+        int d = or_device_array_index(c->st, objs[i]);
+        if (d < 0) {
+            PyErr_Format(PyExc_ValueError, "%s(): argument '%s' is a host array but '%s' is a "
+                         "DeviceArray: pass all operands on the device (to_device) or none",
+                         c->func, slot_name[slots[i]], slot_name[slots[first]]);
+            return -1;
+        }
+        if (d != where) {
+            PyObject *a = or_device_id(d), *b = or_device_id(where);
+            if (a != NULL && b != NULL)
+                PyErr_Format(PyExc_ValueError, "%s(): argument '%s' is on %S but '%s' is on %S",
+                             c->func, slot_name[slots[i]], a, slot_name[slots[first]], b);
+            Py_XDECREF(a);
+            Py_XDECREF(b);
+            return -1;
+        }
+    }
+    c->resident = 1;
+    c->device.index = where;
+    c->device.automatic = 0;        /* no fallback: the native path cannot read device memory */
+    if (device == Py_None)
+        return 0;
+    or_device_choice named;
+    if (or_resolve_device(c->func, device, &named) < 0)
+        return -1;
+    if (named.index != where) {
+        PyObject *id = or_device_id(where);
+        if (id != NULL)
+            PyErr_Format(PyExc_ValueError, "%s(): 'device' is %R but the operands are "
+                         "DeviceArrays on %S", c->func, device, id);
+        Py_XDECREF(id);
+        return -1;
+    }
+    return 0;
+}
+
 static int shape_error(or_call *c, const char *name, const char *what)
 {
     PyObject *shape = c->arr[OR_Q] ? or_shape_str(c->arr[OR_Q]) : NULL;
@@ -129,7 +180,12 @@ int or_load_operands(or_call *c, PyObject **objs, const int *slots, int n)
     const size_t align = or_device_align(c->device.index);
     for (int i = 0; i < n; i++) {
         int s = slots[i];
-        c->arr[s] = or_operand(objs[i], c->func, slot_name[s], c->ct, align, &c->dt[s]);
+        if (c->resident) {
+            c->dev[s] = Py_NewRef(objs[i]);
+            c->arr[s] = or_device_array_layout(objs[i], &c->dt[s]);
+        } else {
+            c->arr[s] = or_operand(objs[i], c->func, slot_name[s], c->ct, align, &c->dt[s]);
+        }
         if (c->arr[s] == NULL)
             return -1;
     }
@@ -138,7 +194,8 @@ int or_load_operands(or_call *c, PyObject **objs, const int *slots, int n)
     for (int i = 0; i < n; i++) {
         int s = slots[i];
         const or_dtype got = c->dt[s];
-        if (s == OR_LSE && got != lse && !or_dtypes[got].numpy) {
+        /* a DeviceArray lse is used as it is: converting it would cross to the host */
+        if (s == OR_LSE && got != lse && (!or_dtypes[got].numpy || c->resident)) {
             PyErr_Format(PyExc_TypeError, "%s(): argument 'lse' has dtype %s; it must be %s",
                          c->func, or_dtypes[got].name, or_dtypes[lse].name);
             return -1;

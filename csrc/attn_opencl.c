@@ -3,11 +3,12 @@
  * Each operand becomes one buffer over the array's own memory: on a device that shares host
  * memory (CPUs through PoCL, integrated GPUs) with CL_MEM_USE_HOST_PTR, so inputs are read in
  * place and outputs land directly in the returned NumPy arrays; on a discrete GPU with an
- * explicit copy in and out. The per-unit offsets and lengths travel in one "meta" buffer
- * (kernels/common.cl), so dense, strided, GQA and varlen inputs run the same kernels. A forward
- * with few query rows per unit (or_is_decode) runs the split-KV decode instead
- * (kernels/flash_decode.cl): partial outputs per key split into scratch buffers, then one
- * combining pass.
+ * explicit copy in and out (counted in stats()). A device-resident operand (a DeviceArray,
+ * or_view.mem) is its own buffer: used as it is, never copied, and not released here. The
+ * per-unit offsets and lengths travel in one "meta" buffer (kernels/common.cl), so dense,
+ * strided, GQA and varlen inputs run the same kernels. A forward with few query rows per unit
+ * (or_is_decode) runs the split-KV decode instead (kernels/flash_decode.cl): partial outputs
+ * per key split into scratch buffers, then one combining pass.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,6 +34,7 @@ typedef struct {
     const or_cl_info *info;
     or_cl_program prog;
     or_error *err;
+    or_counters *ct;
     cl_mem mem[OR_NSLOTS];
     cl_mem meta, slopes, di, dqacc, dummy;
     cl_mem part, part_ml;       /* decode: the splits' partial outputs, their max and sum */
@@ -69,6 +71,10 @@ static int operand_buffers(launch_t *L)
             L->mem[s] = L->dummy;
             continue;
         }
+        if (w->mem != NULL) {
+            L->mem[s] = (cl_mem)w->mem;
+            continue;
+        }
         cl_mem_flags flags = out ? CL_MEM_READ_WRITE : CL_MEM_READ_ONLY;
         char *host = w->lo;
         if (L->in_place) {
@@ -78,6 +84,8 @@ static int operand_buffers(launch_t *L)
             flags |= CL_MEM_USE_HOST_PTR;
         } else if (!out) {
             flags |= CL_MEM_COPY_HOST_PTR;
+            OR_COUNT(L->ct, host_to_device, 1);
+            OR_COUNT(L->ct, host_to_device_bytes, w->nbytes);
         }
         L->shift[s] = (size_t)(w->lo - host);
         rc = new_buffer(L, flags, w->nbytes + L->shift[s], (L->in_place || !out) ? host : NULL,
@@ -104,8 +112,9 @@ static int meta_buffer(launch_t *L)
         for (int s = 0; s < OR_NSLOTS; s++) {
             const or_view *w = &p->view[s];
             int kv_side = s == OR_K || s == OR_V || s == OR_DK || s == OR_DV;
+            /* in integers: a resident operand's base and lo address no memory */
             if (w->offs != NULL && w->nbytes > 0)
-                row[s] = (w->base + w->offs[kv_side ? u / p->prm.group : u] - w->lo
+                row[s] = ((w->base - w->lo) + w->offs[kv_side ? u / p->prm.group : u]
                           + (or_ssize)L->shift[s]) / w->itemsize;
         }
         row[OR_UNIT_NQ] = p->nq[u];
@@ -226,17 +235,19 @@ static int enqueue_wg(launch_t *L, cl_kernel k, or_ssize rows, or_ssize units)
     return enqueue_nd(L, k, global, local);
 }
 
-/* Waits for the kernels and brings the outputs to the host arrays. */
+/* Waits for the kernels and brings the outputs to the host arrays (resident outputs stay). */
 static int finish_outputs(launch_t *L)
 {
     const or_cl_api *api = L->prog.api;
     for (int s = 0; s < OR_NSLOTS; s++) {
         const or_view *w = &L->p->view[s];
-        if (!((L->outputs >> s) & 1) || w->offs == NULL || w->nbytes == 0)
+        if (!((L->outputs >> s) & 1) || w->offs == NULL || w->nbytes == 0 || w->mem != NULL)
             continue;
         if (!L->in_place) {
             TRY(L, api->clEnqueueReadBuffer(L->prog.queue, L->mem[s], CL_TRUE, 0, w->nbytes, w->lo,
                                             0, NULL, NULL), "clEnqueueReadBuffer");
+            OR_COUNT(L->ct, device_to_host, 1);
+            OR_COUNT(L->ct, device_to_host_bytes, w->nbytes);
             continue;
         }
         cl_int rc;      /* mapping makes the device's writes visible in the host memory */
@@ -264,7 +275,7 @@ static void release(launch_t *L)
         if (L->kernel[i])
             api->clReleaseKernel(L->kernel[i]);
     for (int s = 0; s < OR_NSLOTS; s++)
-        if (L->mem[s] && L->mem[s] != L->dummy)
+        if (L->mem[s] && L->mem[s] != L->dummy && L->mem[s] != L->p->view[s].mem)
             api->clReleaseMemObject(L->mem[s]);
     if (L->meta)
         api->clReleaseMemObject(L->meta);
@@ -297,6 +308,7 @@ static int prepare(launch_t *L, int i, const or_problem *p, unsigned outputs, or
     memset(L, 0, sizeof(*L));
     L->p = p;
     L->err = err;
+    L->ct = ct;
     L->outputs = outputs;
     L->info = or_cl_info_get(i);
     L->in_place = L->info->unified;

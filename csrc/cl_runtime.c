@@ -195,6 +195,20 @@ static int ensure_queue(device_t *dev, or_error *err)
     return OR_OK;
 }
 
+/* Device i, its lock taken and *rc the result of making its context and queue (the caller
+ * unlocks it); NULL, not locked, with *rc set, when there is no device i. */
+static device_t *lock_device(int i, int *rc, or_error *err)
+{
+    if (i < 0 || i >= or_cl_count()) {
+        *rc = or_cl_fail(err, CL_INVALID_DEVICE, "orchard device lookup");
+        return NULL;
+    }
+    device_t *dev = &devices[i];
+    pthread_mutex_lock(&dev->lock);
+    *rc = ensure_queue(dev, err);
+    return dev;
+}
+
 static int env_int(const char *name, int fallback)
 {
     const char *v = getenv(name);
@@ -521,11 +535,10 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
 int or_cl_get_program(int i, or_dtype dt, int d, int dv, or_counters *ct, or_cl_program *out,
                       or_error *err)
 {
-    if (i < 0 || i >= or_cl_count())
-        return or_cl_fail(err, CL_INVALID_DEVICE, "orchard device lookup");
-    device_t *dev = &devices[i];
-    pthread_mutex_lock(&dev->lock);
-    int rc = ensure_queue(dev, err);
+    int rc;
+    device_t *dev = lock_device(i, &rc, err);
+    if (dev == NULL)
+        return rc;
     program_entry *e = dev->programs;
     while (rc == OR_OK && e != NULL && !(e->dt == dt && e->d == d && e->dv == dv))
         e = e->next;
@@ -546,6 +559,17 @@ int or_cl_get_program(int i, or_dtype dt, int d, int dv, or_counters *ct, or_cl_
     }
     if (rc == OR_OK)
         *out = e->prog;
+    pthread_mutex_unlock(&dev->lock);
+    return rc;
+}
+
+int or_cl_queue(int i, or_cl_queue_t *out, or_error *err)
+{
+    int rc;
+    device_t *dev = lock_device(i, &rc, err);
+    if (dev == NULL)
+        return rc;
+    *out = (or_cl_queue_t){api, dev->ctx, dev->queue};
     pthread_mutex_unlock(&dev->lock);
     return rc;
 }

@@ -65,6 +65,15 @@ int or_cl_family_of(int i);
 int or_cl_tuned_blocks(int i, int *bq, int *bk);
 int or_cl_save_tuned_blocks(int i, int bq, int bk);
 
+/* The api, context and queue of device i, made on first use: for buffers that outlive a call
+ * (device_array.c). */
+typedef struct {
+    const or_cl_api *api;
+    cl_context ctx;
+    cl_command_queue queue;
+} or_cl_queue_t;
+int or_cl_queue(int i, or_cl_queue_t *out, or_error *err);
+
 /* Fills err for a failed call; returns OR_EDEVICE. */
 int or_cl_fail(or_error *err, cl_int code, const char *call);
 

@@ -10,14 +10,9 @@
 
 #include "pyorchard.h"
 
-typedef struct {
-    PyObject *error;        /* OrchardError(RuntimeError) */
-    PyObject *oom;          /* OrchardOutOfMemory(OrchardError, MemoryError) */
-} module_state;
-
-static module_state *get_state(PyObject *module)
+static or_module_state *get_state(PyObject *module)
 {
-    return (module_state *)PyModule_GetState(module);
+    return (or_module_state *)PyModule_GetState(module);
 }
 
 /* ------------------------------------------------------------------ running */
@@ -26,14 +21,14 @@ static module_state *get_state(PyObject *module)
  * out-of-memory codes, OrchardError otherwise, with the build log when there is one.
  * CL_INVALID_BUFFER_SIZE (-61) counts as out of memory: clCreateBuffer returns it for a buffer
  * larger than the device's CL_DEVICE_MAX_MEM_ALLOC_SIZE, a buffer that cannot be allocated. */
-static PyObject *device_error(module_state *st, or_call *c, const or_error *err)
+PyObject *or_device_error(or_module_state *st, const char *func, int device, const or_error *err)
 {
     int oom = err->cl_code == -4 || err->cl_code == -5 || err->cl_code == -6
               || err->cl_code == -61;
-    PyObject *id = or_device_id(c->device.index);
+    PyObject *id = or_device_id(device);
     if (id == NULL)
         return NULL;
-    PyErr_Format(oom ? st->oom : st->error, "%s() on %S: %s%s%s", c->func, id, err->msg,
+    PyErr_Format(oom ? st->oom : st->error, "%s() on %S: %s%s%s", func, id, err->msg,
                  err->log ? "\nbuild log:\n" : "", err->log ? err->log : "");
     Py_DECREF(id);
     return NULL;
@@ -53,7 +48,7 @@ static int compute(or_call *c, int backward, or_error *err)
     return rc;
 }
 
-static PyObject *run(or_call *c, module_state *st, int backward)
+static PyObject *run(or_call *c, or_module_state *st, int backward)
 {
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
@@ -76,7 +71,7 @@ static PyObject *run(or_call *c, module_state *st, int backward)
         PyObject *none = rc == OR_ENOMEM
                              ? PyErr_Format(PyExc_MemoryError, "%s(): the kernels' working "
                                             "memory cannot be allocated", c->func)
-                             : device_error(st, c, &err);
+                             : or_device_error(st, c->func, c->device.index, &err);
         free(err.log);
         return none;
     }
@@ -101,11 +96,14 @@ static PyObject *run(or_call *c, module_state *st, int backward)
         Py_DECREF(ks);
         Py_DECREF(id);
     }
-    /* (out, lse) or (dq, dk, dv), as torch tensors when the operands were */
+    /* (out, lse) or (dq, dk, dv): DeviceArrays for device-resident operands, torch tensors
+     * when the operands were */
     const int first = backward ? OR_DQ : OR_O, count = backward ? 3 : 2;
     PyObject *result = PyTuple_New(count);
     for (int i = 0; result != NULL && i < count; i++) {
-        PyObject *r = or_result_like(c->like, c->arr[first + i], c->dt[first + i]);
+        PyObject *r = c->dev[first + i] != NULL
+                          ? Py_NewRef(c->dev[first + i])
+                          : or_result_like(c->like, c->arr[first + i], c->dt[first + i]);
         if (r == NULL)
             Py_CLEAR(result);
         else
@@ -119,14 +117,15 @@ static PyObject *run(or_call *c, module_state *st, int backward)
 static PyObject *attention(PyObject *module, or_call *c, or_opts *o, PyObject **objs,
                            const int *slots, int nobj, PyObject *cuq, PyObject *cuk)
 {
-    module_state *st = get_state(module);
+    or_module_state *st = get_state(module);
     int backward = nobj == 6;
     PyObject *result = NULL;
     npy_intp oshape[NPY_MAXDIMS], lshape[NPY_MAXDIMS];
     int ond, lnd;
 
     c->like = objs[0];
-    if (or_check_options(c, o) < 0 || or_resolve_device(c->func, o->device, &c->device) < 0)
+    c->st = st;
+    if (or_check_options(c, o) < 0 || or_call_device(c, o->device, objs, slots, nobj) < 0)
         goto done;
     c->ct = or_device_counters(c->device.index);
     if (or_load_operands(c, objs, slots, nobj) < 0
@@ -327,7 +326,8 @@ static PyObject *cache_dir(PyObject *module, PyObject *unused)
 }
 
 #define OR_COUNTER_FIELDS(X) X(fwd_calls) X(decode_calls) X(bwd_calls) X(zero_copy_buffers) X(staged_buffers) \
-    X(bytes_staged) X(kernel_builds) X(cache_hits)
+    X(bytes_staged) X(kernel_builds) X(cache_hits) X(host_to_device) X(host_to_device_bytes)    \
+    X(device_to_host) X(device_to_host_bytes)
 
 static PyObject *counters_dict(const or_counters *ct)
 {
@@ -344,7 +344,8 @@ static PyObject *counters_dict(const or_counters *ct)
 
 PyDoc_STRVAR(stats_doc,
 "stats() -> dict of counters (fwd_calls, decode_calls, bwd_calls, zero_copy_buffers,\n"
-"staged_buffers, bytes_staged, kernel_builds, cache_hits), totals over all devices, and\n"
+"staged_buffers, bytes_staged, kernel_builds, cache_hits, host_to_device,\n"
+"host_to_device_bytes, device_to_host, device_to_host_bytes), totals over all devices, and\n"
 "'per_device': {device id: the same counters}.");
 
 static PyObject *stats(PyObject *module, PyObject *unused)
@@ -516,6 +517,11 @@ PyDoc_STRVAR(varlen_bwd_doc,
 "                      max_seqlen_q=None, max_seqlen_k=None, scale=None, dropout_p=0.0,\n"
 "                      causal=False, *, ...) -> (dq, dk, dv)");
 
+PyDoc_STRVAR(to_device_doc,
+"to_device(array, device) -> DeviceArray: a copy of array (NumPy, buffer protocol or DLPack\n"
+"on the CPU; float16, bfloat16, float32 or float64) in the memory of OpenCL device `device`.\n"
+"The attention functions take DeviceArray operands in place and return DeviceArrays.");
+
 static PyMethodDef methods[] = {
     {"flash_attn_fwd", (PyCFunction)(void (*)(void))flash_attn_fwd, METH_VARARGS | METH_KEYWORDS, fwd_doc},
     {"flash_attn_bwd", (PyCFunction)(void (*)(void))flash_attn_bwd, METH_VARARGS | METH_KEYWORDS, bwd_doc},
@@ -542,6 +548,8 @@ static PyMethodDef methods[] = {
      "save_tuned_blocks(device, block_q, block_k) -> bool; stores the block sizes that programs\n"
      "built later (in new processes) use, beside the program binaries; False if the cache is off"},
     {"set_native_isa", set_native_isa, METH_O, set_native_isa_doc},
+    {"to_device", (PyCFunction)(void (*)(void))or_to_device, METH_VARARGS | METH_KEYWORDS,
+     to_device_doc},
     {"build_info", build_info, METH_NOARGS, build_info_doc},
     {NULL, NULL, 0, NULL},
 };
@@ -550,7 +558,7 @@ static int module_exec(PyObject *module)
 {
     if (PyArray_ImportNumPyAPI() < 0)
         return -1;
-    module_state *st = get_state(module);
+    or_module_state *st = get_state(module);
     st->error = PyErr_NewExceptionWithDoc(
         "orchard_ops.OrchardError",
         "A device (OpenCL) failure; the message names the failing call and the CL error.",
@@ -566,8 +574,12 @@ static int module_exec(PyObject *module)
     Py_DECREF(bases);
     if (st->oom == NULL)
         return -1;
+    st->device_array = or_device_array_type(module);
+    if (st->device_array == NULL)
+        return -1;
     if (PyModule_AddObjectRef(module, "OrchardError", st->error) < 0
         || PyModule_AddObjectRef(module, "OrchardOutOfMemory", st->oom) < 0
+        || PyModule_AddObjectRef(module, "DeviceArray", (PyObject *)st->device_array) < 0
         || PyModule_AddStringConstant(module, "__version__", ORCHARD_VERSION) < 0)
         return -1;
     or_isa_from_environment();
@@ -576,17 +588,19 @@ static int module_exec(PyObject *module)
 
 static int module_traverse(PyObject *module, visitproc visit, void *arg)
 {
-    module_state *st = get_state(module);
+    or_module_state *st = get_state(module);
     Py_VISIT(st->error);
     Py_VISIT(st->oom);
+    Py_VISIT(st->device_array);
     return 0;
 }
 
 static int module_clear(PyObject *module)
 {
-    module_state *st = get_state(module);
+    or_module_state *st = get_state(module);
     Py_CLEAR(st->error);
     Py_CLEAR(st->oom);
+    Py_CLEAR(st->device_array);
     return 0;
 }
 
@@ -604,7 +618,7 @@ static struct PyModuleDef moduledef = {
     PyModuleDef_HEAD_INIT,
     .m_name = "orchard_ops",
     .m_doc = "Exact FlashAttention forward and backward in O(N) memory (native CPU path).",
-    .m_size = sizeof(module_state),
+    .m_size = sizeof(or_module_state),
     .m_methods = methods,
     .m_slots = slots,
     .m_traverse = module_traverse,

@@ -32,6 +32,9 @@ typedef struct {
     int itemsize;
     or_dtype dtype;
     or_ssize row_stride;    /* bytes between rows (between elements, for lse) */
+    void *mem;              /* a device-resident operand's cl_mem (a DeviceArray), whose base
+                               and lo then only place the offsets (they address no memory);
+                               NULL for host memory */
     const or_ssize *offs;   /* byte offset of each unit's row 0; q-side slots are indexed
                                by query unit, k/v/dk/dv slots by kv unit */
 } or_view;
@@ -86,6 +89,9 @@ typedef struct {
 typedef struct {
     long long fwd_calls, decode_calls, bwd_calls, zero_copy_buffers, staged_buffers, bytes_staged,
         kernel_builds, cache_hits;
+    /* operand data copied between host memory and device-owned buffers: to_device() and
+     * DeviceArray.numpy(), and a host-array call's copies on a device without shared memory */
+    long long host_to_device, host_to_device_bytes, device_to_host, device_to_host_bytes;
 } or_counters;
 #define OR_COUNT(ct, field, n) __atomic_fetch_add(&(ct)->field, (long long)(n), __ATOMIC_RELAXED)
 

@@ -10,6 +10,7 @@ void or_call_clear(or_call *c)
 {
     for (int s = 0; s < OR_NSLOTS; s++) {
         Py_CLEAR(c->arr[s]);
+        Py_CLEAR(c->dev[s]);
         PyMem_Free(c->offs[s]);
         c->offs[s] = NULL;
     }
@@ -53,10 +54,12 @@ void or_out_shapes(or_call *c, npy_intp *oshape, npy_intp *lshape, int *ond, int
  * in memory in the axis order of `like` (an operand of the same rank, or NULL for C order),
  * as torch's empty_like: for a (B, N, H, D) tensor seen as (B, H, N, D), the output is the
  * same view of contiguous (B, N, H, D) memory, so that its caller's transpose back needs no
- * copy. The last axis stays innermost. */
+ * copy. The last axis stays innermost. A call on DeviceArrays (C order) gets DeviceArrays. */
 int or_new_output(or_call *c, int slot, int nd, const npy_intp *shape, or_dtype dt,
                   PyArrayObject *like)
 {
+    if (c->resident)
+        return or_device_output(c, slot, nd, shape, dt);
     npy_intp dims[NPY_MAXDIMS];
     int order[NPY_MAXDIMS];     /* memory order: outermost axis first */
     for (int i = 0; i < nd; i++)
@@ -237,6 +240,7 @@ int or_build_problem(or_call *c, PyObject *alibi_slopes)
         w->itemsize = (int)PyArray_ITEMSIZE(c->arr[s]);
         or_extent(c->arr[s], &w->lo, &w->nbytes);
         w->dtype = c->dt[s];
+        w->mem = c->dev[s] ? or_device_array_mem(c->dev[s]) : NULL;
     }
     c->p.nq = c->nq;
     c->p.nk = c->nk;

@@ -1,5 +1,6 @@
 /* pyorchard.h - declarations shared by the Python-facing files of orchard_ops
- * (module.c, args.c, problem.c, marshal.c, dlpack.c, dtypes.c, devices.c, cpu_info.c, log.c).
+ * (module.c, args.c, problem.c, marshal.c, dlpack.c, device_array.c, dtypes.c, devices.c,
+ * cpu_info.c, log.c).
  * The kernels
  * include orchard.h only. */
 #ifndef ORCHARD_PY_H
@@ -15,6 +16,16 @@
 #include <numpy/arrayobject.h>
 
 #include "orchard.h"
+
+/* module.c: the module's state */
+typedef struct {
+    PyObject *error;            /* OrchardError(RuntimeError) */
+    PyObject *oom;              /* OrchardOutOfMemory(OrchardError, MemoryError) */
+    PyTypeObject *device_array; /* DeviceArray (device_array.c) */
+} or_module_state;
+/* Raises OrchardError, or OrchardOutOfMemory for the out-of-memory codes, for a failed device
+ * call of func on device index `device`; returns NULL. */
+PyObject *or_device_error(or_module_state *st, const char *func, int device, const or_error *err);
 
 /* marshal.c */
 PyArrayObject *or_operand(PyObject *obj, const char *func, const char *name, or_counters *ct,
@@ -66,6 +77,9 @@ typedef struct {
     PyArrayObject *arr[OR_NSLOTS];
     or_dtype dt[OR_NSLOTS];         /* each operand's (bfloat16 arrays hold uint16 bits) */
     PyObject *like;                 /* the first operand: results come back as its kind */
+    or_module_state *st;
+    int resident;                   /* the operands are DeviceArrays: so are the results */
+    PyObject *dev[OR_NSLOTS];       /* each DeviceArray operand or result, else NULL */
     or_ssize *offs[OR_NSLOTS];
     PyArrayObject *cu_q, *cu_k;     /* int64 copies of cu_seqlens */
     PyArrayObject *used_k;          /* int64 copy of seqused_k, or NULL */
@@ -84,6 +98,7 @@ typedef struct {
 /* args.c: each returns 0, or -1 with the exception set */
 int or_as_integer(PyObject *obj, long long *out);      /* -1 with no exception set */
 int or_check_options(or_call *c, const or_opts *o);
+int or_call_device(or_call *c, PyObject *device, PyObject **objs, const int *slots, int n);
 int or_load_operands(or_call *c, PyObject **objs, const int *slots, int n);
 int or_check_qkv(or_call *c);
 int or_check_scale(or_call *c, const or_opts *o);
@@ -92,6 +107,17 @@ int or_check_paged_kv(or_call *c);
 int or_check_pages(or_call *c, const or_opts *o);
 int or_check_like(or_call *c, int slot, const npy_intp *shape, int nd);
 int or_parse_shape(PyObject *obj, const char *name, npy_intp *dims);    /* its length or -1 */
+
+/* device_array.c: DeviceArray, an array held in an OpenCL device's memory */
+PyTypeObject *or_device_array_type(PyObject *module);  /* made once, for the module state */
+PyObject *or_to_device(PyObject *module, PyObject *args, PyObject *kw);
+int or_device_array_index(or_module_state *st, PyObject *obj); /* its device, -1: not one */
+/* its shape, dtype and C strides as a NumPy array over no memory: what args.c and problem.c
+ * read of an operand */
+PyArrayObject *or_device_array_layout(PyObject *obj, or_dtype *dt);
+void *or_device_array_mem(PyObject *obj);               /* its cl_mem (NULL: no bytes) */
+/* a result of a call on DeviceArrays: c->dev[slot], c->arr[slot] its layout */
+int or_device_output(or_call *c, int slot, int nd, const npy_intp *shape, or_dtype dt);
 
 /* problem.c */
 void or_out_shapes(or_call *c, npy_intp *oshape, npy_intp *lshape, int *ond, int *lnd);

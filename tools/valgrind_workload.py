@@ -1,6 +1,7 @@
 """The representative workload tools/valgrind.sh runs under Memcheck: every feature forward and
 backward on every device (dense, GQA, varlen, strided and staged inputs, all dtypes, every
-option at once) and the error paths (bad arguments, sizes refused, impossible allocations). It
+option at once; on OpenCL devices also on DeviceArrays, which must be released with their
+objects) and the error paths (bad arguments, sizes refused, impossible allocations). It
 checks the devices' results against the native path, so it also fails loudly on its own."""
 import numpy as np
 
@@ -26,6 +27,20 @@ def dense(rng, dtype, nq):
 def attention(device, q, k, v, do, **kw):
     out, lse = ops.flash_attn_fwd(q, k, v, device=device, **kw)
     return (out, lse) + ops.flash_attn_bwd(do, q, k, v, out, lse, device=device, **kw)
+
+
+def resident(device, q, k, v, do, **kw):
+    """attention() on DeviceArrays, brought back to the host."""
+    q, k, v, do = (ops.to_device(x, device) for x in (q, k, v, do))
+    out, lse = ops.flash_attn_fwd(q, k, v, **kw)
+    results = (out, lse) + ops.flash_attn_bwd(do, q, k, v, out, lse, **kw)
+    try:
+        ops.flash_attn_fwd(q, k, np.ones(v.shape, np.float32), **kw)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("host and device operands mixed")
+    return [r.numpy() for r in results]
 
 
 def varlen(device, rng):
@@ -68,6 +83,7 @@ def main():
             expected = attention("cpu", *args, **kw)
             for device in devices[1:]:
                 check(attention(device, *args, **kw), expected)
+                check(resident(device, *args, **kw), expected)
     expected = varlen("cpu", np.random.default_rng(1))
     for device in devices[1:]:
         check(varlen(device, np.random.default_rng(1)), expected)
