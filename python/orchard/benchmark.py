@@ -237,6 +237,44 @@ def round_robin(calls, rounds, settle=()):
     return {name: np.array(t) for name, t in times.items()}
 
 
+def _bytes_copied(device, calls):
+    """Bytes each of calls {name: fn} copies between host and device memory (stats())."""
+    out = {}
+    for name, fn in calls.items():
+        orchard_ops.reset_stats()
+        fn()
+        st = orchard_ops.stats()["per_device"][device]
+        out[name] = st["host_to_device_bytes"] + st["device_to_host_bytes"]
+    return out
+
+
+def resident_vs_host(shape, device, causal, rounds, rng):
+    """Forward, and forward+backward ("step"), of float32 operands of shape (B, H, N, D) on
+    OpenCL device `device`: host arrays against DeviceArrays (orchard_ops.to_device, made
+    once), alternating in rounds. Medians in ms, the median of the per-round ratios
+    host / resident, and the bytes a host-array call copies."""
+    arrays, _ = operands(shape, "float32", rng)
+    resident = [orchard_ops.to_device(a, device) for a in arrays]
+
+    def step(q, k, v, dout):
+        out, lse = orchard_ops.flash_attn_fwd(q, k, v, causal=causal, device=device)
+        return orchard_ops.flash_attn_bwd(dout, q, k, v, out, lse, causal=causal, device=device)
+
+    calls = {"host_fwd": orchard_calls(*arrays, causal, device)[0],
+             "resident_fwd": orchard_calls(*resident, causal, device)[0],
+             "host_step": lambda: step(*arrays),
+             "resident_step": lambda: step(*resident)}
+    row = {"shape": list(shape), "causal": causal,
+           "bytes_copied_per_host_call": _bytes_copied(device, {"fwd": calls["host_fwd"],
+                                                                "step": calls["host_step"]})}
+    t = round_robin(calls, rounds)
+    for what in ("fwd", "step"):
+        row[what] = {"host_ms": float(np.median(t["host_" + what])) * 1e3,
+                     "resident_ms": float(np.median(t["resident_" + what])) * 1e3,
+                     "ratio": float(np.median(t["host_" + what] / t["resident_" + what]))}
+    return row
+
+
 def run(shapes, devices, dtypes, causal_flags, repeats, train_steps=0, progress=None):
     """The report orchard-bench prints and writes: machine facts, the roofline, one row per
     measurement, the comparisons, and with train_steps > 0 the training tokens/s. Every
