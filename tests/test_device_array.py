@@ -286,8 +286,10 @@ def test_resident_calls_clean_under_oclgrind(tmp_path):
     Oclgrind 21.10 report reads of reused addresses (test_oclgrind.py says why)."""
     script = tmp_path / "resident.py"
     script.write_text(OCLGRIND_SCRIPT)
+    # Oclgrind stands in for the OpenCL library: a loader named by the environment must not
     env = subprocess_env(ORCHARD_CL_BLOCK_Q=8, ORCHARD_CL_BLOCK_K=4, ORCHARD_CL_FAMILY="rows",
-                         ORCHARD_NO_CACHE=1, ORCHARD_CL_OPTIONS="-cl-opt-disable")
+                         ORCHARD_NO_CACHE=1, ORCHARD_CL_OPTIONS="-cl-opt-disable",
+                         ORCHARD_OPENCL_LIBRARY=None)
     r = subprocess.run(["oclgrind", "--data-races", "--check-api", "--uninitialized",
                         sys.executable, str(script)], capture_output=True, text=True,
                        timeout=900, env=env, cwd=TESTS_DIR)
