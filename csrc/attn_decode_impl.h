@@ -95,6 +95,51 @@ static inline __attribute__((always_inline)) FN(vec) FN(decode_vec)(const char *
     return v;
 }
 
+/* bfloat16 keys and values are widened a pair of vectors at a time, out of order: a bfloat16 is
+ * the top half of a float, so the 32-bit lanes of 2 DVL raw elements hold element 2j in their
+ * low half and 2j + 1 in their high half, and one shift and one mask give the even elements
+ * and the odd ones as floats, where widening in order costs a cross-lane shuffle of several
+ * operations per vector. Query rows and output accumulators hold elements
+ * [0, decode_paired) in the same order (decode_deal), so that dot products and weighted sums
+ * of rows come out the same. */
+#if REAL_SIZE == 4
+static inline __attribute__((always_inline)) void
+FN(decode_bf16_pair)(const char *row, int i, FN(vec) *even, FN(vec) *odd)
+{
+    typedef uint32_t uvec __attribute__((vector_size(VBYTES)));
+    uvec u;
+    memcpy(&u, row + (size_t)i * 2, sizeof(u));
+    const uvec e = u << 16, o = u & 0xffff0000u;
+    memcpy(even, &e, sizeof(e));
+    memcpy(odd, &o, sizeof(o));
+}
+#endif
+
+/* Elements of a row of n held in pairs' order: whole blocks of 2 DVL, bfloat16 only. */
+static inline __attribute__((always_inline)) int FN(decode_paired)(int n, or_dtype dt)
+{
+    return REAL_SIZE == 4 && dt == OR_BF16 ? n - n % (2 * DVL) : 0;
+}
+
+/* Elements [0, n) of a row (n a multiple of 2 DVL) from natural order to pairs' order (each
+ * block: its even elements, then its odd ones), or back. */
+static void FN(decode_deal)(REAL *x, int n, int to_pairs)
+{
+    for (int i = 0; i < n; i += 2 * DVL) {
+        REAL t[2 * DVL];
+        for (int j = 0; j < DVL; j++) {
+            if (to_pairs) {
+                t[j] = x[i + 2 * j];
+                t[DVL + j] = x[i + 2 * j + 1];
+            } else {
+                t[2 * j] = x[i + j];
+                t[2 * j + 1] = x[i + DVL + j];
+            }
+        }
+        memcpy(x + i, t, sizeof(t));
+    }
+}
+
 /* Pairwise sums of blocks of b lanes, FOLD(x, y, b): lane i of the first half of the result
  * is the sum of blocks 2k and 2k + 1 of x (k = i / b; the same offset in each block), of the
  * second half the same of y; so accumulators held in blocks of x and y stay in order, each in
@@ -184,7 +229,23 @@ FN(decode_dots)(REAL *s, const REAL *q, int dp, const char *const *kr, int d, or
     for (int r = 0; r < nr; r++)
         for (int t = 0; t < NKEYS; t++)
             acc[r][t] = (FN(vec)){0};
-    for (int i = 0; i < dvec; i += DVL) {
+    int i = 0;
+#if REAL_SIZE == 4
+    for (; i < FN(decode_paired)(d, dt); i += 2 * DVL) {
+        FN(vec) xe[DROWS], xo[DROWS];
+        for (int r = 0; r < nr; r++) {
+            memcpy(&xe[r], q + (or_ssize)r * dp + i, sizeof(xe[r]));
+            memcpy(&xo[r], q + (or_ssize)r * dp + i + DVL, sizeof(xo[r]));
+        }
+        for (int t = 0; t < NKEYS; t++) {
+            FN(vec) ye, yo;
+            FN(decode_bf16_pair)(kr[t], i, &ye, &yo);
+            for (int r = 0; r < nr; r++)
+                acc[r][t] += xe[r] * ye + xo[r] * yo;
+        }
+    }
+#endif
+    for (; i < dvec; i += DVL) {
         FN(vec) x[DROWS];
         for (int r = 0; r < nr; r++)
             memcpy(&x[r], q + (or_ssize)r * dp + i, sizeof(x[r]));
@@ -249,6 +310,16 @@ FN(decode_pv)(REAL *o, int dvp, int dv, const REAL *s, int rows, const char *con
             FN(decode_prefetch)(next + c, n_next - c < NKEYS ? n_next - c : NKEYS, len);
         for (int x = 0; x < dvec; x += DVL) {
             FN(vec) y[NKEYS];
+#if REAL_SIZE == 4
+            if (x < FN(decode_paired)(dv, dt)) {   /* a block's even elements, then its odd */
+                const int odd = x % (2 * DVL);
+                for (int t = 0; t < NKEYS; t++) {
+                    FN(vec) ye, yo;
+                    FN(decode_bf16_pair)(vr[c + t], x - odd, &ye, &yo);
+                    y[t] = odd ? yo : ye;
+                }
+            } else
+#endif
             for (int t = 0; t < NKEYS; t++)
                 y[t] = FN(decode_vec)(vr[c + t], x, dt);
             for (int r = 0; r < rows; r++) {
@@ -328,6 +399,8 @@ FN(decode_split)(const or_job *job, or_ssize item, int worker, or_dtype dt)
     for (or_ssize g = 0; g < group; g++)
         FN(load_rows)(q + g * nq * dp, dp, FN(row_ptr)(p, OR_Q, u0 + g, 0), w[OR_Q].row_stride,
                       nq, d, nq, w[OR_Q].dtype, (REAL)p->prm.scale);
+    for (int r = 0; r < rows; r++)
+        FN(decode_deal)(q + (or_ssize)r * dp, FN(decode_paired)(d, dt), 1);
     int cols = (int)(hi - lo < BC ? hi - lo : BC);
     FN(decode_rows)(p, OR_K, kvu, lo, cols, cur[0]);
     FN(decode_rows)(p, OR_V, kvu, lo, cols, cur[1]);
@@ -371,6 +444,8 @@ FN(decode_split)(const or_job *job, or_ssize item, int worker, or_dtype dt)
         nxt = t;
         cols = n_next;
     }
+    for (int r = 0; r < rows; r++)
+        FN(decode_deal)(o + (or_ssize)r * dvp, FN(decode_paired)(dv, dt), 0);
 }
 
 /* A work item: one split, in an instance for its key and value dtype. */
