@@ -15,7 +15,9 @@
  *                      that one tree of shuffles sums NKEYS dot products (decode_sums)
  *   s    R x BC        scores, then probabilities (the forward's s tile)
  * and leaves, per row, its partial (unnormalised output o, running max m, sum l) in part.
- * The combine item of a kv unit then merges its splits exactly, in split order:
+ * The item that finishes a kv unit's last split then merges its splits exactly, in split order
+ * (one job per step, not a second one for the merge: waking the workers again cost as much as
+ * a short step's work):
  *   M = max m_s,  L = sum l_s e^(m_s - M),  out = sum o_s e^(m_s - M) / L,  lse = M + log L.
  * Split boundaries depend only on the shapes (decode_plan), so results do not depend on the
  * number of threads.
@@ -448,25 +450,13 @@ FN(decode_split)(const or_job *job, or_ssize item, int worker, or_dtype dt)
         FN(decode_deal)(o + (or_ssize)r * dvp, FN(decode_paired)(dv, dt), 0);
 }
 
-/* A work item: one split, in an instance for its key and value dtype. */
-static void FN(decode_item)(void *vjob, or_ssize item, int worker)
-{
-    const or_job *job = vjob;
-    switch (job->p->view[OR_K].dtype) {
-#define OR_SPLIT(id, ...) case id: FN(decode_split)(job, item, worker, id); break;
-    OR_DTYPES(OR_SPLIT)
-#undef OR_SPLIT
-    }
-}
-
 /* Merges the splits of one kv unit and stores its rows of out and lse. */
-static void FN(decode_combine_item)(void *vjob, or_ssize kvu, int worker)
+static void FN(decode_combine)(const or_job *job, or_ssize kvu, int worker)
 {
-    const or_job *job = vjob;
     const or_problem *p = job->p;
     const or_ssize group = p->prm.group, u0 = kvu * group, nq = p->nq[u0];
     const int dv = p->dv, dvp = FN(pad)(dv), rows = (int)(group * nq);
-    REAL *out = (REAL *)(job->scratch + (size_t)worker * job->per_worker);
+    REAL *out = (REAL *)(job->scratch + (size_t)(worker + 1) * job->per_worker) - dvp;
     for (int r = 0; r < rows; r++) {
         REAL mmax = -INFINITY, lsum = 0;
         for (or_ssize s = 0; s < job->splits; s++) {
@@ -494,6 +484,21 @@ static void FN(decode_combine_item)(void *vjob, or_ssize kvu, int worker)
         FN(store_rows)(FN(row_ptr)(p, OR_LSE, u, i), p->view[OR_LSE].row_stride, &lse, 1, 1, 1,
                        p->view[OR_LSE].dtype);
     }
+}
+
+/* A work item: one split, in an instance for its key and value dtype; the last of its kv
+ * unit's splits to finish merges them. */
+static void FN(decode_item)(void *vjob, or_ssize item, int worker)
+{
+    const or_job *job = vjob;
+    switch (job->p->view[OR_K].dtype) {
+#define OR_SPLIT(id, ...) case id: FN(decode_split)(job, item, worker, id); break;
+    OR_DTYPES(OR_SPLIT)
+#undef OR_SPLIT
+    }
+    const or_ssize kvu = item / job->splits;
+    if (__atomic_add_fetch(&job->splits_done[kvu], 1, __ATOMIC_ACQ_REL) == job->splits)
+        FN(decode_combine)(job, kvu, worker);
 }
 
 #undef DVL

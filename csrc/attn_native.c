@@ -122,15 +122,14 @@ static int decode_fwd(const or_problem *p, const or_kernels *kern, int dbl)
     if (items > SIZE_MAX / real / (size_t)job.part_stride)
         return OR_ENOMEM;
     job.part = aligned_alloc(64, real * (size_t)job.part_stride * items);
-    if (job.part == NULL)
-        return OR_ENOMEM;
-    /* q and s tiles, the dropout keep row */
-    job.per_worker = round_up(real * (rows * dp + rows * bc) + bc);
-    int rc = run_job(&job, (or_ssize)items, kern->decode_item[dbl]);
-    if (rc == OR_OK) {
-        job.per_worker = round_up(real * dvp);      /* a row of out */
-        rc = run_job(&job, n_kv, kern->decode_combine_item[dbl]);
+    job.splits_done = calloc((size_t)n_kv, sizeof(int));
+    int rc = OR_ENOMEM;
+    if (job.part != NULL && job.splits_done != NULL) {
+        /* q and s tiles, the dropout keep row, then a row of out for the merge */
+        job.per_worker = round_up(real * (rows * dp + rows * bc) + bc) + round_up(real * dvp);
+        rc = run_job(&job, (or_ssize)items, kern->decode_item[dbl]);
     }
+    free(job.splits_done);
     free(job.part);
     return rc;
 }

@@ -45,6 +45,7 @@ typedef struct {
     or_ssize splits;        /* decode: splits per kv unit, of split_keys keys each */
     or_ssize split_keys;
     char *part;             /* decode: every item's partial results (attn_decode_impl.h) */
+    int *splits_done;       /* decode: per kv unit, its splits finished (atomic) */
     or_ssize part_stride;   /* decode: REALs per item in part */
 } or_job;
 
@@ -54,8 +55,7 @@ typedef struct {
     const char *name;           /* ORCHARD_ISA's value for this set */
     int width;                  /* bytes: tile rows (d, dv) are padded to a multiple of it */
     int block_keys;             /* BC: keys per block */
-    or_task transpose_keys_item[2], fwd_item[2], bwd_item[2], decode_item[2],
-        decode_combine_item[2];
+    or_task transpose_keys_item[2], fwd_item[2], bwd_item[2], decode_item[2];
     size_t (*bwd_scratch[2])(const or_problem *p, or_ssize nk_max);   /* REALs per worker */
 } or_kernels;
 

@@ -78,6 +78,5 @@ const or_kernels CAT(or_kernels_, ISA) = {
     .fwd_item = {fwd_item_f, fwd_item_d},
     .bwd_item = {bwd_item_f, bwd_item_d},
     .decode_item = {decode_item_f, decode_item_d},
-    .decode_combine_item = {decode_combine_item_f, decode_combine_item_d},
     .bwd_scratch = {bwd_scratch_f, bwd_scratch_d},
 };
