@@ -242,8 +242,10 @@ FN(decode_dots)(REAL *s, const REAL *q, int dp, const char *const *kr, int d, or
         for (int t = 0; t < NKEYS; t++) {
             FN(vec) ye, yo;
             FN(decode_bf16_pair)(kr[t], i, &ye, &yo);
-            for (int r = 0; r < nr; r++)
-                acc[r][t] += xe[r] * ye + xo[r] * yo;
+            for (int r = 0; r < nr; r++) {    /* two FMAs (a + (b + c) would be three ops) */
+                acc[r][t] += xe[r] * ye;
+                acc[r][t] += xo[r] * yo;
+            }
         }
     }
 #endif
