@@ -306,6 +306,21 @@ FN(decode_scores)(REAL *s, const REAL *q, int rows, int dp, const char *const *k
     }
 }
 
+/* For each row r < rows: the vector at o + r * dvp += sum over t < NKEYS of p[r * BC + t] y[t]. */
+static inline __attribute__((always_inline)) void
+FN(decode_axpys)(REAL *o, int dvp, const REAL *p, int rows, const FN(vec) *y)
+{
+    for (int r = 0; r < rows; r++) {
+        const REAL *pr = p + (or_ssize)r * BC;
+        REAL *orow = o + (or_ssize)r * dvp;
+        FN(vec) a;
+        memcpy(&a, orow, sizeof(a));
+        for (int t = 0; t < NKEYS; t++)
+            a += pr[t] * y[t];
+        memcpy(orow, &a, sizeof(a));
+    }
+}
+
 /* o (rows x dvp) += P (s, rows x BC) V (value rows of dtype dt at vr, cols rounded up to
  * NKEYS, whose columns of s past cols are 0), NKEYS value rows at a time: each value vector is
  * loaded and widened once for all rows, an output vector loaded and stored once per NKEYS
@@ -319,29 +334,24 @@ FN(decode_pv)(REAL *o, int dvp, int dv, const REAL *s, int rows, const char *con
     for (int c = 0; c < cols; c += NKEYS) {
         if (c < n_next)
             FN(decode_prefetch)(next + c, n_next - c < NKEYS ? n_next - c : NKEYS, len);
-        for (int x = 0; x < dvec; x += DVL) {
-            FN(vec) y[NKEYS];
+        int x = 0;
 #if REAL_SIZE == 4
-            if (x < FN(decode_paired)(dv, dt)) {   /* a block's even elements, then its odd */
-                const int odd = x % (2 * DVL);
+        for (; x < FN(decode_paired)(dv, dt); x += 2 * DVL)
+            for (int odd = 0; odd < 2; odd++) {     /* a block's even elements, then its odd */
+                FN(vec) y[NKEYS];
                 for (int t = 0; t < NKEYS; t++) {
                     FN(vec) ye, yo;
-                    FN(decode_bf16_pair)(vr[c + t], x - odd, &ye, &yo);
+                    FN(decode_bf16_pair)(vr[c + t], x, &ye, &yo);
                     y[t] = odd ? yo : ye;
                 }
-            } else
+                FN(decode_axpys)(o + x + odd * DVL, dvp, s + c, rows, y);
+            }
 #endif
+        for (; x < dvec; x += DVL) {
+            FN(vec) y[NKEYS];
             for (int t = 0; t < NKEYS; t++)
                 y[t] = FN(decode_vec)(vr[c + t], x, dt);
-            for (int r = 0; r < rows; r++) {
-                const REAL *p = s + (or_ssize)r * BC + c;
-                REAL *orow = o + (or_ssize)r * dvp + x;
-                FN(vec) a;
-                memcpy(&a, orow, sizeof(a));
-                for (int t = 0; t < NKEYS; t++)
-                    a += p[t] * y[t];
-                memcpy(orow, &a, sizeof(a));
-            }
+            FN(decode_axpys)(o + x, dvp, s + c, rows, y);
         }
         for (int x = dvec; x < dv; x++)
             for (int r = 0; r < rows; r++) {
