@@ -4,7 +4,8 @@ float64 reference; how a set is chosen (widest at import, ORCHARD_ISA, set_nativ
 import numpy as np
 import pytest
 
-from conftest import check_backward, check_forward, randn, run_python
+from conftest import assert_close, check_backward, check_forward, randn, run_python
+from orchard.reference import ref_fwd
 
 try:
     import orchard_ops
@@ -60,6 +61,25 @@ def test_decode(ops, isa, rng, dtype):
     before = calls()
     check_forward(ops, "cpu", *qkv(rng, dtype, h=8, hkv=2, nq=1, nk=3000, d=128), what=isa)
     assert calls() == before + 1
+
+
+@pytest.mark.parametrize("d,dv", [(128, 128), (80, 48), (7, 200), (96, 33)])
+@pytest.mark.parametrize("h,hkv,nq", [(8, 2, 1), (8, 2, 3), (4, 4, 1), (6, 2, 2)])
+def test_decode_bfloat16(ops, isa, rng, d, dv, h, hkv, nq):
+    """bfloat16 caches are widened a pair of vectors at a time, out of order (attn_decode_impl.h):
+    head dims inside and across those blocks, 1 to 12 rows per GQA group. The result is the
+    float64 one rounded to bfloat16, and lse (float32) as close as a float32 call's."""
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.from_numpy(x).to(torch.bfloat16)
+               for x in qkv(rng, np.float32, h=h, hkv=hkv, nq=nq, nk=700, d=d, dv=dv))
+    before = ops.stats()["per_device"].get("cpu", {}).get("decode_calls", 0)
+    out, lse = ops.flash_attn_fwd(q, k, v, causal=True)
+    assert ops.stats()["per_device"]["cpu"]["decode_calls"] == before + 1
+    ref, ref_lse = ref_fwd(*(x.double().numpy() for x in (q, k, v)), causal=True)
+    got = torch.as_tensor(out).float().numpy()
+    np.testing.assert_allclose(got, ref, rtol=2.0 ** -8, atol=1e-5 * np.abs(ref).max(),
+                               err_msg=isa)
+    assert_close(np.asarray(lse), ref_lse, np.float32, "lse", isa)
 
 
 def test_sets_agree(ops, rng):
