@@ -97,6 +97,25 @@ def test_bit_identical_across_thread_counts(ops, device, rng, restore_threads, d
                         i, n, np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))))
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["f16", "f32"])
+@pytest.mark.parametrize("kw", KW, ids=["plain", "features"])
+def test_decode_bit_identical_across_thread_counts(ops, device, rng, restore_threads, dtype, kw):
+    """A decode step's splits are merged by whichever worker finishes a kv head's last one:
+    the same bits whichever it is."""
+    q, k, v = (randn(rng, (2, 4, 3, 64), dtype), randn(rng, (2, 2, 2500, 64), dtype),
+               randn(rng, (2, 2, 2500, 48), dtype))
+    before = ops.stats()["per_device"].get(device, {}).get("decode_calls", 0)
+    ref = None
+    for n in (1, 2, 3, 4, 2):
+        ops.set_num_threads(n)
+        for _ in range(3):
+            res = ops.flash_attn_fwd(q, k, v, device=device, **kw)
+            ref = ref or res
+            for a, b in zip(res, ref):
+                assert a.tobytes() == b.tobytes(), "differs with %d threads" % n
+    assert ops.stats()["per_device"][device]["decode_calls"] == before + 15
+
+
 def test_concurrent_python_threads(ops, device, restore_threads):
     ops.set_num_threads(2)
     rngs = [np.random.default_rng(100 + i) for i in range(8)]
