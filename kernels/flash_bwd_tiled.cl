@@ -37,8 +37,8 @@ void flash_bwd_tiled(__global const storage_t *q, __global const storage_t *k,
     for (long j0 = 0; j0 < nk; j0 += BK) {
         const int cols = (int)min((long)BK, nk - j0), cols_tm = (cols + TM - 1) / TM * TM,
                   cols_tn = (cols + TN - 1) / TN * TN;
-        load_block_t(kt, BK, k, kvunit[OR_K], meta[OR_K], j0, cols, BK, HEAD_D);
-        load_block_t(vt, BK, v, kvunit[OR_V], meta[OR_V], j0, cols, BK, HEAD_DV);
+        load_block_t(kt, BK, k, kvunit[OR_K], meta[OR_K], j0, cols, BK, HEAD_D, 1);
+        load_block_t(vt, BK, v, kvunit[OR_V], meta[OR_V], j0, cols, BK, HEAD_DV, 1);
         load_block(kb, DT, k, kvunit[OR_K], meta[OR_K], j0, cols, BK, HEAD_D, 1);
         for (int e = 0; e < BK * DT; e++)
             dka[e] = 0;

@@ -1,14 +1,16 @@
 /* tiles.cl - the register-tiled matrix product and the tile loads of the tiled family
- * (flash_fwd_tiled.cl, flash_bwd_tiled.cl).
+ * (flash_fwd_tiled.cl, flash_bwd_tiled.cl, flash_decode.cl).
  *
  * A CPU runs a work-group on one core and a work-item on its SIMD lanes, so a work-item there
  * does best what the native path does (csrc/attn_native_impl.h): hold a TM x TN block of the
- * result in registers (TM rows of two VW-lane vectors, 12 accumulators) while the inner
- * dimension streams through. BQ is a multiple of TM, BK of TM and TN.
+ * result in registers (TM rows of two VW-lane vectors: 6 x 2 with 8 lanes, 8 x 2 with 16)
+ * while the inner dimension streams through. BQ and BK are multiples of STEP, the least
+ * common multiple of TM and TN (params.h).
  */
 #if OR_FAMILY == OR_FAMILY_TILED
-#define TM OR_TM
+#define TM OR_TM(VW)
 #define TN OR_TN(VW)
+#define STEP or_tiled_step(VW)
 #define DT ((HEAD_D + TN - 1) / TN * TN)       /* a q or k row padded to whole tiles */
 #define DVT ((HEAD_DV + TN - 1) / TN * TN)     /* a v row padded to whole tiles */
 #define LOCAL_TILE(name, reals) __local real name[reals];     /* params.h's tile lists */
@@ -26,11 +28,11 @@ inline void load_block(__local real *dst, int ld, __global const storage_t *src,
 
 /* The same rows transposed, n columns of them: dst[x * ld + r]; rows [rows, pad_rows) zero. */
 inline void load_block_t(__local real *dst, int ld, __global const storage_t *src, long base,
-                         long stride, long r0, int rows, int pad_rows, int n)
+                         long stride, long r0, int rows, int pad_rows, int n, real mul)
 {
     for (int r = 0; r < pad_rows; r++)
         for (int x = 0; x < n; x++)
-            dst[x * ld + r] = r < rows ? (real)LOAD(src, base + (r0 + r) * stride + x) : 0;
+            dst[x * ld + r] = r < rows ? (real)LOAD(src, base + (r0 + r) * stride + x) * mul : 0;
 }
 
 /* Whether scores of keys [j0, j0 + cols) in the row aligned with key `diag` need
