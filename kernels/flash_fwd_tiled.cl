@@ -45,22 +45,22 @@ inline void softmax_cols(__local real *st, __local real *o, __local real *m, __l
             }
     }
     for (int c = cols; c < nc; c++)     /* padding keys are masked */
-        CAT(vstore, VW)((realv)(-INFINITY), 0, st + c * BQ);
-    const realv mold = CAT(vload, VW)(0, m);
+        TILE_VEC(st + c * BQ) = -INFINITY;
+    const realv mold = TILE_VEC(m);
     realv mnew = mold;
     for (int c = 0; c < nc; c++)
-        mnew = fmax(mnew, CAT(vload, VW)(0, st + c * BQ));
+        mnew = fmax(mnew, TILE_VEC(st + c * BQ));
     /* a row that sees no key yet keeps max -inf: its probabilities exp(-inf - 0) are 0 */
     const realv base = select(mnew, (realv)0, mnew == (realv)(-INFINITY));
     realv sum = 0;
     for (int c = 0; c < nc; c++) {
-        const realv e = exp(CAT(vload, VW)(0, st + c * BQ) - base);
+        const realv e = exp(TILE_VEC(st + c * BQ) - base);
         sum += e;
-        CAT(vstore, VW)(e, 0, st + c * BQ);
+        TILE_VEC(st + c * BQ) = e;
     }
     const realv alpha = exp(mold - base);
-    CAT(vstore, VW)(mnew, 0, m);
-    CAT(vstore, VW)(CAT(vload, VW)(0, l) * alpha + sum, 0, l);
+    TILE_VEC(m) = mnew;
+    TILE_VEC(l) = TILE_VEC(l) * alpha + sum;
     real a[VW];
     CAT(vstore, VW)(alpha, 0, a);
     for (int x = 0; x < VW; x++)

@@ -13,7 +13,12 @@
 #define STEP or_tiled_step(VW)
 #define DT ((HEAD_D + TN - 1) / TN * TN)       /* a q or k row padded to whole tiles */
 #define DVT ((HEAD_DV + TN - 1) / TN * TN)     /* a v row padded to whole tiles */
-#define LOCAL_TILE(name, reals) __local real name[reals];     /* params.h's tile lists */
+/* params.h's tile lists, each aligned to a vector */
+#define LOCAL_TILE(name, reals) __local real name[reals] __attribute__((aligned(sizeof(realv))));
+/* The vector at p in a local tile, where p is a whole number of vectors from the tile's start
+ * (the kernels index whole tiles from rows of whole tiles): PoCL (LLVM 15) splits a vstore16
+ * into three stores, an aligned vector store is one (4 % faster forward and backward). */
+#define TILE_VEC(p) (*(__local realv *)(p))
 
 /* Rows [r0, r0 + rows) of an operand (row stride `stride`, from element `base`), times mul,
  * into a local tile of ld columns; columns [n, ld) and rows [rows, pad_rows) are zero. */
@@ -45,7 +50,7 @@ inline int needs_transform(const or_params *p, long diag, long j0, int cols)
 
 /* c (rows x cols, row stride ldc) = or += a (rows x n) * b (n x cols, row stride ldb), where
  * a's element (i, x) is a[i * ars + x * acs], so that a may be read transposed; rows is a
- * multiple of TM, cols of TN. */
+ * multiple of TM, cols and ldc of TN, c whole vectors from its tile's start. */
 inline void tile_product(__local real *c, int ldc, __local const real *a, int ars, int acs,
                          __local const real *b, int ldb, int rows, int cols, int n, int accumulate)
 {
@@ -55,8 +60,8 @@ inline void tile_product(__local real *c, int ldc, __local const real *a, int ar
             /* unrolled, so that the accumulators live in registers */
 #pragma unroll
             for (int i = 0; i < TM; i++) {
-                acc[i][0] = accumulate ? CAT(vload, VW)(0, c + (i0 + i) * ldc + j0) : (realv)0;
-                acc[i][1] = accumulate ? CAT(vload, VW)(0, c + (i0 + i) * ldc + j0 + VW) : (realv)0;
+                acc[i][0] = accumulate ? TILE_VEC(c + (i0 + i) * ldc + j0) : (realv)0;
+                acc[i][1] = accumulate ? TILE_VEC(c + (i0 + i) * ldc + j0 + VW) : (realv)0;
             }
             for (int x = 0; x < n; x++) {
                 const realv b0 = CAT(vload, VW)(0, b + x * ldb + j0);
@@ -70,8 +75,8 @@ inline void tile_product(__local real *c, int ldc, __local const real *a, int ar
             }
 #pragma unroll
             for (int i = 0; i < TM; i++) {
-                CAT(vstore, VW)(acc[i][0], 0, c + (i0 + i) * ldc + j0);
-                CAT(vstore, VW)(acc[i][1], 0, c + (i0 + i) * ldc + j0 + VW);
+                TILE_VEC(c + (i0 + i) * ldc + j0) = acc[i][0];
+                TILE_VEC(c + (i0 + i) * ldc + j0 + VW) = acc[i][1];
             }
         }
     }

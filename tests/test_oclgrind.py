@@ -101,10 +101,14 @@ def test_kernels_clean_under_oclgrind(tmp_path, mode, family, vector):
     script.write_text(textwrap.dedent(SCRIPT))
     checks = ["--data-races", "--check-api"]
     # tiled: the smallest blocks, one register-tile step (params.h's or_tiled_step: 48 rows
-    # and keys at 8 lanes, 32 at 16); wg: 8-row blocks of 32 work-items, 16-key tiles (a key
-    # block of whole lanes)
+    # and keys at 8 lanes, 32 at 16), whose tiles need more than the simulator's 32 KiB of
+    # local memory: it gets PoCL's 2 MiB; wg: 8-row blocks of 32 work-items, 16-key tiles (a
+    # key block of whole lanes)
+    if family == "tiled":
+        checks += ["--local-mem-size", str(2 << 20)]
+    log = tmp_path / "programs.log"
     env = dict(ORCHARD_CL_BLOCK_Q=8, ORCHARD_CL_BLOCK_K=4, ORCHARD_CL_FAMILY=family,
-               ORCHARD_NO_CACHE=1)
+               ORCHARD_NO_CACHE=1, ORCHARD_DEBUG_FLASH_ATN=1, ORCHARD_LOG=str(log))
     if vector:
         env.update(ORCHARD_CL_VECTOR=vector)
     runs = [[]]         # one process, every case
@@ -126,3 +130,7 @@ def test_kernels_clean_under_oclgrind(tmp_path, mode, family, vector):
         assert r.returncode == 0, (cases, r.stderr[-4000:])
         assert "kernels ok" in r.stdout, cases
         assert not reports, "\n".join([str(cases)] + reports[:20]) + "\n" + r.stderr[-4000:]
+    # every program of the family asked for, at the lanes asked for (4: the simulator is a GPU
+    # too); none fell back to rows
+    built = re.findall(r"OpenCL program for .*: (\w+) kernels, .*, (\d+) lanes", log.read_text())
+    assert built and set(built) == {(family, str(vector or 4))}, set(built)

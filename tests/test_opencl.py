@@ -437,7 +437,7 @@ def test_tuned_blocks_stored_and_used(tmp_path):
         import sys
         from orchard.cli import tune
         sys.exit(tune.main(["--device", "%s", "--shape", "1,2,100,16", "--repeats", "1",
-                            "--candidates", "48x48", "96x96"]))
+                            "--candidates", "96x96", "192x96"]))
     """ % dev, timeout=600, ORCHARD_CACHE_DIR=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "chosen: " in r.stdout
@@ -451,7 +451,8 @@ def test_tuned_blocks_stored_and_used(tmp_path):
         print(json.dumps([o.tuned_blocks("%s"), float(np.abs(out - ref).max())]))
     """ % (dev, dev), ORCHARD_CACHE_DIR=tmp_path, ORCHARD_DEBUG_FLASH_ATN=1, ORCHARD_LOG=log)
     blocks, err = got
-    assert tuple(blocks) in {(48, 48), (96, 96)} and err < 1e-5
+    # whole register-tile steps at either vector width (48 or 32), so built as stored
+    assert tuple(blocks) in {(96, 96), (192, 96)} and err < 1e-5
     assert "blocks %d x %d (tuned)" % tuple(blocks) in log.read_text()
 
 
