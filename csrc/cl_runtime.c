@@ -484,7 +484,6 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
 {
     static const int storage[] = {OR_DTYPES(OR_DTYPE_CL_STORAGE)};
     const size_t real = (size_t)or_dtypes[dt].compute_size;
-    /* a CPU work-item is one SIMD thread: 8 lanes fill AVX; GPU lanes are work-items */
     const int overridden = getenv("ORCHARD_CL_BLOCK_Q") || getenv("ORCHARD_CL_BLOCK_K");
     int family = family_of(dev), vw, bq, bk, tuned;
     or_cl_info facts = dev->info;       /* what the blocks are fitted to */
