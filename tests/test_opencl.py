@@ -192,14 +192,17 @@ FAMILY_RUN = """
 
 
 @needs_opencl
-@pytest.mark.parametrize("family", ["rows", "tiled", "wg"])
-def test_kernel_families(family):
+@pytest.mark.parametrize("family,vector", [("rows", ""), ("tiled", ""), ("tiled", "8"),
+                                           ("wg", "")])
+def test_kernel_families(family, vector):
     """Every OpenCL kernel family (ORCHARD_CL_FAMILY) on every feature, several blocks each
     way, against the float64 reference; small blocks so that every edge is crossed (the wg
-    family rounds them to whole micro-tiles: 32 x 32)."""
+    family rounds them to whole micro-tiles: 32 x 32; the tiled one to register-tile steps,
+    32 or 48). The tiled family also at 8 lanes, where the device would take 16 (PoCL on
+    AVX-512)."""
     dev = OPENCL_IDS[0]
     checked = child(FAMILY_RUN % ((dev,) * 5), ORCHARD_CL_FAMILY=family, ORCHARD_CL_BLOCK_Q=30,
-                    ORCHARD_CL_BLOCK_K=20)
+                    ORCHARD_CL_BLOCK_K=20, ORCHARD_CL_VECTOR=vector or None)
     assert checked == 5 * 5 + 5 + 5     # out, lse, dq, dk, dv of every case
 
 
