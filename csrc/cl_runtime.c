@@ -7,8 +7,8 @@
  * have compile-time sizes; block sizes come from the device's facts (local memory, work-group
  * limits) or from a tuned record (orchard-tune), may be overridden with ORCHARD_CL_BLOCK_Q /
  * ORCHARD_CL_BLOCK_K, and are lowered to each kernel's own CL_KERNEL_WORK_GROUP_SIZE.
- * ORCHARD_CL_OPTIONS adds build options; ORCHARD_CL_VECTOR (4 or 8) overrides the vector
- * width of the head-dim loops.
+ * ORCHARD_CL_OPTIONS adds build options; ORCHARD_CL_VECTOR (4, 8 or 16) overrides the vector
+ * width of the kernels (vector_width).
  */
 #ifdef ORCHARD_HAVE_OPENCL
 #include <pthread.h>
@@ -73,7 +73,7 @@ static void query_info(device_t *dev)
                                in->platform_version, NULL) != CL_SUCCESS)
         snprintf(in->platform_version, sizeof(in->platform_version), "unknown");
     cl_device_type type = 0;
-    cl_uint cu = 0, align_bits = 0;
+    cl_uint cu = 0, align_bits = 0, float_width = 0;
     cl_ulong gmem = 0, lmem = 0;
     size_t wg = 1;
     cl_bool unified = CL_FALSE;
@@ -83,6 +83,8 @@ static void query_info(device_t *dev)
     api->clGetDeviceInfo(d, CL_DEVICE_LOCAL_MEM_SIZE, sizeof(lmem), &lmem, NULL);
     api->clGetDeviceInfo(d, CL_DEVICE_MAX_WORK_GROUP_SIZE, sizeof(wg), &wg, NULL);
     api->clGetDeviceInfo(d, CL_DEVICE_MEM_BASE_ADDR_ALIGN, sizeof(align_bits), &align_bits, NULL);
+    api->clGetDeviceInfo(d, CL_DEVICE_PREFERRED_VECTOR_WIDTH_FLOAT, sizeof(float_width),
+                         &float_width, NULL);
     /* deprecated in OpenCL 2.0; a CPU device shares host memory whatever it answers */
     api->clGetDeviceInfo(d, CL_DEVICE_HOST_UNIFIED_MEMORY, sizeof(unified), &unified, NULL);
     in->kind = (type & CL_DEVICE_TYPE_GPU) ? "gpu" : (type & CL_DEVICE_TYPE_CPU) ? "cpu"
@@ -93,6 +95,7 @@ static void query_info(device_t *dev)
     in->max_work_group = wg ? wg : 1;
     in->unified = unified || (type & CL_DEVICE_TYPE_CPU);
     in->base_align = align_bits >= 8 ? align_bits / 8 : 1;
+    in->float_width = float_width;
 
     size_t ext_size = 0;
     in->fp16 = in->fp64 = in->subgroups = 0;
@@ -383,30 +386,30 @@ static int fit_rows(const or_cl_info *in, size_t real, int d, int dv, int vw, in
     return 1;
 }
 
-/* Local bytes of the tiled kernels' tiles (params.h's lists): the larger of the two. */
+/* Local bytes of the tiled kernels' tiles (params.h's lists): the largest of the three. */
 #define OR_ADD_TILE(name, reals) +(unsigned long long)(reals)
 static unsigned long long tiled_bytes(size_t real, int d, int dv, int vw, int tq, int tk)
 {
     const int dt = round_up_to(d, OR_TN(vw)), dvt = round_up_to(dv, OR_TN(vw));
     const unsigned long long fwd = 0 OR_TILED_FWD_TILES(OR_ADD_TILE, d, dv, dt, dvt, tq, tk),
-                             bwd = 0 OR_TILED_BWD_TILES(OR_ADD_TILE, d, dv, dt, dvt, tq, tk);
-    return real * (fwd > bwd ? fwd : bwd);
+                             bwd = 0 OR_TILED_BWD_TILES(OR_ADD_TILE, d, dv, dt, dvt, tq, tk),
+                             dec = 0 OR_TILED_DECODE_TILES(OR_ADD_TILE, d, dv, dt, dvt, tq, tk);
+    const unsigned long long most = fwd > bwd ? fwd : bwd;
+    return real * (most > dec ? most : dec);
 }
 
-static int gcd(int a, int b) { return b ? gcd(b, a % b) : a; }
-
-/* The tiled family's rule: blocks of whole register tiles (a key block holds rows and columns
- * of them: a multiple of both), shrunk until the tiles fit in local memory; 0 when even the
- * smallest do not (32 KiB, as some CPU runtimes report). */
+/* The tiled family's rule: blocks of rows and keys of whole register-tile steps
+ * (or_tiled_step), shrunk until the tiles fit in local memory; 0 when even the smallest do
+ * not (32 KiB, as some CPU runtimes report). */
 static int fit_tiles(const or_cl_info *in, size_t real, int d, int dv, int vw, int *bq, int *bk)
 {
-    const int k_step = OR_TM / gcd(OR_TM, OR_TN(vw)) * OR_TN(vw);
-    int tq = round_up_to(*bq, OR_TM), tk = round_up_to(*bk, k_step);
-    while (tiled_bytes(real, d, dv, vw, tq, tk) > in->local_mem && tq + tk > OR_TM + k_step) {
-        if (tk >= tq && tk > k_step)
-            tk -= k_step;
+    const int step = or_tiled_step(vw);
+    int tq = round_up_to(*bq, step), tk = round_up_to(*bk, step);
+    while (tiled_bytes(real, d, dv, vw, tq, tk) > in->local_mem && tq + tk > 2 * step) {
+        if (tk >= tq)
+            tk -= step;
         else
-            tq -= OR_TM;
+            tq -= step;
     }
     *bq = tq;
     *bk = tk;
@@ -465,16 +468,24 @@ const or_cl_family or_cl_families[OR_NFAMILIES] = {
                       {{16, 32}, {32, 32}, {32, 64}, {64, 32}, {64, 64}}, fit_wg},
 };
 
+/* Lanes of the kernels' vectors (VW): a CPU work-item is one SIMD thread, so the tiled family
+ * takes the device's preferred float width, 16 (AVX-512) or else 8 (AVX); GPU lanes are
+ * work-items, 4. ORCHARD_CL_VECTOR (4, 8 or 16) overrides it; the rows and wg families take
+ * at most 8 (a decode scratch row, OR_DECODE_ROW, holds whole vectors of 8). */
+static int vector_width(const or_cl_info *in, int family)
+{
+    const int fallback = strcmp(in->kind, "cpu") != 0 ? 4 : in->float_width >= 16 ? 16 : 8;
+    const int want = env_int("ORCHARD_CL_VECTOR", fallback);
+    return want == 4 ? 4 : want == 16 && family == OR_FAMILY_TILED ? 16 : 8;
+}
+
 static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *ct,
                         or_cl_program *out, or_error *err)
 {
     static const int storage[] = {OR_DTYPES(OR_DTYPE_CL_STORAGE)};
     const size_t real = (size_t)or_dtypes[dt].compute_size;
-    /* a CPU work-item is one SIMD thread: 8 lanes fill AVX; GPU lanes are work-items */
-    const int vw = env_int("ORCHARD_CL_VECTOR", strcmp(dev->info.kind, "cpu") == 0 ? 8 : 4) == 4
-                       ? 4 : 8;
     const int overridden = getenv("ORCHARD_CL_BLOCK_Q") || getenv("ORCHARD_CL_BLOCK_K");
-    int family = family_of(dev), bq, bk, tuned;
+    int family = family_of(dev), vw, bq, bk, tuned;
     or_cl_info facts = dev->info;       /* what the blocks are fitted to */
 #ifdef ORCHARD_TEST_HOOKS
     /* ORCHARD_CL_LOCAL_MEM=bytes: a device with that much local memory, to test the rules */
@@ -487,6 +498,7 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
     }
     for (;;) {      /* the family's blocks: defaults, a tuned record, the environment, its rule */
         const or_cl_family *f = &or_cl_families[family];
+        vw = vector_width(&dev->info, family);
         bq = f->bq;
         bk = f->bk;
         tuned = load_tuned(dev, family, &bq, &bk);
@@ -523,8 +535,9 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
                                    prep > 1 ? prep : 1, round_up_to(d, OR_TN(vw))};
             if (or_log_enabled("ORCHARD_DEBUG_FLASH_ATN"))
                 or_log("orchard: OpenCL program for %s D=%d Dv=%d on %s: %s kernels, "
-                       "blocks %d x %d%s", or_dtypes[dt].name, d, dv, dev->info.name,
-                       or_cl_families[family].name, bq, bk, tuned && !overridden ? " (tuned)" : "");
+                       "blocks %d x %d%s, %d lanes", or_dtypes[dt].name, d, dv, dev->info.name,
+                       or_cl_families[family].name, bq, bk, tuned && !overridden ? " (tuned)" : "",
+                       vw);
             return OR_OK;
         }
         api->clReleaseProgram(prog);    /* the kernels cannot run so wide here: narrower */

@@ -7,8 +7,9 @@
  *                without cl_khr_fp16 work; bfloat16 is the top half of a float, read by a
  *                shift and written rounded to nearest even; both are computed in float.
  *   HEAD_D, HEAD_DV   head dims of q/k and v; private rows are sized by them.
- *   VW           lanes of the vector type (realv) the head-dim loops use: 8 on CPUs, where
- *                one work-item is one SIMD thread, 4 on GPUs.
+ *   VW           lanes of the vector type (realv) the head-dim loops use: on CPUs, where
+ *                one work-item is one SIMD thread, 16 (the tiled family, where the device
+ *                prefers 16-wide floats: AVX-512) or 8; 4 on GPUs (cl_runtime.c).
  *   OR_FAMILY    the kernel family the program holds (params.h); only its kernels are built.
  *   BQ, BK       the family's blocks. Rows: rows per work-group (one per work-item) and rows
  *                per local-memory tile. Tiled: query rows per single-work-item group and keys
@@ -92,7 +93,10 @@ inline void store_row(__global storage_t *p, long row, const realv *v, int n)
 
 inline real hsum(realv v)
 {
-#if VW == 8
+#if VW == 16
+    CAT(REAL_T, 8) h = v.lo + v.hi;
+    CAT(REAL_T, 4) a = h.lo + h.hi;
+#elif VW == 8
     CAT(REAL_T, 4) a = v.lo + v.hi;
 #else
     CAT(REAL_T, 4) a = v;
@@ -103,7 +107,10 @@ inline real hsum(realv v)
 
 inline real hmax(realv v)
 {
-#if VW == 8
+#if VW == 16
+    CAT(REAL_T, 8) h = fmax(v.lo, v.hi);
+    CAT(REAL_T, 4) a = fmax(h.lo, h.hi);
+#elif VW == 8
     CAT(REAL_T, 4) a = fmax(v.lo, v.hi);
 #else
     CAT(REAL_T, 4) a = v;

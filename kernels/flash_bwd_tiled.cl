@@ -37,8 +37,8 @@ void flash_bwd_tiled(__global const storage_t *q, __global const storage_t *k,
     for (long j0 = 0; j0 < nk; j0 += BK) {
         const int cols = (int)min((long)BK, nk - j0), cols_tm = (cols + TM - 1) / TM * TM,
                   cols_tn = (cols + TN - 1) / TN * TN;
-        load_block_t(kt, BK, k, kvunit[OR_K], meta[OR_K], j0, cols, BK, HEAD_D);
-        load_block_t(vt, BK, v, kvunit[OR_V], meta[OR_V], j0, cols, BK, HEAD_DV);
+        load_block_t(kt, BK, k, kvunit[OR_K], meta[OR_K], j0, cols, BK, HEAD_D, 1);
+        load_block_t(vt, BK, v, kvunit[OR_V], meta[OR_V], j0, cols, BK, HEAD_DV, 1);
         load_block(kb, DT, k, kvunit[OR_K], meta[OR_K], j0, cols, BK, HEAD_D, 1);
         for (int e = 0; e < BK * DT; e++)
             dka[e] = 0;
@@ -85,7 +85,7 @@ void flash_bwd_tiled(__global const storage_t *q, __global const storage_t *k,
                     for (int c = cols; c < BK; c++)
                         srow[c] = -INFINITY;
                     for (int c = 0; c < BK; c += VW)
-                        CAT(vstore, VW)(exp(CAT(vload, VW)(0, srow + c) - lse_t[r]), 0, srow + c);
+                        TILE_VEC(srow + c) = exp(TILE_VEC(srow + c) - lse_t[r]);
                     /* where P is 0 (masked), dS is 0 whatever dP is: V may hold inf there */
                     if (p.dropout) {
                         for (int c = 0; c < cols; c++) {
@@ -97,10 +97,9 @@ void flash_bwd_tiled(__global const storage_t *q, __global const storage_t *k,
                         }
                     } else {
                         for (int c = 0; c < cols_tn; c += VW) {
-                            const realv pr = CAT(vload, VW)(0, srow + c),
-                                        dpv = CAT(vload, VW)(0, dprow + c);
-                            CAT(vstore, VW)(select(pr * (dpv - di_t[r]), (realv)0, pr == 0), 0,
-                                            dprow + c);
+                            const realv pr = TILE_VEC(srow + c);
+                            TILE_VEC(dprow + c) = select(pr * (TILE_VEC(dprow + c) - di_t[r]),
+                                                         (realv)0, pr == 0);
                         }
                     }
                     for (int c = cols; c < BK; c++)   /* P is 0 there; dP is not set */

@@ -11,8 +11,8 @@
  * keys: flash_decode_split runs a work-group per (block of rows, split, kv unit), where the
  * block holds the query rows of every query head of the GQA group (or_decode_blocks in
  * params.h), so they share one read of each key and value; it keeps an online softmax per row
- * with the steps of its family's forward (row_keys, softmax_row), so scale, masks, softcap,
- * ALiBi and dropout are those of the forward. flash_decode_combine then merges the splits of
+ * with the steps of its family's forward (row_keys; the tiled forward's, row by row:
+ * softmax_row), so scale, masks, softcap, ALiBi and dropout are those of the forward. flash_decode_combine then merges the splits of
  * each row exactly: with M = max_s m_s and L = sum_s l_s exp(m_s - M), out = sum_s part_s
  * exp(m_s - M) / L and lse = M + log L (out 0 and lse -inf where no split saw a key). The host
  * picks the splits from the shapes and the device's compute units alone (attn_opencl.c), so
@@ -89,8 +89,56 @@ __kernel void flash_decode_split(__global const storage_t *q, __global const sto
 }
 
 #elif OR_FAMILY == OR_FAMILY_TILED
+/* Row r of a block, query row i of unit u, after its scores of keys [j0, j0 + cols) were
+ * formed in srow (nc columns, whole tiles): the spec's transforms, then the online softmax
+ * (running max *m, sum *l; the output row orow rescaled) turns them into the probabilities,
+ * dropout applied, that the next tile product adds to orow. A block of a few rows has its
+ * scores row by row; flash_fwd_tiled's blocks of many have them column by column
+ * (softmax_cols). */
+inline void softmax_row(__local real *srow, __local real *orow, __local real *m, __local real *l,
+                        long u, long i, long off, real slope, long j0, int cols, int nc,
+                        const or_params *p)
+{
+    const long diag = i + off;
+    /* the spec's transforms, where this row needs them; padding columns are masked */
+    if (needs_transform(p, diag, j0, cols)) {
+        for (int c = 0; c < min(cols, nc); c++) {
+            real dcap;
+            srow[c] = transform_score(srow[c], i, j0 + c, off, slope, p, &dcap);
+        }
+    }
+    for (int c = cols; c < nc; c++)
+        srow[c] = -INFINITY;
+    realv mv = -INFINITY;
+    for (int c = 0; c < nc; c += VW)
+        mv = fmax(mv, CAT(vload, VW)(0, srow + c));
+    const real mnew = fmax(*m, hmax(mv));
+    if (mnew == -INFINITY) {            /* nothing visible to this row yet */
+        for (int c = 0; c < nc; c++)
+            srow[c] = 0;
+        return;
+    }
+    realv sum = 0;
+    for (int c = 0; c < nc; c += VW) {
+        const realv e = exp(CAT(vload, VW)(0, srow + c) - mnew);
+        sum += e;
+        CAT(vstore, VW)(e, 0, srow + c);
+    }
+    const real alpha = exp(*m - mnew);
+    *m = mnew;
+    *l = *l * alpha + hsum(sum);
+    if (alpha != 1)
+        for (int x = 0; x < DVT; x++)
+            orow[x] *= alpha;
+    if (p->dropout)
+        for (int c = 0; c < min(cols, nc); c++)
+            srow[c] = or_dropout_keep(p->seed, (ulong)u, (uint)i, (uint)(j0 + c), p->threshold)
+                          ? srow[c] * p->drop_scale : 0;
+}
+
 /* Tiled family: a single work-item per group forms the block's scores and outputs in
- * register tiles, as flash_fwd_tiled (its local tiles, OR_TILED_FWD_TILES). */
+ * register tiles, as flash_fwd_tiled does, but a row of scores per query row, since a block
+ * holds a few rows (local tiles: OR_TILED_DECODE_TILES). */
 __kernel __attribute__((reqd_work_group_size(1, 1, 1)))
 void flash_decode_split(__global const storage_t *q, __global const storage_t *k,
                         __global const storage_t *v, __global real *part,
@@ -99,7 +147,7 @@ void flash_decode_split(__global const storage_t *q, __global const storage_t *k
                         const or_params params)
 {
     const or_params p = params;     /* a private copy: its fields stay in registers */
-    OR_TILED_FWD_TILES(LOCAL_TILE, HEAD_D, HEAD_DV, DT, DVT, BQ, BK)
+    OR_TILED_DECODE_TILES(LOCAL_TILE, HEAD_D, HEAD_DV, DT, DVT, BQ, BK)
     const long split = get_group_id(1), nsplit = get_num_groups(1);
     const long u0 = (long)get_group_id(2) * p.group;   /* the group's first unit */
     __global const long *kvunit = UNIT(meta, u0);
@@ -124,7 +172,7 @@ void flash_decode_split(__global const storage_t *q, __global const storage_t *k
     split_keys(&p, nq, nk, i0, irows, split, chunk, &lo, &hi);
     for (long j0 = lo; j0 < hi; j0 += BK) {
         const int cols = (int)min((long)BK, hi - j0), cols_tn = (cols + TN - 1) / TN * TN;
-        load_block_t(kt, BK, k, kvunit[OR_K], meta[OR_K], j0, cols, cols_tn, HEAD_D);
+        load_block_t(kt, BK, k, kvunit[OR_K], meta[OR_K], j0, cols, cols_tn, HEAD_D, 1);
         load_block(vs, DVT, v, kvunit[OR_V], meta[OR_V], j0, cols, cols_tn, HEAD_DV, 1);
         tile_product(s, BK, qs, HEAD_D, 1, kt, BK, rows_tm, cols_tn, HEAD_D, 0);
         for (int r = 0; r < rows; r++) {

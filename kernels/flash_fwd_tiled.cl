@@ -7,64 +7,72 @@
  *
  * Why a second kernel: on a CPU the row-per-work-item kernel does one dot product per score
  * and sums it across the lanes (0.37x the native path on PoCL); this one forms scores and
- * outputs in register tiles (tiles.cl), about 0.9x the native path.
+ * outputs in register tiles (tiles.cl).
  *
- * Local tiles (row-major; TM, TN and DVT as in tiles.cl; OR_TILED_FWD_TILES in params.h):
- *   qs  BQ x HEAD_D     queries of the block, times scale
- *   kt  HEAD_D x BK     key block transposed; columns past the block are zero
+ * Scores are formed transposed, S^T = K Q^T, a key per row and a query per column: the
+ * queries are transposed once per work-group rather than every key block once per query
+ * block (a tenth of the forward's time), and the online softmax runs down the columns, VW
+ * query rows per vector, with no sums or maxima across lanes and one vector exp for VW rows'
+ * rescale factors.
+ *
+ * Local tiles (row-major; TN, STEP and DVT as in tiles.cl; OR_TILED_FWD_TILES in params.h):
+ *   qt  HEAD_D x BQ     queries of the block transposed, times scale; zero past the block
+ *   kb  BK x HEAD_D     key block; rows past the block are zero
  *   vs  BK x DVT        value block; DVT = HEAD_DV rounded up to TN, zero-padded
- *   s   BQ x BK     scores, then probabilities
+ *   st  BK x BQ     scores transposed, then probabilities
  *   o   BQ x DVT        output accumulator
+ *   m, l  BQ            running max and sum of each query row
  *
  * A key block that the right edge of the mask cuts (a causal diagonal) goes in strips of
- * STRIP rows, each over the key columns (whole TN-wide tiles) some row of it can see.
+ * STEP query rows, each over the key rows (whole TM-row tiles) some row of it can see.
  */
-#define STRIP (4 * TM)
 #if OR_FAMILY == OR_FAMILY_TILED
-/* Row r of a block, query row i of unit u, after its scores of keys [j0, j0 + cols) were
- * formed in srow (nc columns, whole tiles): the spec's transforms, then the online softmax
- * (running max *m, sum *l; the output row orow rescaled) turns them into the probabilities,
- * dropout applied, that the next tile product adds to orow. Also the step of
- * flash_decode_split (flash_decode.cl). */
-inline void softmax_row(__local real *srow, __local real *orow, __local real *m, __local real *l,
-                        long u, long i, long off, real slope, long j0, int cols, int nc,
-                        const or_params *p)
+/* Query rows [i, i + VW) of unit u (columns of st, stride BQ between keys; their output rows
+ * o, running max m and sum l), after their scores of keys [j0, j0 + cols) were formed in key
+ * rows [0, nc) of st (whole tiles): the spec's transforms, then the online softmax turns them
+ * into the probabilities, dropout applied, that the next tile product adds to o. */
+inline void softmax_cols(__local real *st, __local real *o, __local real *m, __local real *l,
+                         long u, long i, long off, real slope, long j0, int cols, int nc,
+                         const or_params *p)
 {
-    const long diag = i + off;
-    /* the spec's transforms, where this row needs them; padding columns are masked */
-    if (needs_transform(p, diag, j0, cols)) {
-        for (int c = 0; c < min(cols, nc); c++) {
-            real dcap;
-            srow[c] = transform_score(srow[c], i, j0 + c, off, slope, p, &dcap);
-        }
+    /* a mask edge inside the block is nearest the first row (right) or last row (left) */
+    if (needs_transform(p, i + off, j0, cols) || needs_transform(p, i + VW - 1 + off, j0, cols)) {
+        for (int c = 0; c < min(cols, nc); c++)
+            for (int x = 0; x < VW; x++) {
+                real dcap;
+                st[c * BQ + x] = transform_score(st[c * BQ + x], i + x, j0 + c, off, slope, p,
+                                                 &dcap);
+            }
     }
-    for (int c = cols; c < nc; c++)
-        srow[c] = -INFINITY;
-    realv mv = -INFINITY;
-    for (int c = 0; c < nc; c += VW)
-        mv = fmax(mv, CAT(vload, VW)(0, srow + c));
-    const real mnew = fmax(*m, hmax(mv));
-    if (mnew == -INFINITY) {            /* nothing visible to this row yet */
-        for (int c = 0; c < nc; c++)
-            srow[c] = 0;
-        return;
-    }
+    for (int c = cols; c < nc; c++)     /* padding keys are masked */
+        TILE_VEC(st + c * BQ) = -INFINITY;
+    const realv mold = TILE_VEC(m);
+    realv mnew = mold;
+    for (int c = 0; c < nc; c++)
+        mnew = fmax(mnew, TILE_VEC(st + c * BQ));
+    /* a row that sees no key yet keeps max -inf: its probabilities exp(-inf - 0) are 0 */
+    const realv base = select(mnew, (realv)0, mnew == (realv)(-INFINITY));
     realv sum = 0;
-    for (int c = 0; c < nc; c += VW) {
-        const realv e = exp(CAT(vload, VW)(0, srow + c) - mnew);
+    for (int c = 0; c < nc; c++) {
+        const realv e = exp(TILE_VEC(st + c * BQ) - base);
         sum += e;
-        CAT(vstore, VW)(e, 0, srow + c);
+        TILE_VEC(st + c * BQ) = e;
     }
-    const real alpha = exp(*m - mnew);
-    *m = mnew;
-    *l = *l * alpha + hsum(sum);
-    if (alpha != 1)
-        for (int x = 0; x < DVT; x++)
-            orow[x] *= alpha;
+    const realv alpha = exp(mold - base);
+    TILE_VEC(m) = mnew;
+    TILE_VEC(l) = TILE_VEC(l) * alpha + sum;
+    real a[VW];
+    CAT(vstore, VW)(alpha, 0, a);
+    for (int x = 0; x < VW; x++)
+        if (a[x] != 1)
+            for (int y = 0; y < DVT; y++)
+                o[x * DVT + y] *= a[x];
     if (p->dropout)
         for (int c = 0; c < min(cols, nc); c++)
-            srow[c] = or_dropout_keep(p->seed, (ulong)u, (uint)i, (uint)(j0 + c), p->threshold)
-                          ? srow[c] * p->drop_scale : 0;
+            for (int x = 0; x < VW; x++)
+                st[c * BQ + x] = or_dropout_keep(p->seed, (ulong)u, (uint)(i + x), (uint)(j0 + c),
+                                                 p->threshold)
+                                     ? st[c * BQ + x] * p->drop_scale : 0;
 }
 
 __kernel __attribute__((reqd_work_group_size(1, 1, 1)))
@@ -80,11 +88,11 @@ void flash_fwd_tiled(__global const storage_t *q, __global const storage_t *k,
     __global const long *kvunit = UNIT(meta, u / p.group * p.group);
     if (i0 >= nq)
         return;
-    const int rows = (int)min((long)BQ, nq - i0), rows_tm = (rows + TM - 1) / TM * TM;
+    const int rows = (int)min((long)BQ, nq - i0), rows_st = (rows + STEP - 1) / STEP * STEP;
     const real slope = p.has_alibi ? slopes[u] : 0;
 
-    load_block(qs, HEAD_D, q, unit[OR_Q], meta[OR_Q], i0, rows, rows_tm, HEAD_D, p.scale);
-    for (int r = 0; r < rows_tm; r++) {
+    load_block_t(qt, BQ, q, unit[OR_Q], meta[OR_Q], i0, rows, rows_st, HEAD_D, p.scale);
+    for (int r = 0; r < rows_st; r++) {
         for (int x = 0; x < DVT; x++)
             o[r * DVT + x] = 0;
         m[r] = -INFINITY;
@@ -94,26 +102,24 @@ void flash_fwd_tiled(__global const storage_t *q, __global const storage_t *k,
     long lo, hi;
     or_key_range(p.left, p.right, nq, nk, i0, i0 + rows, &lo, &hi);
     for (long j0 = lo; j0 < hi; j0 += BK) {
-        const int cols = (int)min((long)BK, hi - j0), cols_tn = (cols + TN - 1) / TN * TN;
-        load_block_t(kt, BK, k, kvunit[OR_K], meta[OR_K], j0, cols, cols_tn, HEAD_D);
-        load_block(vs, DVT, v, kvunit[OR_V], meta[OR_V], j0, cols, cols_tn, HEAD_DV, 1);
-        const long reach = i0 + off + p.right - j0;     /* row r sees columns <= r + reach */
-        const int cut = p.right >= 0 && reach + 1 < cols, sr = cut ? STRIP : rows_tm;
-        for (int r0 = 0; r0 < rows_tm; r0 += sr) {
-            const int mr = min(sr, rows_tm - r0);
-            const long end = r0 + mr + reach;           /* past the strip's last column */
-            const int nc = !cut ? cols_tn
-                                : end <= 0 ? 0 : (int)min((long)cols_tn, (end + TN - 1) / TN * TN);
+        const int cols = (int)min((long)BK, hi - j0), cols_tm = (cols + TM - 1) / TM * TM;
+        load_block(kb, HEAD_D, k, kvunit[OR_K], meta[OR_K], j0, cols, cols_tm, HEAD_D, 1);
+        load_block(vs, DVT, v, kvunit[OR_V], meta[OR_V], j0, cols, cols_tm, HEAD_DV, 1);
+        const long reach = i0 + off + p.right - j0;     /* row r sees keys <= r + reach */
+        const int cut = p.right >= 0 && reach + 1 < cols, sr = cut ? STEP : rows_st;
+        for (int r0 = 0; r0 < rows_st; r0 += sr) {
+            const int mr = min(sr, rows_st - r0);
+            const long end = r0 + mr + reach;           /* past the strip's last key */
+            const int nc = !cut ? cols_tm
+                                : end <= 0 ? 0 : (int)min((long)cols_tm, (end + TM - 1) / TM * TM);
             if (nc == 0)
                 continue;   /* no row of the strip sees this block: nothing to add */
-            tile_product(s + r0 * BK, BK, qs + r0 * HEAD_D, HEAD_D, 1, kt, BK, mr, nc,
-                         HEAD_D, 0);
-
-            for (int r = r0; r < min(rows, r0 + mr); r++)
-                softmax_row(s + r * BK, o + r * DVT, m + r, l + r, u, i0 + r, off, slope, j0,
-                            cols, nc, &p);
-            /* padding rows of s are the products of zero queries: finite, and never stored */
-            tile_product(o + r0 * DVT, DVT, s + r0 * BK, BK, 1, vs, DVT, mr, DVT, nc, 1);
+            tile_product(st + r0, BQ, kb, HEAD_D, 1, qt + r0, BQ, nc, mr, HEAD_D, 0);
+            for (int c = r0; c < min(rows, r0 + mr); c += VW)
+                softmax_cols(st + c, o + c * DVT, m + c, l + c, u, i0 + c, off, slope, j0, cols,
+                             nc, &p);
+            /* columns of padding rows hold the scores of zero queries: finite, never stored */
+            tile_product(o + r0 * DVT, DVT, st + r0, 1, BQ, vs, DVT, mr, DVT, nc, 1);
         }
     }
 

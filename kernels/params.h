@@ -224,15 +224,31 @@ OR_FN or_i64 or_decode_blocks(or_i64 nq, or_i64 group, or_i64 bq)
     return parts * ((group + per - 1) / per);
 }
 
-/* The tiled family's register tile: OR_TM rows by OR_TN(vw) columns (two vectors of vw lanes). */
-#define OR_TM 6
+/* The tiled family's register tile: OR_TM(vw) rows by OR_TN(vw) columns (two vectors of vw
+ * lanes). Sixteen lanes are AVX-512's: its 32 registers hold 8 x 2 accumulators; eight lanes
+ * (AVX) have 16 registers, for 6 x 2. Blocks of rows and keys are whole multiples of
+ * or_tiled_step(vw), the least common multiple of the two, since each serves as the rows of
+ * one product and the columns of another. */
+#define OR_TM(vw) ((vw) == 16 ? 8 : 6)
 #define OR_TN(vw) (2 * (vw))
-
+OR_FN int or_tiled_step(int vw)
+{
+    int a = OR_TM(vw), b = OR_TN(vw);
+    while (b != 0) {
+        const int t = a % b;
+        a = b;
+        b = t;
+    }
+    return OR_TM(vw) / a * OR_TN(vw);
+}
 
 /* Local tiles of the register-tiled kernels, X(name, reals), from the head dims d, dv, their
  * widths padded to whole register tiles dt, dvt (tiles.cl) and the blocks tq, tk. The kernels
  * declare their tiles from these lists; the host sums them to choose blocks that fit. */
 #define OR_TILED_FWD_TILES(X, d, dv, dt, dvt, tq, tk)                                        \
+    X(qt, (d) * (tq)) X(kb, (tk) * (d)) X(vs, (tk) * (dvt))                                  \
+    X(st, (tk) * (tq)) X(o, (tq) * (dvt)) X(m, (tq)) X(l, (tq))
+#define OR_TILED_DECODE_TILES(X, d, dv, dt, dvt, tq, tk)                                     \
     X(qs, (tq) * (d)) X(kt, (d) * (tk)) X(vs, (tk) * (dvt))                                  \
     X(s, (tq) * (tk)) X(o, (tq) * (dvt)) X(m, (tq)) X(l, (tq))
 #define OR_TILED_BWD_TILES(X, d, dv, dt, dvt, tq, tk)                                        \

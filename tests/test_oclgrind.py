@@ -8,9 +8,10 @@ memory (the unified-memory path) with race and API checks, and explicit transfer
 discrete-GPU path, ORCHARD_CL_TRANSFERS=1: builds with ORCHARD_TEST_HOOKS=1) with the
 uninitialised-read checker too, which needs unoptimised kernels:
 Debian's Oclgrind 21.10 cannot simulate the LLVM `freeze` instruction that optimisation emits.
-Each with every kernel family: row per work-item, register-tiled (CPUs) and the work-group
-tiles of the wg family (GPUs), whose reductions take the local-memory path here (Oclgrind has
-no subgroups). The tiled
+Each with every kernel family: row per work-item, register-tiled (CPUs, at both vector
+widths they run: 8 lanes, and 16 where the device prefers them; Oclgrind's device, of every
+kind, would get 4) and the work-group tiles of the wg family (GPUs), whose reductions take the
+local-memory path here (Oclgrind has no subgroups). The tiled
 kernels skip the uninitialised-read checker: on them it reports values that are initialised
 (the results are checked in the same run, and the reports move or vanish with unrelated edits
 such as a printf), as in Oclgrind's open issue #126 about its shadow tracking of vector types,
@@ -54,7 +55,7 @@ cases = [
     (np.float16, (2, 1, 1, 9, 6, 3, 5), dict()),
     (np.float64, (1, 1, 1, 7, 3, 4, 4), dict(causal=True)),     # rows that see no key
     (np.float32, (1, 1, 1, 5, 0, 4, 4), dict()),                # no keys at all
-    (np.float32, (1, 2, 2, 20, 100, 8, 20), dict(window=(9, 3))),  # several tiles both ways
+    (np.float32, (1, 2, 2, 70, 100, 8, 20), dict(window=(9, 3))),  # several blocks both ways
     # split-KV decode (nq <= 16; the cases above with few rows take it too): two key splits
     # each (the simulator has 1 compute unit), GQA groups in one row block or a unit's rows
     # over several
@@ -92,16 +93,24 @@ REPORT = re.compile(r"Invalid (read|write)|data race|[Uu]ninitiali[sz]ed|FATAL|"
                     r"Oclgrind - |errors generated|out of bounds", re.I)
 
 
-@pytest.mark.parametrize("family", ["rows", "tiled", "wg"])
+@pytest.mark.parametrize("family,vector", [("rows", None), ("tiled", 8), ("tiled", 16),
+                                           ("wg", None)])
 @pytest.mark.parametrize("mode", ["in-place", pytest.param("transfers", marks=needs_test_hooks)])
-def test_kernels_clean_under_oclgrind(tmp_path, mode, family):
+def test_kernels_clean_under_oclgrind(tmp_path, mode, family, vector):
     script = tmp_path / "kernels.py"
     script.write_text(textwrap.dedent(SCRIPT))
     checks = ["--data-races", "--check-api"]
-    # tiled: 6-row, 24-key tiles (block sizes round up to the register tile); wg: 8-row blocks
-    # of 32 work-items, 16-key tiles (a key block of whole lanes)
-    env = dict(ORCHARD_CL_BLOCK_Q=6 if family == "tiled" else 8, ORCHARD_CL_BLOCK_K=4,
-               ORCHARD_CL_FAMILY=family, ORCHARD_NO_CACHE=1)
+    # tiled: the smallest blocks, one register-tile step (params.h's or_tiled_step: 48 rows
+    # and keys at 8 lanes, 32 at 16), whose tiles need more than the simulator's 32 KiB of
+    # local memory: it gets PoCL's 2 MiB; wg: 8-row blocks of 32 work-items, 16-key tiles (a
+    # key block of whole lanes)
+    if family == "tiled":
+        checks += ["--local-mem-size", str(2 << 20)]
+    log = tmp_path / "programs.log"
+    env = dict(ORCHARD_CL_BLOCK_Q=8, ORCHARD_CL_BLOCK_K=4, ORCHARD_CL_FAMILY=family,
+               ORCHARD_NO_CACHE=1, ORCHARD_DEBUG_FLASH_ATN=1, ORCHARD_LOG=str(log))
+    if vector:
+        env.update(ORCHARD_CL_VECTOR=vector)
     runs = [[]]         # one process, every case
     if mode == "transfers":
         if family != "tiled":
@@ -121,3 +130,7 @@ def test_kernels_clean_under_oclgrind(tmp_path, mode, family):
         assert r.returncode == 0, (cases, r.stderr[-4000:])
         assert "kernels ok" in r.stdout, cases
         assert not reports, "\n".join([str(cases)] + reports[:20]) + "\n" + r.stderr[-4000:]
+    # every program of the family asked for, at the lanes asked for (4: the simulator is a GPU
+    # too); none fell back to rows
+    built = re.findall(r"OpenCL program for .*: (\w+) kernels, .*, (\d+) lanes", log.read_text())
+    assert built and set(built) == {(family, str(vector or 4))}, set(built)

@@ -192,14 +192,17 @@ FAMILY_RUN = """
 
 
 @needs_opencl
-@pytest.mark.parametrize("family", ["rows", "tiled", "wg"])
-def test_kernel_families(family):
+@pytest.mark.parametrize("family,vector", [("rows", ""), ("tiled", ""), ("tiled", "8"),
+                                           ("wg", "")])
+def test_kernel_families(family, vector):
     """Every OpenCL kernel family (ORCHARD_CL_FAMILY) on every feature, several blocks each
     way, against the float64 reference; small blocks so that every edge is crossed (the wg
-    family rounds them to whole micro-tiles: 32 x 32)."""
+    family rounds them to whole micro-tiles: 32 x 32; the tiled one to register-tile steps,
+    32 or 48). The tiled family also at 8 lanes, where the device would take 16 (PoCL on
+    AVX-512)."""
     dev = OPENCL_IDS[0]
     checked = child(FAMILY_RUN % ((dev,) * 5), ORCHARD_CL_FAMILY=family, ORCHARD_CL_BLOCK_Q=30,
-                    ORCHARD_CL_BLOCK_K=20)
+                    ORCHARD_CL_BLOCK_K=20, ORCHARD_CL_VECTOR=vector or None)
     assert checked == 5 * 5 + 5 + 5     # out, lse, dq, dk, dv of every case
 
 
@@ -437,7 +440,7 @@ def test_tuned_blocks_stored_and_used(tmp_path):
         import sys
         from orchard.cli import tune
         sys.exit(tune.main(["--device", "%s", "--shape", "1,2,100,16", "--repeats", "1",
-                            "--candidates", "48x48", "96x96"]))
+                            "--candidates", "96x96", "192x96"]))
     """ % dev, timeout=600, ORCHARD_CACHE_DIR=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "chosen: " in r.stdout
@@ -451,7 +454,8 @@ def test_tuned_blocks_stored_and_used(tmp_path):
         print(json.dumps([o.tuned_blocks("%s"), float(np.abs(out - ref).max())]))
     """ % (dev, dev), ORCHARD_CACHE_DIR=tmp_path, ORCHARD_DEBUG_FLASH_ATN=1, ORCHARD_LOG=log)
     blocks, err = got
-    assert tuple(blocks) in {(48, 48), (96, 96)} and err < 1e-5
+    # whole register-tile steps at either vector width (48 or 32), so built as stored
+    assert tuple(blocks) in {(96, 96), (192, 96)} and err < 1e-5
     assert "blocks %d x %d (tuned)" % tuple(blocks) in log.read_text()
 
 
