@@ -378,8 +378,10 @@ FN(decode_rows)(const or_problem *p, int slot, or_ssize kvu, or_ssize j0, int n,
     or_ssize run;
     for (int c = 0; c < n;) {
         const char *r = or_kv_row(p, slot, kvu, j0 + c, &run);
-        for (or_ssize i = 0; i < run && c < n; i++)
-            out[c++] = r + i * stride;
+        const int m = run < n - c ? (int)run : n - c;
+        for (int i = 0; i < m; i++)     /* one bound, so that it vectorises */
+            out[c + i] = r + i * stride;
+        c += m;
     }
     for (int c = n; c % NKEYS; c++)
         out[c] = (const char *)FN(zero_row);
