@@ -30,6 +30,9 @@
  * a time) only for bfloat16, where they were 4 % faster than 2 rows at a time (float32 2-5 %
  * slower). */
 #define DROWS (VBYTES == 64 ? 4 : 1)
+/* accumulators of a value tile (decode_pv_tile): with two value vectors and the rows'
+ * weights they must fit the register file */
+#define PV_ACC (VBYTES == 64 ? 16 : 8)
 
 /* Layout of one item's partial results in job->part, in REALs: o (R x dvp), then m, then l. */
 static inline REAL *FN(decode_part)(const or_job *job, or_ssize item)
@@ -306,62 +309,105 @@ FN(decode_scores)(REAL *s, const REAL *q, int rows, int dp, const char *const *k
     }
 }
 
-/* For each row r < rows: the vector at o + r * dvp += sum over t < NKEYS of p[r * BC + t] y[t]. */
+/* Output vectors [x, x + nx DVL) of rows [0, nr) of o (in pairs' order where paired) += P V over
+ * the key columns [0, kcols) (a multiple of NKEYS; value rows at vr): the nr x nx accumulators
+ * stay in registers for the whole block, each taking one FMA per key (accumulating in memory, 8
+ * keys at a time, made each output vector a chain of dependent FMAs that left the FMA units
+ * idle). Keys are added in order, one at a time, as the reference sum would. nr, nx and paired
+ * are constants wherever this is inlined. Asks for n_next rows of the next block meanwhile. */
 static inline __attribute__((always_inline)) void
-FN(decode_axpys)(REAL *o, int dvp, const REAL *p, int rows, const FN(vec) *y)
+FN(decode_pv_tile)(REAL *o, int dvp, int x, const REAL *s, const char *const *vr, int kcols,
+                   or_dtype dt, const char *const *next, int n_next, int len, const int nr,
+                   const int nx, const int paired)
 {
-    for (int r = 0; r < rows; r++) {
-        const REAL *pr = p + (or_ssize)r * BC;
-        REAL *orow = o + (or_ssize)r * dvp;
-        FN(vec) a;
-        memcpy(&a, orow, sizeof(a));
-        for (int t = 0; t < NKEYS; t++)
-            a += pr[t] * y[t];
-        memcpy(orow, &a, sizeof(a));
+    FN(vec) acc[4][8];
+#pragma GCC unroll 8
+    for (int r = 0; r < nr; r++)
+#pragma GCC unroll 16
+        for (int v = 0; v < nx; v++)
+            memcpy(&acc[r][v], o + (or_ssize)r * dvp + x + v * DVL, sizeof(acc[r][v]));
+    for (int c0 = 0; c0 < kcols; c0 += NKEYS) {
+        if (c0 < n_next)
+            FN(decode_prefetch)(next + c0, n_next - c0 < NKEYS ? n_next - c0 : NKEYS, len);
+#pragma GCC unroll 8
+        for (int c = c0; c < c0 + NKEYS; c++) {
+#pragma GCC unroll 16
+            for (int v = 0; v < nx; v += paired ? 2 : 1) {
+                FN(vec) y0, y1 = {0};
+#if REAL_SIZE == 4
+                if (paired)
+                    FN(decode_bf16_pair)(vr[c], x + v * DVL, &y0, &y1);
+                else
+#endif
+                    y0 = FN(decode_vec)(vr[c], x + v * DVL, dt);
+#pragma GCC unroll 8
+                for (int r = 0; r < nr; r++) {
+                    const REAL pr = s[(or_ssize)r * BC + c];
+                    acc[r][v] += pr * y0;
+                    if (paired && v + 1 < nx)
+                        acc[r][v + 1] += pr * y1;
+                }
+            }
+        }
     }
+#pragma GCC unroll 8
+    for (int r = 0; r < nr; r++)
+#pragma GCC unroll 16
+        for (int v = 0; v < nx; v++)
+            memcpy(o + (or_ssize)r * dvp + x + v * DVL, &acc[r][v], sizeof(acc[r][v]));
+}
+
+/* Rows [0, nr) of o (rows x dvp) += their rows of P (s) V, in tiles of at most nx vectors: as
+ * wide as fit (8, 4, 2 vectors; pairs of vectors where bfloat16 is paired, then single
+ * vectors), then the elements past the last whole vector. The first tile asks for the next
+ * block's values. */
+static inline __attribute__((always_inline)) void
+FN(decode_pv_rows)(REAL *o, int dvp, int dv, const REAL *s, const char *const *vr, int kcols,
+                   or_dtype dt, const char *const *next, int n_next, const int nr, const int nx)
+{
+    const int dvec = dv - dv % DVL, paired = FN(decode_paired)(dv, dt);
+    const int len = dv * FN(decode_size)(dt);
+    int x = 0;
+#define PV_TILES(w, pairs, end) \
+    for (; (w) <= nx && x + (w) * DVL <= (end); x += (w) * DVL, n_next = 0) \
+        FN(decode_pv_tile)(o, dvp, x, s, vr, kcols, dt, next, n_next, len, nr, w, pairs);
+    PV_TILES(8, 1, paired)
+    PV_TILES(4, 1, paired)
+    PV_TILES(2, 1, paired)
+    PV_TILES(8, 0, dvec)
+    PV_TILES(4, 0, dvec)
+    PV_TILES(2, 0, dvec)
+    PV_TILES(1, 0, dvec)
+#undef PV_TILES
+    if (n_next > 0)     /* no whole vector */
+        FN(decode_prefetch)(next, n_next, len);
+    for (; x < dv; x++)
+        for (int r = 0; r < nr; r++) {
+            REAL a = o[(or_ssize)r * dvp + x];
+            for (int c = 0; c < kcols; c++)
+                a += s[(or_ssize)r * BC + c] * FN(decode_load)(vr[c], x, dt);
+            o[(or_ssize)r * dvp + x] = a;
+        }
 }
 
 /* o (rows x dvp) += P (s, rows x BC) V (value rows of dtype dt at vr, cols rounded up to
- * NKEYS, whose columns of s past cols are 0), NKEYS value rows at a time: each value vector is
- * loaded and widened once for all rows, an output vector loaded and stored once per NKEYS
- * keys. Asks for the next block's values meanwhile. */
+ * NKEYS, whose columns of s past cols are 0), 4, 2 or 1 rows at a time, each with as many
+ * accumulators as the registers hold (PV_ACC). Asks for the next block's values (next, n_next
+ * rows) meanwhile. */
 static inline __attribute__((always_inline)) void
 FN(decode_pv)(REAL *o, int dvp, int dv, const REAL *s, int rows, const char *const *vr,
               int cols, or_dtype dt, const char *const *next, int n_next)
 {
-    const int dvec = dv - dv % DVL;
-    const int len = dv * FN(decode_size)(dt);
-    for (int c = 0; c < cols; c += NKEYS) {
-        if (c < n_next)
-            FN(decode_prefetch)(next + c, n_next - c < NKEYS ? n_next - c : NKEYS, len);
-        int x = 0;
-#if REAL_SIZE == 4
-        for (; x < FN(decode_paired)(dv, dt); x += 2 * DVL)
-            for (int odd = 0; odd < 2; odd++) {     /* a block's even elements, then its odd */
-                FN(vec) y[NKEYS];
-                for (int t = 0; t < NKEYS; t++) {
-                    FN(vec) ye, yo;
-                    FN(decode_bf16_pair)(vr[c + t], x, &ye, &yo);
-                    y[t] = odd ? yo : ye;
-                }
-                FN(decode_axpys)(o + x + odd * DVL, dvp, s + c, rows, y);
-            }
-#endif
-        for (; x < dvec; x += DVL) {
-            FN(vec) y[NKEYS];
-            for (int t = 0; t < NKEYS; t++)
-                y[t] = FN(decode_vec)(vr[c + t], x, dt);
-            FN(decode_axpys)(o + x, dvp, s + c, rows, y);
-        }
-        for (int x = dvec; x < dv; x++)
-            for (int r = 0; r < rows; r++) {
-                const REAL *p = s + (or_ssize)r * BC + c;
-                REAL a = o[(or_ssize)r * dvp + x];
-                for (int t = 0; t < NKEYS; t++)
-                    a += p[t] * FN(decode_load)(vr[c + t], x, dt);
-                o[(or_ssize)r * dvp + x] = a;
-            }
-    }
+    const int kcols = (cols + NKEYS - 1) / NKEYS * NKEYS;
+    int r = 0;
+#define PV_ROWS(nr) \
+    for (; (nr) * 2 <= PV_ACC && r + (nr) <= rows; r += (nr), n_next = 0) \
+        FN(decode_pv_rows)(o + (or_ssize)r * dvp, dvp, dv, s + (or_ssize)r * BC, vr, kcols, dt, \
+                           next, n_next, nr, PV_ACC / (nr) < 8 ? PV_ACC / (nr) : 8);
+    PV_ROWS(4)
+    PV_ROWS(2)
+    PV_ROWS(1)
+#undef PV_ROWS
 }
 
 /* A row of zeros, long enough for any head dim and dtype. */
@@ -525,3 +571,4 @@ static void FN(decode_item)(void *vjob, or_ssize item, int worker)
 #undef DVL
 #undef NKEYS
 #undef DROWS
+#undef PV_ACC
