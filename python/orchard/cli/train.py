@@ -12,6 +12,7 @@ GPT (orchard.hf_causal_lm). Data parallel: `torchrun --nproc-per-node 2 -m orcha
 ...` (gloo); rank 0 writes the checkpoint and metrics.
 """
 import copy
+import gc
 import logging
 import os
 import shlex
@@ -152,6 +153,7 @@ def main(argv=None):
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
     setup_logging(rank, args.quiet)
+    trainer = None
     try:
         backend = get_device_backend(args.device, verbose=args.verbose)
         if args.device in (None, "auto"):
@@ -251,6 +253,11 @@ def main(argv=None):
         return code
     finally:
         if distributed:
+            # DDP keeps the process group alive in reference cycles; freed only at exit, after
+            # torch's own teardown, gloo aborted the process ("terminate called without an
+            # active exception", about 1 run in 10): free them while the group still exists
+            trainer = None
+            gc.collect()
             dist.destroy_process_group()
 
 
