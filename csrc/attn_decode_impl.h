@@ -341,7 +341,7 @@ FN(decode_pv_tile)(REAL *o, int dvp, int x, const REAL *s, const char *const *vr
     for (int c0 = 0; c0 < kcols; c0 += NKEYS) {
         if (c0 < n_next)
             FN(decode_prefetch)(next + c0, n_next - c0 < NKEYS ? n_next - c0 : NKEYS, len);
-#pragma GCC unroll 8
+#pragma GCC unroll 4     /* 8 tripled the build's compile time (this tile has ~20 instances) */
         for (int c = c0; c < c0 + NKEYS; c++) {
 #pragma GCC unroll 16
             for (int v = 0; v < nx; v += paired ? 2 : 1) {
