@@ -24,13 +24,17 @@ _Static_assert(BR % MR == 0 && BC % MR == 0 && SR % MR == 0 && BC % (2 * VBYTES 
 #define FN(name) CAT(name, SFX)
 
 /* exp for the float kernels, inlined so that the row loops vectorise (libm's expf is a call).
- * Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, then Cephes' degree-6 polynomial for e^r:
- * about 1.4 ulp. Arguments are clamped at -127 ln2, where 2^n's exponent bits become 0: so
- * -inf (a masked score) gives exactly 0, with no compare and blend. */
+ * Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, then Cephes' polynomial for e^r in Horner
+ * form: about 1 ulp. Arguments are clamped below at -127 ln2, where 2^n's exponent bits become
+ * 0: so -inf (a masked score) gives exactly 0. n is read from the bits of the sum that rounds
+ * it, and capped in integers (above 88.3 the result is inf): one compare and blend instead of
+ * two: a fifth fewer instructions per exp, the float forward at D 64 4 % faster, D 128 and the
+ * backward 1-2 % (one core, A/B). */
 static inline __attribute__((always_inline)) float or_expf(float x)
 {
-    const float xc = x < -88.0296919f ? -88.0296919f : (x > 88.37f ? 88.37f : x);
-    const float n = (xc * 1.44269504f + 12582912.0f) - 12582912.0f;    /* round to nearest */
+    const float xc = x < -88.0296919f ? -88.0296919f : x;
+    const float t = xc * 1.44269504f + 12582912.0f;     /* n in its low mantissa bits */
+    const float n = t - 12582912.0f;                     /* round to nearest */
     float r = xc - n * 0.693359375f;
     r = r + n * 2.12194440e-4f;
     float y = 1.9875691500e-4f;
@@ -39,10 +43,14 @@ static inline __attribute__((always_inline)) float or_expf(float x)
     y = y * r + 4.1665795894e-2f;
     y = y * r + 1.6666665459e-1f;
     y = y * r + 5.0000001201e-1f;
-    y = y * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;   /* 2^n */
+    y = y * r + 1.0f;
+    y = y * r + 1.0f;
+    int32_t e;
+    memcpy(&e, &t, sizeof(e));
+    e -= 0x4B400000 - 127;                               /* n + 127, the exponent of 2^n */
+    e = (e < 255 ? e : 255) << 23;
     float two_n;
-    memcpy(&two_n, &bits, sizeof(two_n));
+    memcpy(&two_n, &e, sizeof(two_n));
     return y * two_n;
 }
 
