@@ -147,36 +147,7 @@ static void FN(decode_deal)(REAL *x, int n, int to_pairs)
     }
 }
 
-/* Pairwise sums of blocks of b lanes, FOLD(x, y, b): lane i of the first half of the result
- * is the sum of blocks 2k and 2k + 1 of x (k = i / b; the same offset in each block), of the
- * second half the same of y; so accumulators held in blocks of x and y stay in order, each in
- * half as many lanes. The shuffles' lane lists, for the DVL_PP lanes of this instance: */
-#define DVL_PP (VBYTES / REAL_SIZE)
-#if DVL_PP == 16
-#define FOLD_E8 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
-#define FOLD_O8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
-#define FOLD_E4 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27
-#define FOLD_O4 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31
-#define FOLD_E2 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29
-#define FOLD_O2 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31
-#define FOLD_E1 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30
-#define FOLD_O1 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
-#elif DVL_PP == 8
-#define FOLD_E4 0, 1, 2, 3, 8, 9, 10, 11
-#define FOLD_O4 4, 5, 6, 7, 12, 13, 14, 15
-#define FOLD_E2 0, 1, 4, 5, 8, 9, 12, 13
-#define FOLD_O2 2, 3, 6, 7, 10, 11, 14, 15
-#define FOLD_E1 0, 2, 4, 6, 8, 10, 12, 14
-#define FOLD_O1 1, 3, 5, 7, 9, 11, 13, 15
-#elif DVL_PP == 4
-#define FOLD_E2 0, 1, 4, 5
-#define FOLD_O2 2, 3, 6, 7
-#define FOLD_E1 0, 2, 4, 6
-#define FOLD_O1 1, 3, 5, 7
-#elif DVL_PP == 2
-#define FOLD_E1 0, 2
-#define FOLD_O1 1, 3
-#endif
+/* Pairwise sums of blocks of b lanes (lane_folds.h). */
 #define FOLD(x, y, b) (__builtin_shufflevector(x, y, FOLD_E##b) \
                        + __builtin_shufflevector(x, y, FOLD_O##b))
 #define FOLD_LEVEL(b) \
@@ -191,16 +162,16 @@ static inline __attribute__((always_inline)) void FN(decode_sums)(FN(vec) *acc, 
 {
     _Static_assert(NKEYS == 8, "decode_sums folds 8 accumulators");
     int m = NKEYS;
-#if DVL_PP == 16
+#if FOLD_LANES == 16
     FOLD_LEVEL(8)
     FOLD_LEVEL(4)
     FOLD_LEVEL(2)
     acc[0] = FOLD(acc[0], acc[0], 1);      /* 8 sums, twice */
 #else
-#if DVL_PP == 8
+#if FOLD_LANES == 8
     FOLD_LEVEL(4)
 #endif
-#if DVL_PP >= 4
+#if FOLD_LANES >= 4
     FOLD_LEVEL(2)
 #endif
     FOLD_LEVEL(1)
@@ -213,15 +184,6 @@ static inline __attribute__((always_inline)) void FN(decode_sums)(FN(vec) *acc, 
 }
 #undef FOLD_LEVEL
 #undef FOLD
-#undef FOLD_E1
-#undef FOLD_O1
-#undef FOLD_E2
-#undef FOLD_O2
-#undef FOLD_E4
-#undef FOLD_O4
-#undef FOLD_E8
-#undef FOLD_O8
-#undef DVL_PP
 #undef BF16_SPREAD
 
 /* s[r * BC + t] = q row r . key row t, for r < nr (a constant), t < NKEYS (keys of dtype dt at

@@ -17,6 +17,8 @@
 
 #define W (2 * VBYTES / (int)sizeof(REAL))    /* two vectors of REALs: the micro-kernel's width */
 
+#include "lane_folds.h"
+
 static inline int FN(pad)(int n) { return (n + W - 1) / W * W; }
 
 /* Rows of a strided operand into a tile of leading dimension ld: converts to REAL, multiplies
@@ -141,8 +143,9 @@ static inline __attribute__((always_inline)) void FN(vmax)(FN(vec) *m, const FN(
     *m = (FN(vec))(((__typeof__(gt))*v & gt) | ((__typeof__(gt))*m & ~gt));
 }
 
-/* The largest of the first n elements of a row (n a multiple of W), two vectors at a time. */
-static inline __attribute__((always_inline)) REAL FN(row_max)(const REAL *x, int n)
+/* Lane t of the result: the largest of the row's elements t, t + VL, t + 2 VL, ... (n, a
+ * multiple of W), two vectors at a time. */
+static inline __attribute__((always_inline)) FN(vec) FN(row_max_lanes)(const REAL *x, int n)
 {
     FN(vec) m0, m1, v0, v1;
     memcpy(&m0, x, sizeof(m0));
@@ -154,32 +157,13 @@ static inline __attribute__((always_inline)) REAL FN(row_max)(const REAL *x, int
         FN(vmax)(&m1, &v1);
     }
     FN(vmax)(&m0, &m1);
-    REAL lane[VL];
-    memcpy(lane, &m0, sizeof(lane));
-#pragma GCC unroll 8
-    for (int h = VL / 2; h > 0; h /= 2)     /* a tree, as in lanes_sum */
-#pragma GCC unroll 16
-        for (int t = 0; t < h; t++)
-            lane[t] = lane[t + h] > lane[t] ? lane[t + h] : lane[t];
-    return lane[0];
-}
-#undef VL
-
-/* The sum of n lanes (n a power of two) as a tree: log2(n) dependent adds, not n (a chain of
- * scalar adds was a fifth of the AVX-512 forward). */
-static inline __attribute__((always_inline)) REAL FN(lanes_sum)(REAL *lane, int n)
-{
-#pragma GCC unroll 8
-    for (int h = n / 2; h > 0; h /= 2)
-#pragma GCC unroll 32
-        for (int t = 0; t < h; t++)
-            lane[t] += lane[t + h];
-    return lane[0];
+    return m0;
 }
 
-/* x[c] = exp(x[c] - shift) over the first n elements of a row (n a multiple of W), and their
- * sum, in W independent lanes so that the loop vectorises. */
-static inline __attribute__((always_inline)) REAL FN(exp_row)(REAL *x, REAL shift, int n)
+/* x[c] = exp(x[c] - shift) over the first n elements of a row (n a multiple of W), in W
+ * independent lanes so that the loop vectorises; lane t of the result is the sum of lanes t
+ * and t + VL. */
+static inline __attribute__((always_inline)) FN(vec) FN(exp_row_lanes)(REAL *x, REAL shift, int n)
 {
     REAL lane[W] = {0};
     for (int c0 = 0; c0 < n; c0 += W)
@@ -188,8 +172,128 @@ static inline __attribute__((always_inline)) REAL FN(exp_row)(REAL *x, REAL shif
             x[c0 + t] = e;
             lane[t] += e;
         }
-    return FN(lanes_sum)(lane, W);
+    for (int t = 0; t < VL; t++)
+        lane[t] += lane[t + VL];
+    FN(vec) sum;
+    memcpy(&sum, lane, sizeof(sum));
+    return sum;
 }
+
+/* One fold of x and y over blocks of b lanes (lane_folds.h): their sums, or maxima where max. */
+#define FOLD_BLOCKS(b) \
+    static inline __attribute__((always_inline)) FN(vec) FN(fold##b)(FN(vec) x, FN(vec) y, \
+                                                                      const int max) \
+    { \
+        FN(vec) e = __builtin_shufflevector(x, y, FOLD_E##b); \
+        const FN(vec) o = __builtin_shufflevector(x, y, FOLD_O##b); \
+        if (max) \
+            FN(vmax)(&e, &o); \
+        else \
+            e += o; \
+        return e; \
+    }
+#if FOLD_LANES == 16
+FOLD_BLOCKS(8)
+#endif
+#if FOLD_LANES >= 8
+FOLD_BLOCKS(4)
+#endif
+#if FOLD_LANES >= 4
+FOLD_BLOCKS(2)
+#endif
+FOLD_BLOCKS(1)
+#undef FOLD_BLOCKS
+
+/* Lane r of the result: the sum (or the largest, where max) of the lanes of x[r], r < VL, as a
+ * tree whose first level adds lanes t and t + VL / 2, the next t and t + VL / 4, ...: one fold
+ * of the rows' vectors per level. x is overwritten. */
+static inline __attribute__((always_inline)) FN(vec) FN(fold_rows)(FN(vec) *x, const int max)
+{
+#define FOLD_LEVEL(b) \
+    for (int i = 0; i < (b); i++)     /* 2 b vectors at this level */ \
+        x[i] = FN(fold##b)(x[2 * i], x[2 * i + 1], max);
+#if FOLD_LANES == 16
+    FOLD_LEVEL(8)
+#endif
+#if FOLD_LANES >= 8
+    FOLD_LEVEL(4)
+#endif
+#if FOLD_LANES >= 4
+    FOLD_LEVEL(2)
+#endif
+    FOLD_LEVEL(1)
+#undef FOLD_LEVEL
+    return x[0];
+}
+
+/* The same tree over the lanes of one vector (lane 0 of its folds with itself). */
+static inline __attribute__((always_inline)) REAL FN(lanes_total)(FN(vec) v, const int max)
+{
+#if FOLD_LANES == 16
+    v = FN(fold8)(v, v, max);
+#endif
+#if FOLD_LANES >= 8
+    v = FN(fold4)(v, v, max);
+#endif
+#if FOLD_LANES >= 4
+    v = FN(fold2)(v, v, max);
+#endif
+    return FN(fold1)(v, v, max)[0];
+}
+
+/* The largest of the first n elements of a row (n a multiple of W). */
+static inline __attribute__((always_inline)) REAL FN(row_max)(const REAL *x, int n)
+{
+    return FN(lanes_total)(FN(row_max_lanes)(x, n), 1);
+}
+
+/* exp_row_lanes, and the sum of the row's results. */
+static inline __attribute__((always_inline)) REAL FN(exp_row)(REAL *x, REAL shift, int n)
+{
+    return FN(lanes_total)(FN(exp_row_lanes)(x, shift, n), 0);
+}
+
+/* The online softmax step of rows [0, live) of s (rows BC apart, n columns computed, a multiple
+ * of W) against their running maxima m and sums l and their output rows o (dvp apart): new
+ * maxima, s to exp(s - max), l and o rescaled by exp(old max - new max). VL rows at a time, so
+ * that their maxima and sums are folded together (fold_rows) and their factors are one vector
+ * of exps: reduced one row at a time, with a scalar exp each, they took a sixth of the float
+ * forward. A row that has seen only masked scores keeps the maximum -inf and weights 0. */
+static inline __attribute__((always_inline)) void
+FN(softmax_rows)(REAL *s, int live, int n, REAL *m, REAL *l, REAL *o, int dvp)
+{
+    for (int g = 0; g < live; g += VL) {
+        const int rows = live - g < VL ? live - g : VL;
+        FN(vec) x[VL];
+        REAL mx[VL], mold[VL], shift[VL], alpha[VL], sum[VL];
+        for (int r = 0; r < VL; r++) {
+            x[r] = r < rows ? FN(row_max_lanes)(s + (or_ssize)(g + r) * BC, n)
+                            : (FN(vec)){0} - INFINITY;
+            mold[r] = r < rows ? m[g + r] : -INFINITY;
+        }
+        const FN(vec) mv = FN(fold_rows)(x, 1);
+        memcpy(mx, &mv, sizeof(mx));
+        for (int t = 0; t < VL; t++) {
+            mx[t] = mx[t] > mold[t] ? mx[t] : mold[t];      /* the new maximum */
+            shift[t] = mx[t] == -INFINITY ? 0 : mx[t];      /* -inf - -inf would be NaN */
+            alpha[t] = EXP(mold[t] - shift[t]);
+        }
+        for (int r = 0; r < VL; r++)
+            x[r] = r < rows ? FN(exp_row_lanes)(s + (or_ssize)(g + r) * BC, shift[r], n)
+                            : (FN(vec)){0};
+        const FN(vec) sv = FN(fold_rows)(x, 0);
+        memcpy(sum, &sv, sizeof(sum));
+        for (int r = 0; r < rows; r++) {
+            m[g + r] = mx[r];
+            l[g + r] = l[g + r] * alpha[r] + sum[r];
+            REAL *orow = o + (or_ssize)(g + r) * dvp;
+            if (alpha[r] != 1)
+                for (int c = 0; c < dvp; c++)
+                    orow[c] *= alpha[r];
+        }
+    }
+}
+#undef VL
 
 /* Transforms the raw products q.k (s, BR x BC) of rows i0.. and keys j0.. of a unit of nq
  * queries and nk keys, in the spec's order: softcap, ALiBi, masks (columns >= cols are
@@ -275,26 +379,13 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
             const int kcols = ncols < cols ? ncols : cols;      /* keys read and transformed */
             FN(gemm)(s, BC, q + (or_ssize)r0 * dp, dp, 1, kt + j0 * d, BC, sr, ncols, d, 0);
             FN(transform_scores)(p, live, kcols, i0 + r0, j0, nq, nk, slope, s, NULL);
-            for (int r = 0; r < live; r++) {
-                REAL *srow = s + (or_ssize)r * BC, *orow = o + (or_ssize)(r0 + r) * dvp;
-                REAL *mr = m + r0 + r, *lr = l + r0 + r;
-                const REAL mx = FN(row_max)(srow, ncols), mnew = mx > *mr ? mx : *mr;
-                if (mnew == -INFINITY) {            /* nothing visible to this row yet */
-                    memset(srow, 0, sizeof(REAL) * BC);
-                    continue;
-                }
-                const REAL alpha = EXP(*mr - mnew);
-                *mr = mnew;
-                *lr = *lr * alpha + FN(exp_row)(srow, mnew, ncols);
-                if (alpha != 1)
-                    for (int x = 0; x < dvp; x++)
-                        orow[x] *= alpha;
-                if (p->prm.dropout) {
-                    or_dropout_row(p->prm.seed, (uint64_t)u, (uint32_t)(i0 + r0 + r), (uint32_t)j0,
-                                   kcols, p->prm.threshold, keep);
-                    for (int c = 0; c < kcols; c++)
-                        srow[c] = keep[c] ? srow[c] * drop_scale : 0;
-                }
+            FN(softmax_rows)(s, live, ncols, m + r0, l + r0, o + (or_ssize)r0 * dvp, dvp);
+            for (int r = 0; p->prm.dropout && r < live; r++) {
+                REAL *srow = s + (or_ssize)r * BC;
+                or_dropout_row(p->prm.seed, (uint64_t)u, (uint32_t)(i0 + r0 + r), (uint32_t)j0,
+                               kcols, p->prm.threshold, keep);
+                for (int c = 0; c < kcols; c++)
+                    srow[c] = keep[c] ? srow[c] * drop_scale : 0;
             }
             if (kcols > skip)       /* P is 0 before lo: those value rows are not read */
                 FN(gemm)(o + (or_ssize)r0 * dvp, dvp, s + skip, BC, 1, vb + (or_ssize)skip * ldv,
