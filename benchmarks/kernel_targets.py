@@ -6,7 +6,9 @@ At every shape: float32 forward and backward against torch SDPA, and the forward
 against torch's float32 matrix product (2048^3); float16 and bfloat16, causal and not, forward
 and forward+backward against torch SDPA at the same dtype; the first OpenCL device (PoCL here)
 against the native path, forward and backward. Calls alternate in rounds (benchmark.round_robin,
-one warm-up round); a ratio is the median of its ratios in each round. Prints a Markdown table.
+one warm-up round), every torch call followed by a pause (TORCH_CALLS: torch's OpenMP threads
+spin for 5-10 ms after a call, and would share the cores with the next call, orchard's); a ratio
+is the median of its ratios in each round. Prints a Markdown table.
 """
 import argparse
 import sys
@@ -16,6 +18,9 @@ import torch
 
 import orchard_ops
 from orchard import benchmark
+
+TORCH_CALLS = ("torch_fwd", "torch_bwd", "sgemm")
+
 
 def ratio(times, slow, fast):
     """Median over rounds of time(slow) / time(fast); names may be tuples, whose times add."""
@@ -33,7 +38,7 @@ def float32_figures(shape, rounds, rng):
     opencl = [d["id"] for d in orchard_ops.devices() if d["id"].startswith("opencl")]
     if opencl:
         calls["cl_fwd"], calls["cl_bwd"] = benchmark.orchard_calls(*arrays, False, opencl[0])
-    t = benchmark.round_robin(calls, rounds)
+    t = benchmark.round_robin(calls, rounds, settle=TORCH_CALLS)
     flops = benchmark.attention_flops(*shape, False)
     rows = [("float32 forward vs torch", 1.2, ratio(t, "torch_fwd", "fwd")),
             ("float32 backward vs torch", 1.5, ratio(t, "torch_bwd", "bwd")),
@@ -50,7 +55,7 @@ def half_figures(shape, dtype, causal, rounds, rng):
     calls = {}
     calls["fwd"], calls["bwd"] = benchmark.orchard_calls(*ops, causal, "cpu")
     calls["torch_fwd"], calls["torch_bwd"] = benchmark.sdpa_calls(*ops, causal)
-    t = benchmark.round_robin(calls, rounds)
+    t = benchmark.round_robin(calls, rounds, settle=TORCH_CALLS)
     what = "%s%s " % (dtype, " causal" if causal else "")
     return [(what + "forward vs torch", 1.0, ratio(t, "torch_fwd", "fwd")),
             (what + "forward+backward vs torch", 1.0,

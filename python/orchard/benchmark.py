@@ -224,7 +224,8 @@ def round_robin(calls, rounds, settle=()):
     drifts by 10 to 20 % over a minute; the ratio of two calls made side by side, taken in
     every round, drifts much less (the median of those ratios is what the targets quote).
     The calls named in `settle` are followed by a pause: after a NumPy matrix product
-    OpenBLAS's threads spin for about 0.1 s, and the next call would run on fewer cores."""
+    OpenBLAS's threads spin for about 0.1 s, after a torch call its OpenMP threads for 5-10 ms,
+    and the next call would run on fewer cores."""
     times = {name: [] for name in calls}
     for n in range(rounds + 1):
         for name, fn in calls.items():
