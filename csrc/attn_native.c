@@ -157,7 +157,8 @@ int or_native_fwd(const or_problem *p)
     job.vc_off = job.kt_off + n_kv + 1;
     job.kt_off[0] = job.vc_off[0] = 0;
     for (or_ssize w = 0; w < n_kv; w++) {
-        job.kt_off[w + 1] = job.kt_off[w] + (p->nk[w * p->prm.group] + bc) * p->d;
+        job.kt_off[w + 1] = job.kt_off[w] + or_blocks_size(p->nk[w * p->prm.group], (int)bc,
+                                                           real, p->d);
         job.vc_off[w + 1] = job.vc_off[w] + p->nk[w * p->prm.group] * (or_ssize)dvp;
     }
     job.kt = malloc(real * (size_t)job.kt_off[n_kv] + 64);

@@ -7,7 +7,8 @@
  * right-hand side and result padded to a multiple of W with zeros, so that the micro-kernel
  * never needs a tail):
  *   q    BR x dp     query rows of the block, pre-multiplied by scale     (dp  = d  rounded up to W)
- *   kt   d  x BC     key block transposed (stored so for every block: load_cols_blocked)
+ *   kt   d  x KLD    key block transposed (stored so for every block: load_cols_blocked;
+ *                    KLD = BC and a cache line, native.h)
  *   k    BC x dp     key block                                           (backward)
  *   v    BC x dvp    value block                                         (dvp = dv rounded up to W)
  *   vt   dv x BC     value block transposed                              (backward)
@@ -16,6 +17,7 @@
  */
 
 #define W (2 * VBYTES / (int)sizeof(REAL))    /* two vectors of REALs: the micro-kernel's width */
+#define KLD OR_BLOCK_LD(BC, sizeof(REAL))       /* leading dimension of a transposed block */
 
 #include "lane_folds.h"
 
@@ -62,15 +64,15 @@ FN(load_cols)(REAL *dst, or_ssize ld, const char *src, or_ssize stride, or_ssize
     }
 }
 
-/* Rows [0, rows) as blocks of BC rows, each transposed (cols x BC, zero-padded past the last
- * row), block b at dst + b * BC * cols. A matrix product then reads a block's cols rows from
- * BC * cols contiguous REALs instead of one page each (about 4 % of the forward, measured). */
+/* Rows [0, rows) as blocks of BC rows, each transposed (cols x KLD, zero-padded past the last
+ * row), block b at dst + b * KLD * cols. A matrix product then reads a block's cols rows from
+ * KLD * cols contiguous REALs instead of one page each (about 4 % of the forward, measured). */
 static inline __attribute__((always_inline)) void
 FN(load_cols_blocked)(REAL *dst, const char *src, or_ssize stride, or_ssize rows,
                                   int cols, or_dtype dt)
 {
     for (or_ssize j0 = 0; j0 < rows; j0 += BC)
-        FN(load_cols)(dst + j0 * cols, BC, src + j0 * stride, stride,
+        FN(load_cols)(dst + j0 / BC * KLD * cols, KLD, src + j0 * stride, stride,
                       rows - j0 < BC ? rows - j0 : BC, cols, dt);
 }
 
@@ -344,7 +346,7 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
 
     REAL *q = (REAL *)(job->scratch + (size_t)worker * job->per_worker);
     REAL *s = q + BR * dp, *o = s + BR * BC, *m = o + BR * dvp, *l = m + BR;
-    const REAL *kt = (const REAL *)job->kt + job->kt_off[kvu];     /* blocked, d x BC each */
+    const REAL *kt = (const REAL *)job->kt + job->kt_off[kvu];     /* blocked, d x KLD each */
     unsigned char *keep = (unsigned char *)(l + BR);
 
     const or_view *w = p->view;
@@ -377,7 +379,8 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
                 ncols = end < BC ? FN(pad)((int)end) : BC;
             }
             const int kcols = ncols < cols ? ncols : cols;      /* keys read and transformed */
-            FN(gemm)(s, BC, q + (or_ssize)r0 * dp, dp, 1, kt + j0 * d, BC, sr, ncols, d, 0);
+            FN(gemm)(s, BC, q + (or_ssize)r0 * dp, dp, 1, kt + j0 / BC * KLD * d, KLD, sr, ncols,
+                     d, 0);
             FN(transform_scores)(p, live, kcols, i0 + r0, j0, nq, nk, slope, s, NULL);
             FN(softmax_rows)(s, live, ncols, m + r0, l + r0, o + (or_ssize)r0 * dvp, dvp);
             for (int r = 0; p->prm.dropout && r < live; r++) {
@@ -414,16 +417,16 @@ FN(paged_keys_item)(const or_job *job, or_ssize kvu, or_ssize nk)
     const int d = p->d;
     const or_view *k = &p->view[OR_K], *v = &p->view[OR_V];
     REAL *kt = (REAL *)job->kt + job->kt_off[kvu];
-    memset(kt, 0, sizeof(REAL) * (size_t)((nk + BC - 1) / BC * BC) * (size_t)d);
+    memset(kt, 0, sizeof(REAL) * (size_t)((nk + BC - 1) / BC * KLD) * (size_t)d);
     or_ssize run;
     for (or_ssize j = 0; j < nk; j += run) {
         const char *src = or_kv_row(p, OR_K, kvu, j, &run);
         run = run < nk - j ? run : nk - j;
         for (or_ssize r = j; r < j + run; r++, src += k->row_stride) {
-            REAL *dst = kt + r / BC * BC * d + r % BC;     /* column c at dst[c * BC] */
+            REAL *dst = kt + r / BC * KLD * d + r % BC;    /* column c at dst[c * KLD] */
             switch (k->dtype) {
 #define OR_LOAD(id, tag, ...) \
-            case id: for (int c = 0; c < d; c++) dst[c * BC] = (REAL)or_load_##tag(src, c); break;
+            case id: for (int c = 0; c < d; c++) dst[c * KLD] = (REAL)or_load_##tag(src, c); break;
             OR_DTYPES(OR_LOAD)
 #undef OR_LOAD
             }
@@ -474,7 +477,7 @@ static size_t FN(bwd_scratch)(const or_problem *p, or_ssize nk_max)
 {
     const size_t dp = (size_t)FN(pad)(p->d), dvp = (size_t)FN(pad)(p->dv), n = (size_t)nk_max;
     return (n + MR) * (dp + dvp)                    /* dk, dv accumulators */
-           + n * dp + (n + BC) * (size_t)(p->d + p->dv)   /* k, kt, vt of the whole unit */
+           + n * dp + (size_t)or_blocks_size(nk_max, BC, sizeof(REAL), p->d + p->dv)  /* k, kt, vt */
            + BR * dp * 2 + BR * dvp * 2             /* q, dq, dout, o */
            + 3 * (size_t)BR * BC + 2 * BR;          /* s, dp, dcap, lse, di */
 }
@@ -493,7 +496,8 @@ static void FN(bwd_item)(void *vjob, or_ssize item, int worker)
     REAL *dk = (REAL *)(job->scratch + (size_t)worker * job->per_worker);
     REAL *dvacc = dk + (job->nk_max + MR) * dp;
     REAL *k = dvacc + (job->nk_max + MR) * dvp, *kt = k + job->nk_max * dp;
-    REAL *vt = kt + (job->nk_max + BC) * d, *q = vt + (job->nk_max + BC) * dv;
+    REAL *vt = kt + or_blocks_size(job->nk_max, BC, sizeof(REAL), d);
+    REAL *q = vt + or_blocks_size(job->nk_max, BC, sizeof(REAL), dv);
     REAL *dq = q + BR * dp, *dout = dq + BR * dp, *o = dout + BR * dvp;
     REAL *s = o + BR * dvp, *dpm = s + BR * BC, *dcap = dpm + BR * BC, *lse = dcap + BR * BC;
     REAL *di = lse + BR;
@@ -543,12 +547,12 @@ static void FN(bwd_item)(void *vjob, or_ssize item, int worker)
                     const int kcols = ncols < cols ? ncols : cols;    /* keys read, transformed */
                     REAL *sb = s + (or_ssize)r0 * BC, *db = dpm + (or_ssize)r0 * BC;
                     if (ncols > 0) {
-                        FN(gemm)(sb, BC, q + (or_ssize)r0 * dp, dp, 1, kt + j0 * d, BC, m, ncols,
-                                 d, 0);                                          /* S = q K^T */
+                        FN(gemm)(sb, BC, q + (or_ssize)r0 * dp, dp, 1, kt + j0 / BC * KLD * d,
+                                 KLD, m, ncols, d, 0);                           /* S = q K^T */
                         FN(transform_scores)(p, rows - r0 < m ? rows - r0 : m, kcols, i0 + r0, j0,
                                              nq, nk, slope, sb, dcap + (or_ssize)r0 * BC);
-                        FN(gemm)(db, BC, dout + (or_ssize)r0 * dvp, dvp, 1, vt + j0 * dv, BC, m,
-                                 ncols, dv, 0);                                  /* dP = dO V^T */
+                        FN(gemm)(db, BC, dout + (or_ssize)r0 * dvp, dvp, 1,
+                                 vt + j0 / BC * KLD * dv, KLD, m, ncols, dv, 0); /* dP = dO V^T */
                     }
                     /* prow becomes the kept P (for dV), dprow becomes dS (for dQ, dK); both
                      * are 0 past the columns computed */
@@ -615,3 +619,4 @@ static void FN(bwd_item)(void *vjob, or_ssize item, int worker)
 }
 
 #undef W
+#undef KLD

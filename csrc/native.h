@@ -12,6 +12,17 @@
 
 #define BR 96   /* query rows per block; key rows per block (BC) are the kernel set's */
 
+/* Leading dimension of a transposed block of bc keys (load_cols_blocked) of REALs of `real`
+ * bytes: a cache line more than bc. Rows 512 bytes apart (bc 128 floats) fall in 8 of the 64
+ * L1 sets, and the 128 rows of a column panel at d 128 overflowed their 12 ways. */
+#define OR_BLOCK_LD(bc, real) ((bc) + 64 / (int)(real))
+
+/* REALs of the transposed blocks of nk keys of `cols` columns each. */
+static inline or_ssize or_blocks_size(or_ssize nk, int bc, size_t real, int cols)
+{
+    return (nk / bc + 1) * OR_BLOCK_LD(bc, real) * (or_ssize)cols;
+}
+
 /* Address of row j of kv unit kvu in K or V (slot), paged or not (orchard.h), and in *run how
  * many rows from it on lie stride apart (to its page's end). */
 static inline const char *or_kv_row(const or_problem *p, int slot, or_ssize kvu, or_ssize j,
