@@ -147,43 +147,18 @@ static void FN(decode_deal)(REAL *x, int n, int to_pairs)
     }
 }
 
-/* Pairwise sums of blocks of b lanes (lane_folds.h). */
-#define FOLD(x, y, b) (__builtin_shufflevector(x, y, FOLD_E##b) \
-                       + __builtin_shufflevector(x, y, FOLD_O##b))
-#define FOLD_LEVEL(b) \
-    for (int i = 0; i < m / 2; i++) \
-        acc[i] = FOLD(acc[2 * i], acc[2 * i + 1], b); \
-    m /= 2;
-
 /* sum[t] = the sum of the lanes of acc[t], t < NKEYS (8): one transpose-and-add tree of
- * shuffles for all of them (a reduction per key cost as much as its dot product), always in
- * the same order. */
+ * shuffles for all of them (fold_vectors; a reduction per key cost as much as its dot
+ * product), always in the same order. */
 static inline __attribute__((always_inline)) void FN(decode_sums)(FN(vec) *acc, REAL *sum)
 {
-    _Static_assert(NKEYS == 8, "decode_sums folds 8 accumulators");
-    int m = NKEYS;
-#if FOLD_LANES == 16
-    FOLD_LEVEL(8)
-    FOLD_LEVEL(4)
-    FOLD_LEVEL(2)
-    acc[0] = FOLD(acc[0], acc[0], 1);      /* 8 sums, twice */
-#else
-#if FOLD_LANES == 8
-    FOLD_LEVEL(4)
-#endif
-#if FOLD_LANES >= 4
-    FOLD_LEVEL(2)
-#endif
-    FOLD_LEVEL(1)
-#endif
+    const int m = FN(fold_vectors)(acc, NKEYS, 0);
     for (int i = 0; i < m; i++) {
         REAL lane[DVL];
         memcpy(lane, &acc[i], sizeof(lane));
         memcpy(sum + i * (NKEYS / m), lane, sizeof(REAL) * (size_t)(NKEYS / m));
     }
 }
-#undef FOLD_LEVEL
-#undef FOLD
 #undef BF16_SPREAD
 
 /* s[r * BC + t] = q row r . key row t, for r < nr (a constant), t < NKEYS (keys of dtype dt at

@@ -206,14 +206,21 @@ FOLD_BLOCKS(2)
 FOLD_BLOCKS(1)
 #undef FOLD_BLOCKS
 
-/* Lane r of the result: the sum (or the largest, where max) of the lanes of x[r], r < VL, as a
- * tree whose first level adds lanes t and t + VL / 2, the next t and t + VL / 4, ...: one fold
- * of the rows' vectors per level. x is overwritten. */
-static inline __attribute__((always_inline)) FN(vec) FN(fold_rows)(FN(vec) *x, const int max)
+/* Folds the m vectors of x (a power of two) level by level, blocks of VL / 2 lanes first, then
+ * VL / 4, ..., 1: pairs of vectors while there are two or more, then the last one with itself.
+ * Returns the number of vectors left, each holding VL / (m left) totals (sums, or maxima where
+ * max) in order: lane r of x[0] is the total of the lanes of x[r] when m = VL. Each total is a
+ * tree whose first level combines lanes t and t + VL / 2, the next t and t + VL / 4, ... */
+static inline __attribute__((always_inline)) int FN(fold_vectors)(FN(vec) *x, int m, const int max)
 {
 #define FOLD_LEVEL(b) \
-    for (int i = 0; i < (b); i++)     /* 2 b vectors at this level */ \
-        x[i] = FN(fold##b)(x[2 * i], x[2 * i + 1], max);
+    if (m == 1) { \
+        x[0] = FN(fold##b)(x[0], x[0], max); \
+    } else { \
+        for (int i = 0; i < m / 2; i++) \
+            x[i] = FN(fold##b)(x[2 * i], x[2 * i + 1], max); \
+        m /= 2; \
+    }
 #if FOLD_LANES == 16
     FOLD_LEVEL(8)
 #endif
@@ -225,22 +232,14 @@ static inline __attribute__((always_inline)) FN(vec) FN(fold_rows)(FN(vec) *x, c
 #endif
     FOLD_LEVEL(1)
 #undef FOLD_LEVEL
-    return x[0];
+    return m;
 }
 
-/* The same tree over the lanes of one vector (lane 0 of its folds with itself). */
+/* The total of the lanes of v, in fold_vectors' order. */
 static inline __attribute__((always_inline)) REAL FN(lanes_total)(FN(vec) v, const int max)
 {
-#if FOLD_LANES == 16
-    v = FN(fold8)(v, v, max);
-#endif
-#if FOLD_LANES >= 8
-    v = FN(fold4)(v, v, max);
-#endif
-#if FOLD_LANES >= 4
-    v = FN(fold2)(v, v, max);
-#endif
-    return FN(fold1)(v, v, max)[0];
+    FN(fold_vectors)(&v, 1, max);
+    return v[0];
 }
 
 /* The largest of the first n elements of a row (n a multiple of W). */
@@ -258,7 +257,7 @@ static inline __attribute__((always_inline)) REAL FN(exp_row)(REAL *x, REAL shif
 /* The online softmax step of rows [0, live) of s (rows BC apart, n columns computed, a multiple
  * of W) against their running maxima m and sums l and their output rows o (dvp apart): new
  * maxima, s to exp(s - max), l and o rescaled by exp(old max - new max). VL rows at a time, so
- * that their maxima and sums are folded together (fold_rows) and their factors are one vector
+ * that their maxima and sums are folded together (fold_vectors) and their factors are one vector
  * of exps: reduced one row at a time, with a scalar exp each, they took a sixth of the float
  * forward. A row that has seen only masked scores keeps the maximum -inf and weights 0. */
 static inline __attribute__((always_inline)) void
@@ -273,8 +272,8 @@ FN(softmax_rows)(REAL *s, int live, int n, REAL *m, REAL *l, REAL *o, int dvp)
                             : (FN(vec)){0} - INFINITY;
             mold[r] = r < rows ? m[g + r] : -INFINITY;
         }
-        const FN(vec) mv = FN(fold_rows)(x, 1);
-        memcpy(mx, &mv, sizeof(mx));
+        FN(fold_vectors)(x, VL, 1);
+        memcpy(mx, &x[0], sizeof(mx));
         for (int t = 0; t < VL; t++) {
             mx[t] = mx[t] > mold[t] ? mx[t] : mold[t];      /* the new maximum */
             shift[t] = mx[t] == -INFINITY ? 0 : mx[t];      /* -inf - -inf would be NaN */
@@ -283,8 +282,8 @@ FN(softmax_rows)(REAL *s, int live, int n, REAL *m, REAL *l, REAL *o, int dvp)
         for (int r = 0; r < VL; r++)
             x[r] = r < rows ? FN(exp_row_lanes)(s + (or_ssize)(g + r) * BC, shift[r], n)
                             : (FN(vec)){0};
-        const FN(vec) sv = FN(fold_rows)(x, 0);
-        memcpy(sum, &sv, sizeof(sum));
+        FN(fold_vectors)(x, VL, 0);
+        memcpy(sum, &x[0], sizeof(sum));
         for (int r = 0; r < rows; r++) {
             m[g + r] = mx[r];
             l[g + r] = l[g + r] * alpha[r] + sum[r];
