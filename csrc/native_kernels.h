@@ -48,9 +48,10 @@ static inline __attribute__((always_inline)) float or_expf(float x)
     int32_t e;
     memcpy(&e, &t, sizeof(e));
     e -= 0x4B400000 - 127;                               /* n + 127, the exponent of 2^n */
-    e = (e < 255 ? e : 255) << 23;
+    /* unsigned: a NaN's bits can make e negative, and shifting that is undefined */
+    const uint32_t bits = (uint32_t)(e < 255 ? e : 255) << 23;
     float two_n;
-    memcpy(&two_n, &e, sizeof(two_n));
+    memcpy(&two_n, &bits, sizeof(two_n));
     return y * two_n;
 }
 
