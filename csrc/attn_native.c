@@ -18,12 +18,13 @@
 
 static size_t round_up(size_t n) { return (n + 63) & ~(size_t)63; }
 
-/* Runs fn over n_items with per-worker scratch of `per_worker` bytes. */
-static int run_job(or_job *job, or_ssize n_items, or_task fn)
+/* Runs fn over n_items on at most most_workers threads, with per-worker scratch of
+ * `per_worker` bytes. */
+static int run_job(or_job *job, or_ssize n_items, or_ssize most_workers, or_task fn)
 {
     if (n_items == 0)
         return OR_OK;
-    int nworkers = or_pool_acquire(n_items);
+    int nworkers = or_pool_acquire(n_items < most_workers ? n_items : most_workers);
     job->scratch = aligned_alloc(64, job->per_worker * (size_t)nworkers);
     if (job->scratch == NULL) {
         or_pool_release(nworkers);
@@ -110,9 +111,13 @@ static double bwd_cost(const or_job *job, or_ssize kvu)     /* a kv unit (bwd_it
 }
 
 /* Decoding (attn_decode_impl.h): enough (kv unit, split) items to keep every core busy on one
- * token, each at least a few blocks of keys long, so that the combine stays cheap. */
+ * token, each at least a few blocks of keys long, so that the combine stays cheap; but a
+ * thread more only per DECODE_WORKER_BYTES (1.5 MiB) of keys and values: waking a worker
+ * costs 20-30 us here, about what one thread takes to read 1 MiB, and steps over caches of up
+ * to 1 MiB ran 1.0-4x slower on two threads than on one (two were faster from 2 MiB on). */
 #define DECODE_ITEMS 128
 #define DECODE_MIN_BLOCKS 3
+#define DECODE_WORKER_BYTES (3 << 19)
 
 static int decode_fwd(const or_problem *p, const or_kernels *kern, int dbl)
 {
@@ -120,10 +125,15 @@ static int decode_fwd(const or_problem *p, const or_kernels *kern, int dbl)
     const or_ssize bc = kern->block_keys;
     const or_ssize group = p->prm.group, n_kv = p->n_units / group;
     const size_t dp = (p->d + lanes - 1) / lanes * lanes, dvp = (p->dv + lanes - 1) / lanes * lanes;
+    const size_t row_bytes = (size_t)p->d * (size_t)or_dtypes[p->view[OR_K].dtype].itemsize
+                             + (size_t)p->dv * (size_t)or_dtypes[p->view[OR_V].dtype].itemsize;
     or_ssize nk_max = 0, nq_max = 0;
+    size_t kv_bytes = 0;
     for (or_ssize u = 0; u < p->n_units; u++) {
         nk_max = p->nk[u] > nk_max ? p->nk[u] : nk_max;
         nq_max = p->nq[u] > nq_max ? p->nq[u] : nq_max;
+        if (u % group == 0)
+            kv_bytes += (size_t)p->nk[u] * row_bytes;
     }
     if (nq_max == 0)
         return OR_OK;   /* no output rows */
@@ -143,7 +153,8 @@ static int decode_fwd(const or_problem *p, const or_kernels *kern, int dbl)
     if (job.part != NULL && job.splits_done != NULL) {
         /* q and s tiles, the dropout keep row, then a row of out for the merge */
         job.per_worker = round_up(real * (rows * dp + rows * bc) + bc) + round_up(real * dvp);
-        rc = run_job(&job, (or_ssize)items, kern->decode_item[dbl]);
+        rc = run_job(&job, (or_ssize)items, (or_ssize)(kv_bytes / DECODE_WORKER_BYTES) + 1,
+                     kern->decode_item[dbl]);
     }
     free(job.splits_done);
     free(job.part);
@@ -188,11 +199,12 @@ int or_native_fwd(const or_problem *p)
     int rc = OR_ENOMEM;
     if (job.kt != NULL && (v_in_place || job.vc != NULL)) {
         /* the pre-pass needs no scratch, but run_job hands every worker a slice of its size */
-        rc = run_job(&job, n_kv, kern->transpose_keys_item[dbl]);
+        rc = run_job(&job, n_kv, n_kv, kern->transpose_keys_item[dbl]);
         job.order = rc == OR_OK ? costly_first(&job, p->n_units * job.blocks,
                                                   p->prm.group * job.blocks, fwd_cost) : NULL;
         if (job.order != NULL)
-            rc = run_job(&job, p->n_units * job.blocks, kern->fwd_item[dbl]);
+            rc = run_job(&job, p->n_units * job.blocks, p->n_units * job.blocks,
+                         kern->fwd_item[dbl]);
         else
             rc = OR_ENOMEM;
         free(job.order);
@@ -219,7 +231,7 @@ int or_native_bwd(const or_problem *p)
     job.order = costly_first(&job, n_kv, 1, bwd_cost);
     if (job.order == NULL)
         return OR_ENOMEM;
-    const int rc = run_job(&job, n_kv, kern->bwd_item[dbl]);
+    const int rc = run_job(&job, n_kv, n_kv, kern->bwd_item[dbl]);
     free(job.order);
     return rc;
 }
