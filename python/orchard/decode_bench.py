@@ -4,7 +4,8 @@ bandwidth (a large multithreaded sum measured in the same run). orchard-bench --
 benchmarks/decode.py print it.
 
 A decode step reads every key and value once and does little arithmetic with them, so its
-roof is memory bandwidth: GB/s here are bytes of K and V per second.
+roof is memory bandwidth: GB/s here are bytes of K and V per second, against a sum over 1 GiB
+(memory) and a sum over as many bytes as the cache (memory, or the CPU's cache where it fits).
 
 On the native device each case has a second row: the same keys and values as a paged cache
 (pages of PAGE rows, (num_pages, PAGE, kv heads, D), in scrambled order, read in place through
@@ -45,7 +46,8 @@ def settled_time(fn, seconds=SETTLE):
 
 def read_bandwidth(repeats=5, nbytes=1 << 30):
     """GB/s of a sum over `nbytes` of float32 with all of torch's threads: the machine's
-    read bandwidth as a program sees it."""
+    read bandwidth as a program sees it (from memory for 1 GiB; from the last-level cache
+    for a size that fits there, as a 4,096-key cache of 32 heads does in a 260 MiB L3)."""
     x = torch.ones(nbytes // 4)
     return nbytes / best_time(lambda: x.sum(), repeats) / 1e9
 
@@ -63,8 +65,9 @@ def paged(x, order):
 
 def measure(cases=CASES, dtypes=DTYPES, rounds=5, device="cpu"):
     """One row per (case, dtype, layout): orchard and torch ms (medians over rounds of
-    settled_time), their GB/s of K and V read, the median of the rounds' ratios, and the fraction of the
-    machine's bandwidth."""
+    settled_time), their GB/s of K and V read, the median of the rounds' ratios, and the
+    fractions of the machine's bandwidth and of a sum over as many bytes as the cache (the
+    roof where the cache fits in a cache of the CPU's)."""
     bandwidth = read_bandwidth()
     native = orchard_ops.resolve_device(device) == "cpu"
     rows = []
@@ -75,6 +78,8 @@ def measure(cases=CASES, dtypes=DTYPES, rounds=5, device="cpu"):
             k = torch.randn(1, hkv, n, d, generator=g).to(dt)
             v = torch.randn(1, hkv, n, d, generator=g).to(dt)
             gqa = hkv != h
+            kv_bytes = 2 * hkv * n * d * k.element_size()
+            cache_sum = read_bandwidth(nbytes=kv_bytes)
             calls = {"contiguous": lambda: orchard_ops.flash_attn_fwd(q, k, v, causal=True,
                                                                       device=device)}
             if native:
@@ -94,12 +99,13 @@ def measure(cases=CASES, dtypes=DTYPES, rounds=5, device="cpu"):
                 # the ratio of each round's pair, taken side by side, drifts less than the
                 # ratio of two medians
                 speedup = statistics.median(t / o for o, t in zip(ours, theirs))
-                kv_bytes = 2 * hkv * n * d * k.element_size()
                 rows.append(dict(heads=h, kv_heads=hkv, d=d, n=n, dtype=str(dt).split(".")[-1],
                                  layout=layout, orchard_ms=t_o * 1e3, torch_ms=t_t * 1e3,
                                  orchard_gbs=kv_bytes / t_o / 1e9, torch_gbs=kv_bytes / t_t / 1e9,
                                  speedup=speedup,
-                                 bandwidth_fraction=kv_bytes / t_o / 1e9 / bandwidth))
+                                 bandwidth_fraction=kv_bytes / t_o / 1e9 / bandwidth,
+                                 cache_sum_gbs=cache_sum,
+                                 cache_sum_fraction=kv_bytes / t_o / 1e9 / cache_sum))
     return bandwidth, rows
 
 
@@ -108,11 +114,14 @@ def table(bandwidth, rows, device="cpu"):
     lines = ["decode, batch 1, one query token, orchard device %s; machine read bandwidth "
              "%.1f GB/s (multithreaded sum, this run)" % (device, bandwidth), "",
              "| heads / kv heads | D | cache | layout | dtype | orchard ms | torch SDPA ms "
-             "| orchard GB/s | torch GB/s | orchard vs torch | orchard / bandwidth |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| orchard GB/s | torch GB/s | orchard vs torch | orchard / bandwidth "
+             "| same-size sum GB/s | orchard / same-size sum |",
+             "|" + " --- |" * 13]
     for r in rows:
-        lines.append("| %d / %d | %d | %d | %s | %s | %.3f | %.3f | %.1f | %.1f | %.2fx | %.0f %% |" % (
-            r["heads"], r["kv_heads"], r["d"], r["n"], r["layout"], r["dtype"], r["orchard_ms"],
-            r["torch_ms"], r["orchard_gbs"], r["torch_gbs"], r["speedup"],
-            100 * r["bandwidth_fraction"]))
+        lines.append("| %d / %d | %d | %d | %s | %s | %.3f | %.3f | %.1f | %.1f | %.2fx | %.0f %% "
+                     "| %.1f | %.0f %% |" % (
+                         r["heads"], r["kv_heads"], r["d"], r["n"], r["layout"], r["dtype"],
+                         r["orchard_ms"], r["torch_ms"], r["orchard_gbs"], r["torch_gbs"],
+                         r["speedup"], 100 * r["bandwidth_fraction"], r["cache_sum_gbs"],
+                         100 * r["cache_sum_fraction"]))
     return "\n".join(lines)
