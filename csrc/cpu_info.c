@@ -108,7 +108,7 @@ PyObject *or_cpu_device_info(void)
     if (isas == NULL)
         return NULL;
     PyObject *info = Py_BuildValue(
-        "{s:s, s:s, s:s, s:s, s:s, s:s, s:s, s:i, s:L, s:L, s:i, s:O, s:O, s:O, s:s, s:s, s:O}",
+        "{s:s, s:s, s:s, s:s, s:s, s:s, s:s, s:i, s:L, s:L, s:i, s:O, s:O, s:O, s:s, s:s, s:O, s:s}",
         "id", "cpu", "name", name, "vendor", vendor, "kind", "cpu", "backend", "native",
         "platform", "orchard native", "driver_version", ORCHARD_VERSION,
         "compute_units", or_cpu_count(),
@@ -116,7 +116,8 @@ PyObject *or_cpu_device_info(void)
         "local_mem_bytes", (long long)(l1d > 0 ? l1d : 0),
         "max_work_group_size", 1,
         "fp16", Py_True, "fp64", Py_True, "unified_memory", Py_True,
-        "simd", simd_level(), "kernel_isa", or_native_kernels()->name, "kernel_isas", isas);
+        "simd", simd_level(), "kernel_isa", or_native_kernels()->name, "kernel_isas", isas,
+        "thread_runtime", or_pool_runtime());
     Py_DECREF(isas);
     return info;
 }

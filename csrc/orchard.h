@@ -114,6 +114,7 @@ void or_pool_run(int nworkers, or_ssize n_items, or_task fn, void *ctx);
 void or_pool_release(int nworkers);
 void or_set_num_threads(int n);
 int  or_get_num_threads(void);
+const char *or_pool_runtime(void);    /* "orchard", or "openmp: " and its runtime's file */
 int  or_cpu_count(void);
 
 /* cl_cache.c: the cache directory (made, 0700) in out; 0 when the cache is off or impossible */

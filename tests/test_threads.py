@@ -234,7 +234,10 @@ def test_set_num_threads_while_running(ops, device, restore_threads):
 
 
 FORK_SCRIPT = r"""
-import os, sys, numpy as np, orchard_ops as ops
+import os, sys, numpy as np
+if sys.argv[1:] == ["torch"]:
+    import torch                              # its OpenMP runtime: the calls run on its threads
+import orchard_ops as ops
 ops.set_num_threads(2)
 rng = np.random.default_rng(0)
 q, k, v = (rng.standard_normal((2, 4, 200, 32)).astype(np.float32) for _ in range(3))
@@ -248,12 +251,52 @@ print("child", os.waitstatus_to_exitcode(status))
 """
 
 
-def test_fork_after_use(ops):
-    """A forked child (multiprocessing / DataLoader workers) can still call the kernels."""
+@pytest.mark.parametrize("runtime", ["orchard", "torch"])
+def test_fork_after_use(ops, runtime):
+    """A forked child (multiprocessing / DataLoader workers) can still call the kernels, also
+    where the parent ran them on torch's OpenMP threads (libgomp's team hangs in a child)."""
     import subprocess
+    if runtime == "torch":
+        pytest.importorskip("torch")
     try:
-        r = run_python(FORK_SCRIPT, timeout=60)
+        r = run_python(FORK_SCRIPT.replace("sys.argv[1:]", repr([runtime])), timeout=60)
     except subprocess.TimeoutExpired:
         pytest.fail("forked child hung calling flash_attn_fwd after the parent used the pool")
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "child 0", (r.stdout, r.stderr[-2000:])
+
+
+RUNTIME_SCRIPT = r"""
+import hashlib, sys, numpy as np
+if sys.argv[1:] == ["torch"]:
+    import torch
+import orchard_ops as ops
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal((2, 4, 300, 64)).astype(np.float32) for _ in range(3))
+qd = rng.standard_normal((2, 4, 1, 64)).astype(np.float32)
+kd, vd = (rng.standard_normal((2, 2, 30000, 64)).astype(np.float32) for _ in range(2))
+h = hashlib.sha256()
+for n in (1, 2, 3):
+    ops.set_num_threads(n)
+    out, lse = ops.flash_attn_fwd(q, k, v, causal=True, dropout_p=0.1, seed=3)
+    grads = ops.flash_attn_bwd(out, q, k, v, out, lse, causal=True, dropout_p=0.1, seed=3)
+    for a in (out, lse, *grads, *ops.flash_attn_fwd(qd, kd, vd)):
+        h.update(np.ascontiguousarray(a).tobytes())
+print(ops.devices()[0]["thread_runtime"] + "|" + h.hexdigest())
+"""
+
+
+def test_openmp_runtime():
+    """With torch loaded, multithreaded calls run on its OpenMP threads (unless ORCHARD_OPENMP=0)
+    and give the same bits as on orchard's own threads, for forward, backward and decoding."""
+    pytest.importorskip("torch")
+    seen = {}
+    for runtime, env in (("torch", {}), ("torch", {"ORCHARD_OPENMP": "0"}), ("numpy", {})):
+        r = run_python(RUNTIME_SCRIPT.replace("sys.argv[1:]", repr([runtime])), timeout=300,
+                       **env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        seen[(runtime, tuple(env.items()))] = r.stdout.strip().split("|")
+    names = [name for name, _ in seen.values()]
+    assert names[0].startswith("openmp: "), names
+    assert names[1:] == ["orchard", "orchard"], names
+    assert len({digest for _, digest in seen.values()}) == 1, seen
