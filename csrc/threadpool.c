@@ -193,7 +193,7 @@ static void find_openmp(void)
         return;
     const char *base = strrchr(path, '/');
     snprintf(omp.name, sizeof(omp.name), "openmp: %s", base != NULL ? base + 1 : path);
-    *(void **)&omp.parallel = parallel;
+    __atomic_store_n((void **)&omp.parallel, parallel, __ATOMIC_RELEASE);  /* after name */
 }
 
 static void pool_init(void)
@@ -317,5 +317,6 @@ const char *or_pool_runtime(void)
         find_openmp();
         pthread_mutex_unlock(&pool.owner);
     }
-    return omp.parallel != NULL ? omp.name : "orchard";
+    return __atomic_load_n((void **)&omp.parallel, __ATOMIC_ACQUIRE) != NULL ? omp.name
+                                                                              : "orchard";
 }
