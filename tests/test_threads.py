@@ -291,7 +291,8 @@ def test_openmp_runtime():
     and give the same bits as on orchard's own threads, for forward, backward and decoding."""
     pytest.importorskip("torch")
     seen = {}
-    for runtime, env in (("torch", {}), ("torch", {"ORCHARD_OPENMP": "0"}), ("numpy", {})):
+    for runtime, env in (("torch", {"ORCHARD_OPENMP": "1"}), ("torch", {"ORCHARD_OPENMP": "0"}),
+                         ("numpy", {"ORCHARD_OPENMP": "1"})):
         r = run_python(RUNTIME_SCRIPT.replace("sys.argv[1:]", repr([runtime])), timeout=300,
                        **env)
         assert r.returncode == 0, r.stderr[-2000:]
