@@ -29,18 +29,24 @@ int or_as_integer(PyObject *obj, long long *out)
     return 0;
 }
 
+/* ValueError "func(): 'name' what, got value". */
+static int number_error(or_call *c, const char *name, const char *what, double value)
+{
+    PyObject *got = PyFloat_FromDouble(value);
+    if (got != NULL)
+        PyErr_Format(PyExc_ValueError, "%s(): '%s' %s, got %R", c->func, name, what, got);
+    Py_XDECREF(got);
+    return -1;
+}
+
 /* Checks the options that do not depend on shapes and stores them in c->p. */
 int or_check_options(or_call *c, const or_opts *o)
 {
     or_problem *p = &c->p;
-    if (!(o->dropout_p >= 0.0 && o->dropout_p < 1.0)) {
-        PyErr_Format(PyExc_ValueError, "%s(): 'dropout_p' must be in [0, 1)", c->func);
-        return -1;
-    }
-    if (!(o->softcap >= 0.0 && isfinite(o->softcap))) {
-        PyErr_Format(PyExc_ValueError, "%s(): 'softcap' must be a finite number >= 0", c->func);
-        return -1;
-    }
+    if (!(o->dropout_p >= 0.0 && o->dropout_p < 1.0))
+        return number_error(c, "dropout_p", "must be in [0, 1)", o->dropout_p);
+    if (!(o->softcap >= 0.0 && isfinite(o->softcap)))
+        return number_error(c, "softcap", "must be a finite number >= 0", o->softcap);
     p->prm.softcap = o->softcap;
     p->prm.dropout = o->dropout_p > 0.0;
     p->prm.threshold = or_dropout_threshold(o->dropout_p);
@@ -165,12 +171,17 @@ int or_call_device(or_call *c, PyObject *device, PyObject **objs, const int *slo
     return 0;
 }
 
+/* ValueError "func(): argument 'name' what (q has shape .., k .., v ..)". */
 static int shape_error(or_call *c, const char *name, const char *what)
 {
-    PyObject *shape = c->arr[OR_Q] ? or_shape_str(c->arr[OR_Q]) : NULL;
-    PyErr_Format(PyExc_ValueError, "%s(): argument '%s' %s (q has shape %S)", c->func, name, what,
-                 shape ? shape : Py_None);
-    Py_XDECREF(shape);
+    PyObject *shapes[3] = {NULL, NULL, NULL};
+    for (int s = OR_Q; s <= OR_V; s++)
+        shapes[s - OR_Q] = c->arr[s] ? or_shape_str(c->arr[s]) : Py_NewRef(Py_None);
+    if (shapes[0] != NULL && shapes[1] != NULL && shapes[2] != NULL)
+        PyErr_Format(PyExc_ValueError, "%s(): argument '%s' %s (q has shape %S, k %S, v %S)",
+                     c->func, name, what, shapes[0], shapes[1], shapes[2]);
+    for (int i = 0; i < 3; i++)
+        Py_XDECREF(shapes[i]);
     return -1;
 }
 
@@ -336,9 +347,12 @@ static PyArrayObject *check_cu_seqlens(or_call *c, PyObject *obj, const char *na
         *max_len = v[i] - v[i - 1] > *max_len ? v[i] - v[i - 1] : *max_len;
     }
     if (!ok) {
-        PyErr_Format(PyExc_ValueError,
-                     "%s(): '%s' must start at 0, never decrease and end at %zd (the packed "
-                     "length)", c->func, name, total);
+        PyObject *got = PyObject_CallMethod((PyObject *)cu, "tolist", NULL);
+        if (got != NULL)
+            PyErr_Format(PyExc_ValueError,
+                         "%s(): '%s' must start at 0, never decrease and end at %zd (the packed "
+                         "length), got %.200R", c->func, name, total, got);
+        Py_XDECREF(got);
         Py_DECREF(cu);
         return NULL;
     }

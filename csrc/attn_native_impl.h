@@ -23,6 +23,23 @@
 
 static inline int FN(pad)(int n) { return (n + W - 1) / W * W; }
 
+typedef REAL FN(vec) __attribute__((vector_size(VBYTES)));
+#define VL (VBYTES / (int)sizeof(REAL))     /* lanes per vector; W = 2 VL */
+
+/* x[c] = column c of the VL x VL tile whose rows are x[0..VL): log2(VL) rounds, each pairing
+ * rows 2i and 2i + 1 into their even lanes (new row i) and odd lanes (row i + VL / 2). */
+static inline __attribute__((always_inline)) void FN(transpose_tile)(FN(vec) *x)
+{
+    for (int round = VL; round > 1; round /= 2) {
+        FN(vec) t[VL];
+        for (int i = 0; i < VL / 2; i++) {
+            t[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], FOLD_E1);
+            t[i + VL / 2] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], FOLD_O1);
+        }
+        memcpy(x, t, sizeof(t));
+    }
+}
+
 /* Rows of a strided operand into a tile of leading dimension ld: converts to REAL, multiplies
  * by mul, zero-fills columns [cols, ld) and rows [rows, pad_rows). */
 static inline __attribute__((always_inline)) void
@@ -44,19 +61,47 @@ FN(load_rows)(REAL *restrict dst, int ld, const char *restrict src, or_ssize str
         memset(dst + rows * ld, 0, sizeof(REAL) * (size_t)(pad_rows - rows) * (size_t)ld);
 }
 
-/* The same rows transposed: dst[c * ld + r] = row r, column c; columns [rows, ld) zeroed.
- * Strided stores are slow, so each key is transposed once per call (forward) or per work
- * item (backward), never per block pair. */
+/* The same rows (at most BC) transposed: dst[c * ld + r] = row r, column c; columns
+ * [rows, BC) zeroed ([BC, ld) is never read: native.h OR_BLOCK_LD). Strided stores are slow,
+ * so each key is transposed once per call (forward) or per work item (backward), never per
+ * block pair, and a VL x VL tile at a time in registers (transpose_tile): an element per store
+ * was 7 % of a forward and of a backward at D 32, N 256. */
 static inline __attribute__((always_inline)) void
 FN(load_cols)(REAL *dst, or_ssize ld, const char *src, or_ssize stride, or_ssize rows,
                           int cols, or_dtype dt)
 {
-    for (int c = 0; c < cols; c++)
-        memset(dst + c * ld + rows, 0, sizeof(REAL) * (size_t)(ld - rows));
-    for (or_ssize r = 0; r < rows; r++, src += stride) {
+    for (int c = 0; rows < BC && c < cols; c++)
+        memset(dst + c * ld + rows, 0, sizeof(REAL) * (size_t)(BC - rows));
+    const or_ssize rows_vl = rows / VL * VL;
+    const int cols_vl = cols / VL * VL;
+    switch (dt) {
+#define OR_LOAD(id, tag, ...) \
+    case id: \
+        for (or_ssize r0 = 0; r0 < rows_vl; r0 += VL) \
+            for (int c0 = 0; c0 < cols_vl; c0 += VL) { \
+                FN(vec) x[VL]; \
+                for (int i = 0; i < VL; i++) { \
+                    const char *row = src + (r0 + i) * stride; \
+                    REAL in[VL]; \
+                    for (int t = 0; t < VL; t++) \
+                        in[t] = (REAL)or_load_##tag(row, c0 + t); \
+                    memcpy(&x[i], in, sizeof(x[i])); \
+                } \
+                FN(transpose_tile)(x); \
+                for (int c = 0; c < VL; c++) \
+                    memcpy(dst + (c0 + c) * ld + r0, &x[c], sizeof(x[c])); \
+            } \
+        break;
+    OR_DTYPES(OR_LOAD)
+#undef OR_LOAD
+    }
+    /* the edges, an element each: columns past the last whole tile, then rows past it */
+    for (or_ssize r = cols_vl < cols ? 0 : rows_vl; r < rows; r++) {
+        const int c_from = r < rows_vl ? cols_vl : 0;
+        const char *row = src + r * stride;
         switch (dt) {
 #define OR_LOAD(id, tag, ...) \
-        case id: for (int c = 0; c < cols; c++) dst[c * ld + r] = (REAL)or_load_##tag(src, c); \
+        case id: for (int c = c_from; c < cols; c++) dst[c * ld + r] = (REAL)or_load_##tag(row, c); \
                  break;
         OR_DTYPES(OR_LOAD)
 #undef OR_LOAD
@@ -103,8 +148,6 @@ static inline char *FN(row_ptr)(const or_problem *p, int slot, or_ssize unit, or
  * An MR x W block of C stays in registers (GCC vector extensions: MR x 2 vectors of VBYTES)
  * while k streams through. The order of the sums
  * depends only on the shapes, never on threads. */
-typedef REAL FN(vec) __attribute__((vector_size(VBYTES)));
-#define VL (VBYTES / (int)sizeof(REAL))     /* lanes per vector; W = 2 VL */
 
 static inline __attribute__((always_inline)) void
 FN(gemm)(REAL *c, int ldc, const REAL *a, int ars, int acs, const REAL *b, or_ssize ldb, int m,

@@ -1,5 +1,6 @@
-/* cpu_info.c - the facts devices() reports for the native CPU path, and the choice of its
- * kernel set (native_isa.c) from Python and ORCHARD_ISA. */
+/* cpu_info.c - the facts devices() reports for the native CPU path, the choice of its kernel
+ * set (native_isa.c) from Python and ORCHARD_ISA, and the check of the environment variables
+ * that configure it (ORCHARD_ISA, ORCHARD_NUM_THREADS). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -92,9 +93,17 @@ void or_isa_from_environment(void)
         snprintf(bad_isa_env, sizeof(bad_isa_env), "%s", isa);
 }
 
-int or_check_isa_environment(void)
+int or_check_environment(void)
 {
-    return bad_isa_env[0] ? no_such_set("ORCHARD_ISA", bad_isa_env) : 0;
+    if (bad_isa_env[0])
+        return no_such_set("ORCHARD_ISA", bad_isa_env);
+    const char *threads = or_bad_threads_env();
+    if (threads != NULL) {
+        PyErr_Format(PyExc_ValueError, "ORCHARD_NUM_THREADS='%s': not a thread count; expected "
+                     "an integer in 1..%d", threads, OR_MAX_THREADS);
+        return -1;
+    }
+    return 0;
 }
 
 PyObject *or_cpu_device_info(void)

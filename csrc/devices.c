@@ -163,7 +163,7 @@ static int unknown_device(const char *func, const char *what, const char *name)
 int or_resolve_device(const char *func, PyObject *device, or_device_choice *out)
 {
     out->automatic = 0;
-    if (or_check_isa_environment() < 0)
+    if (or_check_environment() < 0)
         return -1;
     if (device != Py_None && !PyUnicode_Check(device)) {
         PyErr_Format(PyExc_TypeError, "%s(): 'device' must be a str or None, not %.100s", func,
@@ -227,7 +227,7 @@ static int add_family(PyObject *item, int cl_index)
 /* devices(): the native CPU, then every OpenCL device. */
 PyObject *or_devices_list(void)
 {
-    if (or_check_isa_environment() < 0)
+    if (or_check_environment() < 0)
         return NULL;
     PyObject *list = PyList_New(0), *item = NULL;
     if (list == NULL)

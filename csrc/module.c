@@ -384,8 +384,9 @@ static PyObject *reset_stats(PyObject *module, PyObject *unused)
 static PyObject *set_num_threads(PyObject *module, PyObject *arg)
 {
     long long n;
-    if (or_as_integer(arg, &n) < 0 || n < 1 || n > 4096) {
-        PyErr_SetString(PyExc_ValueError, "set_num_threads(): 'n' must be an int in 1..4096");
+    if (or_as_integer(arg, &n) < 0 || n < 1 || n > OR_MAX_THREADS) {
+        PyErr_Format(PyExc_ValueError, "set_num_threads(): 'n' must be an int in 1..%d",
+                     OR_MAX_THREADS);
         return NULL;
     }
     or_set_num_threads((int)n);

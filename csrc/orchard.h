@@ -112,8 +112,10 @@ typedef void (*or_task)(void *ctx, or_ssize item, int worker);
 int  or_pool_acquire(or_ssize n_items);     /* how many workers this call may use (>= 1) */
 void or_pool_run(int nworkers, or_ssize n_items, or_task fn, void *ctx);
 void or_pool_release(int nworkers);
-void or_set_num_threads(int n);
+#define OR_MAX_THREADS 4096
+void or_set_num_threads(int n);     /* 1..OR_MAX_THREADS */
 int  or_get_num_threads(void);
+const char *or_bad_threads_env(void);   /* an ORCHARD_NUM_THREADS not in 1..OR_MAX_THREADS, or NULL */
 const char *or_pool_runtime(void);    /* "orchard", or "openmp: " and its runtime's file */
 int  or_cpu_count(void);
 

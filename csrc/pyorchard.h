@@ -47,7 +47,7 @@ PyObject *or_result_like(PyObject *like, PyArrayObject *a, or_dtype dt);
 PyObject *or_cpu_device_info(void);
 int or_select_isa(const char *what, const char *name);     /* 0, or -1 with ValueError */
 void or_isa_from_environment(void);                         /* at import: never fails */
-int or_check_isa_environment(void);     /* -1 with ValueError if it named a set the CPU cannot run */
+int or_check_environment(void);     /* -1 with ValueError if ORCHARD_ISA or ORCHARD_NUM_THREADS is one orchard cannot use */
 
 /* devices.c */
 typedef struct {

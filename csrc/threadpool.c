@@ -197,13 +197,23 @@ static void find_openmp(void)
     __atomic_store_n((void **)&omp.parallel, parallel, __ATOMIC_RELEASE);  /* after name */
 }
 
+/* An ORCHARD_NUM_THREADS that is not a count: the pool takes every CPU, and devices() and
+ * every call that resolves a device report it (cpu_info.c) until set_num_threads() sets one. */
+static char bad_threads_env[64];
+
 static void pool_init(void)
 {
-    int n = 0;
+    int n = or_cpu_count();
     const char *env = getenv("ORCHARD_NUM_THREADS");
-    if (env != NULL)
-        n = atoi(env);
-    atomic_store(&pool.nthreads, n >= 1 ? n : or_cpu_count());
+    if (env != NULL && *env != '\0') {
+        char *end;
+        const long given = strtol(env, &end, 10);
+        if (*end == '\0' && given >= 1 && given <= OR_MAX_THREADS)
+            n = (int)given;
+        else
+            snprintf(bad_threads_env, sizeof(bad_threads_env), "%s", env);
+    }
+    atomic_store(&pool.nthreads, n);
     env = getenv("ORCHARD_OPENMP");
     omp.allowed = env == NULL || strcmp(env, "0") != 0;
     pthread_atfork(NULL, NULL, after_fork_child);
@@ -301,6 +311,13 @@ void or_set_num_threads(int n)
 {
     pthread_once(&pool_once, pool_init);
     atomic_store(&pool.nthreads, n);
+    bad_threads_env[0] = '\0';
+}
+
+const char *or_bad_threads_env(void)
+{
+    pthread_once(&pool_once, pool_init);
+    return bad_threads_env[0] ? bad_threads_env : NULL;
 }
 
 int or_get_num_threads(void)

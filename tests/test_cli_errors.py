@@ -133,9 +133,13 @@ def expected_cases(f):
         ("generate", ["--checkpoint", str(f["dir"] / "none.pt")], {}, ["none.pt", "cannot read"]),
         ("generate", ["--checkpoint", f["damaged.pt"]], {}, ["damaged.pt", "not a readable"]),
         ("prepare", [str(f["dir"] / "nowhere"), "-o", "x.json"], {}, ["SRC_DIR", "nowhere"]),
-        ("prepare", [str(f["dir"] / "empty_src"), "-o", str(f["dir"] / "kept.json")], {},
+        ("prepare", [str(f["dir"] / "empty_src"), "-o", str(f["dir"] / "kept.json"),
+                     "--overwrite"], {},
          ["no text files", "empty_src"]),
         ("prepare", [str(f["dir"]), "-o", str(f["dir"])], {}, ["--output", "folder"]),
+        ("prepare", [str(f["dir"]), "-o", str(f["dir"] / "kept.json")], {},
+         ["--output", "exists", "--overwrite", "kept.json"]),
+        ("bench", ["--quick", "--plot", str(f["dir"] / "x.txt")], {}, ["--plot", "x.txt"]),
         ("train", tiny + ["--output", f["config"]], {}, ["--output", "is a file", "tiny.yaml"]),
         # flags that exclude each other
         ("train", ["--fp16", "--bf16"], {}, ["--bf16", "not allowed with", "--fp16"]),
@@ -152,7 +156,8 @@ def test_bad_input_to_every_script_gives_one_line_and_status_2(files):
         assert r["code"] == 2, (what, r)
         assert "Traceback" not in r["stderr"], (what, r["stderr"])
         lines = r["stderr"].splitlines()
-        # the one error line (training's log may come before it on a data error)
+        # the one error line (one process per case checks that nothing comes before it,
+        # test_train_errors_come_alone: logging keeps the stream of the first case here)
         assert lines and lines[-1].startswith("orchard-%s: error: " % module), (what, lines)
         assert all(not line.startswith("usage:") for line in lines), (what, lines)
         for word in words:
@@ -177,6 +182,19 @@ def test_each_script_as_a_process(script, argv, tmp_path):
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("orchard-%s: error: " % script)
     assert r.stdout == ""
+
+
+def test_train_errors_come_alone(tmp_path):
+    # the device, config and data notes of a run are held until its input has been checked
+    (tmp_path / "empty.json").write_text("[]")
+    for argv, words in ((["--config", "missing.yaml"], "missing.yaml: no such config file"),
+                        (["--sequences", str(tmp_path / "empty.json")], "0 tokens are not")):
+        r = run_python(["-m", "orchard.cli.train", "--output", str(tmp_path / "out")] + argv)
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.count("\n") == 1 and r.stderr.startswith("orchard-train: error: "), \
+            r.stderr
+        assert words in r.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_verbose_or_orchard_debug_show_the_traceback():

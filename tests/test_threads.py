@@ -52,6 +52,33 @@ def test_env_num_threads():
     assert int(r.stdout.strip()) >= 1
 
 
+@pytest.mark.parametrize("bad", ["abc", "0", "-3", "1.5", "4097", "99999999", "2x"])
+def test_env_num_threads_rejects_bad(bad):
+    # as a bad ORCHARD_ISA: import works, devices() and calls name the variable until
+    # set_num_threads() sets a count; the console scripts print it in their one error line
+    code = """if True:
+        import numpy as np, orchard_ops
+        q = np.ones((1, 1, 4, 8), np.float32)
+        for call in (orchard_ops.devices, lambda: orchard_ops.flash_attn_fwd(q, q, q)):
+            try:
+                call()
+                print("no error")
+            except ValueError as exc:
+                print(exc)
+        orchard_ops.set_num_threads(2)
+        orchard_ops.flash_attn_fwd(q, q, q)
+        print(len(orchard_ops.devices()) >= 1)
+    """
+    r = run_python(code, ORCHARD_NUM_THREADS=bad)
+    assert r.returncode == 0, r.stderr
+    message = "ORCHARD_NUM_THREADS='%s': not a thread count; expected an integer in 1..4096" % bad
+    assert r.stdout.splitlines() == [message, message, "True"], r.stdout
+    r = run_python("import sys; from orchard.cli.devices import main; sys.exit(main([]))",
+                   ORCHARD_NUM_THREADS=bad)
+    assert r.returncode == 2 and r.stderr == "orchard-devices: error: environment variable %s\n" \
+        % message, r.stderr
+
+
 def _workload(rng, dtype=np.float32):
     b, h, hkv, nq, nk = 2, 4, 2, 70, 90
     q = randn(rng, (b, h, nq, 40), dtype)

@@ -2,20 +2,25 @@
 
 The new content goes to a temporary file in the same folder, is flushed to disk (fsync) and
 renamed over the old file: rename is atomic, so a reader (or the next run after a crash or a
-power loss) sees either the previous file or the new one, never half of one.
+power loss) sees either the previous file or the new one, never half of one. The file gets the
+permissions of any new file (0666 less the umask), or keeps those of the file it replaces.
 """
 import os
-import tempfile
+import secrets
+import stat
 
 
 def write_atomically(path, write):
     """Calls write(f) on a temporary file beside `path`, syncs it and renames it over `path`."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp",
-                               dir=folder)
+    tmp = os.path.join(folder, ".%s.%s.tmp" % (os.path.basename(path), secrets.token_hex(8)))
+    # os.open applies the umask to 0o666, as open() does (tempfile.mkstemp makes 0o600 files)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
+            if os.path.exists(path):
+                os.fchmod(f.fileno(), stat.S_IMODE(os.stat(path).st_mode))
             write(f)
             f.flush()
             os.fsync(f.fileno())

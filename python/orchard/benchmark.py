@@ -152,11 +152,11 @@ def comparisons(rows):
 
 
 def table(rows, roofline):
-    out = ["%-12s %-9s %-17s %-8s %-6s %9s %8s %9s %8s %8s" % (
+    out = ["%-15s %-9s %-17s %-8s %-6s %9s %8s %9s %8s %8s" % (
         "backend", "device", "B,H,N,D", "dtype", "causal", "fwd ms", "GFLOP/s", "bwd ms",
         "GFLOP/s", "fwd/sgemm")]
     for r in rows:
-        out.append("%-12s %-9s %-17s %-8s %-6s %9.2f %8.1f %9s %8s %8.2f" % (
+        out.append("%-15s %-9s %-17s %-8s %-6s %9.2f %8.1f %9s %8s %8.2f" % (
             r["backend"], r["device"], "%d,%d,%d,%d" % (r["B"], r["H"], r["N"], r["D"]),
             r["dtype"], "yes" if r["causal"] else "no", r["fwd_ms"], r["fwd_gflops"],
             "%.2f" % r["bwd_ms"] if "bwd_ms" in r else "-",

@@ -44,14 +44,16 @@ def load_sequences(path):
                             % (path, ", ".join(sorted(data))))
         vocab_size, data = data.get("vocab_size"), data["sequences"]
         if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size < 1):
-            raise DataError("%s: 'vocab_size' must be a positive integer" % path)
+            raise DataError("%s: 'vocab_size' must be a positive integer, got %r"
+                            % (path, vocab_size))
     if not isinstance(data, list) or not all(isinstance(s, list) for s in data):
         raise DataError("%s: 'sequences' must be a list of token-id lists" % path)
     top = -1
     for n, seq in enumerate(data):
-        if not all(isinstance(t, int) and t >= 0 for t in seq):
+        bad = next((i for i, t in enumerate(seq) if not isinstance(t, int) or t < 0), None)
+        if bad is not None:
             raise DataError("%s: sequence %d holds something other than non-negative integer "
-                            "token ids" % (path, n))
+                            "token ids: item %d is %r" % (path, n, bad, seq[bad]))
         top = max(top, max(seq, default=-1))
     if vocab_size is None:
         vocab_size = top + 1

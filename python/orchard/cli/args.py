@@ -7,7 +7,9 @@ exit status 2, before any work is done where it can be checked up front. --verbo
 ORCHARD_DEBUG=1 shows the full traceback instead; Ctrl-C ends with status 130.
 """
 import argparse
+import contextlib
 import functools
+import logging
 import math
 import os
 import sys
@@ -29,6 +31,37 @@ def _user_errors():
     errors = (UsageError, ConfigError, DataError)
     checkpoint = sys.modules.get("orchard.checkpoint")
     return errors + ((checkpoint.CheckpointError,) if checkpoint else ())
+
+
+class _HeldRecords(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+@contextlib.contextmanager
+def logs_held_until_checked(logger, debug=False):
+    """Holds the records `logger` (and its children) emit in the block and passes them on when
+    it ends, unless it ends with an error in the user's input (and not debug): then the
+    script's one error line is all it prints, not the setup's notes before it."""
+    held = _HeldRecords()
+    propagate = logger.propagate
+    logger.addHandler(held)
+    logger.propagate = False
+    user_error = False
+    try:
+        yield
+    except Exception as exc:
+        user_error = isinstance(exc, _user_errors()) and not debug
+        raise
+    finally:
+        logger.removeHandler(held)
+        logger.propagate = propagate
+        for record in [] if user_error else held.records:
+            logger.handle(record)
 
 
 def debug_requested(argv):
@@ -173,13 +206,13 @@ def devices(text):
 
 
 def check_device_environment():
-    """UsageError if ORCHARD_ISA names a kernel set this CPU cannot run, or ORCHARD_DEVICE no
-    device (device=auto would fail later)."""
+    """UsageError if ORCHARD_ISA names a kernel set this CPU cannot run, ORCHARD_NUM_THREADS
+    is not a thread count, or ORCHARD_DEVICE names no device (device=auto would fail later)."""
     import orchard_ops
 
     try:
         orchard_ops.devices()
-    except ValueError as exc:   # the one environment problem devices() reports: ORCHARD_ISA
+    except ValueError as exc:   # what devices() reports: ORCHARD_ISA, ORCHARD_NUM_THREADS
         raise UsageError("environment variable %s" % exc)
     name = os.environ.get("ORCHARD_DEVICE")
     if name and _device_problem(None):

@@ -100,6 +100,21 @@ def scaling(args, quick, repeats, causal_flags):
     return report
 
 
+def check_plot_file(path):
+    """UsageError unless matplotlib is there and can write the format path's suffix names
+    (checked before the benchmark, not after it)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("argument --plot: needs matplotlib (pip install '.[bench]') (got %r)"
+                         % path)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    suffix = os.path.splitext(path)[1][1:].lower()
+    formats = FigureCanvasAgg.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        raise UsageError("argument --plot: a file name ending in one of .%s (got %r)"
+                         % (", .".join(sorted(formats)), path))
+
+
 @console_script("orchard-bench")
 def main(argv=None):
     parser = Parser("orchard-bench", __doc__.splitlines()[0], EXAMPLES)
@@ -160,9 +175,8 @@ def main(argv=None):
                                              ("--decode", args.decode)) if wanted]
     if needs_torch and importlib.util.find_spec("torch") is None:
         raise UsageError("%s needs torch (pip install '.[torch]')" % " and ".join(needs_torch))
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        raise UsageError("argument --plot: needs matplotlib (pip install '.[bench]') (got %r)"
-                         % args.plot)
+    if args.plot:
+        check_plot_file(args.plot)
 
     repeats = benchmark.MIN_REPEATS if quick else args.repeats
     causal_flags = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]

@@ -1,6 +1,7 @@
 """orchard-prepare: byte-level token sequences from a folder of text or code.
 
     orchard-prepare SRC_DIR -o data/token_sequences.json [--ext .py --ext .md] [--max-bytes N]
+                    [--overwrite]
 
 Writes {"vocab_size": 256, "sequences": [...]}, one sequence per text file (binary files,
 recognised by a NUL byte, and hidden files are skipped), for orchard-train --sequences.
@@ -31,7 +32,11 @@ def main(argv=None):
     parser.add_argument("src_dir", metavar="SRC_DIR",
                         help="The folder of text or source files to read, recursively.")
     parser.add_argument("-o", "--output", required=True, metavar="FILE",
-                        help="The token_sequences.json to write (replaced atomically).")
+                        help="The token_sequences.json to write (its folder is made if "
+                             "missing). An existing file is kept unless --overwrite.")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="Replace --output if it exists (atomically: a reader sees the old "
+                             "file or the new one).")
     parser.add_argument("--ext", action="append", metavar="SUFFIX",
                         help="Read only files ending in SUFFIX; repeatable. Default: every "
                              "text file.")
@@ -44,6 +49,9 @@ def main(argv=None):
         raise UsageError("SRC_DIR is not a folder (%r)" % args.src_dir)
     if os.path.isdir(args.output):
         raise UsageError("argument --output: is a folder, not a file (%r)" % args.output)
+    if os.path.exists(args.output) and not args.overwrite:
+        raise UsageError("argument --output: the file exists; pass --overwrite to replace it "
+                         "(%r)" % args.output)
 
     paths = folder_files(args.src_dir, args.ext)
     progress = Progress(len(paths), "reading", unit="files", enabled=not args.quiet)

@@ -18,7 +18,8 @@ import os
 import shlex
 import sys
 
-from .args import Parser, UsageError, console_script, device, integer
+from .args import (Parser, UsageError, console_script, debug_requested, device, integer,
+                   logs_held_until_checked)
 
 log = logging.getLogger("orchard")
 
@@ -133,12 +134,8 @@ def setup_logging(rank, quiet=False):
                         level=logging.INFO if rank == 0 and not quiet else logging.WARNING)
 
 
-@console_script("orchard-train")
-def main(argv=None):
-    args = parse_args(argv)
-    check_output(args)
-    import torch.distributed as dist
-
+def build_trainer(args):
+    """The device, data, config and model of this run, each checked, as a Trainer."""
     import orchard_ops
 
     from ..checkpoint import load_checkpoint
@@ -148,6 +145,93 @@ def main(argv=None):
     from ..hf_causal_lm import HFModelError, load_hf_config, model_section
     from ..trainer import Trainer
 
+    backend = get_device_backend(args.device, verbose=args.verbose)
+    if args.device in (None, "auto"):
+        log.info("device %s chosen automatically: %s", *auto_choice_reason())
+    state = load_checkpoint(args.resume) if args.resume else None
+    hf_path = args.hf_config or args.hf_model
+    if hf_path and state is not None:
+        raise HFModelError("%s: --resume continues the checkpoint's own model; leave out "
+                           "--hf-config/--hf-model" % hf_path)
+    hf = load_hf_config(hf_path, pretrained=args.hf_model is not None) if hf_path else None
+    sequences, vocab_size, data_info = load_training_data(args.sequences)
+    if state is not None:
+        # The checkpoint fixes the model; the rest is re-adapted to this device.
+        requested = validate(state["config"], "checkpoint %s" % args.resume)
+        requested["model"] = dict(state["model_config"])
+        seed = state["seed"]
+        ignored = [flag for flag, given in (
+            ("--config", args.config), ("--seed", args.seed is not None), ("--fp16", args.fp16),
+            ("--bf16", args.bf16), ("--grad-checkpointing", args.grad_checkpointing),
+            ("--micro-batch", args.micro_batch)) if given]
+        if ignored:
+            log.warning("ignored with --resume (the checkpoint's config holds): %s",
+                        ", ".join(ignored))
+    else:
+        requested = apply_flags(load_config(args.config), args)
+        seed = DEFAULT_SEED if args.seed is None else args.seed
+    hf_config = state.get("hf_config") if state is not None else None
+    if hf is not None:
+        if vocab_size > hf.vocab_size:
+            if args.hf_model:
+                raise DataError("the data has token ids up to %d but the model of %s has "
+                                "a vocabulary of %d" % (vocab_size - 1, hf_path,
+                                                         hf.vocab_size))
+            log.info("%s: vocab_size %d -> %d: the data's vocabulary", hf_path,
+                     hf.vocab_size, vocab_size)
+            hf.vocab_size = vocab_size
+        # The model section follows the HF model; only its context (the sequence length
+        # trained on) comes from the config, within the model's max_position_embeddings.
+        model = model_section(hf, requested["model"]["context"])
+        if model["context"] != requested["model"]["context"]:
+            log.info("config model.context: %d -> %d: %s's max_position_embeddings",
+                     requested["model"]["context"], model["context"], hf_path)
+        requested["model"] = model
+        hf_config = hf.to_json_string(use_diff=False)
+        log.info("model: transformers %s, %s %s", hf.model_type, "pretrained from"
+                 if args.hf_model else "randomly initialised from", hf_path)
+    if hf_config is not None and orchard_ops.default_device() != backend.device:
+        # orchard.hf calls orchard with device=None
+        log.info("note: a transformers model computes its attention on orchard's default "
+                 "device %s, not %s (ORCHARD_DEVICE chooses it)",
+                 orchard_ops.default_device(), backend.device)
+    if vocab_size > requested["model"]["vocab_size"]:
+        if state is not None:
+            raise DataError("the data has token ids up to %d but the checkpoint's model "
+                             "has a vocabulary of %d"
+                             % (vocab_size - 1, requested["model"]["vocab_size"]))
+        log.info("config model.vocab_size: %d -> %d: the data's vocabulary",
+                 requested["model"]["vocab_size"], vocab_size)
+        requested["model"]["vocab_size"] = vocab_size
+    cfg, reasons = backend.adapt_config(requested, fixed_model=state is not None)
+    for key, why in reasons.items():
+        log.info("config %s: %s", key, why)
+    backend.setup(cfg["device"]["num_threads"])
+    for note in backend.check_limitations(cfg["training"]["dtype"]):
+        log.info("note: %s", note)
+    try:
+        chunks = token_chunks(sequences, cfg["model"]["context"])
+    except DataError as exc:
+        raise DataError("%s: %s" % (data_info["source"], exc)) from None
+    chunks, val_chunks = split_validation(chunks, cfg["training"]["val_fraction"])
+    log.info("data: %s, %d tokens, %d sequences of %d for training, %d held out for "
+             "validation", data_info["source"],
+             (len(chunks) + len(val_chunks)) * cfg["model"]["context"], len(chunks),
+             cfg["model"]["context"], len(val_chunks))
+    try:
+        return Trainer(cfg, backend, chunks, args.output, requested_cfg=requested, seed=seed,
+                       data_info=data_info, resume_state=state, val_chunks=val_chunks,
+                       hf_config=hf_config, pretrained=args.hf_model if state is None else None)
+    except DataError as exc:
+        raise DataError("%s: %s" % (data_info["source"], exc)) from None
+
+
+@console_script("orchard-train")
+def main(argv=None):
+    args = parse_args(argv)
+    check_output(args)
+    import torch.distributed as dist
+
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
         dist.init_process_group("gloo")
@@ -155,86 +239,11 @@ def main(argv=None):
     setup_logging(rank, args.quiet)
     trainer = None
     try:
-        backend = get_device_backend(args.device, verbose=args.verbose)
-        if args.device in (None, "auto"):
-            log.info("device %s chosen automatically: %s", *auto_choice_reason())
-        state = load_checkpoint(args.resume) if args.resume else None
-        hf_path = args.hf_config or args.hf_model
-        if hf_path and state is not None:
-            raise HFModelError("%s: --resume continues the checkpoint's own model; leave out "
-                               "--hf-config/--hf-model" % hf_path)
-        hf = load_hf_config(hf_path, pretrained=args.hf_model is not None) if hf_path else None
-        sequences, vocab_size, data_info = load_training_data(args.sequences)
-        if state is not None:
-            # The checkpoint fixes the model; the rest is re-adapted to this device.
-            requested = validate(state["config"], "checkpoint %s" % args.resume)
-            requested["model"] = dict(state["model_config"])
-            seed = state["seed"]
-            ignored = [flag for flag, given in (
-                ("--config", args.config), ("--seed", args.seed is not None), ("--fp16", args.fp16),
-                ("--bf16", args.bf16), ("--grad-checkpointing", args.grad_checkpointing),
-                ("--micro-batch", args.micro_batch)) if given]
-            if ignored:
-                log.warning("ignored with --resume (the checkpoint's config holds): %s",
-                            ", ".join(ignored))
-        else:
-            requested = apply_flags(load_config(args.config), args)
-            seed = DEFAULT_SEED if args.seed is None else args.seed
-        hf_config = state.get("hf_config") if state is not None else None
-        if hf is not None:
-            if vocab_size > hf.vocab_size:
-                if args.hf_model:
-                    raise DataError("the data has token ids up to %d but the model of %s has "
-                                    "a vocabulary of %d" % (vocab_size - 1, hf_path,
-                                                             hf.vocab_size))
-                log.info("%s: vocab_size %d -> %d: the data's vocabulary", hf_path,
-                         hf.vocab_size, vocab_size)
-                hf.vocab_size = vocab_size
-            # The model section follows the HF model; only its context (the sequence length
-            # trained on) comes from the config, within the model's max_position_embeddings.
-            model = model_section(hf, requested["model"]["context"])
-            if model["context"] != requested["model"]["context"]:
-                log.info("config model.context: %d -> %d: %s's max_position_embeddings",
-                         requested["model"]["context"], model["context"], hf_path)
-            requested["model"] = model
-            hf_config = hf.to_json_string(use_diff=False)
-            log.info("model: transformers %s, %s %s", hf.model_type, "pretrained from"
-                     if args.hf_model else "randomly initialised from", hf_path)
-        if hf_config is not None and orchard_ops.default_device() != backend.device:
-            # orchard.hf calls orchard with device=None
-            log.info("note: a transformers model computes its attention on orchard's default "
-                     "device %s, not %s (ORCHARD_DEVICE chooses it)",
-                     orchard_ops.default_device(), backend.device)
-        if vocab_size > requested["model"]["vocab_size"]:
-            if state is not None:
-                raise DataError("the data has token ids up to %d but the checkpoint's model "
-                                 "has a vocabulary of %d"
-                                 % (vocab_size - 1, requested["model"]["vocab_size"]))
-            log.info("config model.vocab_size: %d -> %d: the data's vocabulary",
-                     requested["model"]["vocab_size"], vocab_size)
-            requested["model"]["vocab_size"] = vocab_size
-        cfg, reasons = backend.adapt_config(requested, fixed_model=state is not None)
-        for key, why in reasons.items():
-            log.info("config %s: %s", key, why)
-        backend.setup(cfg["device"]["num_threads"])
-        for note in backend.check_limitations(cfg["training"]["dtype"]):
-            log.info("note: %s", note)
-        try:
-            chunks = token_chunks(sequences, cfg["model"]["context"])
-        except DataError as exc:
-            raise DataError("%s: %s" % (data_info["source"], exc)) from None
-        chunks, val_chunks = split_validation(chunks, cfg["training"]["val_fraction"])
-        log.info("data: %s, %d tokens, %d sequences of %d for training, %d held out for "
-                 "validation", data_info["source"],
-                 (len(chunks) + len(val_chunks)) * cfg["model"]["context"], len(chunks),
-                 cfg["model"]["context"], len(val_chunks))
-        try:
-            trainer = Trainer(cfg, backend, chunks, args.output, requested_cfg=requested,
-                              seed=seed, data_info=data_info, resume_state=state,
-                              val_chunks=val_chunks, hf_config=hf_config,
-                              pretrained=args.hf_model if state is None else None)
-        except DataError as exc:
-            raise DataError("%s: %s" % (data_info["source"], exc)) from None
+        # the setup's notes only once the run is known to start: a mistake in the input is
+        # reported in one line
+        with logs_held_until_checked(log, debug_requested(sys.argv[1:] if argv is None
+                                                          else list(argv))):
+            trainer = build_trainer(args)
         code = trainer.run(args.epochs, args.max_steps)
         if code == 130 and rank == 0:
             log.info("resume with: %s", resume_command(args, distributed))
