@@ -55,8 +55,8 @@ int or_check_options(or_call *c, const or_opts *o)
     p->prm.left = p->prm.right = -1;
     if (o->window != NULL && (!PySequence_Check(o->window) || PySequence_Size(o->window) != 2)) {
         PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "%s(): 'window' must be a pair (left, right) of ints",
-                     c->func);
+        PyErr_Format(PyExc_TypeError, "%s(): 'window' must be a pair (left, right) of ints, "
+                     "got %.100R", c->func, o->window);
         return -1;
     }
     long long lr[2] = {-1, -1};
@@ -348,7 +348,10 @@ static PyArrayObject *check_cu_seqlens(or_call *c, PyObject *obj, const char *na
     }
     if (!ok) {
         PyObject *got = PyObject_CallMethod((PyObject *)cu, "tolist", NULL);
-        if (got != NULL)
+        if (got != NULL && total < 0)
+            PyErr_Format(PyExc_ValueError, "%s(): '%s' must start at 0 and never decrease, "
+                         "got %.200R", c->func, name, got);
+        else if (got != NULL)
             PyErr_Format(PyExc_ValueError,
                          "%s(): '%s' must start at 0, never decrease and end at %zd (the packed "
                          "length), got %.200R", c->func, name, total, got);
@@ -372,8 +375,8 @@ static int check_max_seqlen(or_call *c, PyObject *given, const char *name, npy_i
         return 0;
     long long m;
     if (or_as_integer(given, &m) < 0 || m < actual) {
-        PyErr_Format(PyExc_ValueError, "%s(): '%s' must be an int >= %zd, the longest sequence",
-                     c->func, name, actual);
+        PyErr_Format(PyExc_ValueError, "%s(): '%s' must be an int >= %zd, the longest "
+                     "sequence, got %.100R", c->func, name, actual, given);
         return -1;
     }
     return 0;
@@ -552,7 +555,8 @@ int or_parse_shape(PyObject *obj, const char *name, npy_intp *dims)
     PyObject *seq = PySequence_Check(obj) ? PySequence_Fast(obj, "") : NULL;
     if (seq == NULL) {
         PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "dropout_mask(): '%s' must be a sequence of ints", name);
+        PyErr_Format(PyExc_TypeError, "dropout_mask(): '%s' must be a sequence of ints, got "
+                     "%.100R", name, obj);
         return -1;
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -565,9 +569,8 @@ int or_parse_shape(PyObject *obj, const char *name, npy_intp *dims)
     }
     Py_DECREF(seq);
     if (!ok) {
-        PyErr_Format(PyExc_ValueError,
-                     "dropout_mask(): '%s' must be a shape (..., N, D) of at least 2 sizes >= 0",
-                     name);
+        PyErr_Format(PyExc_ValueError, "dropout_mask(): '%s' must be a shape (..., N, D) of at "
+                     "least 2 sizes >= 0, got %.100R", name, obj);
         return -1;
     }
     return (int)n;

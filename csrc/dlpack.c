@@ -45,20 +45,29 @@ static void release_managed(PyObject *capsule)
         m->deleter(m);
 }
 
-/* torch, if this process has imported it (borrowed), and whether obj is a torch.Tensor:
- * 1, 0, or -1 with an exception. torch is never imported here: a tensor implies it. */
+/* Whether obj is a torch.Tensor: 1, with torch (a new reference: the checks below run Python
+ * code, which could drop sys.modules' own), 0 (*torch NULL), or -1 with an exception. torch
+ * is never imported here: a tensor implies it. */
 static int torch_tensor(PyObject *obj, PyObject **torch)
 {
-    *torch = PyArray_Check(obj) ? NULL : PyDict_GetItemString(PyImport_GetModuleDict(), "torch");
-    if (*torch == NULL || *torch == Py_None)    /* None: torch blocked in sys.modules */
+    PyObject *module = PyArray_Check(obj) ? NULL
+                       : PyDict_GetItemString(PyImport_GetModuleDict(), "torch");
+    *torch = NULL;
+    if (module == NULL || module == Py_None)    /* None: torch blocked in sys.modules */
         return 0;
-    PyObject *tensor = PyObject_GetAttrString(*torch, "Tensor");
+    Py_INCREF(module);
+    PyObject *tensor = PyObject_GetAttrString(module, "Tensor");
     if (tensor == NULL) {                       /* a torch module without tensors: none here */
         PyErr_Clear();
+        Py_DECREF(module);
         return 0;
     }
-    int is = PyObject_IsInstance(obj, tensor);
+    const int is = PyObject_IsInstance(obj, tensor);
     Py_DECREF(tensor);
+    if (is == 1)
+        *torch = module;
+    else
+        Py_DECREF(module);
     return is;
 }
 
@@ -73,10 +82,14 @@ PyArrayObject *or_from_dlpack(PyObject *obj, const char *func, const char *name,
         return NULL;
     PyObject *capsule = is_torch ? PyObject_CallMethod(torch, "to_dlpack", "O", obj)
                                  : PyObject_CallMethod(obj, "__dlpack__", NULL);
+    Py_XDECREF(torch);
     if (capsule == NULL)
         return NULL;
-    DLManagedTensor *m = PyCapsule_GetPointer(capsule, "dltensor");
+    DLManagedTensor *m = PyCapsule_IsValid(capsule, "dltensor")
+                         ? PyCapsule_GetPointer(capsule, "dltensor") : NULL;
     if (m == NULL) {
+        PyErr_Format(PyExc_TypeError, "%s(): argument '%s': its __dlpack__() gave %.100R, not "
+                     "an unused DLPack capsule (\"dltensor\")", func, name, capsule);
         Py_DECREF(capsule);
         return NULL;
     }
@@ -105,6 +118,27 @@ PyArrayObject *or_from_dlpack(PyObject *obj, const char *func, const char *name,
                      (int)t->ndim);
         goto done;
     }
+    npy_intp dims[NPY_MAXDIMS], strides[NPY_MAXDIMS];
+    const int itemsize = or_dtypes[found].itemsize;
+    for (int i = t->ndim - 1; i >= 0; i--) {   /* sizes and strides a producer got wrong */
+        int64_t step = 1, bytes = 0;            /* elements, then bytes, to the next index */
+        int bad = t->shape[i] < 0 || t->shape[i] > NPY_MAX_INTP;
+        if (t->strides != NULL)
+            step = t->strides[i];
+        else if (i < t->ndim - 1)               /* C order */
+            bad |= __builtin_mul_overflow((int64_t)strides[i + 1] / itemsize,
+                                          (int64_t)dims[i + 1], &step);
+        bad |= __builtin_mul_overflow(step, (int64_t)itemsize, &bytes) || bytes > NPY_MAX_INTP
+               || bytes < -NPY_MAX_INTP;
+        if (bad) {
+            PyErr_Format(PyExc_ValueError, "%s(): argument '%s' has DLPack dimension %d of "
+                         "size %lld and stride %lld elements", func, name, i,
+                         (long long)t->shape[i], (long long)step);
+            goto done;
+        }
+        dims[i] = (npy_intp)t->shape[i];
+        strides[i] = (npy_intp)bytes;
+    }
     /* from here the capsule's tensor is ours: the protocol marks it used, and our capsule
      * (the array's base) calls its deleter */
     if (PyCapsule_SetName(capsule, "used_dltensor") < 0)
@@ -116,13 +150,6 @@ PyArrayObject *or_from_dlpack(PyObject *obj, const char *func, const char *name,
         goto done;
     }
     *dt = (or_dtype)found;
-    npy_intp dims[NPY_MAXDIMS], strides[NPY_MAXDIMS];
-    const int itemsize = or_dtypes[found].itemsize;
-    for (int i = t->ndim - 1; i >= 0; i--) {
-        dims[i] = (npy_intp)t->shape[i];
-        strides[i] = t->strides ? (npy_intp)t->strides[i] * itemsize
-                     : i == t->ndim - 1 ? itemsize : strides[i + 1] * dims[i + 1];
-    }
     a = (PyArrayObject *)PyArray_NewFromDescr(
         &PyArray_Type, PyArray_DescrFromType(or_dtypes[found].typenum), t->ndim, dims, strides,
         (char *)t->data + t->byte_offset, 0, NULL);
@@ -154,5 +181,6 @@ PyObject *or_result_like(PyObject *like, PyArrayObject *a, or_dtype dt)
         Py_SETREF(t, type ? PyObject_CallMethod(t, "view", "O", type) : NULL);
         Py_XDECREF(type);
     }
+    Py_DECREF(torch);
     return t;
 }

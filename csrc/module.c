@@ -255,7 +255,8 @@ static PyObject *dropout_mask(PyObject *module, PyObject *args, PyObject *kw)
         return NULL;
     if (qd[qn - 2] > OR_MAX_SEQ_LEN || kd[kn - 2] > OR_MAX_SEQ_LEN) {
         PyErr_Format(PyExc_ValueError, "dropout_mask(): '%s' must have fewer than 2**32 rows "
-                     "(dimension -2)", qd[qn - 2] > OR_MAX_SEQ_LEN ? "q_shape" : "k_shape");
+                     "(dimension -2), got %zd", qd[qn - 2] > OR_MAX_SEQ_LEN ? "q_shape" : "k_shape",
+                     qd[qn - 2] > OR_MAX_SEQ_LEN ? qd[qn - 2] : kd[kn - 2]);
         return NULL;
     }
     npy_intp shape[NPY_MAXDIMS];
@@ -265,6 +266,8 @@ static PyObject *dropout_mask(PyObject *module, PyObject *args, PyObject *kw)
     PyArrayObject *mask = (PyArrayObject *)PyArray_SimpleNew(qn, shape, NPY_BOOL);
     if (mask == NULL)
         return NULL;
+    if (PyArray_SIZE(mask) == 0)    /* and the loop below might count to 2**60 for nothing */
+        return (PyObject *)mask;
     or_ssize units = 1, nq = qd[qn - 2], nk = kd[kn - 2];
     for (int i = 0; i < qn - 2; i++)
         units *= qd[i];
@@ -385,8 +388,8 @@ static PyObject *set_num_threads(PyObject *module, PyObject *arg)
 {
     long long n;
     if (or_as_integer(arg, &n) < 0 || n < 1 || n > OR_MAX_THREADS) {
-        PyErr_Format(PyExc_ValueError, "set_num_threads(): 'n' must be an int in 1..%d",
-                     OR_MAX_THREADS);
+        PyErr_Format(PyExc_ValueError, "set_num_threads(): 'n' must be an int in 1..%d, got "
+                     "%.100R", OR_MAX_THREADS, arg);
         return NULL;
     }
     or_set_num_threads((int)n);
@@ -430,8 +433,9 @@ static PyObject *save_tuned_blocks(PyObject *module, PyObject *args, PyObject *k
     if (!PyArg_ParseTupleAndKeywords(args, kw, "Oii:save_tuned_blocks", kwlist, &device, &bq, &bk))
         return NULL;
     if (bq < 1 || bq > 4096 || bk < 1 || bk > 4096) {
-        PyErr_Format(PyExc_ValueError, "save_tuned_blocks(): '%s' must be in 1..4096",
-                     bq < 1 || bq > 4096 ? "block_q" : "block_k");
+        const int q_bad = bq < 1 || bq > 4096;
+        PyErr_Format(PyExc_ValueError, "save_tuned_blocks(): '%s' must be in 1..4096, got %d",
+                     q_bad ? "block_q" : "block_k", q_bad ? bq : bk);
         return NULL;
     }
     int index = opencl_device("save_tuned_blocks", device);
@@ -453,7 +457,7 @@ static PyObject *set_native_isa(PyObject *module, PyObject *name)
                          Py_TYPE(name)->tp_name);
         return NULL;
     }
-    if (or_select_isa("name", s) < 0)
+    if (or_select_isa("set_native_isa(): name", s) < 0)
         return NULL;
     Py_RETURN_NONE;
 }

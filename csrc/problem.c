@@ -186,8 +186,8 @@ static int alibi_table(or_call *c, PyObject *obj)
     if (a == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_MemoryError)) {
             PyErr_Clear();
-            PyErr_Format(PyExc_TypeError, "%s(): 'alibi_slopes' must be an array of floats",
-                         c->func);
+            PyErr_Format(PyExc_TypeError, "%s(): 'alibi_slopes' must be an array of floats, got "
+                         "%.100R", c->func, obj);
         }
         return -1;
     }

@@ -179,3 +179,52 @@ def test_dlpack_errors(ops):
     with pytest.raises(TypeError, match="argument 'lse' has dtype bfloat16"):
         ops.flash_attn_bwd(out, q.to(torch.bfloat16), q.to(torch.bfloat16),
                            q.to(torch.bfloat16), out, lse.to(torch.bfloat16))
+
+
+def test_dlpack_producer_errors_name_the_argument(ops):
+    """__dlpack__ giving something other than an unused capsule is a TypeError naming the
+    argument (not CPython's capsule message)."""
+    q = np.ones((1, 2, 4, 8), np.float32)
+    capsule = q.__dlpack__()
+
+    class Producer:
+        def __init__(self, given):
+            self.given = given
+
+        def __dlpack__(self, **kwargs):
+            return self.given
+
+    ops.flash_attn_fwd(q, Producer(capsule), q)     # a fresh capsule is read (and used up)
+    for given in (5, capsule):
+        with pytest.raises(TypeError, match="argument 'k': its __dlpack__\\(\\) gave"):
+            ops.flash_attn_fwd(q, Producer(given), q)
+
+
+def test_torch_module_dropped_during_the_tensor_check():
+    # orchard holds its own reference to sys.modules["torch"] while it asks whether an operand
+    # is a tensor (Python code runs then): here that code drops the module (it crashed)
+    code = """if True:
+        import gc, sys, types
+        import numpy as np, orchard_ops
+        class Meta(type):
+            def __instancecheck__(cls, obj):
+                sys.modules.pop("torch", None)
+                gc.collect()
+                return True
+        class Tensor(metaclass=Meta):
+            pass
+        fake = types.ModuleType("torch")
+        fake.Tensor = Tensor
+        fake.to_dlpack = lambda t: np.ones((1, 2, 4), np.float32).__dlpack__()
+        fake.from_numpy = lambda a: a
+        sys.modules["torch"] = fake
+        del fake
+        class Producer:
+            def __dlpack__(self, **kwargs):
+                return np.ones((1, 2, 4), np.float32).__dlpack__()
+        out, lse = orchard_ops.flash_attn_fwd(Producer(), Producer(), Producer())
+        print(out.shape)
+    """
+    r = run_python(code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "(1, 2, 4)"

@@ -41,6 +41,12 @@ def test_dropout_mask_default_seed_and_p0(ops):
     assert np.all(ops.dropout_mask(q_shape, k_shape, 0.0, 5))
 
 
+def test_dropout_mask_of_no_keys_returns_at_once(ops):
+    # empty, whatever the other sizes: it used to walk every (unit, row) pair, 2**60 here
+    mask = ops.dropout_mask((2**40, 2**20, 5), (0, 5), 0.5)
+    assert mask.shape == (2**40, 2**20, 0) and mask.dtype == np.bool_
+
+
 def test_dropout_mask_threshold_edges(ops):
     """p such that p * 2**32 is (nearly) an integer: keep iff word >= floor(p * 2**32)."""
     for p in (2.0**-32, 0.25, 0.5 - 2.0**-33, 1 - 2.0**-32):
