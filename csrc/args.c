@@ -12,20 +12,26 @@
 static const char *slot_name[OR_NSLOTS] = {"q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv"};
 
 /* An integer argument (int, numpy integer, anything with __index__) as a long long; returns
- * 0, or -1 with no exception set when it is not an integer or does not fit. */
+ * 0, or -1: with no exception set when it is not an integer or does not fit (the caller names
+ * the argument), with the exception of any other failure (MemoryError, KeyboardInterrupt in
+ * an __index__) kept, which the caller passes on. */
+static int not_a_value(void)
+{
+    if (PyErr_ExceptionMatches(PyExc_TypeError) || PyErr_ExceptionMatches(PyExc_ValueError)
+        || PyErr_ExceptionMatches(PyExc_OverflowError))
+        PyErr_Clear();
+    return -1;
+}
+
 int or_as_integer(PyObject *obj, long long *out)
 {
     PyObject *i = PyNumber_Index(obj);
-    if (i == NULL) {
-        PyErr_Clear();
-        return -1;
-    }
+    if (i == NULL)
+        return not_a_value();
     *out = PyLong_AsLongLong(i);
     Py_DECREF(i);
-    if (*out == -1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        return -1;
-    }
+    if (*out == -1 && PyErr_Occurred())
+        return not_a_value();
     return 0;
 }
 
@@ -67,9 +73,9 @@ int or_check_options(or_call *c, const or_opts *o)
         int bad = or_as_integer(item, &lr[i]) < 0;
         Py_DECREF(item);
         if (bad || lr[i] < -1) {
-            PyErr_Format(PyExc_ValueError,
-                         "%s(): 'window' entries must be ints >= -1 (-1 = unbounded), got %R",
-                         c->func, o->window);
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "%s(): 'window' entries must be ints >= -1 (-1 = "
+                             "unbounded), got %R", c->func, o->window);
             return -1;
         }
     }
@@ -375,8 +381,9 @@ static int check_max_seqlen(or_call *c, PyObject *given, const char *name, npy_i
         return 0;
     long long m;
     if (or_as_integer(given, &m) < 0 || m < actual) {
-        PyErr_Format(PyExc_ValueError, "%s(): '%s' must be an int >= %zd, the longest "
-                     "sequence, got %.100R", c->func, name, actual, given);
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "%s(): '%s' must be an int >= %zd, the longest "
+                         "sequence, got %.100R", c->func, name, actual, given);
         return -1;
     }
     return 0;
@@ -569,8 +576,9 @@ int or_parse_shape(PyObject *obj, const char *name, npy_intp *dims)
     }
     Py_DECREF(seq);
     if (!ok) {
-        PyErr_Format(PyExc_ValueError, "dropout_mask(): '%s' must be a shape (..., N, D) of at "
-                     "least 2 sizes >= 0, got %.100R", name, obj);
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "dropout_mask(): '%s' must be a shape (..., N, D) of "
+                         "at least 2 sizes >= 0, got %.100R", name, obj);
         return -1;
     }
     return (int)n;

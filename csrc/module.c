@@ -388,8 +388,9 @@ static PyObject *set_num_threads(PyObject *module, PyObject *arg)
 {
     long long n;
     if (or_as_integer(arg, &n) < 0 || n < 1 || n > OR_MAX_THREADS) {
-        PyErr_Format(PyExc_ValueError, "set_num_threads(): 'n' must be an int in 1..%d, got "
-                     "%.100R", OR_MAX_THREADS, arg);
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "set_num_threads(): 'n' must be an int in 1..%d, "
+                         "got %.100R", OR_MAX_THREADS, arg);
         return NULL;
     }
     or_set_num_threads((int)n);

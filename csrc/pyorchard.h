@@ -96,7 +96,7 @@ typedef struct {
 } or_call;
 
 /* args.c: each returns 0, or -1 with the exception set */
-int or_as_integer(PyObject *obj, long long *out);      /* -1 with no exception set */
+int or_as_integer(PyObject *obj, long long *out);      /* -1: not an int (no exception), or another failure (its exception) */
 int or_check_options(or_call *c, const or_opts *o);
 int or_call_device(or_call *c, PyObject *device, PyObject **objs, const int *slots, int n);
 int or_load_operands(or_call *c, PyObject **objs, const int *slots, int n);

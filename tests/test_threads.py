@@ -40,6 +40,16 @@ def test_set_num_threads_rejects_non_int(ops, restore_threads):
         ops.set_num_threads(2.5)
 
 
+def test_set_num_threads_passes_on_other_failures(ops, restore_threads):
+    # an __index__ that fails for another reason than its value: that error, not a ValueError
+    class Interrupted:
+        def __index__(self):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        ops.set_num_threads(Interrupted())
+
+
 def test_env_num_threads():
     for n in (1, 3, 5):
         r = run_python("import orchard_ops; print(orchard_ops.get_num_threads())",
