@@ -31,8 +31,10 @@ if ! ORCHARD_SANITIZE=1 ORCHARD_TEST_HOOKS=1 python3 setup.py build_ext --build-
 fi
 
 mkdir "$work/reports"
+# libstdc++ beside the ASan runtime: loaded later (by torch), its __cxa_throw is not found by
+# ASan's interceptor, which then aborts the process at torch's first C++ exception
 export LD_PRELOAD
-LD_PRELOAD=$(gcc -print-file-name=libasan.so)
+LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so.6)"
 export PYTHONMALLOC=malloc
 export ASAN_OPTIONS="detect_leaks=0:allocator_may_return_null=1:log_path=$work/reports/asan"
 export UBSAN_OPTIONS="print_stacktrace=1:log_path=$work/reports/ubsan"
