@@ -181,9 +181,12 @@ int or_call_device(or_call *c, PyObject *device, PyObject **objs, const int *slo
 static int shape_error(or_call *c, const char *name, const char *what)
 {
     PyObject *shapes[3] = {NULL, NULL, NULL};
-    for (int s = OR_Q; s <= OR_V; s++)
+    int made = 0;       /* stop at a MemoryError, and let it stand */
+    for (int s = OR_Q; s <= OR_V && made == s - OR_Q; s++) {
         shapes[s - OR_Q] = c->arr[s] ? or_shape_str(c->arr[s]) : Py_NewRef(Py_None);
-    if (shapes[0] != NULL && shapes[1] != NULL && shapes[2] != NULL)
+        made += shapes[s - OR_Q] != NULL;
+    }
+    if (made == 3)
         PyErr_Format(PyExc_ValueError, "%s(): argument '%s' %s (q has shape %S, k %S, v %S)",
                      c->func, name, what, shapes[0], shapes[1], shapes[2]);
     for (int i = 0; i < 3; i++)
@@ -318,8 +321,9 @@ int or_check_like(or_call *c, int slot, const npy_intp *shape, int nd)
         PyTuple_SET_ITEM(want, i, n);
     }
     PyObject *got = or_shape_str(a);
-    PyErr_Format(PyExc_ValueError, "%s(): argument '%s' must have shape %S, got %S", c->func,
-                 slot_name[slot], want, got ? got : Py_None);
+    if (got != NULL)    /* else its MemoryError stands */
+        PyErr_Format(PyExc_ValueError, "%s(): argument '%s' must have shape %S, got %S", c->func,
+                     slot_name[slot], want, got);
     Py_DECREF(want);
     Py_XDECREF(got);
     return -1;
@@ -399,8 +403,9 @@ static npy_intp check_seqused_k(or_call *c, PyObject *obj)
         return -1;
     if (!PyArray_ISINTEGER(raw) || PyArray_NDIM(raw) != 1 || PyArray_DIM(raw, 0) != nseq) {
         PyObject *got = or_shape_str(raw);
-        PyErr_Format(PyExc_ValueError, "%s(): 'seqused_k' must be a 1-D integer array of %zd "
-                     "key counts (one per sequence), got %S", c->func, nseq, got ? got : Py_None);
+        if (got != NULL)
+            PyErr_Format(PyExc_ValueError, "%s(): 'seqused_k' must be a 1-D integer array of %zd "
+                         "key counts (one per sequence), got %S", c->func, nseq, got);
         Py_XDECREF(got);
         Py_DECREF(raw);
         return -1;
@@ -466,10 +471,11 @@ int or_check_paged_kv(or_call *c)
     if (PyArray_NDIM(k) != 4 || PyArray_NDIM(v) != 4 || PyArray_DIM(k, 0) < 1
         || PyArray_DIM(k, 1) < 1 || PyArray_DIM(v, 0) != PyArray_DIM(k, 0)
         || PyArray_DIM(v, 1) != PyArray_DIM(k, 1)) {
-        PyObject *ks = or_shape_str(k), *vs = or_shape_str(v);
-        PyErr_Format(PyExc_ValueError, "%s(): with a 'block_table', 'k' and 'v' must be pages "
-                     "(num_pages >= 1, page_size >= 1, Hkv, D) of one geometry, got %S and %S",
-                     c->func, ks ? ks : Py_None, vs ? vs : Py_None);
+        PyObject *ks = or_shape_str(k), *vs = ks ? or_shape_str(v) : NULL;
+        if (vs != NULL)
+            PyErr_Format(PyExc_ValueError, "%s(): with a 'block_table', 'k' and 'v' must be "
+                         "pages (num_pages >= 1, page_size >= 1, Hkv, D) of one geometry, got %S "
+                         "and %S", c->func, ks, vs);
         Py_XDECREF(ks);
         Py_XDECREF(vs);
         return -1;
@@ -496,8 +502,9 @@ static PyArrayObject *int64_array(or_call *c, PyObject *obj, const char *name, i
         return NULL;
     if (!PyArray_ISINTEGER(raw) || PyArray_NDIM(raw) != nd || PyArray_DIM(raw, 0) != n) {
         PyObject *got = or_shape_str(raw);
-        PyErr_Format(PyExc_ValueError, "%s(): '%s' must be an integer array %s, got shape %S",
-                     c->func, name, layout, got ? got : Py_None);
+        if (got != NULL)
+            PyErr_Format(PyExc_ValueError, "%s(): '%s' must be an integer array %s, got shape %S",
+                         c->func, name, layout, got);
         Py_XDECREF(got);
         Py_DECREF(raw);
         return NULL;

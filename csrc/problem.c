@@ -209,9 +209,10 @@ static int alibi_table(or_call *c, PyObject *obj)
     }
     if (!per_head && !per_unit) {
         PyObject *got = or_shape_str(a);
-        PyErr_Format(PyExc_ValueError,
-                     "%s(): 'alibi_slopes' must have shape (H,) or (B, H) (one slope per query "
-                     "head), got %S", c->func, got ? got : Py_None);
+        if (got != NULL)
+            PyErr_Format(PyExc_ValueError,
+                         "%s(): 'alibi_slopes' must have shape (H,) or (B, H) (one slope per "
+                         "query head), got %S", c->func, got);
         Py_XDECREF(got);
         Py_DECREF(a);
         return -1;
