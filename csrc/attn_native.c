@@ -168,6 +168,10 @@ int or_native_fwd(const or_problem *p)
     const or_kernels *kern = or_native_kernels();
     if (or_is_decode(p))
         return decode_fwd(p, kern, dbl);
+    const int bf16 = p->view[OR_Q].dtype == OR_BF16 && p->view[OR_K].dtype == OR_BF16
+                     && p->view[OR_V].dtype == OR_BF16;
+    const int in = dbl ? OR_IN_DOUBLE
+                   : bf16 && kern->fwd_item[OR_IN_BF16_DOTS] ? OR_IN_BF16_DOTS : OR_IN_FLOAT;
     const or_ssize n_kv = p->n_units / p->prm.group;
     const or_ssize bc = kern->block_keys;
     const size_t lanes = (size_t)kern->width / real, dp = (p->d + lanes - 1) / lanes * lanes,
@@ -199,12 +203,12 @@ int or_native_fwd(const or_problem *p)
     int rc = OR_ENOMEM;
     if (job.kt != NULL && (v_in_place || job.vc != NULL)) {
         /* the pre-pass needs no scratch, but run_job hands every worker a slice of its size */
-        rc = run_job(&job, n_kv, n_kv, kern->transpose_keys_item[dbl]);
+        rc = run_job(&job, n_kv, n_kv, kern->transpose_keys_item[in]);
         job.order = rc == OR_OK ? costly_first(&job, p->n_units * job.blocks,
                                                   p->prm.group * job.blocks, fwd_cost) : NULL;
         if (job.order != NULL)
             rc = run_job(&job, p->n_units * job.blocks, p->n_units * job.blocks,
-                         kern->fwd_item[dbl]);
+                         kern->fwd_item[in]);
         else
             rc = OR_ENOMEM;
         free(job.order);

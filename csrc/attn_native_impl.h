@@ -2,6 +2,8 @@
  *
  * native_kernels.h includes this file twice, once per instruction set (isa_*.c): REAL = float (float16 and float32 inputs) and
  * REAL = double (float64 inputs). FN(x) names the instance, EXP/LOG/TANH are REAL's functions.
+ * In sets with AVX512-BF16 the float instance's forward has a variant for bfloat16 q, k and v
+ * (fwd_block's dots) whose tiles attn_bf16_impl.h describes.
  *
  * Tiles (row-major REAL; rows padded to a multiple of MR, columns of a matrix product's
  * right-hand side and result padded to a multiple of W with zeros, so that the micro-kernel
@@ -142,6 +144,15 @@ static inline char *FN(row_ptr)(const or_problem *p, int slot, or_ssize unit, or
     const or_view *w = &p->view[slot];
     return w->base + w->offs[unit] + row * w->row_stride;
 }
+
+/* Sets compiled with AVX512-BF16 (isa_avx512bf16.c) give their float instance a second forward,
+ * for bfloat16 q, k and v, whose matrix products run on bfloat16 dot products. */
+#if defined(OR_BF16_DOTS) && REAL_SIZE == 4
+#define DOTS 1
+#include "attn_bf16_impl.h"
+#else
+#define DOTS 0
+#endif
 
 /* C (m x n, ldc) = or += A (m x k) B (k x n, ldb). A's element (i, x) is a[i * ars + x * acs],
  * so A may be read transposed (P^T, dS^T) at no cost. m is a multiple of MR and n of W.
@@ -376,9 +387,11 @@ FN(transform_scores)(const or_problem *p, int rows, int cols, or_ssize i0, or_ss
     }
 }
 
-/* Forward of BR query rows starting at i0 of unit u. */
+/* Forward of BR query rows starting at i0 of unit u; its matrix products on bfloat16 dot
+ * products where dots (attn_bf16_impl.h: q, kt, vc and P are pairs of bfloat16 then). */
 static inline __attribute__((always_inline)) void
-FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, int worker)
+FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, int worker,
+              const int dots)
 {
     const int d = p->d, dv = p->dv, dp = FN(pad)(d), dvp = FN(pad)(dv);
     const or_ssize nq = p->nq[u], nk = p->nk[u], off = nk - nq, kvu = u / p->prm.group;
@@ -392,6 +405,12 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
     unsigned char *keep = (unsigned char *)(l + BR);
 
     const or_view *w = p->view;
+#if DOTS
+    if (dots)
+        bf16_load_q((uint32_t *)q, dp, FN(row_ptr)(p, OR_Q, u, i0), w[OR_Q].row_stride, rows,
+                    rows_mr, d);
+    else
+#endif
     FN(load_rows)(q, dp, FN(row_ptr)(p, OR_Q, u, i0), w[OR_Q].row_stride, rows, d, rows_mr,
                   w[OR_Q].dtype, (REAL)p->prm.scale);
     for (int r = 0; r < rows; r++) {
@@ -406,7 +425,8 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
         const int cols = (int)(hi - j0 < BC ? hi - j0 : BC), skip = (int)(j0 < lo ? lo - j0 : 0);
         /* values in place, or converted by the pre-pass; rows before lo (the block starts on
          * a multiple of BC) are never read */
-        const REAL *vb = job->vc ? (const REAL *)job->vc + job->vc_off[kvu] + j0 * dvp
+        const REAL *vb = job->vc ? (const REAL *)job->vc + job->vc_off[kvu]
+                                       + (dots ? j0 / 2 : j0) * dvp     /* dots: pairs of rows */
                                  : (const REAL *)FN(row_ptr)(p, OR_V, kvu, j0);
         const or_ssize ldv = job->vc ? dvp : w[OR_V].row_stride / (or_ssize)sizeof(REAL);
         /* SR rows at a time, each over the key columns some row of the strip may see: on the
@@ -421,6 +441,13 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
                 ncols = end < BC ? FN(pad)((int)end) : BC;
             }
             const int kcols = ncols < cols ? ncols : cols;      /* keys read and transformed */
+#if DOTS
+            if (dots)
+                bf16_gemm(s, BC, (const uint32_t *)q + (or_ssize)r0 * dp, dp,
+                          (const uint32_t *)kt + j0 / BC * KLD * ((d + 1) / 2), KLD, sr, ncols,
+                          (d + 1) / 2, (REAL)p->prm.scale, 0);
+            else
+#endif
             FN(gemm)(s, BC, q + (or_ssize)r0 * dp, dp, 1, kt + j0 / BC * KLD * d, KLD, sr, ncols,
                      d, 0);
             FN(transform_scores)(p, live, kcols, i0 + r0, j0, nq, nk, slope, s, NULL);
@@ -432,6 +459,12 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
                 for (int c = 0; c < kcols; c++)
                     srow[c] = keep[c] ? srow[c] * drop_scale : 0;
             }
+#if DOTS
+            if (dots)
+                bf16_values_product(o + (or_ssize)r0 * dvp, dvp, s, sr, ncols, skip, kcols,
+                                    (const uint32_t *)vb);
+            else
+#endif
             if (kcols > skip)       /* P is 0 before lo: those value rows are not read */
                 FN(gemm)(o + (or_ssize)r0 * dvp, dvp, s + skip, BC, 1, vb + (or_ssize)skip * ldv,
                          ldv, sr, dvp, kcols - skip, 1);
@@ -505,14 +538,27 @@ static void FN(transpose_keys_item)(void *vjob, or_ssize kvu, int worker)
 }
 
 /* One work item: a block of BR query rows of one unit. */
-static void FN(fwd_item)(void *vjob, or_ssize item, int worker)
+static inline __attribute__((always_inline)) void
+FN(fwd_item_as)(void *vjob, or_ssize item, int worker, const int dots)
 {
     const or_job *job = vjob;
     item = job->order[item];
     const or_ssize u = item / job->blocks, i0 = (item % job->blocks) * BR;
     if (i0 < job->p->nq[u])
-        FN(fwd_block)(job->p, job, u, i0, worker);
+        FN(fwd_block)(job->p, job, u, i0, worker, dots);
 }
+
+static void FN(fwd_item)(void *vjob, or_ssize item, int worker)
+{
+    FN(fwd_item_as)(vjob, item, worker, 0);
+}
+
+#if DOTS
+static void bf16_fwd_item(void *vjob, or_ssize item, int worker)
+{
+    FN(fwd_item_as)(vjob, item, worker, 1);
+}
+#endif
 
 /* Backward scratch sizes, in REALs: whole-unit dK and dV accumulators, then the tiles. */
 static size_t FN(bwd_scratch)(const or_problem *p, or_ssize nk_max)
@@ -662,3 +708,4 @@ static void FN(bwd_item)(void *vjob, or_ssize item, int worker)
 
 #undef W
 #undef KLD
+#undef DOTS

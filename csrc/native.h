@@ -3,7 +3,8 @@
  * including native_kernels.h) and chosen at run time (native_isa.c).
  *
  * A kernel set is a table of work-item functions, each in a float instance (float16, bfloat16
- * and float32 inputs) and a double one (float64), plus the tile width its tiles are padded to.
+ * and float32 inputs) and a double one (float64), the forward's also in a bfloat16 one in sets
+ * with bfloat16 dot products, plus the tile width its tiles are padded to.
  */
 #ifndef ORCHARD_NATIVE_H
 #define ORCHARD_NATIVE_H
@@ -60,13 +61,17 @@ typedef struct {
     or_ssize part_stride;   /* decode: REALs per item in part */
 } or_job;
 
-/* The work-item functions of one instruction set; index 0 is the float instance, 1 the
- * double one. */
+/* The instances of a set's kernels, by what they compute in: the indexes of or_kernels' arrays.
+ * OR_IN_BF16_DOTS: the forward for bfloat16 q, k, v with its matrix products on bfloat16 dot
+ * products (attn_bf16_impl.h); NULL in sets without them. */
+enum { OR_IN_FLOAT, OR_IN_DOUBLE, OR_IN_BF16_DOTS };
+
+/* The work-item functions of one instruction set, by instance (OR_IN_*). */
 typedef struct {
     const char *name;           /* ORCHARD_ISA's value for this set */
     int width;                  /* bytes: tile rows (d, dv) are padded to a multiple of it */
     int block_keys;             /* BC: keys per block */
-    or_task transpose_keys_item[2], fwd_item[2], bwd_item[2], decode_item[2];
+    or_task transpose_keys_item[3], fwd_item[3], bwd_item[2], decode_item[2];
     size_t (*bwd_scratch[2])(const or_problem *p, or_ssize nk_max);   /* REALs per worker */
 } or_kernels;
 

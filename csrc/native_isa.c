@@ -1,12 +1,12 @@
-/* native_isa.c - which native kernel set runs: the widest this CPU supports, chosen once at
- * import (or named by ORCHARD_ISA), switchable with orchard_ops.set_native_isa(). */
+/* native_isa.c - which native kernel set runs: the widest this CPU supports (default_set), chosen
+ * once at import (or named by ORCHARD_ISA), switchable with orchard_ops.set_native_isa(). */
 #include <string.h>
 
 #include "native.h"
 
 extern const or_kernels or_kernels_baseline;
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-extern const or_kernels or_kernels_avx2, or_kernels_avx512;
+extern const or_kernels or_kernels_avx2, or_kernels_avx512, or_kernels_avx512bf16;
 #define OR_X86_SETS 1
 #endif
 
@@ -24,8 +24,24 @@ int or_native_isas(const or_kernels **out, int max)
         out[n++] = &or_kernels_avx2;
     if (v4 && n < max)
         out[n++] = &or_kernels_avx512;
+    if (v4 && __builtin_cpu_supports("avx512bf16") && n < max)
+        out[n++] = &or_kernels_avx512bf16;
 #endif
     return n;
+}
+
+/* The set chosen at import: the widest, but bfloat16 dot products only on AMD's CPUs (Zen 4
+ * on: VDPBF16PS at a float FMA's rate, 2.0x its products, benchmarks/bf16_dot.c); Intel's
+ * Sapphire Rapids issues it at half rate (0.51x), where the float kernels are faster. */
+static const or_kernels *default_set(void)
+{
+    const or_kernels *sets[OR_MAX_KERNEL_SETS];
+    const int n = or_native_isas(sets, OR_MAX_KERNEL_SETS);
+#ifdef OR_X86_SETS
+    if (sets[n - 1] == &or_kernels_avx512bf16 && !__builtin_cpu_is("amd"))
+        return sets[n - 2];
+#endif
+    return sets[n - 1];
 }
 
 static const or_kernels *chosen;
@@ -34,8 +50,7 @@ const or_kernels *or_native_kernels(void)
 {
     const or_kernels *k = __atomic_load_n(&chosen, __ATOMIC_ACQUIRE);
     if (k == NULL) {
-        const or_kernels *sets[OR_MAX_KERNEL_SETS];
-        k = sets[or_native_isas(sets, OR_MAX_KERNEL_SETS) - 1];
+        k = default_set();
         __atomic_store_n(&chosen, k, __ATOMIC_RELEASE);
     }
     return k;

@@ -1,0 +1,138 @@
+/* attn_bf16_impl.h - the forward's two matrix products on AVX512-BF16 dot products, for
+ * bfloat16 q, k and v.
+ *
+ * VDPBF16PS adds to each float lane the two products of a pair of bfloat16: twice the products
+ * of a float FMA per instruction, and where it issues as fast as an FMA (AMD Zen 4:
+ * benchmarks/bf16_dot.c, 2.0x the float FMA's GFLOP/s) twice the matrix products' speed.
+ * attn_native_impl.h includes this file in the float instance of a set compiled with
+ * AVX512-BF16 (isa_avx512bf16.c, OR_BF16_DOTS); everything but the products (scores' transform,
+ * online softmax, dropout, normalisation) is the float forward's, on the same float tiles.
+ *
+ * The products read their operands as pairs along the summed dimension, a 32-bit word each:
+ *   q    BR x dp words    query rows as given, unscaled (the scale multiplies S, in float)
+ *   kt   d2 x KLD words   a key block: word (x, j) holds columns 2x, 2x + 1 of key j
+ *   s    BR x BC floats   scores, probabilities, then P rounded to bfloat16 in place: row r's
+ *                         words (pairs of keys) from s + r BC
+ *   vc   nk2 x dvp words  a unit's values: word (x, c) holds column c of keys 2x, 2x + 1
+ *   o    BR x dvp floats  the output accumulator, as the float forward's
+ * d2 = d / 2 and nk2 = nk / 2 rounded up; an odd d or nk is padded with a zero. Rounding P to
+ * bfloat16 is what FlashAttention-2 and torch's bfloat16 kernels do; the softmax's sums are
+ * taken in float before it.
+ */
+#include <immintrin.h>
+
+/* Elements 2x and 2x + 1 of a row of n bfloat16, as one word (a zero past the row's end). */
+static inline uint32_t bf16_pair(const char *row, int x, int n)
+{
+    const uint16_t *e = (const uint16_t *)row;
+    return (uint32_t)e[2 * x] | (2 * x + 1 < n ? (uint32_t)e[2 * x + 1] << 16 : 0);
+}
+
+/* C (m x n floats, ldc) = mul * A B, or C += A B where accumulate; A (m x k2 words, row i at
+ * a + i * ars) and B (k2 rows of n words, ldb apart) are pairs of bfloat16 along the sum. m is
+ * a multiple of MR and n of W, as gemm's (attn_native_impl.h), whose register tile this is. */
+static inline __attribute__((always_inline)) void
+bf16_gemm(float *c, int ldc, const uint32_t *a, int ars, const uint32_t *b, or_ssize ldb, int m,
+          int n, int k2, float mul, int accumulate)
+{
+    for (int i0 = 0; i0 < m; i0 += MR) {
+        for (int j0 = 0; j0 < n; j0 += W) {
+            __m512 acc[MR][2];
+            for (int i = 0; i < MR; i++)
+                for (int h = 0; h < 2; h++)
+                    acc[i][h] = accumulate ? _mm512_loadu_ps(c + (or_ssize)(i0 + i) * ldc + j0 + W / 2 * h)
+                                           : _mm512_setzero_ps();
+            for (int x = 0; x < k2; x++) {
+                const uint32_t *brow = b + (or_ssize)x * ldb + j0;
+                const __m512bh b0 = (__m512bh)_mm512_loadu_si512(brow);
+                const __m512bh b1 = (__m512bh)_mm512_loadu_si512(brow + W / 2);
+                for (int i = 0; i < MR; i++) {
+                    const __m512bh av = (__m512bh)_mm512_set1_epi32((int)a[(or_ssize)(i0 + i) * ars + x]);
+                    acc[i][0] = _mm512_dpbf16_ps(acc[i][0], av, b0);
+                    acc[i][1] = _mm512_dpbf16_ps(acc[i][1], av, b1);
+                }
+            }
+            const __m512 scale = _mm512_set1_ps(accumulate ? 1.0f : mul);
+            for (int i = 0; i < MR; i++)
+                for (int h = 0; h < 2; h++)
+                    _mm512_storeu_ps(c + (or_ssize)(i0 + i) * ldc + j0 + W / 2 * h,
+                                     _mm512_mul_ps(acc[i][h], scale));
+        }
+    }
+}
+
+/* Query rows [0, rows) of a block as words (q above), rows [rows, pad_rows) zero. */
+static inline void bf16_load_q(uint32_t *q, int ld, const char *src, or_ssize stride, int rows,
+                               int pad_rows, int d)
+{
+    const int d2 = (d + 1) / 2;
+    for (int r = 0; r < rows; r++, src += stride)
+        for (int x = 0; x < d2; x++)
+            q[(or_ssize)r * ld + x] = bf16_pair(src, x, d);
+    memset(q + (or_ssize)rows * ld, 0, sizeof(uint32_t) * (size_t)(pad_rows - rows) * (size_t)ld);
+}
+
+/* Rows [0, m) of s, n columns (even), to bfloat16 in place: row r's pairs from s + r BC. */
+static inline void bf16_round_p(float *s, int m, int n)
+{
+    for (int r = 0; r < m; r++) {
+        float *row = s + (or_ssize)r * BC;
+        for (int c = 0; c < n; c += W) {        /* reads columns c.. before writing words c / 2.. */
+            const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + c + W / 2),
+                                                   _mm512_loadu_ps(row + c));
+            _mm512_storeu_si512(row + c / 2, (__m512i)h);
+        }
+    }
+}
+
+/* o (m x dvp) += P V over keys [skip, kcols) of a block: s's rows (n columns computed, P) to
+ * bfloat16, then the product from the pair that holds key skip (P is 0 before it; its partner
+ * row of vb is a real key's, or the zero that pads the unit). vb: the block's vc rows. */
+static inline __attribute__((always_inline)) void
+bf16_values_product(float *o, int dvp, float *s, int m, int n, int skip, int kcols,
+                    const uint32_t *vb)
+{
+    bf16_round_p(s, m, n);
+    if (kcols > skip)
+        bf16_gemm(o, dvp, (const uint32_t *)s + skip / 2, BC, vb + (or_ssize)(skip / 2) * dvp,
+                  dvp, m, dvp, (kcols + 1) / 2 - skip / 2, 1, 1);
+}
+
+/* The forward pre-pass of a kv unit (transpose_keys_item's): its keys as kt blocks, its values
+ * as vc, paged or not. */
+static void bf16_pack_item(void *vjob, or_ssize kvu, int worker)
+{
+    const or_job *job = vjob;
+    const or_problem *p = job->p;
+    const int d = p->d, d2 = (d + 1) / 2, dv = p->dv, dvp = (dv + W - 1) / W * W;
+    const or_ssize nk = p->nk[kvu * p->prm.group];
+    (void)worker;
+    uint32_t *kt = (uint32_t *)job->kt + job->kt_off[kvu];
+    memset(kt, 0, sizeof(uint32_t) * (size_t)((nk / BC + 1) * KLD) * (size_t)d2);
+    or_ssize run;
+    for (or_ssize j = 0; j < nk; j += run) {
+        const char *src = or_kv_row(p, OR_K, kvu, j, &run);
+        run = run < nk - j ? run : nk - j;
+        for (or_ssize r = j; r < j + run; r++, src += p->view[OR_K].row_stride) {
+            uint32_t *dst = kt + r / BC * KLD * d2 + r % BC;    /* word x at dst[x * KLD] */
+            for (int x = 0; x < d2; x++)
+                dst[x * KLD] = bf16_pair(src, x, d);
+        }
+    }
+    uint16_t *vc = (uint16_t *)((uint32_t *)job->vc + job->vc_off[kvu]);
+    for (or_ssize j = 0; j < nk; j += run) {
+        const char *src = or_kv_row(p, OR_V, kvu, j, &run);
+        run = run < nk - j ? run : nk - j;
+        for (or_ssize r = j; r < j + run; r++, src += p->view[OR_V].row_stride) {
+            uint16_t *dst = vc + r / 2 * 2 * dvp + r % 2;      /* column c at dst[2 c] */
+            const uint16_t *e = (const uint16_t *)src;
+            for (int c = 0; c < dv; c++)
+                dst[2 * c] = e[c];
+            for (int c = dv; c < dvp; c++)
+                dst[2 * c] = 0;
+        }
+    }
+    if (nk % 2)     /* the last pair's second key */
+        for (int c = 0; c < dvp; c++)
+            vc[nk / 2 * 2 * dvp + 2 * c + 1] = 0;
+}
