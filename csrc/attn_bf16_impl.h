@@ -28,12 +28,13 @@ static inline uint32_t bf16_pair(const char *row, int x, int n)
     return (uint32_t)e[2 * x] | (2 * x + 1 < n ? (uint32_t)e[2 * x + 1] << 16 : 0);
 }
 
-/* C (m x n floats, ldc) = mul * A B, or C += A B where accumulate; A (m x k2 words, row i at
- * a + i * ars) and B (k2 rows of n words, ldb apart) are pairs of bfloat16 along the sum. m is
- * a multiple of MR and n of W, as gemm's (attn_native_impl.h), whose register tile this is. */
+/* C (m x n floats, ldc) = mul * A B, or C += A B where accumulate; A (m x k2 words, word (i, x)
+ * at a[i * ars + x * acs]) and B (k2 rows of n words, ldb apart) are pairs of bfloat16 along the
+ * sum. m is a multiple of MR and n of W, as gemm's (attn_native_impl.h), whose register tile
+ * this is. */
 static inline __attribute__((always_inline)) void
-bf16_gemm(float *c, int ldc, const uint32_t *a, int ars, const uint32_t *b, or_ssize ldb, int m,
-          int n, int k2, float mul, int accumulate)
+bf16_gemm(float *c, int ldc, const uint32_t *a, int ars, int acs, const uint32_t *b, or_ssize ldb,
+          int m, int n, int k2, float mul, int accumulate)
 {
     for (int i0 = 0; i0 < m; i0 += MR) {
         for (int j0 = 0; j0 < n; j0 += W) {
@@ -47,7 +48,8 @@ bf16_gemm(float *c, int ldc, const uint32_t *a, int ars, const uint32_t *b, or_s
                 const __m512bh b0 = (__m512bh)_mm512_loadu_si512(brow);
                 const __m512bh b1 = (__m512bh)_mm512_loadu_si512(brow + W / 2);
                 for (int i = 0; i < MR; i++) {
-                    const __m512bh av = (__m512bh)_mm512_set1_epi32((int)a[(or_ssize)(i0 + i) * ars + x]);
+                    const __m512bh av = (__m512bh)_mm512_set1_epi32(
+                        (int)a[(or_ssize)(i0 + i) * ars + (or_ssize)x * acs]);
                     acc[i][0] = _mm512_dpbf16_ps(acc[i][0], av, b0);
                     acc[i][1] = _mm512_dpbf16_ps(acc[i][1], av, b1);
                 }
@@ -72,17 +74,31 @@ static inline void bf16_load_q(uint32_t *q, int ld, const char *src, or_ssize st
     memset(q + (or_ssize)rows * ld, 0, sizeof(uint32_t) * (size_t)(pad_rows - rows) * (size_t)ld);
 }
 
-/* Rows [0, m) of s, n columns (even), to bfloat16 in place: row r's pairs from s + r BC. */
-static inline void bf16_round_p(float *s, int m, int n)
+/* Words (r, x) of dst = elements 2x, 2x + 1 of src's row r, rounded to bfloat16, for rows
+ * [0, m) and columns [0, n) (a multiple of W). dst may be src (P in place): a row's columns c..
+ * are read before its words c / 2.. are written. */
+static inline void bf16_pairs_along(uint32_t *dst, int ldd, const float *src, int lds, int m, int n)
 {
-    for (int r = 0; r < m; r++) {
-        float *row = s + (or_ssize)r * BC;
-        for (int c = 0; c < n; c += W) {        /* reads columns c.. before writing words c / 2.. */
-            const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + c + W / 2),
-                                                   _mm512_loadu_ps(row + c));
-            _mm512_storeu_si512(row + c / 2, (__m512i)h);
+    for (int r = 0; r < m; r++)
+        for (int c = 0; c < n; c += W) {
+            const float *in = src + (or_ssize)r * lds + c;
+            const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(in + W / 2), _mm512_loadu_ps(in));
+            _mm512_storeu_si512(dst + (or_ssize)r * ldd + c / 2, (__m512i)h);
         }
-    }
+}
+
+/* Words (x, c) of dst = elements (2x, c), (2x + 1, c) of src, rounded to bfloat16, for pairs of
+ * rows [x0, x1) and columns [0, n) (a multiple of W). */
+static inline void bf16_pairs_of_rows(uint32_t *dst, int ldd, const float *src, int lds, int x0,
+                                      int x1, int n)
+{
+    for (int x = x0; x < x1; x++)
+        for (int c = 0; c < n; c += W / 2) {
+            const float *in = src + (or_ssize)2 * x * lds + c;
+            const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(in)));
+            const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(in + lds)));
+            _mm512_storeu_si512(dst + (or_ssize)x * ldd + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
 }
 
 /* o (m x dvp) += P V over keys [skip, kcols) of a block: s's rows (n columns computed, P) to
@@ -92,10 +108,53 @@ static inline __attribute__((always_inline)) void
 bf16_values_product(float *o, int dvp, float *s, int m, int n, int skip, int kcols,
                     const uint32_t *vb)
 {
-    bf16_round_p(s, m, n);
+    bf16_pairs_along((uint32_t *)s, BC, s, BC, m, n);
     if (kcols > skip)
-        bf16_gemm(o, dvp, (const uint32_t *)s + skip / 2, BC, vb + (or_ssize)(skip / 2) * dvp,
+        bf16_gemm(o, dvp, (const uint32_t *)s + skip / 2, BC, 1, vb + (or_ssize)(skip / 2) * dvp,
                   dvp, m, dvp, (kcols + 1) / 2 - skip / 2, 1, 1);
+}
+
+/* K or V (slot) of kv unit kvu, rows [0, nk) of n columns, as blocks of BC keys of pairs along
+ * the columns (kt above): block b at dst + b KLD n2, n2 = n / 2 rounded up, zero past nk. */
+static void bf16_pack_blocks(uint32_t *dst, const or_problem *p, int slot, or_ssize kvu,
+                             or_ssize nk, int n)
+{
+    const int n2 = (n + 1) / 2;
+    memset(dst, 0, sizeof(uint32_t) * (size_t)((nk / BC + 1) * KLD) * (size_t)n2);
+    or_ssize run;
+    for (or_ssize j = 0; j < nk; j += run) {
+        const char *src = or_kv_row(p, slot, kvu, j, &run);
+        run = run < nk - j ? run : nk - j;
+        for (or_ssize r = j; r < j + run; r++, src += p->view[slot].row_stride) {
+            uint32_t *out = dst + r / BC * KLD * n2 + r % BC;    /* word x at out[x * KLD] */
+            for (int x = 0; x < n2; x++)
+                out[x * KLD] = bf16_pair(src, x, n);
+        }
+    }
+}
+
+/* The same rows as pairs of rows (vc above): word (x, c) of dst (rows ld words apart) holds
+ * column c of rows 2x, 2x + 1; columns [n, ld) and the pair past an odd nk are zero. */
+static void bf16_pack_row_pairs(uint32_t *dst, int ld, const or_problem *p, int slot,
+                                or_ssize kvu, or_ssize nk, int n)
+{
+    uint16_t *half = (uint16_t *)dst;
+    or_ssize run;
+    for (or_ssize j = 0; j < nk; j += run) {
+        const char *src = or_kv_row(p, slot, kvu, j, &run);
+        run = run < nk - j ? run : nk - j;
+        for (or_ssize r = j; r < j + run; r++, src += p->view[slot].row_stride) {
+            uint16_t *out = half + r / 2 * 2 * ld + r % 2;     /* column c at out[2 c] */
+            const uint16_t *e = (const uint16_t *)src;
+            for (int c = 0; c < n; c++)
+                out[2 * c] = e[c];
+            for (int c = n; c < ld; c++)
+                out[2 * c] = 0;
+        }
+    }
+    if (nk % 2)     /* the last pair's second row */
+        for (int c = 0; c < ld; c++)
+            half[nk / 2 * 2 * ld + 2 * c + 1] = 0;
 }
 
 /* The forward pre-pass of a kv unit (transpose_keys_item's): its keys as kt blocks, its values
@@ -104,35 +163,9 @@ static void bf16_pack_item(void *vjob, or_ssize kvu, int worker)
 {
     const or_job *job = vjob;
     const or_problem *p = job->p;
-    const int d = p->d, d2 = (d + 1) / 2, dv = p->dv, dvp = (dv + W - 1) / W * W;
     const or_ssize nk = p->nk[kvu * p->prm.group];
     (void)worker;
-    uint32_t *kt = (uint32_t *)job->kt + job->kt_off[kvu];
-    memset(kt, 0, sizeof(uint32_t) * (size_t)((nk / BC + 1) * KLD) * (size_t)d2);
-    or_ssize run;
-    for (or_ssize j = 0; j < nk; j += run) {
-        const char *src = or_kv_row(p, OR_K, kvu, j, &run);
-        run = run < nk - j ? run : nk - j;
-        for (or_ssize r = j; r < j + run; r++, src += p->view[OR_K].row_stride) {
-            uint32_t *dst = kt + r / BC * KLD * d2 + r % BC;    /* word x at dst[x * KLD] */
-            for (int x = 0; x < d2; x++)
-                dst[x * KLD] = bf16_pair(src, x, d);
-        }
-    }
-    uint16_t *vc = (uint16_t *)((uint32_t *)job->vc + job->vc_off[kvu]);
-    for (or_ssize j = 0; j < nk; j += run) {
-        const char *src = or_kv_row(p, OR_V, kvu, j, &run);
-        run = run < nk - j ? run : nk - j;
-        for (or_ssize r = j; r < j + run; r++, src += p->view[OR_V].row_stride) {
-            uint16_t *dst = vc + r / 2 * 2 * dvp + r % 2;      /* column c at dst[2 c] */
-            const uint16_t *e = (const uint16_t *)src;
-            for (int c = 0; c < dv; c++)
-                dst[2 * c] = e[c];
-            for (int c = dv; c < dvp; c++)
-                dst[2 * c] = 0;
-        }
-    }
-    if (nk % 2)     /* the last pair's second key */
-        for (int c = 0; c < dvp; c++)
-            vc[nk / 2 * 2 * dvp + 2 * c + 1] = 0;
+    bf16_pack_blocks((uint32_t *)job->kt + job->kt_off[kvu], p, OR_K, kvu, nk, p->d);
+    bf16_pack_row_pairs((uint32_t *)job->vc + job->vc_off[kvu], (p->dv + W - 1) / W * W, p, OR_V,
+                        kvu, nk, p->dv);
 }

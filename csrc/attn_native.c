@@ -161,6 +161,17 @@ static int decode_fwd(const or_problem *p, const or_kernels *kern, int dbl)
     return rc;
 }
 
+/* Which instance of a set's items (native.h OR_IN_*) computes p: bfloat16 dot products where the
+ * set has them and every operand they multiply is bfloat16 (q, k, v, and dO in a backward). */
+static int instance(const or_problem *p, const or_task *items, int dbl, int backward)
+{
+    const or_view *w = p->view;
+    const int bf16 = w[OR_Q].dtype == OR_BF16 && w[OR_K].dtype == OR_BF16
+                     && w[OR_V].dtype == OR_BF16 && (!backward || w[OR_DO].dtype == OR_BF16);
+    return dbl ? OR_IN_DOUBLE
+               : bf16 && items[OR_IN_BF16_DOTS] ? OR_IN_BF16_DOTS : OR_IN_FLOAT;
+}
+
 int or_native_fwd(const or_problem *p)
 {
     const int dbl = or_dtypes[p->view[OR_Q].dtype].compute_size == sizeof(double);
@@ -168,10 +179,7 @@ int or_native_fwd(const or_problem *p)
     const or_kernels *kern = or_native_kernels();
     if (or_is_decode(p))
         return decode_fwd(p, kern, dbl);
-    const int bf16 = p->view[OR_Q].dtype == OR_BF16 && p->view[OR_K].dtype == OR_BF16
-                     && p->view[OR_V].dtype == OR_BF16;
-    const int in = dbl ? OR_IN_DOUBLE
-                   : bf16 && kern->fwd_item[OR_IN_BF16_DOTS] ? OR_IN_BF16_DOTS : OR_IN_FLOAT;
+    const int in = instance(p, kern->fwd_item, dbl, 0);
     const or_ssize n_kv = p->n_units / p->prm.group;
     const or_ssize bc = kern->block_keys;
     const size_t lanes = (size_t)kern->width / real, dp = (p->d + lanes - 1) / lanes * lanes,
@@ -229,13 +237,14 @@ int or_native_bwd(const or_problem *p)
         job.nk_max = p->nk[u] > job.nk_max ? p->nk[u] : job.nk_max;
     if ((size_t)job.nk_max > (SIZE_MAX / 4) / (real * 2 * (OR_MAX_HEAD_DIM + 64)))
         return OR_ENOMEM;
-    job.per_worker = round_up(real * kern->bwd_scratch[dbl](p, job.nk_max)
+    const int in = instance(p, kern->bwd_item, dbl, 1);
+    job.per_worker = round_up(real * kern->bwd_scratch[in](p, job.nk_max)
                               + (size_t)kern->block_keys);
     const or_ssize n_kv = p->n_units / p->prm.group;
     job.order = costly_first(&job, n_kv, 1, bwd_cost);
     if (job.order == NULL)
         return OR_ENOMEM;
-    const int rc = run_job(&job, n_kv, n_kv, kern->bwd_item[dbl]);
+    const int rc = run_job(&job, n_kv, n_kv, kern->bwd_item[in]);
     free(job.order);
     return rc;
 }

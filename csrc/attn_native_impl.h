@@ -443,7 +443,7 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
             const int kcols = ncols < cols ? ncols : cols;      /* keys read and transformed */
 #if DOTS
             if (dots)
-                bf16_gemm(s, BC, (const uint32_t *)q + (or_ssize)r0 * dp, dp,
+                bf16_gemm(s, BC, (const uint32_t *)q + (or_ssize)r0 * dp, dp, 1,
                           (const uint32_t *)kt + j0 / BC * KLD * ((d + 1) / 2), KLD, sr, ncols,
                           (d + 1) / 2, (REAL)p->prm.scale, 0);
             else
@@ -570,9 +570,26 @@ static size_t FN(bwd_scratch)(const or_problem *p, or_ssize nk_max)
            + 3 * (size_t)BR * BC + 2 * BR;          /* s, dp, dcap, lse, di */
 }
 
+#if DOTS
+/* bf16_bwd_item's: bwd_item's, then its tiles of pairs of bfloat16 (qw, dow, qr, dor, prr, dsr) */
+static size_t bf16_bwd_scratch(const or_problem *p, or_ssize nk_max)
+{
+    const size_t dp = (size_t)FN(pad)(p->d), dvp = (size_t)FN(pad)(p->dv);
+    return FN(bwd_scratch)(p, nk_max) + BR * (dp + dvp) / 2 * 3 + (size_t)BR * BC;
+}
+#endif
+
 /* One work item: a kv unit; it owns dK and dV of that unit and the dQ of its query heads,
- * so no two workers ever write the same element and no atomics are needed. */
-static void FN(bwd_item)(void *vjob, or_ssize item, int worker)
+ * so no two workers ever write the same element and no atomics are needed. Where dots, the five
+ * matrix products run on bfloat16 dot products, their operands pairs of bfloat16 (the forward's
+ * layouts, attn_bf16_impl.h; P and dS rounded to bfloat16):
+ *   qw, dow   q and dO rows, pairs along d / dv      (S = q K^T, dP = dO V^T)
+ *   qr, dor   q and dO, pairs of rows                 (dK += dS^T q, dV += P^T dO)
+ *   prr, dsr  P and dS, pairs of rows, BC words wide  (the A operands of those two)
+ *   kt, vt    blocks of pairs along d / dv; k: pairs of rows (dQ += dS K, dS pairs along keys
+ *             in place) */
+static inline __attribute__((always_inline)) void
+FN(bwd_unit)(void *vjob, or_ssize item, int worker, const int dots)
 {
     const or_job *job = vjob;
     const or_problem *p = job->p;
@@ -591,10 +608,25 @@ static void FN(bwd_item)(void *vjob, or_ssize item, int worker)
     REAL *di = lse + BR;
     unsigned char *keep = (unsigned char *)(di + BR);
     const or_view *w = p->view;
-
-    FN(load_rows)(k, dp, FN(row_ptr)(p, OR_K, kvu, 0), w[OR_K].row_stride, nk, d, nk, w[OR_K].dtype, 1);
-    FN(load_cols_blocked)(kt, FN(row_ptr)(p, OR_K, kvu, 0), w[OR_K].row_stride, nk, d, w[OR_K].dtype);
-    FN(load_cols_blocked)(vt, FN(row_ptr)(p, OR_V, kvu, 0), w[OR_V].row_stride, nk, dv, w[OR_V].dtype);
+#if DOTS
+    const int d2 = (d + 1) / 2, dv2 = (dv + 1) / 2;
+    uint32_t *qw = (uint32_t *)(di + BR), *dow = qw + BR * dp, *qr = dow + BR * dvp;
+    uint32_t *dor = qr + BR / 2 * dp, *prr = dor + BR / 2 * dvp, *dsr = prr + BR / 2 * BC;
+    if (dots) {
+        keep = (unsigned char *)(dsr + BR / 2 * BC);
+        bf16_pack_row_pairs((uint32_t *)k, dp, p, OR_K, kvu, nk, d);
+        bf16_pack_blocks((uint32_t *)kt, p, OR_K, kvu, nk, d);
+        bf16_pack_blocks((uint32_t *)vt, p, OR_V, kvu, nk, dv);
+    } else
+#endif
+    {
+        FN(load_rows)(k, dp, FN(row_ptr)(p, OR_K, kvu, 0), w[OR_K].row_stride, nk, d, nk,
+                      w[OR_K].dtype, 1);
+        FN(load_cols_blocked)(kt, FN(row_ptr)(p, OR_K, kvu, 0), w[OR_K].row_stride, nk, d,
+                              w[OR_K].dtype);
+        FN(load_cols_blocked)(vt, FN(row_ptr)(p, OR_V, kvu, 0), w[OR_V].row_stride, nk, dv,
+                              w[OR_V].dtype);
+    }
     memset(dk, 0, sizeof(REAL) * (size_t)(nk + MR) * dp);
     memset(dvacc, 0, sizeof(REAL) * (size_t)(nk + MR) * dvp);
     for (or_ssize g = 0; g < p->prm.group; g++) {
@@ -603,9 +635,17 @@ static void FN(bwd_item)(void *vjob, or_ssize item, int worker)
         for (or_ssize i0 = 0; i0 < nq; i0 += BR) {
             const int rows = (int)(nq - i0 < BR ? nq - i0 : BR), rows_mr = (rows + MR - 1) / MR * MR;
             FN(load_rows)(q, dp, FN(row_ptr)(p, OR_Q, u, i0), w[OR_Q].row_stride, rows, d, rows_mr,
-                          w[OR_Q].dtype, (REAL)p->prm.scale);
+                          w[OR_Q].dtype, dots ? 1 : (REAL)p->prm.scale);
             FN(load_rows)(dout, dvp, FN(row_ptr)(p, OR_DO, u, i0), w[OR_DO].row_stride, rows, dv,
                           rows_mr, w[OR_DO].dtype, 1);
+#if DOTS
+            if (dots) {     /* exact: the values are bfloat16 */
+                bf16_pairs_along(qw, dp, q, dp, rows_mr, dp);
+                bf16_pairs_along(dow, dvp, dout, dvp, rows_mr, dvp);
+                bf16_pairs_of_rows(qr, dp, q, dp, 0, rows_mr / 2, dp);
+                bf16_pairs_of_rows(dor, dvp, dout, dvp, 0, rows_mr / 2, dvp);
+            }
+#endif
             FN(load_rows)(o, dvp, FN(row_ptr)(p, OR_O, u, i0), w[OR_O].row_stride, rows, dv, rows,
                           w[OR_O].dtype, 1);
             FN(load_rows)(lse, 1, FN(row_ptr)(p, OR_LSE, u, i0), w[OR_LSE].row_stride, rows, 1, rows,
@@ -635,10 +675,24 @@ static void FN(bwd_item)(void *vjob, or_ssize item, int worker)
                     const int kcols = ncols < cols ? ncols : cols;    /* keys read, transformed */
                     REAL *sb = s + (or_ssize)r0 * BC, *db = dpm + (or_ssize)r0 * BC;
                     if (ncols > 0) {
+#if DOTS
+                        if (dots)
+                            bf16_gemm(sb, BC, qw + (or_ssize)r0 * dp, dp, 1,
+                                      (const uint32_t *)kt + j0 / BC * KLD * d2, KLD, m, ncols,
+                                      d2, (REAL)p->prm.scale, 0);
+                        else
+#endif
                         FN(gemm)(sb, BC, q + (or_ssize)r0 * dp, dp, 1, kt + j0 / BC * KLD * d,
                                  KLD, m, ncols, d, 0);                           /* S = q K^T */
                         FN(transform_scores)(p, rows - r0 < m ? rows - r0 : m, kcols, i0 + r0, j0,
                                              nq, nk, slope, sb, dcap + (or_ssize)r0 * BC);
+#if DOTS
+                        if (dots)
+                            bf16_gemm(db, BC, dow + (or_ssize)r0 * dvp, dvp, 1,
+                                      (const uint32_t *)vt + j0 / BC * KLD * dv2, KLD, m, ncols,
+                                      dv2, 1, 0);
+                        else
+#endif
                         FN(gemm)(db, BC, dout + (or_ssize)r0 * dvp, dvp, 1,
                                  vt + j0 / BC * KLD * dv, KLD, m, ncols, dv, 0); /* dP = dO V^T */
                     }
@@ -676,6 +730,18 @@ static void FN(bwd_item)(void *vjob, or_ssize item, int worker)
                         for (int c = 0; c < skip; c++)  /* P = 0 there, but dP may be inf */
                             dprow[c] = 0;
                     }
+#if DOTS
+                    if (dots) {     /* P, dS as pairs of rows; dS pairs along keys in place */
+                        bf16_pairs_of_rows(prr, BC, s, BC, r0 / 2, (r0 + m) / 2, BC);
+                        bf16_pairs_of_rows(dsr, BC, dpm, BC, r0 / 2, (r0 + m) / 2, BC);
+                        bf16_pairs_along((uint32_t *)db, BC, db, BC, m, ncols);
+                        if (kcols > skip)
+                            bf16_gemm(dq + (or_ssize)r0 * dp, dp, (const uint32_t *)db + skip / 2,
+                                      BC, 1, (const uint32_t *)k + (j0 + skip) / 2 * dp, dp, m,
+                                      dp, (kcols + 1) / 2 - skip / 2, 1, 1);
+                        continue;
+                    }
+#endif
                     if (kcols > skip)                                   /* dQ += dS K */
                         FN(gemm)(dq + (or_ssize)r0 * dp, dp, db + skip, BC, 1, k + (j0 + skip) * dp,
                                  dp, m, dp, kcols - skip, 1);
@@ -688,6 +754,16 @@ static void FN(bwd_item)(void *vjob, or_ssize item, int worker)
                     const int rlo = cut && c0 - reach > 0 ? (int)(c0 - reach) : 0;
                     if (rlo >= rows)
                         break;
+#if DOTS
+                    if (dots) {     /* from the pair of rows that holds rlo */
+                        const int x0 = rlo / 2, pairs = (rows + 1) / 2 - x0;
+                        bf16_gemm(dvacc + (j0 + c0) * dvp, dvp, prr + (or_ssize)x0 * BC + c0, 1, BC,
+                                  dor + (or_ssize)x0 * dvp, dvp, n, dvp, pairs, 1, 1);
+                        bf16_gemm(dk + (j0 + c0) * dp, dp, dsr + (or_ssize)x0 * BC + c0, 1, BC,
+                                  qr + (or_ssize)x0 * dp, dp, n, dp, pairs, 1, 1);
+                        continue;
+                    }
+#endif
                     FN(gemm)(dvacc + (j0 + c0) * dvp, dvp, s + (or_ssize)rlo * BC + c0, 1, BC,
                              dout + (or_ssize)rlo * dvp, dvp, n, dvp, rows - rlo, 1);
                     FN(gemm)(dk + (j0 + c0) * dp, dp, dpm + (or_ssize)rlo * BC + c0, 1, BC,
@@ -701,10 +777,25 @@ static void FN(bwd_item)(void *vjob, or_ssize item, int worker)
                            w[OR_DQ].dtype);
         }
     }
+    if (dots)       /* dK = scale dS^T q: q was not pre-multiplied */
+        for (or_ssize x = 0; x < nk * dp; x++)
+            dk[x] *= (REAL)p->prm.scale;
     FN(store_rows)(FN(row_ptr)(p, OR_DK, kvu, 0), w[OR_DK].row_stride, dk, dp, nk, d, w[OR_DK].dtype);
     FN(store_rows)(FN(row_ptr)(p, OR_DV, kvu, 0), w[OR_DV].row_stride, dvacc, dvp, nk, dv,
                    w[OR_DV].dtype);
 }
+
+static void FN(bwd_item)(void *vjob, or_ssize item, int worker)
+{
+    FN(bwd_unit)(vjob, item, worker, 0);
+}
+
+#if DOTS
+static void bf16_bwd_item(void *vjob, or_ssize item, int worker)
+{
+    FN(bwd_unit)(vjob, item, worker, 1);
+}
+#endif
 
 #undef W
 #undef KLD

@@ -62,8 +62,8 @@ typedef struct {
 } or_job;
 
 /* The instances of a set's kernels, by what they compute in: the indexes of or_kernels' arrays.
- * OR_IN_BF16_DOTS: the forward for bfloat16 q, k, v with its matrix products on bfloat16 dot
- * products (attn_bf16_impl.h); NULL in sets without them. */
+ * OR_IN_BF16_DOTS: the forward and backward for bfloat16 q, k, v (and dO) with their matrix
+ * products on bfloat16 dot products (attn_bf16_impl.h); NULL in sets without them. */
 enum { OR_IN_FLOAT, OR_IN_DOUBLE, OR_IN_BF16_DOTS };
 
 /* The work-item functions of one instruction set, by instance (OR_IN_*). */
@@ -71,8 +71,8 @@ typedef struct {
     const char *name;           /* ORCHARD_ISA's value for this set */
     int width;                  /* bytes: tile rows (d, dv) are padded to a multiple of it */
     int block_keys;             /* BC: keys per block */
-    or_task transpose_keys_item[3], fwd_item[3], bwd_item[2], decode_item[2];
-    size_t (*bwd_scratch[2])(const or_problem *p, or_ssize nk_max);   /* REALs per worker */
+    or_task transpose_keys_item[3], fwd_item[3], bwd_item[3], decode_item[2];
+    size_t (*bwd_scratch[3])(const or_problem *p, or_ssize nk_max);   /* REALs per worker */
 } or_kernels;
 
 #define OR_MAX_KERNEL_SETS 8    /* room for every set isa_*.c compiles */

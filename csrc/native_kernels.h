@@ -86,11 +86,13 @@ const or_kernels CAT(or_kernels_, ISA) = {
 #ifdef OR_BF16_DOTS
     .transpose_keys_item = {transpose_keys_item_f, transpose_keys_item_d, bf16_pack_item},
     .fwd_item = {fwd_item_f, fwd_item_d, bf16_fwd_item},
+    .bwd_item = {bwd_item_f, bwd_item_d, bf16_bwd_item},
+    .bwd_scratch = {bwd_scratch_f, bwd_scratch_d, bf16_bwd_scratch},
 #else
     .transpose_keys_item = {transpose_keys_item_f, transpose_keys_item_d},
     .fwd_item = {fwd_item_f, fwd_item_d},
-#endif
     .bwd_item = {bwd_item_f, bwd_item_d},
-    .decode_item = {decode_item_f, decode_item_d},
     .bwd_scratch = {bwd_scratch_f, bwd_scratch_d},
+#endif
+    .decode_item = {decode_item_f, decode_item_d},
 };
