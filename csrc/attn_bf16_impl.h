@@ -115,17 +115,42 @@ bf16_values_product(float *o, int dvp, float *s, int m, int n, int skip, int kco
 }
 
 /* K or V (slot) of kv unit kvu, rows [0, nk) of n columns, as blocks of BC keys of pairs along
- * the columns (kt above): block b at dst + b KLD n2, n2 = n / 2 rounded up, zero past nk. */
+ * the columns (kt above): block b at dst + b KLD n2, n2 = n / 2 rounded up, zero past nk.
+ * Unpaged rows go 16 x 16 words at a time through transpose_tile (the float forward's: words
+ * move as floats, bit for bit); the rest, and paged rows, a word at a time. */
 static void bf16_pack_blocks(uint32_t *dst, const or_problem *p, int slot, or_ssize kvu,
                              or_ssize nk, int n)
 {
     const int n2 = (n + 1) / 2;
-    memset(dst, 0, sizeof(uint32_t) * (size_t)((nk / BC + 1) * KLD) * (size_t)n2);
+    const or_ssize stride = p->view[slot].row_stride;
+    uint32_t *last = dst + nk / BC * KLD * n2;          /* its rows past nk are zero */
+    for (int x = 0; nk % BC && x < n2; x++)
+        memset(last + x * KLD + nk % BC, 0, sizeof(uint32_t) * (size_t)(BC - nk % BC));
+    or_ssize tiled = 0;
+    const int whole = n / 2 / 16 * 16;                  /* words of whole tiles */
+    if (p->pages.rows == 0 && whole > 0) {
+        const char *src = or_kv_row(p, slot, kvu, 0, &tiled);
+        tiled = nk / 16 * 16;
+        for (or_ssize r0 = 0; r0 < tiled; r0 += 16) {
+            uint32_t *out = dst + r0 / BC * KLD * n2 + r0 % BC;
+            for (int x0 = 0; x0 < whole; x0 += 16) {
+                FN(vec) t[16];
+                for (int i = 0; i < 16; i++)
+                    memcpy(&t[i], src + (r0 + i) * stride + 4 * x0, sizeof(t[i]));
+                FN(transpose_tile)(t);
+                for (int c = 0; c < 16; c++)
+                    memcpy(out + (or_ssize)(x0 + c) * KLD, &t[c], sizeof(t[c]));
+            }
+            for (or_ssize r = r0; r < r0 + 16; r++)     /* words past the whole tiles */
+                for (int x = whole; x < n2; x++)
+                    out[(or_ssize)x * KLD + r - r0] = bf16_pair(src + r * stride, x, n);
+        }
+    }
     or_ssize run;
-    for (or_ssize j = 0; j < nk; j += run) {
+    for (or_ssize j = tiled; j < nk; j += run) {
         const char *src = or_kv_row(p, slot, kvu, j, &run);
         run = run < nk - j ? run : nk - j;
-        for (or_ssize r = j; r < j + run; r++, src += p->view[slot].row_stride) {
+        for (or_ssize r = j; r < j + run; r++, src += stride) {
             uint32_t *out = dst + r / BC * KLD * n2 + r % BC;    /* word x at out[x * KLD] */
             for (int x = 0; x < n2; x++)
                 out[x * KLD] = bf16_pair(src, x, n);
@@ -138,23 +163,23 @@ static void bf16_pack_blocks(uint32_t *dst, const or_problem *p, int slot, or_ss
 static void bf16_pack_row_pairs(uint32_t *dst, int ld, const or_problem *p, int slot,
                                 or_ssize kvu, or_ssize nk, int n)
 {
-    uint16_t *half = (uint16_t *)dst;
-    or_ssize run;
-    for (or_ssize j = 0; j < nk; j += run) {
-        const char *src = or_kv_row(p, slot, kvu, j, &run);
-        run = run < nk - j ? run : nk - j;
-        for (or_ssize r = j; r < j + run; r++, src += p->view[slot].row_stride) {
-            uint16_t *out = half + r / 2 * 2 * ld + r % 2;     /* column c at out[2 c] */
-            const uint16_t *e = (const uint16_t *)src;
-            for (int c = 0; c < n; c++)
-                out[2 * c] = e[c];
-            for (int c = n; c < ld; c++)
-                out[2 * c] = 0;
+    const or_ssize stride = p->view[slot].row_stride;
+    const __m256i zero = _mm256_setzero_si256();
+    for (or_ssize x = 0; x < (nk + 1) / 2; x++) {
+        or_ssize run;
+        const char *a = or_kv_row(p, slot, kvu, 2 * x, &run), *b = NULL;
+        if (2 * x + 1 < nk)
+            b = run > 1 ? a + stride : or_kv_row(p, slot, kvu, 2 * x + 1, &run);
+        uint32_t *out = dst + x * ld;
+        for (int c = 0; c < ld; c += 16) {      /* 16 columns of each row: 16 words */
+            const int m = n - c >= 16 ? 16 : n - c > 0 ? n - c : 0;
+            const __mmask16 k = (__mmask16)((1u << m) - 1);
+            const __m256i lo = _mm256_mask_loadu_epi16(zero, k, a + 2 * c);
+            const __m256i hi = b ? _mm256_mask_loadu_epi16(zero, k, b + 2 * c) : zero;
+            _mm512_storeu_si512(out + c, _mm512_or_si512(_mm512_cvtepu16_epi32(lo),
+                                        _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16)));
         }
     }
-    if (nk % 2)     /* the last pair's second row */
-        for (int c = 0; c < ld; c++)
-            half[nk / 2 * 2 * ld + 2 * c + 1] = 0;
 }
 
 /* The forward pre-pass of a kv unit (transpose_keys_item's): its keys as kt blocks, its values

@@ -51,7 +51,7 @@ def test_dropout_follows_torch_manual_seed():
     assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
 
 
-def test_bfloat16_goes_through_float32():
+def test_bfloat16_tensors():
     q, k, v = qkv((1, 2, 16, 8), (1, 2, 16, 8), torch.bfloat16)
     out = flash_attention(q, k, v, causal=True)
     out.float().sum().backward()
