@@ -248,7 +248,10 @@ FN(decode_pages)(const char *start, int c, int n, int len)
 /* Whether the next block's n rows (at next) continue the last row of this block (at last) back
  * to back: then they are asked for a page at a time, since the stream prefetcher fetches the
  * rest and a prefetch per line only competes with the loads (contiguous caches 2-5 % faster
- * without them, strided and paged ones 4-30 % slower). */
+ * without them, strided and paged ones 4-30 % slower) - in steps over less than
+ * DECODE_STREAM_BYTES (attn_native.c, job->stream_lines). Over more, an AMD EPYC's (Zen 4)
+ * stream prefetcher fell behind: asking for every line there made steps over 16-32 MB of keys
+ * and values 0.69-0.85x the time (and over 4-8 MB 1.06-1.11x). */
 static inline __attribute__((always_inline)) int
 FN(decode_ahead)(const char *last, const char *const *next, int n, int len)
 {
@@ -461,8 +464,10 @@ FN(decode_split)(const or_job *job, or_ssize item, int worker, or_dtype dt)
             FN(decode_rows)(p, OR_V, kvu, j0 + BC, n_next, nxt[1]);
         }
         /* both now: the values' pages asked for after the scores were 3-12 % slower */
-        const int k_pages = FN(decode_ahead)(cur[0][cols - 1], nxt[0], n_next, len[0]);
-        const int v_pages = FN(decode_ahead)(cur[1][cols - 1], nxt[1], n_next, len[1]);
+        const int k_pages = !job->stream_lines
+                            && FN(decode_ahead)(cur[0][cols - 1], nxt[0], n_next, len[0]);
+        const int v_pages = !job->stream_lines
+                            && FN(decode_ahead)(cur[1][cols - 1], nxt[1], n_next, len[1]);
         FN(decode_scores)(s, q, rows, dp, cur[0], cols, d, dt, nxt[0], n_next, k_pages,
                           v_pages ? nxt[1][0] : NULL, v_pages, len[1]);
         for (or_ssize g = 0; g < group; g++)

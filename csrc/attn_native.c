@@ -118,6 +118,9 @@ static double bwd_cost(const or_job *job, or_ssize kvu)     /* a kv unit (bwd_it
 #define DECODE_ITEMS 128
 #define DECODE_MIN_BLOCKS 3
 #define DECODE_WORKER_BYTES (3 << 19)
+/* Steps over this many bytes of keys and values ask for every line ahead (attn_decode_impl.h
+ * decode_ahead): over fewer, contiguous rows are left to the hardware's stream prefetcher. */
+#define DECODE_STREAM_BYTES (16 << 20)
 
 static int decode_fwd(const or_problem *p, const or_kernels *kern, int dbl)
 {
@@ -142,7 +145,8 @@ static int decode_fwd(const or_problem *p, const or_kernels *kern, int dbl)
     keys = keys < DECODE_MIN_BLOCKS * bc ? DECODE_MIN_BLOCKS * bc : (keys + bc - 1) / bc * bc;
     const size_t rows = (size_t)(group * nq_max);
     or_job job = {.p = p, .split_keys = keys,
-                  .splits = nk_max > 0 ? (nk_max + keys - 1) / keys : 1};
+                  .splits = nk_max > 0 ? (nk_max + keys - 1) / keys : 1,
+                  .stream_lines = kv_bytes >= DECODE_STREAM_BYTES};
     job.part_stride = (or_ssize)((rows * (dvp + 2) + lanes - 1) / lanes * lanes);
     const size_t items = (size_t)(n_kv * job.splits);
     if (items > SIZE_MAX / real / (size_t)job.part_stride)

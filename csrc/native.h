@@ -59,6 +59,7 @@ typedef struct {
     char *part;             /* decode: every item's partial results (attn_decode_impl.h) */
     int *splits_done;       /* decode: per kv unit, its splits finished (atomic) */
     or_ssize part_stride;   /* decode: REALs per item in part */
+    int stream_lines;       /* decode: every line of the next block asked for, contiguous or not */
 } or_job;
 
 /* The instances of a set's kernels, by what they compute in: the indexes of or_kernels' arrays.
