@@ -6,8 +6,9 @@
  * outputs, S = Q K^T for 24 query rows x 96 keys x D 64, inputs in L1) two ways: float FMAs on
  * widened operands (what the kernels do), and VDPBF16PS on pairs of bfloat16 (two products
  * per float lane and instruction: half the instructions). Prints GFLOP/s of each and their
- * ratio. The kernels use bfloat16 dot products only where this ratio is above 1; on the
- * Sapphire Rapids-class Xeon of README it was 0.51 (95 vs 185 GFLOP/s), so they do not.
+ * ratio. The kernel set that uses them (avx512bf16, csrc/attn_bf16_impl.h) is the default
+ * only where this ratio is above 1: 2.0 on an AMD EPYC (Zen 4: 221 vs 110 GFLOP/s), 0.51 on
+ * the Sapphire Rapids-class Xeon of README (95 vs 185), hence AMD's CPUs (csrc/native_isa.c).
  */
 #if defined(__x86_64__) && defined(__GNUC__)
 #pragma GCC target("arch=x86-64-v4,avx512bf16")
