@@ -40,9 +40,10 @@ bf16_gemm(float *c, int ldc, const uint32_t *a, int ars, int acs, const uint32_t
         for (int j0 = 0; j0 < n; j0 += W) {
             __m512 acc[MR][2];
             for (int i = 0; i < MR; i++)
-                for (int h = 0; h < 2; h++)
-                    acc[i][h] = accumulate ? _mm512_loadu_ps(c + (or_ssize)(i0 + i) * ldc + j0 + W / 2 * h)
-                                           : _mm512_setzero_ps();
+                for (int h = 0; h < 2; h++) {
+                    const float *ci = c + (or_ssize)(i0 + i) * ldc + j0 + W / 2 * h;
+                    acc[i][h] = accumulate ? _mm512_loadu_ps(ci) : _mm512_setzero_ps();
+                }
             for (int x = 0; x < k2; x++) {
                 const uint32_t *brow = b + (or_ssize)x * ldb + j0;
                 const __m512bh b0 = (__m512bh)_mm512_loadu_si512(brow);
@@ -77,12 +78,14 @@ static inline void bf16_load_q(uint32_t *q, int ld, const char *src, or_ssize st
 /* Words (r, x) of dst = elements 2x, 2x + 1 of src's row r, rounded to bfloat16, for rows
  * [0, m) and columns [0, n) (a multiple of W). dst may be src (P in place): a row's columns c..
  * are read before its words c / 2.. are written. */
-static inline void bf16_pairs_along(uint32_t *dst, int ldd, const float *src, int lds, int m, int n)
+static inline void bf16_pairs_along(uint32_t *dst, int ldd, const float *src, int lds, int m,
+                                    int n)
 {
     for (int r = 0; r < m; r++)
         for (int c = 0; c < n; c += W) {
             const float *in = src + (or_ssize)r * lds + c;
-            const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(in + W / 2), _mm512_loadu_ps(in));
+            const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(in + W / 2),
+                                                   _mm512_loadu_ps(in));
             _mm512_storeu_si512(dst + (or_ssize)r * ldd + c / 2, (__m512i)h);
         }
 }
@@ -95,9 +98,11 @@ static inline void bf16_pairs_of_rows(uint32_t *dst, int ldd, const float *src, 
     for (int x = x0; x < x1; x++)
         for (int c = 0; c < n; c += W / 2) {
             const float *in = src + (or_ssize)2 * x * lds + c;
-            const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(in)));
-            const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(in + lds)));
-            _mm512_storeu_si512(dst + (or_ssize)x * ldd + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            const __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(in));
+            const __m256i hi = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(in + lds));
+            _mm512_storeu_si512(dst + (or_ssize)x * ldd + c,
+                                _mm512_or_si512(_mm512_cvtepu16_epi32(lo),
+                                                _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16)));
         }
 }
 

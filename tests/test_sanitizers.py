@@ -16,7 +16,7 @@ SANITIZE_SUBSET = ["tests/test_forward.py", "tests/test_backward.py", "tests/tes
                    "tests/test_index_limits.py", "tests/test_faults.py", "tests/test_isa.py",
                    "-k", "test_combinations or test_bwd_features or test_varlen_vs_reference or "
                    "test_index_limits or recovers or (test_isa and (backward or decode or "
-                   "score_features))"]
+                   "score_features or bfloat16))"]
 
 
 def libasan():
