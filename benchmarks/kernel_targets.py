@@ -8,7 +8,9 @@ and forward+backward against torch SDPA at the same dtype; the first OpenCL devi
 against the native path, forward and backward. Calls alternate in rounds (benchmark.round_robin,
 one warm-up round), every torch call followed by a pause (TORCH_CALLS: torch's OpenMP threads
 spin for 5-10 ms after a call, and would share the cores with the next call, orchard's); a ratio
-is the median of its ratios in each round. Prints a Markdown table.
+is the median of its ratios in each round. Prints a Markdown table, then the float32 calls'
+GFLOP/s, to set against the machine's float32 FMA peak (benchmarks/bf16_dot.c's float figure, one
+copy per core): a target above that roof cannot be met.
 """
 import argparse
 import sys
@@ -20,6 +22,8 @@ import orchard_ops
 from orchard import benchmark
 
 TORCH_CALLS = ("torch_fwd", "torch_bwd", "sgemm")
+# A backward's matrix products against a forward's: S = q K^T again, dP, dV, dK, dQ
+BACKWARD_PRODUCTS = 2.5
 
 
 def ratio(times, slow, fast):
@@ -40,6 +44,10 @@ def float32_figures(shape, rounds, rng):
         calls["cl_fwd"], calls["cl_bwd"] = benchmark.orchard_calls(*arrays, False, opencl[0])
     t = benchmark.round_robin(calls, rounds, settle=TORCH_CALLS)
     flops = benchmark.attention_flops(*shape, False)
+    rate = lambda name, times: times * flops / float(np.median(t[name])) / 1e9
+    rates = ("%s: orchard forward %.0f, backward %.0f; torch forward %.0f, backward %.0f"
+             % (",".join(map(str, shape)), rate("fwd", 1), rate("bwd", BACKWARD_PRODUCTS),
+                rate("torch_fwd", 1), rate("torch_bwd", BACKWARD_PRODUCTS)))
     rows = [("float32 forward vs torch", 1.2, ratio(t, "torch_fwd", "fwd")),
             ("float32 backward vs torch", 1.5, ratio(t, "torch_bwd", "bwd")),
             ("float32 forward vs sgemm GFLOP/s", 0.8,
@@ -47,7 +55,7 @@ def float32_figures(shape, rounds, rng):
     if opencl:
         rows += [("OpenCL forward vs native", 0.9, ratio(t, "fwd", "cl_fwd")),
                  ("OpenCL backward vs native", 0.9, ratio(t, "bwd", "cl_bwd"))]
-    return rows
+    return rows, rates
 
 
 def half_figures(shape, dtype, causal, rounds, rng):
@@ -73,9 +81,11 @@ def main(argv=None):
           % (cpu["name"], cpu["compute_units"], cpu["kernel_isa"], torch.__version__,
              torch.get_num_threads(), args.rounds))
     print("\n| B,H,N,D | figure | target | measured | |\n| --- | --- | --- | --- | --- |")
+    rates = []
     for text in args.shapes:
         shape = tuple(int(x) for x in text.split(","))
-        rows = float32_figures(shape, args.rounds, rng)
+        rows, shape_rates = float32_figures(shape, args.rounds, rng)
+        rates.append(shape_rates)
         for dtype in ("float16", "bfloat16"):
             for causal in (False, True):
                 rows += half_figures(shape, dtype, causal, args.rounds, rng)
@@ -83,6 +93,10 @@ def main(argv=None):
             print("| %s | %s | >= %.1f | %.2f | %s |" % (text, what, bound, value,
                                                        "met" if value >= bound else "missed"),
                   flush=True)
+    print("\nfloat32 GFLOP/s (medians; a backward counted as %.1f forwards' products):"
+          % BACKWARD_PRODUCTS)
+    for line in rates:
+        print("- " + line)
     return 0
 
 
