@@ -5,7 +5,9 @@
  * A decode step has few query rows per head, so the query-block parallelism of the forward
  * leaves cores idle and its whole-cache key transposition costs more than the attention. Here a
  * work item is (kv unit, split): the R = group x nq query rows of one GQA group against one
- * contiguous range of keys, read once, in order, a block of BC keys at a time:
+ * contiguous range of keys, read once, in order, a block of BC keys at a time (or (kv units,
+ * split) where units' rows lie side by side, job->heads of them a block of job->step_keys
+ * keys each in turn: attn_native.c side_by_side):
  *   q    R x dp        the group's query rows, pre-multiplied by scale (row g * nq + i is
  *                      query row i of the group's head g)
  *   k, v               read in place, in their own dtype, through a list of row addresses
@@ -19,12 +21,12 @@
  * (one job per step, not a second one for the merge: waking the workers again cost as much as
  * a short step's work):
  *   M = max m_s,  L = sum l_s e^(m_s - M),  out = sum o_s e^(m_s - M) / L,  lse = M + log L.
- * Split boundaries depend only on the shapes (decode_plan), so results do not depend on the
- * number of threads.
+ * Split boundaries and blocks depend only on the shapes and strides (attn_native.c
+ * decode_fwd), so results do not depend on the number of threads.
  */
 
 #define DVL (VBYTES / (int)sizeof(REAL))    /* lanes of FN(vec) */
-#define NKEYS 8     /* keys per step of the score and value loops */
+#define NKEYS OR_DECODE_KEYS
 /* query rows per pass over the keys: their accumulators, their q vectors and a key vector must
  * fit the register file (32 vectors with AVX-512, 16 otherwise). 4 rows (over NKEYS / 2 keys at
  * a time) only for bfloat16, where they were 4 % faster than 2 rows at a time (float32 2-5 %
@@ -34,10 +36,11 @@
  * weights they must fit the register file */
 #define PV_ACC (VBYTES == 64 ? 16 : 8)
 
-/* Layout of one item's partial results in job->part, in REALs: o (R x dvp), then m, then l. */
-static inline REAL *FN(decode_part)(const or_job *job, or_ssize item)
+/* The partial results of one kv unit's split (slot kvu x splits + split) in job->part, in REALs:
+ * o (R x dvp), then m, then l. */
+static inline REAL *FN(decode_part)(const or_job *job, or_ssize slot)
 {
-    return (REAL *)job->part + item * job->part_stride;
+    return (REAL *)job->part + slot * job->part_stride;
 }
 
 /* Element i of a key or value row of dtype dt, as REAL. dt is a constant wherever this is
@@ -412,98 +415,129 @@ FN(decode_rows)(const or_problem *p, int slot, or_ssize kvu, or_ssize j0, int n,
         out[c] = (const char *)FN(zero_row);
 }
 
-/* One split of one kv unit, whose keys and values are of dtype dt. */
+/* The query rows of kv unit kvu into q (R x dp: pre-multiplied by scale, in pairs' order where
+ * paired) and its partial results for split (o, m, l in job->part) emptied. */
 static inline __attribute__((always_inline)) void
-FN(decode_split)(const or_job *job, or_ssize item, int worker, or_dtype dt)
+FN(decode_begin)(const or_job *job, or_ssize kvu, or_ssize split, REAL *q, or_dtype dt)
 {
     const or_problem *p = job->p;
-    const or_view *w = p->view;
-    const or_ssize kvu = item / job->splits, split = item % job->splits;
-    const or_ssize group = p->prm.group, u0 = kvu * group, nq = p->nq[u0], nk = p->nk[u0];
-    const int d = p->d, dv = p->dv, dp = FN(pad)(d), dvp = FN(pad)(dv);
-    const int rows = (int)(group * nq);
-    const REAL drop_scale = (REAL)p->prm.drop_scale;
-
-    REAL *o = FN(decode_part)(job, item), *m = o + (or_ssize)rows * dvp, *l = m + rows;
-    REAL *q = (REAL *)(job->scratch + (size_t)worker * job->per_worker);
-    REAL *s = q + (or_ssize)rows * dp;
-    unsigned char *keep = (unsigned char *)(s + (or_ssize)rows * BC);
-    /* row addresses of this block's keys and values and of the next block's, swapped */
-    const char *rows_a[2][BC + NKEYS], *rows_b[2][BC + NKEYS];
-    const char *(*cur)[BC + NKEYS] = rows_a, *(*nxt)[BC + NKEYS] = rows_b;
-
+    const or_ssize group = p->prm.group, u0 = kvu * group, nq = p->nq[u0];
+    const int d = p->d, dp = FN(pad)(d), dvp = FN(pad)(p->dv), rows = (int)(group * nq);
+    REAL *o = FN(decode_part)(job, kvu * job->splits + split), *m = o + (or_ssize)rows * dvp;
+    REAL *l = m + rows;
     for (int r = 0; r < rows; r++) {
         m[r] = -INFINITY;
         l[r] = 0;
     }
     memset(o, 0, sizeof(REAL) * (size_t)rows * dvp);
+    for (or_ssize g = 0; g < group; g++)
+        FN(load_rows)(q + g * nq * dp, dp, FN(row_ptr)(p, OR_Q, u0 + g, 0),
+                      p->view[OR_Q].row_stride, nq, d, nq, p->view[OR_Q].dtype,
+                      (REAL)p->prm.scale);
+    for (int r = 0; r < rows; r++)
+        FN(decode_deal)(q + (or_ssize)r * dp, FN(decode_paired)(d, dt), 1);
+}
+
+/* Keys and values [j0, j0 + cols) of kv unit kvu (row addresses in cur: keys, values) into its
+ * partial results for split: scores, online softmax, P V. Asks for the next n_next rows (nxt)
+ * meanwhile; the first block (first) asks for its own pages too. */
+static inline __attribute__((always_inline)) void
+FN(decode_block)(const or_job *job, or_ssize kvu, or_ssize split, const REAL *q, REAL *s,
+                 unsigned char *keep, or_ssize j0, int cols, const char *const (*cur)[BC + NKEYS],
+                 const char *const (*nxt)[BC + NKEYS], int n_next, int first, or_dtype dt)
+{
+    const or_problem *p = job->p;
+    const or_ssize group = p->prm.group, u0 = kvu * group, nq = p->nq[u0], nk = p->nk[u0];
+    const int d = p->d, dv = p->dv, dp = FN(pad)(d), dvp = FN(pad)(dv);
+    const int rows = (int)(group * nq), ncols = FN(pad)(cols);
+    const int kcols = (cols + NKEYS - 1) / NKEYS * NKEYS;
+    const REAL drop_scale = (REAL)p->prm.drop_scale;
+    REAL *o = FN(decode_part)(job, kvu * job->splits + split), *m = o + (or_ssize)rows * dvp;
+    REAL *l = m + rows;
+    const int len[2] = {d * FN(decode_size)(dt), dv * FN(decode_size)(dt)};
+    for (int x = 0; first && x < 2; x++)    /* GQA steps 2-6 % faster with these */
+        if (FN(decode_contiguous)(cur[x], cols, len[x]))
+            FN(decode_pages)(cur[x][0], 0, cols, len[x]);
+    /* both now: the values' pages asked for after the scores were 3-12 % slower */
+    const int k_pages = !job->stream_lines
+                        && FN(decode_ahead)(cur[0][cols - 1], nxt[0], n_next, len[0]);
+    const int v_pages = !job->stream_lines
+                        && FN(decode_ahead)(cur[1][cols - 1], nxt[1], n_next, len[1]);
+    FN(decode_scores)(s, q, rows, dp, cur[0], cols, d, dt, nxt[0], n_next, k_pages,
+                      v_pages ? nxt[1][0] : NULL, v_pages, len[1]);
+    for (or_ssize g = 0; g < group; g++)
+        FN(transform_scores)(p, (int)nq, cols, 0, j0, nq, nk,
+                             p->slopes ? (REAL)p->slopes[u0 + g] : 0, s + g * nq * BC, NULL);
+    for (int r = 0; r < rows; r++) {
+        REAL *srow = s + (or_ssize)r * BC, *orow = o + (or_ssize)r * dvp;
+        const REAL mx = FN(row_max)(srow, ncols), mnew = mx > m[r] ? mx : m[r];
+        if (mnew == -INFINITY) {            /* nothing visible to this row yet */
+            memset(srow, 0, sizeof(REAL) * BC);
+            continue;
+        }
+        const REAL alpha = EXP(m[r] - mnew);
+        m[r] = mnew;
+        l[r] = l[r] * alpha + FN(exp_row)(srow, mnew, ncols);
+        for (int c = ncols; c < kcols; c++)     /* past the tile's padding: weight 0 */
+            srow[c] = 0;
+        if (alpha != 1)
+            for (int x = 0; x < dv; x++)
+                orow[x] *= alpha;
+        if (p->prm.dropout) {
+            const or_ssize u = u0 + r / nq, i = r % nq;
+            or_dropout_row(p->prm.seed, (uint64_t)u, (uint32_t)i, (uint32_t)j0, cols,
+                           p->prm.threshold, keep);
+            for (int c = 0; c < cols; c++)
+                srow[c] = keep[c] ? srow[c] * drop_scale : 0;
+        }
+    }
+    FN(decode_pv)(o, dvp, dv, s, rows, cur[1], cols, dt, nxt[1], v_pages ? 0 : n_next);
+}
+
+/* One split of the job->heads kv units of one item (attn_native.c decode_fwd), whose keys and
+ * values are of dtype dt, job->step_keys keys at a time: a block of each unit in turn, so that
+ * units whose rows lie side by side are read a span at a time. */
+static inline __attribute__((always_inline)) void
+FN(decode_split)(const or_job *job, or_ssize item, int worker, or_dtype dt)
+{
+    const or_problem *p = job->p;
+    const or_ssize kv0 = item / job->splits * job->heads, split = item % job->splits;
+    const or_ssize group = p->prm.group, nq = p->nq[kv0 * group], nk = p->nk[kv0 * group];
+    const int dp = FN(pad)(p->d), rows = (int)(group * nq), step = (int)job->step_keys;
+
+    REAL *q = (REAL *)(job->scratch + (size_t)worker * job->per_worker);  /* heads x R x dp */
+    REAL *s = q + job->heads * rows * dp;
+    unsigned char *keep = (unsigned char *)(s + (or_ssize)rows * BC);
+    const char *cur[2][BC + NKEYS], *nxt[2][BC + NKEYS];   /* row addresses: keys, values */
+
+    for (or_ssize h = 0; h < job->heads; h++)
+        FN(decode_begin)(job, kv0 + h, split, q + h * rows * dp, dt);
     or_ssize lo, hi;    /* the keys some row sees, cut to this split */
     or_key_range(p->prm.left, p->prm.right, nq, nk, 0, nq, &lo, &hi);
     lo = lo > split * job->split_keys ? lo : split * job->split_keys;
     hi = hi < (split + 1) * job->split_keys ? hi : (split + 1) * job->split_keys;
-    if (lo >= hi)
-        return;
-
-    for (or_ssize g = 0; g < group; g++)
-        FN(load_rows)(q + g * nq * dp, dp, FN(row_ptr)(p, OR_Q, u0 + g, 0), w[OR_Q].row_stride,
-                      nq, d, nq, w[OR_Q].dtype, (REAL)p->prm.scale);
-    for (int r = 0; r < rows; r++)
-        FN(decode_deal)(q + (or_ssize)r * dp, FN(decode_paired)(d, dt), 1);
-    int cols = (int)(hi - lo < BC ? hi - lo : BC);
-    FN(decode_rows)(p, OR_K, kvu, lo, cols, cur[0]);
-    FN(decode_rows)(p, OR_V, kvu, lo, cols, cur[1]);
-    const int len[2] = {d * FN(decode_size)(dt), dv * FN(decode_size)(dt)};
-    for (int x = 0; x < 2; x++)     /* the first block's pages too (GQA steps 2-6 % faster) */
-        if (FN(decode_contiguous)(cur[x], cols, len[x]))
-            FN(decode_pages)(cur[x][0], 0, cols, len[x]);
-    for (or_ssize j0 = lo; j0 < hi; j0 += BC) {
-        const int ncols = FN(pad)(cols), kcols = (cols + NKEYS - 1) / NKEYS * NKEYS;
-        const int n_next = (int)(hi - j0 - BC < 0 ? 0 : hi - j0 - BC < BC ? hi - j0 - BC : BC);
-        if (n_next > 0) {
-            FN(decode_rows)(p, OR_K, kvu, j0 + BC, n_next, nxt[0]);
-            FN(decode_rows)(p, OR_V, kvu, j0 + BC, n_next, nxt[1]);
-        }
-        /* both now: the values' pages asked for after the scores were 3-12 % slower */
-        const int k_pages = !job->stream_lines
-                            && FN(decode_ahead)(cur[0][cols - 1], nxt[0], n_next, len[0]);
-        const int v_pages = !job->stream_lines
-                            && FN(decode_ahead)(cur[1][cols - 1], nxt[1], n_next, len[1]);
-        FN(decode_scores)(s, q, rows, dp, cur[0], cols, d, dt, nxt[0], n_next, k_pages,
-                          v_pages ? nxt[1][0] : NULL, v_pages, len[1]);
-        for (or_ssize g = 0; g < group; g++)
-            FN(transform_scores)(p, (int)nq, cols, 0, j0, nq, nk,
-                                 p->slopes ? (REAL)p->slopes[u0 + g] : 0, s + g * nq * BC, NULL);
-        for (int r = 0; r < rows; r++) {
-            REAL *srow = s + (or_ssize)r * BC, *orow = o + (or_ssize)r * dvp;
-            const REAL mx = FN(row_max)(srow, ncols), mnew = mx > m[r] ? mx : m[r];
-            if (mnew == -INFINITY) {            /* nothing visible to this row yet */
-                memset(srow, 0, sizeof(REAL) * BC);
-                continue;
+    for (or_ssize j0 = lo; j0 < hi; j0 += step) {
+        const int cols = (int)(hi - j0 < step ? hi - j0 : step);
+        const int n_next = (int)(hi - j0 - step <= 0 ? 0 : hi - j0 - step < step ? hi - j0 - step
+                                                                              : step);
+        for (or_ssize h = 0; h < job->heads; h++) {
+            const or_ssize kvu = kv0 + h;
+            FN(decode_rows)(p, OR_K, kvu, j0, cols, cur[0]);
+            FN(decode_rows)(p, OR_V, kvu, j0, cols, cur[1]);
+            if (n_next > 0) {
+                FN(decode_rows)(p, OR_K, kvu, j0 + step, n_next, nxt[0]);
+                FN(decode_rows)(p, OR_V, kvu, j0 + step, n_next, nxt[1]);
             }
-            const REAL alpha = EXP(m[r] - mnew);
-            m[r] = mnew;
-            l[r] = l[r] * alpha + FN(exp_row)(srow, mnew, ncols);
-            for (int c = ncols; c < kcols; c++)     /* past the tile's padding: weight 0 */
-                srow[c] = 0;
-            if (alpha != 1)
-                for (int x = 0; x < dv; x++)
-                    orow[x] *= alpha;
-            if (p->prm.dropout) {
-                const or_ssize u = u0 + r / nq, i = r % nq;
-                or_dropout_row(p->prm.seed, (uint64_t)u, (uint32_t)i, (uint32_t)j0, cols,
-                               p->prm.threshold, keep);
-                for (int c = 0; c < cols; c++)
-                    srow[c] = keep[c] ? srow[c] * drop_scale : 0;
-            }
+            FN(decode_block)(job, kvu, split, q + h * rows * dp, s, keep, j0, cols,
+                             (const char *const (*)[BC + NKEYS])cur,
+                             (const char *const (*)[BC + NKEYS])nxt, n_next, j0 == lo, dt);
         }
-        FN(decode_pv)(o, dvp, dv, s, rows, cur[1], cols, dt, nxt[1], v_pages ? 0 : n_next);
-        const char *(*t)[BC + NKEYS] = cur;
-        cur = nxt;
-        nxt = t;
-        cols = n_next;
     }
-    for (int r = 0; r < rows; r++)
-        FN(decode_deal)(o + (or_ssize)r * dvp, FN(decode_paired)(dv, dt), 0);
+    for (or_ssize h = 0; h < job->heads; h++) {
+        REAL *o = FN(decode_part)(job, (kv0 + h) * job->splits + split);
+        for (int r = 0; r < rows; r++)
+            FN(decode_deal)(o + (or_ssize)r * FN(pad)(p->dv), FN(decode_paired)(p->dv, dt), 0);
+    }
 }
 
 /* Merges the splits of one kv unit and stores its rows of out and lse. */
@@ -542,8 +576,8 @@ static void FN(decode_combine)(const or_job *job, or_ssize kvu, int worker)
     }
 }
 
-/* A work item: one split, in an instance for its key and value dtype; the last of its kv
- * unit's splits to finish merges them. */
+/* A work item: one split of job->heads kv units, in an instance for their key and value dtype;
+ * the last of a kv unit's splits to finish merges them. */
 static void FN(decode_item)(void *vjob, or_ssize item, int worker)
 {
     const or_job *job = vjob;
@@ -552,9 +586,10 @@ static void FN(decode_item)(void *vjob, or_ssize item, int worker)
     OR_DTYPES(OR_SPLIT)
 #undef OR_SPLIT
     }
-    const or_ssize kvu = item / job->splits;
-    if (__atomic_add_fetch(&job->splits_done[kvu], 1, __ATOMIC_ACQ_REL) == job->splits)
-        FN(decode_combine)(job, kvu, worker);
+    for (or_ssize kvu = item / job->splits * job->heads; kvu < (item / job->splits + 1) * job->heads;
+         kvu++)
+        if (__atomic_add_fetch(&job->splits_done[kvu], 1, __ATOMIC_ACQ_REL) == job->splits)
+            FN(decode_combine)(job, kvu, worker);
 }
 
 #undef DVL

@@ -60,6 +60,8 @@ typedef struct {
     int *splits_done;       /* decode: per kv unit, its splits finished (atomic) */
     or_ssize part_stride;   /* decode: REALs per item in part */
     int stream_lines;       /* decode: every line of the next block asked for, contiguous or not */
+    or_ssize heads;         /* decode: kv units per item (side by side in memory, else 1) */
+    or_ssize step_keys;     /* decode: keys per block (BC, or fewer for side-by-side units) */
 } or_job;
 
 /* The instances of a set's kernels, by what they compute in: the indexes of or_kernels' arrays.
@@ -75,6 +77,10 @@ typedef struct {
     or_task transpose_keys_item[3], fwd_item[3], bwd_item[3], decode_item[2];
     size_t (*bwd_scratch[3])(const or_problem *p, or_ssize nk_max);   /* REALs per worker */
 } or_kernels;
+
+/* Keys per step of the decode's score and value loops (attn_decode_impl.h): a block of keys is
+ * a multiple of it. */
+#define OR_DECODE_KEYS 8
 
 #define OR_MAX_KERNEL_SETS 8    /* room for every set isa_*.c compiles */
 

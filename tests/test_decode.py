@@ -78,16 +78,34 @@ def test_dropout_matches_the_reference_mask(ops, device, rng):
     check_forward(ops, device, q, k, v, what="dropout", dropout_p=0.3, seed=1234)
 
 
-def test_strided_views_are_read_in_place(ops, device, rng):
-    """(B, N, H, D) caches seen as (B, H, N, D), as a model's KV cache is."""
-    q, k, v = qkv(rng, np.float32, b=2, h=8, hkv=2, nq=1, nk=900, d=64)
-    kt = np.ascontiguousarray(k.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
-    vt = np.ascontiguousarray(v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
-    check_forward(ops, device, q, kt, vt, what="strided", causal=True)
+def side_by_side(x):
+    """x (B, H, N, D) as a view of a (B, N, H, D) array, the heads of each row side by side."""
+    return np.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
 
 
-def test_thread_count_does_not_change_results(ops, rng):
-    q, k, v = qkv(rng, np.float32, b=2, h=8, hkv=2, nq=2, nk=3000, d=64)
+@pytest.mark.parametrize("b,h,hkv,nk,d", [(2, 8, 2, 900, 64), (2, 32, 16, 2003, 128),
+                                          (1, 4, 4, 37, 32), (3, 6, 3, 1, 16)])
+def test_side_by_side_heads(ops, device, rng, b, h, hkv, nk, d):
+    """(B, N, H, D) caches seen as (B, H, N, D), as FlashAttention's and a model's KV cache
+    are: read in place, on the native path every head of a sequence in turn over blocks of 128
+    keys down to 8 (16 kv heads of D 128: csrc/attn_native.c side_by_side)."""
+    q, k, v = qkv(rng, np.float32, b=b, h=h, hkv=hkv, nq=1, nk=nk, d=d)
+    check_forward(ops, device, q, side_by_side(k), side_by_side(v), causal=True,
+                  what="side by side %d/%d heads, nk=%d" % (h, hkv, nk))
+
+
+@pytest.mark.parametrize("feature", list(FEATURES), ids=list(FEATURES))
+def test_side_by_side_score_features(ops, device, rng, feature):
+    q, k, v = qkv(rng, np.float64, h=4, hkv=2, nq=4, nk=1200)
+    check_forward(ops, device, q, side_by_side(k), side_by_side(v), what=feature,
+                  **FEATURES[feature])
+
+
+@pytest.mark.parametrize("layout", ["heads apart", "side by side"])
+def test_thread_count_does_not_change_results(ops, rng, layout):
+    q, k, v = qkv(rng, np.float32, b=2, h=8, hkv=4, nq=2, nk=3000, d=128)
+    if layout == "side by side":
+        k, v = side_by_side(k), side_by_side(v)
     threads = ops.get_num_threads()
     try:
         results = []
