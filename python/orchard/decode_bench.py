@@ -7,10 +7,12 @@ A decode step reads every key and value once and does little arithmetic with the
 roof is memory bandwidth: GB/s here are bytes of K and V per second, against a sum over 1 GiB
 (memory) and a sum over as many bytes as the cache (memory, or the CPU's cache where it fits).
 
-On the native device each case has a second row: the same keys and values as a paged cache
-(pages of PAGE rows, (num_pages, PAGE, kv heads, D), in scrambled order, read in place through
-a block_table), against torch SDPA on the contiguous tensors, timed alongside. OpenCL devices
-gather pages into a copy (orchard.flash_attn), so they get no paged row.
+Each case has a second row: the same keys and values laid out as FlashAttention's caches are,
+(1, n, kv heads, D), the heads of each row side by side, read in place through a strided view;
+on the native device a third: as a paged cache (pages of PAGE rows, (num_pages, PAGE, kv heads,
+D), in scrambled order, read in place through a block_table). Both against torch SDPA on the
+contiguous tensors, timed alongside. OpenCL devices gather pages into a copy
+(orchard.flash_attn), so they get no paged row.
 """
 import statistics
 import time
@@ -80,8 +82,11 @@ def measure(cases=CASES, dtypes=DTYPES, rounds=5, device="cpu"):
             gqa = hkv != h
             kv_bytes = 2 * hkv * n * d * k.element_size()
             cache_sum = read_bandwidth(nbytes=kv_bytes)
+            ks, vs = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
             calls = {"contiguous": lambda: orchard_ops.flash_attn_fwd(q, k, v, causal=True,
-                                                                      device=device)}
+                                                                      device=device),
+                     "side by side": lambda: orchard_ops.flash_attn_fwd(q, ks, vs, causal=True,
+                                                                        device=device)}
             if native:
                 order = torch.randperm(-(-n // PAGE), generator=g)     # scrambled pages
                 kp, vp, qp = paged(k, order), paged(v, order), q[0].transpose(0, 1)
