@@ -586,8 +586,8 @@ static void FN(decode_item)(void *vjob, or_ssize item, int worker)
     OR_DTYPES(OR_SPLIT)
 #undef OR_SPLIT
     }
-    for (or_ssize kvu = item / job->splits * job->heads; kvu < (item / job->splits + 1) * job->heads;
-         kvu++)
+    const or_ssize kv0 = item / job->splits * job->heads;
+    for (or_ssize kvu = kv0; kvu < kv0 + job->heads; kvu++)
         if (__atomic_add_fetch(&job->splits_done[kvu], 1, __ATOMIC_ACQ_REL) == job->splits)
             FN(decode_combine)(job, kvu, worker);
 }

@@ -110,7 +110,7 @@ static double bwd_cost(const or_job *job, or_ssize kvu)     /* a kv unit (bwd_it
     return c;
 }
 
-/* Decoding (attn_decode_impl.h): enough (kv unit, split) items to keep every core busy on one
+/* Decoding (attn_decode_impl.h): enough (kv units, split) items to keep every core busy on one
  * token, each at least a few blocks of keys long, so that the combine stays cheap; but a
  * thread more only per DECODE_WORKER_BYTES (1.5 MiB) of keys and values: waking a worker
  * costs 20-30 us here, about what one thread takes to read 1 MiB, and steps over caches of up

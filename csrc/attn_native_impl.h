@@ -145,8 +145,6 @@ static inline char *FN(row_ptr)(const or_problem *p, int slot, or_ssize unit, or
     return w->base + w->offs[unit] + row * w->row_stride;
 }
 
-/* Sets compiled with AVX512-BF16 (isa_avx512bf16.c) give their float instance a second forward,
- * for bfloat16 q, k and v, whose matrix products run on bfloat16 dot products. */
 /* Asks for the MR x W tile of C (m x n, ldc) that a matrix product over tiles in the order of
  * gemm's takes after tile (i0, j0), if any. */
 static inline __attribute__((always_inline)) void
@@ -159,6 +157,8 @@ FN(ask_next_tile)(const REAL *c, int ldc, int i0, int j0, int m, int n)
     }
 }
 
+/* Sets compiled with AVX512-BF16 (isa_avx512bf16.c) give their float instance a second forward,
+ * for bfloat16 q, k and v, whose matrix products run on bfloat16 dot products. */
 #if defined(OR_BF16_DOTS) && REAL_SIZE == 4
 #define DOTS 1
 #include "attn_bf16_impl.h"
