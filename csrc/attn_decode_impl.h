@@ -35,6 +35,12 @@
 /* accumulators of a value tile (decode_pv_tile): with two value vectors and the rows'
  * weights they must fit the register file */
 #define PV_ACC (VBYTES == 64 ? 16 : 8)
+/* bfloat16 steps' products on AVX512-BF16 dot products, where the set has them */
+#if defined(OR_BF16_DOTS) && REAL_SIZE == 4
+#define DECODE_DOTS 1
+#else
+#define DECODE_DOTS 0
+#endif
 
 /* The partial results of one kv unit's split (slot kvu x splits + split) in job->part, in REALs:
  * o (R x dvp), then m, then l. */
@@ -131,20 +137,30 @@ static inline __attribute__((always_inline)) int FN(decode_paired)(int n, or_dty
     return REAL_SIZE == 4 && dt == OR_BF16 ? n - n % (2 * DVL) : 0;
 }
 
-/* Elements [0, n) of a row (n a multiple of 2 DVL) from natural order to pairs' order (each
- * block: its even elements, then its odd ones), or back. */
-static void FN(decode_deal)(REAL *x, int n, int to_pairs)
+/* The element of a block of 2 DVL that position j holds in pairs' order: its even elements,
+ * then its odd ones; or, where the products are bfloat16 dot products (dots), in unpacked order:
+ * of each 16-byte lane's 8 elements, its first 4 in the first vector, its last 4 in the second
+ * (attn_decode_bf16_impl.h). */
+static inline __attribute__((always_inline)) int FN(decode_slot)(int j, int dots)
+{
+    const int lane = j % DVL, second = j / DVL;
+    return dots ? lane / 4 * 8 + second * 4 + lane % 4 : 2 * lane + second;
+}
+
+/* Elements [0, n) of a row (n a multiple of 2 DVL) from natural order to pairs' order, or
+ * back. to_pairs and dots are constants where inlined, so the moves are (a loop over decode_slot
+ * was 12 % of a short GQA step's time). */
+static inline __attribute__((always_inline)) void
+FN(decode_deal)(REAL *x, int n, int to_pairs, int dots)
 {
     for (int i = 0; i < n; i += 2 * DVL) {
         REAL t[2 * DVL];
-        for (int j = 0; j < DVL; j++) {
-            if (to_pairs) {
-                t[j] = x[i + 2 * j];
-                t[DVL + j] = x[i + 2 * j + 1];
-            } else {
-                t[2 * j] = x[i + j];
-                t[2 * j + 1] = x[i + DVL + j];
-            }
+#pragma GCC unroll 32
+        for (int j = 0; j < 2 * DVL; j++) {
+            if (to_pairs)
+                t[j] = x[i + FN(decode_slot)(j, dots)];
+            else
+                t[FN(decode_slot)(j, dots)] = x[i + j];
         }
         memcpy(x + i, t, sizeof(t));
     }
@@ -164,59 +180,6 @@ static inline __attribute__((always_inline)) void FN(decode_sums)(FN(vec) *acc, 
 }
 #undef BF16_SPREAD
 
-/* s[r * BC + t] = q row r . key row t, for r < nr (a constant), t < NKEYS (keys of dtype dt at
- * kr[t]), NKEYS / 2 keys at a time for more than 2 rows: at least 8 independent sums hide
- * the FMA latency, and each key vector is loaded and widened once for the nr rows. */
-static inline __attribute__((always_inline)) void
-FN(decode_dots)(REAL *s, const REAL *q, int dp, const char *const *kr, int d, or_dtype dt,
-                const int nr)
-{
-    const int HALF = nr > 2 ? NKEYS / 2 : NKEYS;  /* fewer sums would not hide the latency */
-    const int dvec = d - d % DVL;
-    FN(vec) acc[DROWS][NKEYS];
-    for (int h = 0; h < NKEYS; h += HALF) {
-        for (int r = 0; r < nr; r++)
-            for (int t = h; t < h + HALF; t++)
-                acc[r][t] = (FN(vec)){0};
-        int i = 0;
-#if REAL_SIZE == 4
-        for (; i < FN(decode_paired)(d, dt); i += 2 * DVL) {
-            FN(vec) xe[DROWS], xo[DROWS];
-            for (int r = 0; r < nr; r++) {
-                memcpy(&xe[r], q + (or_ssize)r * dp + i, sizeof(xe[r]));
-                memcpy(&xo[r], q + (or_ssize)r * dp + i + DVL, sizeof(xo[r]));
-            }
-            for (int t = h; t < h + HALF; t++) {
-                FN(vec) ye, yo;
-                FN(decode_bf16_pair)(kr[t], i, &ye, &yo);
-                for (int r = 0; r < nr; r++) {  /* two FMAs (a + (b + c) would be three ops) */
-                    acc[r][t] += xe[r] * ye;
-                    acc[r][t] += xo[r] * yo;
-                }
-            }
-        }
-#endif
-        for (; i < dvec; i += DVL) {
-            FN(vec) x[DROWS];
-            for (int r = 0; r < nr; r++)
-                memcpy(&x[r], q + (or_ssize)r * dp + i, sizeof(x[r]));
-            for (int t = h; t < h + HALF; t++) {
-                const FN(vec) y = FN(decode_vec)(kr[t], i, dt);
-                for (int r = 0; r < nr; r++)
-                    acc[r][t] += x[r] * y;
-            }
-        }
-    }
-    for (int r = 0; r < nr; r++) {
-        REAL sum[NKEYS];
-        FN(decode_sums)(acc[r], sum);
-        for (int i = dvec; i < d; i++)
-            for (int t = 0; t < NKEYS; t++)
-                sum[t] += q[(or_ssize)r * dp + i] * FN(decode_load)(kr[t], i, dt);
-        memcpy(s + (or_ssize)r * BC, sum, sizeof(sum));
-    }
-}
-
 /* Asks for n rows of len bytes each, for the next block: a few at a time between the work on
  * this one (one core alone reads a strided or paged cache at well below the machine's bandwidth
  * otherwise), into L2 (prefetcht1: 3-10 % faster than into L1 at 4,096 keys, measured). */
@@ -226,6 +189,73 @@ FN(decode_prefetch)(const char *const *rows, int n, int len)
     for (int t = 0; t < n; t++)
         for (int b = 0; b < len; b += 64)
             __builtin_prefetch(rows[t] + b, 0, 2);
+}
+
+#if DECODE_DOTS
+#include "attn_decode_bf16_impl.h"
+#endif
+
+/* s[r * BC + t] = q row r . key row t, for r < nr (a constant), t < NKEYS (keys of dtype dt at
+ * kr[t]), NKEYS / 2 keys at a time for more than 2 rows: at least 8 independent sums hide
+ * the FMA latency, and each key vector is loaded and widened once for the nr rows. */
+static inline __attribute__((always_inline)) void
+FN(decode_dots)(REAL *s, const REAL *q, int dp, const char *const *kr, int d, or_dtype dt,
+                REAL scale, const int nr)
+{
+#if DECODE_DOTS
+    if (dt == OR_BF16) {    /* q: unscaled words (decode_begin) */
+        decode_bf16_dots(s, (const uint32_t *)q, dp, kr, d, scale, nr);
+        return;
+    }
+#endif
+    const int HALF = nr > 2 ? NKEYS / 2 : NKEYS;  /* fewer sums would not hide the latency */
+    const int dvec = d - d % DVL;
+    FN(vec) acc[DROWS][NKEYS];  /* the sums, for decode_sums */
+#pragma GCC unroll 2
+    for (int h = 0; h < NKEYS; h += HALF) {
+        /* this half's sums: constant indices, never addressed, so kept in registers (summed
+         * in acc itself, they were stored back to memory at every step) */
+        FN(vec) a[DROWS][NKEYS] = {{{0}}};
+        int i = 0;
+#if REAL_SIZE == 4
+        for (; i < FN(decode_paired)(d, dt); i += 2 * DVL) {
+            FN(vec) xe[DROWS], xo[DROWS];
+            for (int r = 0; r < nr; r++) {
+                memcpy(&xe[r], q + (or_ssize)r * dp + i, sizeof(xe[r]));
+                memcpy(&xo[r], q + (or_ssize)r * dp + i + DVL, sizeof(xo[r]));
+            }
+            for (int t = 0; t < HALF; t++) {
+                FN(vec) ye, yo;
+                FN(decode_bf16_pair)(kr[h + t], i, &ye, &yo);
+                for (int r = 0; r < nr; r++) {  /* two FMAs (a + (b + c) would be three ops) */
+                    a[r][t] += xe[r] * ye;
+                    a[r][t] += xo[r] * yo;
+                }
+            }
+        }
+#endif
+        for (; i < dvec; i += DVL) {
+            FN(vec) x[DROWS];
+            for (int r = 0; r < nr; r++)
+                memcpy(&x[r], q + (or_ssize)r * dp + i, sizeof(x[r]));
+            for (int t = 0; t < HALF; t++) {
+                const FN(vec) y = FN(decode_vec)(kr[h + t], i, dt);
+                for (int r = 0; r < nr; r++)
+                    a[r][t] += x[r] * y;
+            }
+        }
+        for (int r = 0; r < nr; r++)
+            for (int t = 0; t < HALF; t++)
+                acc[r][h + t] = a[r][t];
+    }
+    for (int r = 0; r < nr; r++) {
+        REAL sum[NKEYS];
+        FN(decode_sums)(acc[r], sum);
+        for (int i = dvec; i < d; i++)
+            for (int t = 0; t < NKEYS; t++)
+                sum[t] += q[(or_ssize)r * dp + i] * FN(decode_load)(kr[t], i, dt);
+        memcpy(s + (or_ssize)r * BC, sum, sizeof(sum));
+    }
 }
 
 /* Whether n rows of len bytes at rows lie back to back (as far as the first and last show). */
@@ -262,14 +292,14 @@ FN(decode_ahead)(const char *last, const char *const *next, int n, int len)
 }
 
 /* s[r * BC + c] = q row r . key row c, for r < rows, c < cols rounded up to NKEYS (kr holds
- * that many row addresses). Meanwhile asks for the next block's n_next rows, NKEYS at a time:
+ * that many row addresses; scale multiplies the bfloat16 dots' sums, whose q is unscaled). Meanwhile asks for the next block's n_next rows, NKEYS at a time:
  * its keys (at next) a page at a time where k_pages, else a line at a time, and its values
  * (from v_next, vlen bytes a row) a page at a time where v_pages (else decode_pv asks for
  * them). Pages spread over the block were 5-7 % faster than all asked for at its start. */
 static inline __attribute__((always_inline)) void
 FN(decode_scores)(REAL *s, const REAL *q, int rows, int dp, const char *const *kr, int cols,
-                  int d, or_dtype dt, const char *const *next, int n_next, int k_pages,
-                  const char *v_next, int v_pages, int vlen)
+                  int d, or_dtype dt, REAL scale, const char *const *next, int n_next,
+                  int k_pages, const char *v_next, int v_pages, int vlen)
 {
     const int len = d * FN(decode_size)(dt);
     for (int c = 0; c < cols; c += NKEYS) {
@@ -283,11 +313,13 @@ FN(decode_scores)(REAL *s, const REAL *q, int rows, int dp, const char *const *k
         int r = 0;
         for (; DROWS > 2 && dt == OR_BF16 && r + DROWS <= rows; r += DROWS)
             FN(decode_dots)(s + (or_ssize)r * BC + c, q + (or_ssize)r * dp, dp, kr + c, d, dt,
-                            DROWS);
+                            scale, DROWS);
         for (; DROWS > 1 && r + 2 <= rows; r += 2)
-            FN(decode_dots)(s + (or_ssize)r * BC + c, q + (or_ssize)r * dp, dp, kr + c, d, dt, 2);
+            FN(decode_dots)(s + (or_ssize)r * BC + c, q + (or_ssize)r * dp, dp, kr + c, d, dt,
+                            scale, 2);
         for (; r < rows; r++)
-            FN(decode_dots)(s + (or_ssize)r * BC + c, q + (or_ssize)r * dp, dp, kr + c, d, dt, 1);
+            FN(decode_dots)(s + (or_ssize)r * BC + c, q + (or_ssize)r * dp, dp, kr + c, d, dt,
+                            scale, 1);
     }
 }
 
@@ -298,10 +330,16 @@ FN(decode_scores)(REAL *s, const REAL *q, int rows, int dp, const char *const *k
  * idle). Keys are added in order, one at a time, as the reference sum would. nr, nx and paired
  * are constants wherever this is inlined. Asks for n_next rows of the next block meanwhile. */
 static inline __attribute__((always_inline)) void
-FN(decode_pv_tile)(REAL *o, int dvp, int x, const REAL *s, const char *const *vr, int kcols,
-                   or_dtype dt, const char *const *next, int n_next, int len, const int nr,
-                   const int nx, const int paired)
+FN(decode_pv_tile)(REAL *o, int dvp, int x, const REAL *s, const uint32_t *pw,
+                   const char *const *vr, int kcols, or_dtype dt, const char *const *next,
+                   int n_next, int len, const int nr, const int nx, const int paired)
 {
+#if DECODE_DOTS
+    if (paired && dt == OR_BF16) {  /* P as words (pw, decode_block) */
+        decode_bf16_pv_tile(o, dvp, x, pw, vr, kcols, next, n_next, len, nr, nx);
+        return;
+    }
+#endif
     FN(vec) acc[4][8];
 #pragma GCC unroll 8
     for (int r = 0; r < nr; r++)
@@ -344,15 +382,16 @@ FN(decode_pv_tile)(REAL *o, int dvp, int x, const REAL *s, const char *const *vr
  * vectors), then the elements past the last whole vector. The first tile asks for the next
  * block's values. */
 static inline __attribute__((always_inline)) void
-FN(decode_pv_rows)(REAL *o, int dvp, int dv, const REAL *s, const char *const *vr, int kcols,
-                   or_dtype dt, const char *const *next, int n_next, const int nr, const int nx)
+FN(decode_pv_rows)(REAL *o, int dvp, int dv, const REAL *s, const uint32_t *pw,
+                   const char *const *vr, int kcols, or_dtype dt, const char *const *next,
+                   int n_next, const int nr, const int nx)
 {
     const int dvec = dv - dv % DVL, paired = FN(decode_paired)(dv, dt);
     const int len = dv * FN(decode_size)(dt);
     int x = 0;
 #define PV_TILES(w, pairs, end) \
     for (; (w) <= nx && x + (w) * DVL <= (end); x += (w) * DVL, n_next = 0) \
-        FN(decode_pv_tile)(o, dvp, x, s, vr, kcols, dt, next, n_next, len, nr, w, pairs);
+        FN(decode_pv_tile)(o, dvp, x, s, pw, vr, kcols, dt, next, n_next, len, nr, w, pairs);
     PV_TILES(8, 1, paired)
     PV_TILES(4, 1, paired)
     PV_TILES(2, 1, paired)
@@ -372,20 +411,22 @@ FN(decode_pv_rows)(REAL *o, int dvp, int dv, const REAL *s, const char *const *v
         }
 }
 
-/* o (rows x dvp) += P (s, rows x BC) V (value rows of dtype dt at vr, cols rounded up to
- * NKEYS, whose columns of s past cols are 0), 4, 2 or 1 rows at a time, each with as many
+/* o (rows x dvp) += P (s, rows x BC; pw, rows x BC / 2 words, for bfloat16 dots) V (value
+ * rows of dtype dt at vr, cols rounded up to NKEYS, whose columns of s past cols are 0), 4, 2
+ * or 1 rows at a time, each with as many
  * accumulators as the registers hold (PV_ACC). Asks for the next block's values (next, n_next
  * rows) meanwhile. */
 static inline __attribute__((always_inline)) void
-FN(decode_pv)(REAL *o, int dvp, int dv, const REAL *s, int rows, const char *const *vr,
-              int cols, or_dtype dt, const char *const *next, int n_next)
+FN(decode_pv)(REAL *o, int dvp, int dv, const REAL *s, const uint32_t *pw, int rows,
+              const char *const *vr, int cols, or_dtype dt, const char *const *next, int n_next)
 {
     const int kcols = (cols + NKEYS - 1) / NKEYS * NKEYS;
     int r = 0;
 #define PV_ROWS(nr) \
     for (; (nr) * 2 <= PV_ACC && r + (nr) <= rows; r += (nr), n_next = 0) \
-        FN(decode_pv_rows)(o + (or_ssize)r * dvp, dvp, dv, s + (or_ssize)r * BC, vr, kcols, dt, \
-                           next, n_next, nr, PV_ACC / (nr) < 8 ? PV_ACC / (nr) : 8);
+        FN(decode_pv_rows)(o + (or_ssize)r * dvp, dvp, dv, s + (or_ssize)r * BC, \
+                           pw + (or_ssize)r * (BC / 2), vr, kcols, dt, next, n_next, nr, \
+                           PV_ACC / (nr) < 8 ? PV_ACC / (nr) : 8);
     PV_ROWS(4)
     PV_ROWS(2)
     PV_ROWS(1)
@@ -416,7 +457,8 @@ FN(decode_rows)(const or_problem *p, int slot, or_ssize kvu, or_ssize j0, int n,
 }
 
 /* The query rows of kv unit kvu into q (R x dp: pre-multiplied by scale, in pairs' order where
- * paired) and its partial results for split (o, m, l in job->part) emptied. */
+ * paired; for bfloat16 dots, unscaled words) and its partial results for split (o, m, l in
+ * job->part) emptied. */
 static inline __attribute__((always_inline)) void
 FN(decode_begin)(const or_job *job, or_ssize kvu, or_ssize split, REAL *q, or_dtype dt)
 {
@@ -430,12 +472,20 @@ FN(decode_begin)(const or_job *job, or_ssize kvu, or_ssize split, REAL *q, or_dt
         l[r] = 0;
     }
     memset(o, 0, sizeof(REAL) * (size_t)rows * dvp);
+#if DECODE_DOTS
+    if (dt == OR_BF16) {
+        for (or_ssize g = 0; g < group; g++)
+            bf16_load_q((uint32_t *)(q + g * nq * dp), dp, FN(row_ptr)(p, OR_Q, u0 + g, 0),
+                        p->view[OR_Q].row_stride, (int)nq, (int)nq, d);
+        return;
+    }
+#endif
     for (or_ssize g = 0; g < group; g++)
         FN(load_rows)(q + g * nq * dp, dp, FN(row_ptr)(p, OR_Q, u0 + g, 0),
                       p->view[OR_Q].row_stride, nq, d, nq, p->view[OR_Q].dtype,
                       (REAL)p->prm.scale);
     for (int r = 0; r < rows; r++)
-        FN(decode_deal)(q + (or_ssize)r * dp, FN(decode_paired)(d, dt), 1);
+        FN(decode_deal)(q + (or_ssize)r * dp, FN(decode_paired)(d, dt), 1, 0);
 }
 
 /* Keys and values [j0, j0 + cols) of kv unit kvu (row addresses in cur: keys, values) into its
@@ -443,7 +493,7 @@ FN(decode_begin)(const or_job *job, or_ssize kvu, or_ssize split, REAL *q, or_dt
  * meanwhile; the first block (first) asks for its own pages too. */
 static inline __attribute__((always_inline)) void
 FN(decode_block)(const or_job *job, or_ssize kvu, or_ssize split, const REAL *q, REAL *s,
-                 unsigned char *keep, or_ssize j0, int cols, const char *const (*cur)[BC + NKEYS],
+                 uint32_t *pw, unsigned char *keep, or_ssize j0, int cols, const char *const (*cur)[BC + NKEYS],
                  const char *const (*nxt)[BC + NKEYS], int n_next, int first, or_dtype dt)
 {
     const or_problem *p = job->p;
@@ -463,7 +513,8 @@ FN(decode_block)(const or_job *job, or_ssize kvu, or_ssize split, const REAL *q,
                         && FN(decode_ahead)(cur[0][cols - 1], nxt[0], n_next, len[0]);
     const int v_pages = !job->stream_lines
                         && FN(decode_ahead)(cur[1][cols - 1], nxt[1], n_next, len[1]);
-    FN(decode_scores)(s, q, rows, dp, cur[0], cols, d, dt, nxt[0], n_next, k_pages,
+    FN(decode_scores)(s, q, rows, dp, cur[0], cols, d, dt, (REAL)p->prm.scale, nxt[0], n_next,
+                      k_pages,
                       v_pages ? nxt[1][0] : NULL, v_pages, len[1]);
     for (or_ssize g = 0; g < group; g++)
         FN(transform_scores)(p, (int)nq, cols, 0, j0, nq, nk,
@@ -491,7 +542,11 @@ FN(decode_block)(const or_job *job, or_ssize kvu, or_ssize split, const REAL *q,
                 srow[c] = keep[c] ? srow[c] * drop_scale : 0;
         }
     }
-    FN(decode_pv)(o, dvp, dv, s, rows, cur[1], cols, dt, nxt[1], v_pages ? 0 : n_next);
+#if DECODE_DOTS
+    if (dt == OR_BF16)
+        bf16_pairs_along(pw, BC / 2, s, BC, rows, ncols);
+#endif
+    FN(decode_pv)(o, dvp, dv, s, pw, rows, cur[1], cols, dt, nxt[1], v_pages ? 0 : n_next);
 }
 
 /* One split of the job->heads kv units of one item (attn_native.c decode_fwd), whose keys and
@@ -507,7 +562,8 @@ FN(decode_split)(const or_job *job, or_ssize item, int worker, or_dtype dt)
 
     REAL *q = (REAL *)(job->scratch + (size_t)worker * job->per_worker);  /* heads x R x dp */
     REAL *s = q + job->heads * rows * dp;
-    unsigned char *keep = (unsigned char *)(s + (or_ssize)rows * BC);
+    uint32_t *pw = (uint32_t *)(s + (or_ssize)rows * BC);   /* P as words: bfloat16 dots */
+    unsigned char *keep = (unsigned char *)(pw + (or_ssize)rows * (BC / 2));
     const char *cur[2][BC + NKEYS], *nxt[2][BC + NKEYS];   /* row addresses: keys, values */
 
     for (or_ssize h = 0; h < job->heads; h++)
@@ -528,7 +584,7 @@ FN(decode_split)(const or_job *job, or_ssize item, int worker, or_dtype dt)
                 FN(decode_rows)(p, OR_K, kvu, j0 + step, n_next, nxt[0]);
                 FN(decode_rows)(p, OR_V, kvu, j0 + step, n_next, nxt[1]);
             }
-            FN(decode_block)(job, kvu, split, q + h * rows * dp, s, keep, j0, cols,
+            FN(decode_block)(job, kvu, split, q + h * rows * dp, s, pw, keep, j0, cols,
                              (const char *const (*)[BC + NKEYS])cur,
                              (const char *const (*)[BC + NKEYS])nxt, n_next, j0 == lo, dt);
         }
@@ -536,7 +592,8 @@ FN(decode_split)(const or_job *job, or_ssize item, int worker, or_dtype dt)
     for (or_ssize h = 0; h < job->heads; h++) {
         REAL *o = FN(decode_part)(job, (kv0 + h) * job->splits + split);
         for (int r = 0; r < rows; r++)
-            FN(decode_deal)(o + (or_ssize)r * FN(pad)(p->dv), FN(decode_paired)(p->dv, dt), 0);
+            FN(decode_deal)(o + (or_ssize)r * FN(pad)(p->dv), FN(decode_paired)(p->dv, dt), 0,
+                            DECODE_DOTS && dt == OR_BF16);
     }
 }
 
@@ -596,3 +653,4 @@ static void FN(decode_item)(void *vjob, or_ssize item, int worker)
 #undef NKEYS
 #undef DROWS
 #undef PV_ACC
+#undef DECODE_DOTS
