@@ -16,6 +16,8 @@
  *                      write and reread a float copy of the cache); NKEYS rows at a time, so
  *                      that one tree of shuffles sums NKEYS dot products (decode_sums)
  *   s    R x BC        scores, then probabilities (the forward's s tile)
+ * (a set with AVX512-BF16 multiplies a bfloat16 step's q, k, P and v as they lie, in pairs,
+ * instead of widening them: attn_decode_bf16_impl.h; q unscaled, P also as words in pw).
  * and leaves, per row, its partial (unnormalised output o, running max m, sum l) in part.
  * The item that finishes a kv unit's last split then merges its splits exactly, in split order
  * (one job per step, not a second one for the merge: waking the workers again cost as much as
@@ -292,10 +294,11 @@ FN(decode_ahead)(const char *last, const char *const *next, int n, int len)
 }
 
 /* s[r * BC + c] = q row r . key row c, for r < rows, c < cols rounded up to NKEYS (kr holds
- * that many row addresses; scale multiplies the bfloat16 dots' sums, whose q is unscaled). Meanwhile asks for the next block's n_next rows, NKEYS at a time:
- * its keys (at next) a page at a time where k_pages, else a line at a time, and its values
- * (from v_next, vlen bytes a row) a page at a time where v_pages (else decode_pv asks for
- * them). Pages spread over the block were 5-7 % faster than all asked for at its start. */
+ * that many row addresses; scale multiplies the bfloat16 dots' sums, whose q is unscaled).
+ * Meanwhile asks for the next block's n_next rows, NKEYS at a time: its keys (at next) a page
+ * at a time where k_pages, else a line at a time, and its values (from v_next, vlen bytes a
+ * row) a page at a time where v_pages (else decode_pv asks for them). Pages spread over the
+ * block were 5-7 % faster than all asked for at its start. */
 static inline __attribute__((always_inline)) void
 FN(decode_scores)(REAL *s, const REAL *q, int rows, int dp, const char *const *kr, int cols,
                   int d, or_dtype dt, REAL scale, const char *const *next, int n_next,
@@ -489,12 +492,14 @@ FN(decode_begin)(const or_job *job, or_ssize kvu, or_ssize split, REAL *q, or_dt
 }
 
 /* Keys and values [j0, j0 + cols) of kv unit kvu (row addresses in cur: keys, values) into its
- * partial results for split: scores, online softmax, P V. Asks for the next n_next rows (nxt)
- * meanwhile; the first block (first) asks for its own pages too. */
+ * partial results for split: scores, online softmax, P V (P also as words in pw, where
+ * bfloat16 dots multiply it). Asks for the next n_next rows (nxt) meanwhile; the first block
+ * (first) asks for its own pages too. */
 static inline __attribute__((always_inline)) void
 FN(decode_block)(const or_job *job, or_ssize kvu, or_ssize split, const REAL *q, REAL *s,
-                 uint32_t *pw, unsigned char *keep, or_ssize j0, int cols, const char *const (*cur)[BC + NKEYS],
-                 const char *const (*nxt)[BC + NKEYS], int n_next, int first, or_dtype dt)
+                 uint32_t *pw, unsigned char *keep, or_ssize j0, int cols,
+                 const char *const (*cur)[BC + NKEYS], const char *const (*nxt)[BC + NKEYS],
+                 int n_next, int first, or_dtype dt)
 {
     const or_problem *p = job->p;
     const or_ssize group = p->prm.group, u0 = kvu * group, nq = p->nq[u0], nk = p->nk[u0];
