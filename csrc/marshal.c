@@ -68,13 +68,46 @@ static int readable_in_place(PyArrayObject *a)
            || PyArray_STRIDE(a, nd - 1) == PyArray_ITEMSIZE(a);
 }
 
+/* The largest aligned buffer freed lately, of at most SPARE_MAX bytes, kept for the next array
+ * of its size or a little less. Staging an operand call after call (alongside an output of the
+ * same size) otherwise took fresh pages from the kernel each time (glibc returned the two
+ * freed buffers together), and their zeroing was 4 % of a float32 forward of (4, 8, 1024, 64)
+ * (perf: clear_page); glibc's malloc keeps freed memory of up to 32 MiB for reuse in the same
+ * way. Only touched with the GIL held (allocation here, the capsule's destructor), which
+ * serialises it. */
+#define SPARE_MAX ((size_t)32 << 20)
+static struct {
+    void *mem;
+    size_t nbytes;
+} spare;
+
 static void free_staging(PyObject *capsule)
 {
-    free(PyCapsule_GetPointer(capsule, "orchard.staging"));
+    void *mem = PyCapsule_GetPointer(capsule, "orchard.staging");
+    const size_t nbytes = (size_t)(uintptr_t)PyCapsule_GetContext(capsule);
+    if (nbytes > SPARE_MAX || nbytes < spare.nbytes) {
+        free(mem);
+        return;
+    }
+    free(spare.mem);
+    spare.mem = mem;
+    spare.nbytes = nbytes;
 }
 
-/* A new C-contiguous array of zeros in memory aligned to `align` bytes (a power of two), as
- * devices sharing host memory want it; a capsule frees the memory with the array. */
+/* nbytes aligned to `align`: the spare buffer where it is large enough, is aligned so and not
+ * more than twice as large (a small array does not hold on to a large buffer); else new. */
+static void *aligned_memory(size_t align, size_t nbytes)
+{
+    if (spare.mem != NULL && spare.nbytes >= nbytes && spare.nbytes / 2 <= nbytes
+        && (uintptr_t)spare.mem % align == 0) {
+        void *mem = spare.mem;
+        spare.mem = NULL;
+        spare.nbytes = 0;
+        return mem;
+    }
+    return aligned_alloc(align, nbytes);
+}
+
 /* MemoryError for an array that cannot be allocated, with its size (in a double: the exact
  * product may overflow). Steals descr. */
 static PyArrayObject *no_memory(int nd, const npy_intp *dims, PyArray_Descr *descr)
@@ -89,7 +122,11 @@ static PyArrayObject *no_memory(int nd, const npy_intp *dims, PyArray_Descr *des
     return NULL;
 }
 
-PyArrayObject *or_new_aligned(int nd, const npy_intp *dims, int typenum, size_t align)
+/* A new C-contiguous array in memory aligned to `align` bytes (a power of two), as devices
+ * sharing host memory want it, of zeros where `zeroed` (outputs; a staging copy writes every
+ * element itself); a capsule frees the memory with the array. */
+PyArrayObject *or_new_aligned(int nd, const npy_intp *dims, int typenum, size_t align,
+                              int zeroed)
 {
     PyArray_Descr *descr = PyArray_DescrFromType(typenum);
     if (descr == NULL)
@@ -104,16 +141,20 @@ PyArrayObject *or_new_aligned(int nd, const npy_intp *dims, int typenum, size_t 
     if (size > (limit - align) / (size_t)PyDataType_ELSIZE(descr))
         return no_memory(nd, dims, descr);
     size_t nbytes = (size * (size_t)PyDataType_ELSIZE(descr) + align - 1) / align * align;
-    void *mem = aligned_alloc(align, nbytes ? nbytes : align);
+    nbytes = nbytes ? nbytes : align;
+    void *mem = aligned_memory(align, nbytes);
     if (mem == NULL)
         return no_memory(nd, dims, descr);
-    memset(mem, 0, nbytes);
+    if (zeroed)
+        memset(mem, 0, nbytes);
     PyObject *capsule = PyCapsule_New(mem, "orchard.staging", free_staging);
     if (capsule == NULL) {
         free(mem);
         Py_DECREF(descr);
         return NULL;
     }
+    /* the size, for free_staging (setting a new capsule's context cannot fail) */
+    PyCapsule_SetContext(capsule, (void *)(uintptr_t)nbytes);
     PyArrayObject *a = (PyArrayObject *)PyArray_NewFromDescr(
         &PyArray_Type, descr, nd, (npy_intp *)dims, NULL, mem, NPY_ARRAY_CARRAY, NULL);
     if (a == NULL) {                    /* descr was stolen either way */
@@ -130,7 +171,7 @@ PyArrayObject *or_new_aligned(int nd, const npy_intp *dims, int typenum, size_t 
 /* A C-contiguous, aligned copy of `a` as `typenum`. */
 PyArrayObject *or_staged_copy(PyArrayObject *a, int typenum, size_t align)
 {
-    PyArrayObject *c = or_new_aligned(PyArray_NDIM(a), PyArray_DIMS(a), typenum, align);
+    PyArrayObject *c = or_new_aligned(PyArray_NDIM(a), PyArray_DIMS(a), typenum, align, 0);
     if (c != NULL && PyArray_CopyInto(c, a) < 0)
         Py_CLEAR(c);
     return c;

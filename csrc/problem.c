@@ -76,7 +76,7 @@ int or_new_output(or_call *c, int slot, int nd, const npy_intp *shape, or_dtype 
     for (int i = 0; i < nd; i++)
         dims[i] = shape[order[i]];
     PyArrayObject *mem = or_new_aligned(nd, dims, or_dtypes[dt].typenum,
-                                        or_device_align(c->device.index));
+                                        or_device_align(c->device.index), 1);
     if (mem != NULL) {
         npy_intp axes[NPY_MAXDIMS];     /* axis order[i] of the output is axis i of mem */
         for (int i = 0; i < nd; i++)

@@ -32,7 +32,8 @@ PyArrayObject *or_operand(PyObject *obj, const char *func, const char *name, or_
                           size_t align, or_dtype *dt);
 void or_extent(PyArrayObject *a, char **lo, size_t *nbytes);
 PyArrayObject *or_staged_copy(PyArrayObject *a, int typenum, size_t align);
-PyArrayObject *or_new_aligned(int nd, const npy_intp *dims, int typenum, size_t align);
+PyArrayObject *or_new_aligned(int nd, const npy_intp *dims, int typenum, size_t align,
+                              int zeroed);
 void *or_alloc_units(or_ssize n, size_t elsize);
 or_ssize *or_lead_offsets(PyArrayObject *a, int nlead);
 or_ssize *or_varlen_offsets(PyArrayObject *a, const int64_t *cu, or_ssize nseq, or_ssize heads,

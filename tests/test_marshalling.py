@@ -178,6 +178,21 @@ def test_misaligned_is_staged(ops, device, rng, dtype):
     _staged_case(ops, device, q, k, v, q.nbytes)
 
 
+def test_staging_memory_reused_never_shared(ops, device, rng):
+    """Freed staging and output memory is handed to later arrays (marshal.c, spare): call
+    after call, each staged operand holds its own values and no live array shares memory with
+    a later one, whatever the sizes."""
+    kept = []
+    for shape in [(2, 3, 64, 32), (2, 3, 64, 32), (2, 3, 48, 32), (2, 3, 64, 32), (1, 2, 8, 32)]:
+        q, k, v = (randn(rng, shape, np.float32) for _ in range(3))
+        out, lse = check_forward(ops, device, q[..., ::-1], k[..., ::-1], v)
+        for old_out, old_ref in kept:
+            assert not np.shares_memory(out, old_out) and not np.shares_memory(lse, old_out)
+            np.testing.assert_array_equal(old_out, old_ref)
+        kept.append((out, out.copy()))
+        del lse                         # its memory may serve the next call
+
+
 def test_read_only_inputs(ops, device, rng):
     q, k, v, do = (randn(rng, (2, 3, 6, 8), np.float32) for _ in range(4))
     for x in (q, k, v, do):
