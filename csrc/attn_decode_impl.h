@@ -202,7 +202,7 @@ FN(decode_prefetch)(const char *const *rows, int n, int len)
  * the FMA latency, and each key vector is loaded and widened once for the nr rows. */
 static inline __attribute__((always_inline)) void
 FN(decode_dots)(REAL *s, const REAL *q, int dp, const char *const *kr, int d, or_dtype dt,
-                REAL scale, const int nr)
+                REAL scale, const int nr, const char *const *pf, int npf, int plen)
 {
 #if DECODE_DOTS
     if (dt == OR_BF16) {    /* q: unscaled words (decode_begin) */
@@ -241,6 +241,8 @@ FN(decode_dots)(REAL *s, const REAL *q, int dp, const char *const *kr, int d, or
             for (int r = 0; r < nr; r++)
                 memcpy(&x[r], q + (or_ssize)r * dp + i, sizeof(x[r]));
             for (int t = 0; t < HALF; t++) {
+                if (i < plen && h + t < npf)
+                    __builtin_prefetch(pf[h + t] + i * (int)sizeof(REAL), 0, 2);
                 const FN(vec) y = FN(decode_vec)(kr[h + t], i, dt);
                 for (int r = 0; r < nr; r++)
                     a[r][t] += x[r] * y;
@@ -307,22 +309,23 @@ FN(decode_scores)(REAL *s, const REAL *q, int rows, int dp, const char *const *k
     const int len = d * FN(decode_size)(dt);
     for (int c = 0; c < cols; c += NKEYS) {
         const int n = n_next - c < NKEYS ? n_next - c : NKEYS;
+        const int fine = dt == OR_F32 && c < n_next && !k_pages;
         if (c < n_next && k_pages)
             FN(decode_pages)(next[0], c, n, len);
-        else if (c < n_next)
+        else if (c < n_next && !fine)
             FN(decode_prefetch)(next + c, n, len);
         if (c < n_next && v_pages)
             FN(decode_pages)(v_next, c, n, vlen);
         int r = 0;
         for (; DROWS > 2 && r + DROWS <= rows; r += DROWS)
             FN(decode_dots)(s + (or_ssize)r * BC + c, q + (or_ssize)r * dp, dp, kr + c, d, dt,
-                            scale, DROWS);
+                            scale, DROWS, next + c, fine && r == 0 ? n : 0, len);
         for (; DROWS > 1 && r + 2 <= rows; r += 2)
             FN(decode_dots)(s + (or_ssize)r * BC + c, q + (or_ssize)r * dp, dp, kr + c, d, dt,
-                            scale, 2);
+                            scale, 2, next + c, fine && r == 0 ? n : 0, len);
         for (; r < rows; r++)
             FN(decode_dots)(s + (or_ssize)r * BC + c, q + (or_ssize)r * dp, dp, kr + c, d, dt,
-                            scale, 1);
+                            scale, 1, next + c, fine && r == 0 ? n : 0, len);
     }
 }
 
@@ -527,7 +530,9 @@ FN(decode_block)(const or_job *job, or_ssize kvu, or_ssize split, const REAL *q,
     for (int r = 0; r < rows; r++) {
         REAL *srow = s + (or_ssize)r * BC, *orow = o + (or_ssize)r * dvp;
         const REAL mx = FN(row_max)(srow, ncols), mnew = mx > m[r] ? mx : m[r];
-        if (mnew == -INFINITY) {            /* nothing visible to this row yet */
+        if (mnew == -INFINITY) {    /* nothing visible to this row yet, or only NaN scores */
+            for (int c = 0; c < cols; c++)
+                l[r] = srow[c] != srow[c] ? srow[c] : l[r];     /* as NaN carries on */
             memset(srow, 0, sizeof(REAL) * BC);
             continue;
         }
@@ -616,18 +621,20 @@ static void FN(decode_combine)(const or_job *job, or_ssize kvu, int worker)
             mmax = ms > mmax ? ms : mmax;
         }
         memset(out, 0, sizeof(REAL) * (size_t)dvp);
-        for (or_ssize s = 0; mmax > -INFINITY && s < job->splits; s++) {
+        for (or_ssize s = 0; s < job->splits; s++) {
             const REAL *part = FN(decode_part)(job, kvu * job->splits + s);
             const REAL *ml = part + (or_ssize)rows * dvp;   /* m, then l */
             const REAL ms = ml[r], ls = ml[rows + r];
-            if (ls == 0)
+            if (ls == 0)    /* no key in this split (else l > 0, or NaN even where m is -inf) */
                 continue;
             const REAL f = EXP(ms - mmax);
             lsum += ls * f;
             for (int x = 0; x < dv; x++)
                 out[x] += part[(or_ssize)r * dvp + x] * f;
         }
-        const REAL inv = lsum > 0 ? 1 / lsum : 0, lse = lsum > 0 ? mmax + LOG(lsum) : -INFINITY;
+        /* lsum is 0 only for a row that saw no key; a NaN carries on */
+        const REAL inv = lsum != 0 ? 1 / lsum : 0;
+        const REAL lse = lsum != 0 ? mmax + LOG(lsum) : -INFINITY;
         for (int x = 0; x < dv; x++)
             out[x] *= inv;
         const or_ssize u = u0 + r / nq, i = r % nq;

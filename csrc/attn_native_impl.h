@@ -488,11 +488,12 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
     }
 
     for (int r = 0; r < rows; r++) {
-        const REAL inv = l[r] > 0 ? 1 / l[r] : 0;
+        /* l is 0 only for a row that saw no key; a NaN (from a NaN or inf score) carries on */
+        const REAL inv = l[r] != 0 ? 1 / l[r] : 0;
         REAL *orow = o + (or_ssize)r * dvp;
         for (int x = 0; x < dv; x++)
             orow[x] *= inv;
-        m[r] = l[r] > 0 ? m[r] + LOG(l[r]) : -INFINITY;     /* m now holds lse */
+        m[r] = l[r] != 0 ? m[r] + LOG(l[r]) : -INFINITY;    /* m now holds lse */
     }
     FN(store_rows)(FN(row_ptr)(p, OR_O, u, i0), w[OR_O].row_stride, o, dvp, rows, dv, w[OR_O].dtype);
     FN(store_rows)(FN(row_ptr)(p, OR_LSE, u, i0), w[OR_LSE].row_stride, m, 1, rows, 1,

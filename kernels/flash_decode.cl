@@ -113,9 +113,11 @@ inline void softmax_row(__local real *srow, __local real *orow, __local real *m,
     for (int c = 0; c < nc; c += VW)
         mv = fmax(mv, CAT(vload, VW)(0, srow + c));
     const real mnew = fmax(*m, hmax(mv));
-    if (mnew == -INFINITY) {            /* nothing visible to this row yet */
-        for (int c = 0; c < nc; c++)
+    if (mnew == -INFINITY) {    /* nothing visible to this row yet, or only NaN scores */
+        for (int c = 0; c < nc; c++) {
+            *l = isnan(srow[c]) ? srow[c] : *l;     /* as NaN carries on */
             srow[c] = 0;
+        }
         return;
     }
     realv sum = 0;
@@ -209,14 +211,16 @@ __kernel void flash_decode_combine(__global const real *part, __global const rea
         mx = fmax(mx, part_ml[2 * (first + s * nq_max)]);
     for (int x = 0; x < HEAD_DV; x++)
         acc[x] = 0;
-    for (long s = 0; mx > -INFINITY && s < nsplit; s++) {  /* else no split saw a key */
+    for (long s = 0; s < nsplit; s++) {
         const long row = first + s * nq_max;
+        if (part_ml[2 * row + 1] == 0)  /* no key in this split (else l > 0, or NaN) */
+            continue;
         const real w = exp(part_ml[2 * row] - mx);
         sum += w * part_ml[2 * row + 1];
         for (int x = 0; x < HEAD_DV; x++)
             acc[x] += w * part[row * OR_DECODE_ROW(HEAD_DV) + x];
     }
     for (int x = 0; x < HEAD_DV; x++)
-        STORE(out, unit[OR_O] + i * meta[OR_O] + x, sum > 0 ? acc[x] / sum : 0);
-    lse[unit[OR_LSE] + i * meta[OR_LSE]] = sum > 0 ? mx + log(sum) : -INFINITY;
+        STORE(out, unit[OR_O] + i * meta[OR_O] + x, sum != 0 ? acc[x] / sum : 0);
+    lse[unit[OR_LSE] + i * meta[OR_LSE]] = sum != 0 ? mx + log(sum) : -INFINITY;
 }

@@ -23,8 +23,11 @@ inline void row_tile(const realv *qv, realv *acc, real *m, real *l, __local real
         mx = fmax(mx, s[c]);
     }
     const real mnew = fmax(*m, mx);
-    if (mnew == -INFINITY)
-        return;                 /* nothing visible to this row yet */
+    if (mnew == -INFINITY) {    /* nothing visible to this row yet, or only NaN scores */
+        for (int c = 0; c < cols; c++)
+            *l = isnan(s[c]) ? s[c] : *l;   /* as NaN carries on */
+        return;
+    }
     for (int c = cols; c % VW != 0; c++)
         s[c] = -INFINITY;
     realv sum = 0;
@@ -103,10 +106,10 @@ __kernel void flash_fwd_rows(__global const storage_t *q, __global const storage
     row_keys(q, k, v, meta, unit, kvunit, u, i, valid, lo, hi, off, slope, &p, kt, vt, acc, &m, &l);
     if (!valid)
         return;
-    const real inv = l > 0 ? 1 / l : 0;
+    const real inv = l != 0 ? 1 / l : 0;    /* 0: no key seen; NaN carries on */
     for (int x = 0; x < DVP; x++)
         acc[x] *= inv;
     store_row(out, unit[OR_O] + i * meta[OR_O], acc, HEAD_DV);
-    lse[unit[OR_LSE] + i * meta[OR_LSE]] = l > 0 ? m + log(l) : -INFINITY;
+    lse[unit[OR_LSE] + i * meta[OR_LSE]] = l != 0 ? m + log(l) : -INFINITY;
 }
 #endif

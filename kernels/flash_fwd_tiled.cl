@@ -125,10 +125,10 @@ void flash_fwd_tiled(__global const storage_t *q, __global const storage_t *k,
 
     for (int r = 0; r < rows; r++) {
         const long i = i0 + r;
-        const real inv = l[r] > 0 ? 1 / l[r] : 0;
+        const real inv = l[r] != 0 ? 1 / l[r] : 0;  /* 0: no key seen; NaN carries on */
         for (int x = 0; x < HEAD_DV; x++)
             STORE(out, unit[OR_O] + i * meta[OR_O] + x, o[r * DVT + x] * inv);
-        lse[unit[OR_LSE] + i * meta[OR_LSE]] = l[r] > 0 ? m[r] + log(l[r]) : -INFINITY;
+        lse[unit[OR_LSE] + i * meta[OR_LSE]] = l[r] != 0 ? m[r] + log(l[r]) : -INFINITY;
     }
 }
 #endif

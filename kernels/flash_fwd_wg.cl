@@ -60,10 +60,13 @@ __kernel void flash_fwd_wg(__global const storage_t *q, __global const storage_t
         for (int a = 0; a < WTM; a++) {
             const long i = b.i0 + ty * WTM + a;
             const real mnew = fmax(m[a], mx[a]);
+            /* a row that sees no key yet keeps max -inf: its exp(-inf - 0) are 0 (and a NaN
+             * score's NaN carries on) */
+            const real base = mnew == -INFINITY ? 0 : mnew;
             sum[a] = 0;
             for (int c = 0; c < WN; c++) {
                 const int col = tx + LANES * c;
-                real e = mnew == -INFINITY ? 0 : exp(s[a][c] - mnew);
+                real e = exp(s[a][c] - base);
                 sum[a] += e;
                 if (p.dropout && e > 0)
                     e = or_dropout_keep(p.seed, (ulong)b.u, (uint)i, (uint)(j0 + col), p.threshold)
@@ -90,11 +93,11 @@ __kernel void flash_fwd_wg(__global const storage_t *q, __global const storage_t
         const long i = b.i0 + ty * WTM + a;
         if (i >= b.nq)
             break;
-        const real inv = l[a] > 0 ? 1 / l[a] : 0;
+        const real inv = l[a] != 0 ? 1 / l[a] : 0;  /* 0: no key seen; NaN carries on */
         for (int x = 0; x < WDV && tx + LANES * x < HEAD_DV; x++)
             STORE(out, b.unit[OR_O] + i * meta[OR_O] + tx + LANES * x, o[a * WDV + x] * inv);
         if (tx == 0)
-            lse[b.unit[OR_LSE] + i * meta[OR_LSE]] = l[a] > 0 ? m[a] + log(l[a]) : -INFINITY;
+            lse[b.unit[OR_LSE] + i * meta[OR_LSE]] = l[a] != 0 ? m[a] + log(l[a]) : -INFINITY;
     }
 }
 #endif

@@ -46,6 +46,7 @@ def _device_ids():
 
 
 DEVICE_IDS = _device_ids()
+OPENCL_IDS = [d for d in DEVICE_IDS if isinstance(d, str) and d.startswith("opencl:")]
 
 # ORCHARD_FAULT, ORCHARD_AUTO_ANY_OPENCL and ORCHARD_CL_TRANSFERS take effect only in a build
 # made with ORCHARD_TEST_HOOKS=1 (setup.py); the tests that set them skip elsewhere.

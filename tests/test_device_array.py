@@ -17,11 +17,10 @@ import threading
 import numpy as np
 import pytest
 
-from conftest import (DEVICE_IDS, TEST_HOOKS, TESTS_DIR, assert_close, grad_floor,
+from conftest import (OPENCL_IDS, TEST_HOOKS, TESTS_DIR, assert_close, grad_floor,
                       needs_test_hooks, randn, rounded, run_python, subprocess_env)
 from orchard.reference import ref_bwd, ref_fwd
 
-OPENCL_IDS = [d for d in DEVICE_IDS if isinstance(d, str) and d.startswith("opencl:")]
 pytestmark = pytest.mark.skipif(not OPENCL_IDS, reason="no OpenCL device listed")
 DEV = OPENCL_IDS[0] if OPENCL_IDS else None
 DTYPES = ["float16", "float32", "float64", "bfloat16"]

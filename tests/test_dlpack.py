@@ -7,12 +7,11 @@ import json
 import numpy as np
 import pytest
 
-from conftest import DEVICE_IDS, run_python
+from conftest import DEVICE_IDS, OPENCL_IDS, run_python
 from orchard.reference import ref_bwd, ref_fwd
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
-OPENCL_IDS = [d for d in DEVICE_IDS if isinstance(d, str) and d.startswith("opencl:")]
 LOW = [torch.float16, torch.bfloat16]
 FEATURES = {"plain": {}, "causal": dict(causal=True), "window": dict(window=(7, 2)),
             "softcap": dict(softcap=3.0), "alibi": dict(alibi_slopes=np.linspace(0.1, 0.5, 4))}

@@ -565,7 +565,18 @@ def test_bad_dense_input_names_the_argument():
         (ValueError, "'alibi_slopes'",
          lambda: flash_attn_func(q, k, v, alibi_slopes=torch.rand(3))),
         (TypeError, "'alibi_slopes'",
-         lambda: flash_attn_func(q, k, v, alibi_slopes=torch.ones(2, dtype=torch.int32))),
+         lambda: flash_attn_func(q, k, v, alibi_slopes=torch.ones(2, dtype=torch.bool))),
+        (TypeError, "'alibi_slopes'",
+         lambda: flash_attn_func(q, k, v, alibi_slopes=torch.ones(2, dtype=torch.complex64))),
+        (TypeError, "'softcap'", lambda: flash_attn_func(q, k, v, softcap="x")),
+        (ValueError, "'softcap'", lambda: flash_attn_func(q, k, v, softcap=-5.0)),
+        (TypeError, "'dropout_p'", lambda: flash_attn_func(q, k, v, dropout_p="0.1")),
+        (TypeError, "'window_size'", lambda: flash_attn_func(q, k, v, window_size="12")),
+        (TypeError, "'window_size'", lambda: flash_attn_func(q, k, v, window_size=(1.7, 0))),
+        (ValueError, "flash_attn_func: 'softmax_scale'",
+         lambda: flash_attn_func(q, k, v, softmax_scale=float("nan"))),
+        (ValueError, "flash_attn_func: 'device'", lambda: flash_attn_func(q, k, v, device="cuda")),
+        (TypeError, "flash_attn_func: 'device'", lambda: flash_attn_func(q, k, v, device=0)),
         (ValueError, "'qkv'", lambda: flash_attn_qkvpacked_func(torch.randn(1, 4, 2, 2, 8))),
         (ValueError, "'kv'", lambda: flash_attn_kvpacked_func(q, torch.randn(1, 5, 3, 2, 8))),
     ]
@@ -629,6 +640,11 @@ def test_bad_kvcache_input_names_the_argument_and_writes_nothing():
         (ValueError, "'cache_leftpad'", dict(kw, cache_leftpad=i32(0, 11))),
         (ValueError, "'window_size'", dict(kw, window_size=(0, -3))),
         (ValueError, "'alibi_slopes'", dict(kw, alibi_slopes=torch.rand(3, 4))),
+        # the options orchard_ops checks too: checked before the cache is written
+        (ValueError, "'softmax_scale'", dict(kw, softmax_scale=float("nan"))),
+        (ValueError, "'softcap'", dict(kw, softcap=float("nan"))),
+        (ValueError, "'device'", dict(kw, device="cuda")),
+        (TypeError, "'device'", dict(kw, device=0)),
     ]
     for error, name, args in bad:
         before = k_cache.clone(), v_cache.clone()
@@ -640,6 +656,9 @@ def test_bad_kvcache_input_names_the_argument_and_writes_nothing():
                                                                      "rotary_sin"))
     with pytest.raises(ValueError, match="'rotary_cos'"):
         flash_attn_with_kvcache(q, k_cache, v_cache, **drop(kw, "k", "v"))
+    with pytest.raises(ValueError, match="'k_cache' has batch_size_cache 1"):
+        flash_attn_with_kvcache(q, k_cache[:1], v_cache[:1], **drop(kw, "k", "v", "rotary_cos",
+                                                                      "rotary_sin"))
     paged_bad = [
         (ValueError, "'block_table'", dict(pkw, block_table=pkw["block_table"] + 100)),
         (TypeError, "'block_table'", dict(pkw, block_table=pkw["block_table"].long())),
@@ -655,3 +674,57 @@ def test_bad_kvcache_input_names_the_argument_and_writes_nothing():
         with pytest.raises(error, match=name):
             flash_attn_with_kvcache(pq, **args)
         assert torch.equal(pk_cache, before[0]) and torch.equal(pv_cache, before[1]), name
+
+
+def test_alibi_slopes_of_any_real_dtype_with_or_without_grad():
+    """SPEC: alibi_slopes of any real dtype; a slopes Parameter (requires_grad) is read as
+    values, as FlashAttention-2 does (no gradient reaches them)."""
+    q, k, v = dense_qkv()
+    slopes = torch.tensor([0.5, 0.25])
+    ref = flash_attn_func(q, k, v, alibi_slopes=slopes)
+    for other in (slopes.bfloat16(), slopes.double(), slopes.half(),
+                  torch.nn.Parameter(slopes.clone())):
+        torch.testing.assert_close(flash_attn_func(q, k, v, alibi_slopes=other), ref)
+    ints = torch.tensor([1, 2], dtype=torch.int32)
+    torch.testing.assert_close(flash_attn_func(q, k, v, alibi_slopes=ints),
+                               flash_attn_func(q, k, v, alibi_slopes=ints.float()))
+
+
+def test_sequences_without_keys_return_probs():
+    """A sequence with no keys: out 0, lse -inf, and an S_dmask with no columns for it."""
+    q = torch.randn(1, 3, 2, 8)
+    out, lse, probs = flash_attn_func(q, torch.randn(1, 0, 2, 8), torch.randn(1, 0, 2, 8),
+                                      return_attn_probs=True)
+    assert probs.shape == (1, 2, 3, 0) and not out.any() and (lse == -math.inf).all()
+    cq, ck = (torch.tensor(c, dtype=torch.int32) for c in ([0, 2, 4], [0, 3, 3]))
+    out, lse, probs = flash_attn_varlen_func(torch.randn(4, 2, 8), torch.randn(3, 2, 8),
+                                             torch.randn(3, 2, 8), cq, ck, 2, 3,
+                                             return_attn_probs=True)
+    assert probs.shape == (2, 2, 2, 3) and not probs[1].any() and not out[2:].any()
+    assert (lse[:, 2:] == -math.inf).all() and torch.isfinite(lse[:, :2]).all()
+
+
+def test_kvcache_empty_batch_and_no_queries():
+    """batch 0 and seqlen_q 0 return empty results (as flash_attn_func does); with no queries
+    the new keys are still written."""
+    out, lse = flash_attn_with_kvcache(torch.randn(0, 1, 2, 8), torch.randn(0, 5, 2, 8),
+                                       torch.randn(0, 5, 2, 8), return_softmax_lse=True)
+    assert out.shape == (0, 1, 2, 8) and lse.shape == (0, 2, 1)
+    k_cache, v_cache = torch.zeros(1, 5, 2, 8), torch.zeros(1, 5, 2, 8)
+    out = flash_attn_with_kvcache(torch.randn(1, 0, 2, 8), k_cache, v_cache,
+                                  torch.ones(1, 1, 2, 8), torch.ones(1, 1, 2, 8), cache_seqlens=3)
+    assert out.shape == (1, 0, 2, 8) and k_cache[0, 3].eq(1).all() and v_cache[0, 3].eq(1).all()
+
+
+def test_outputs_are_contiguous():
+    """README: outputs are contiguous, whatever the inputs' layout."""
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    qt = torch.randn(4, 10, 16).transpose(0, 1)
+    assert flash_attn_varlen_func(qt, qt, qt, cu, cu, 6, 6).is_contiguous()
+    q, k, v = (torch.randn(2, 6, 4, 16).transpose(1, 2).transpose(1, 2) for _ in range(3))
+    out, lse, _ = flash_attn_func(q[:, ::2], k, v, return_attn_probs=True)
+    assert out.is_contiguous() and lse.is_contiguous()
+    out, lse = flash_attn_with_kvcache(torch.randn(2, 3, 4, 16), torch.randn(2, 20, 2, 16),
+                                       torch.randn(2, 20, 2, 16), cache_seqlens=5,
+                                       return_softmax_lse=True)
+    assert out.is_contiguous() and lse.is_contiguous()

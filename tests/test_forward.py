@@ -1,9 +1,11 @@
 """Forward pass features vs the float64 reference, on every device."""
 
+import json
+
 import numpy as np
 import pytest
 
-from conftest import assert_close, check_forward, lse_dtype, randn
+from conftest import OPENCL_IDS, assert_close, check_forward, lse_dtype, randn, run_python
 from orchard.reference import ref_fwd
 
 DTYPES = [np.float16, np.float32, np.float64]
@@ -329,3 +331,43 @@ def test_every_float16_read_exactly(ops, device):
     assert np.isnan(out[nan]).all()
     same = out.view(np.uint16) == v.view(np.uint16)
     assert (same | nan | (v == 0)).all() and (out[v == 0] == 0).all()
+
+
+def nonfinite_mismatches(ops, device):
+    """The cases where the NaN entries of orchard's out and lse differ from the float64
+    reference's (IEEE arithmetic, as torch's): a NaN or an inf in one key, a NaN in one value,
+    a NaN query row; 2 query rows (the split-KV decode) and 40 (the forward), causal (rows
+    that cannot see the key stay finite) and not."""
+    rng = np.random.default_rng(0)
+    bad = []
+    for nq in (2, 40):
+        for causal in (False, True):
+            for what in ("k nan", "k inf", "v nan", "q nan"):
+                q, k, v = (rng.standard_normal((1, 2, n, 8)).astype(np.float32)
+                           for n in (nq, 50, 50))
+                x, row = dict(k=(k, 30), v=(v, 30), q=(q, 1))[what[0]]
+                x[0, 1, row, 3] = np.nan if what.endswith("nan") else np.inf
+                out, lse = ops.flash_attn_fwd(q, k, v, causal=causal, device=device)
+                with np.errstate(invalid="ignore"):     # the reference's own NaN
+                    ro, rl = ref_fwd(q.astype(np.float64), k.astype(np.float64),
+                                     v.astype(np.float64), causal=causal)
+                if not (np.array_equal(np.isnan(out), np.isnan(ro))
+                        and np.array_equal(np.isnan(lse), np.isnan(rl))):
+                    bad.append("%d rows%s, %s" % (nq, " causal" if causal else "", what))
+    return bad
+
+
+def test_nan_and_inf_carry_on(ops, device):
+    """A NaN or inf that a row's attention reads makes that row NaN, out and lse, on every
+    device and path, never a plausible 0 (the encoding of a row that sees no key)."""
+    assert nonfinite_mismatches(ops, device) == []
+
+
+@pytest.mark.skipif(not OPENCL_IDS, reason="no OpenCL device listed")
+@pytest.mark.parametrize("family", ["rows", "wg"])
+def test_nan_and_inf_carry_on_in_every_kernel_family(family):
+    r = run_python("import json, orchard_ops\nfrom test_forward import nonfinite_mismatches\n"
+                   "print(json.dumps(nonfinite_mismatches(orchard_ops, %r)))" % OPENCL_IDS[0],
+                   timeout=300, ORCHARD_CL_FAMILY=family)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.splitlines()[-1]) == []

@@ -18,9 +18,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from conftest import DEVICE_IDS, REPO_ROOT, needs_test_hooks, randn, run_python
+from conftest import OPENCL_IDS, REPO_ROOT, needs_test_hooks, randn, run_python
 
-OPENCL_IDS = [d for d in DEVICE_IDS if isinstance(d, str) and d.startswith("opencl:")]
 needs_opencl = pytest.mark.skipif(not OPENCL_IDS, reason="no OpenCL device listed")
 
 

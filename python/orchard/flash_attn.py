@@ -9,6 +9,8 @@ orchard is always deterministic (deterministic= is accepted) and splits the keys
 """
 import itertools
 import math
+import numbers
+import operator
 
 import torch
 
@@ -63,20 +65,38 @@ def _int32(fn, name, t, shape, layout):
 
 def _cu_seqlens(fn, name, t, total):
     cu = _int32(fn, name, t, (None,), "(batch_size + 1,)")
-    if (len(cu) < 2 or cu[0] != 0 or total is not None and cu[-1] != total
+    if len(cu) < 2:
+        _fail(fn, name, "must have batch_size + 1 >= 2 entries, got %s" % cu)
+    if (cu[0] != 0 or total is not None and cu[-1] != total
             or any(a > b for a, b in zip(cu, cu[1:]))):
         _fail(fn, name, "must start at 0, never decrease and end at %s (the number of tokens), "
               "got %s" % (total, cu))
     return cu
 
 
+def _number(fn, name, x):
+    """x, a real number (Python's or NumPy's), as a float; else TypeError naming it."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        _fail(fn, name, "must be a number, got %r" % (x,), TypeError)
+    return float(x)
+
+
 def _options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
              alibi_slopes, batch, device, **varlen):
+    """Every option checked, under the names the caller used, before anything is computed or
+    written (flash_attn_with_kvcache writes its cache only after this)."""
+    dropout_p = _number(fn, "dropout_p", dropout_p)
     if not 0.0 <= dropout_p < 1.0:
         _fail(fn, "dropout_p", "must be in [0, 1), got %r" % (dropout_p,))
+    if softmax_scale is not None:
+        softmax_scale = _number(fn, "softmax_scale", softmax_scale)
+        if not math.isfinite(softmax_scale):
+            _fail(fn, "softmax_scale", "must be finite, got %r" % (softmax_scale,))
+    softcap = _number(fn, "softcap", softcap)
+    if not (math.isfinite(softcap) and softcap >= 0.0):
+        _fail(fn, "softcap", "must be a finite number >= 0 (0: no softcap), got %r" % (softcap,))
     try:
-        left, right = window_size
-        left, right = int(left), int(right)
+        left, right = (operator.index(w) for w in window_size)
     except (TypeError, ValueError):
         _fail(fn, "window_size", "must be a pair of ints, got %r" % (window_size,), TypeError)
     if left < -1 or right < -1:
@@ -85,16 +105,27 @@ def _options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size, sof
     # As FlashAttention-2: a window reaching past every key is no window.
     window = (-1 if left >= seqlen_k else left, -1 if right >= seqlen_k else right)
     if alibi_slopes is not None:
-        if not isinstance(alibi_slopes, torch.Tensor) or not alibi_slopes.is_floating_point():
-            _fail(fn, "alibi_slopes", "must be a float32 tensor", TypeError)
+        if (not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype == torch.bool
+                or alibi_slopes.is_complex()):
+            _fail(fn, "alibi_slopes", "must be a tensor of a real dtype, got %r"
+                  % (alibi_slopes,), TypeError)
         if alibi_slopes.device.type != "cpu":
             _fail(fn, "alibi_slopes", "is on %s: pass CPU tensors" % alibi_slopes.device)
         h = q.shape[-2]
         if tuple(alibi_slopes.shape) not in ((h,), (batch, h)):
             _fail(fn, "alibi_slopes", "must be (nheads,) = (%d,) or (batch_size, nheads) = "
                   "(%d, %d), got shape %s" % (h, batch, h, tuple(alibi_slopes.shape)))
-    return _Options(scale=softmax_scale, dropout_p=float(dropout_p), causal=bool(causal),
-                    window=window, alibi_slopes=alibi_slopes, softcap=max(float(softcap), 0.0),
+        # no gradient reaches the slopes (as FlashAttention-2); orchard_ops reads float32/64
+        alibi_slopes = alibi_slopes.detach()
+        if alibi_slopes.dtype not in (torch.float32, torch.float64):
+            alibi_slopes = alibi_slopes.to(torch.float32)
+    if device is not None:
+        try:
+            orchard_ops.resolve_device(device)
+        except (TypeError, ValueError) as e:
+            raise type(e)("%s: %s" % (fn, str(e).replace("resolve_device(): ", ""))) from None
+    return _Options(scale=softmax_scale, dropout_p=dropout_p, causal=bool(causal),
+                    window=window, alibi_slopes=alibi_slopes, softcap=softcap,
                     seed=_seed(dropout_p), device=device, **varlen)
 
 
@@ -127,6 +158,8 @@ def _attn_probs(q, k, opts, keep):
     if opts.causal:
         visible &= j <= diag
     s = s.masked_fill(~visible, -math.inf)
+    if nk == 0:
+        return s
     blocks = s.split(_get_block_size_n(), dim=-1)
     m = torch.stack([b.amax(-1) for b in blocks], -1).flip(-1).cummax(-1).values.flip(-1)
     a = torch.cat([torch.exp(b - m[..., c, None]) for c, b in enumerate(blocks)], -1)
@@ -293,6 +326,7 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         out, lse = _forward(q, k, v, opts)
     else:
         out, lse = _attention(q, k, v, opts)
+    out = out.contiguous()      # a transposed q gives an output in its layout
     if not return_attn_probs:
         return out
     if block_table is not None:
@@ -411,6 +445,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         rows = list(range(batch))
     else:
         capacity = k_cache.shape[1]
+        if cache_batch_idx is None and k_cache.shape[0] < batch:
+            _fail(fn, "k_cache", "has batch_size_cache %d, fewer than the %d sequences of q "
+                  "(pass cache_batch_idx to choose rows)" % (k_cache.shape[0], batch))
         rows = list(range(batch)) if cache_batch_idx is None else _int32(
             fn, "cache_batch_idx", cache_batch_idx, (batch,), "(batch_size,) = (%d,)" % batch)
         if any(not 0 <= r < k_cache.shape[0] for r in rows):
@@ -481,6 +518,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             qs.append(_rotary(q[b], rotary_cos, rotary_sin, qpos, rotary_interleaved))
     if qs:
         q = torch.stack(qs)
+    if batch == 0:          # no sequence to attend with (its new keys, none, are written)
+        lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        out, lse = q.new_zeros(0, nq, q.shape[2], dv), q.new_zeros(0, q.shape[2], nq,
+                                                                   dtype=lse_dtype)
+        return (out, lse) if return_softmax_lse else out
 
     # One varlen call over the whole batch: sequence b's keys are cache rows [leftpad, seqlen
     # + n), read in place: from its pages (the native path reads block_table itself), or
@@ -504,10 +546,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         # offsets from the first used row, where cu_seqlens_k must start
         kc, vc = k_cache.flatten(0, 1)[leftpad[0]:], v_cache.flatten(0, 1)[leftpad[0]:]
         starts = [b * capacity + p - leftpad[0] for b, p in enumerate(leftpad + [0])]
-    cu_q = torch.arange(0, (batch + 1) * nq, nq, dtype=torch.int32)
+    cu_q = torch.arange(batch + 1, dtype=torch.int32) * nq
     out, lse = _forward(q.flatten(0, 1), kc, vc, opts._replace(
         cu_seqlens_q=cu_q, cu_seqlens_k=torch.tensor(starts, dtype=torch.int32),
         seqused_k=None if paged else torch.tensor(used, dtype=torch.int32), **extra))
     out = out.unflatten(0, (batch, nq))
-    lse = lse.unflatten(1, (batch, nq)).transpose(0, 1)
+    lse = lse.unflatten(1, (batch, nq)).transpose(0, 1).contiguous()
     return (out, lse) if return_softmax_lse else out
