@@ -61,6 +61,10 @@ def files(tmp_path_factory):
     (folder / "empty_src").mkdir()
     (folder / "empty_src" / "blob.bin").write_bytes(b"\0\1\2")
     (folder / "kept.json").write_text('{"vocab_size": 256, "sequences": [[1, 2]]}')
+    import torch
+    torch.save({"w": torch.zeros(2)}, str(folder / "statedict.pt"))     # a model's state dict
+    torch.save(torch.zeros(3), str(folder / "tensor.pt"))
+    (folder / "u3" / "metrics.jsonl").mkdir(parents=True)
     return {"dir": folder, "config": config, "sequences": sequences,
             **{name: str(folder / name) for name in texts}}
 
@@ -77,6 +81,8 @@ def expected_cases(f):
         ("train", ["--epochs", "0"], {}, ["--epochs", "'0'"]),
         ("train", ["--max-steps", "ten"], {}, ["--max-steps", "integer", "'ten'"]),
         ("train", ["--seed", "-1"], {}, ["--seed", "'-1'"]),
+        ("train", ["--seed", "99999999999999999999"], {}, ["--seed", "<=", "'99999999999999999999'"]),
+        ("generate", ["--checkpoint", "x", "--seed", "99999999999999999999"], {}, ["--seed", "<="]),
         ("generate", ["--checkpoint", "x", "--temperature", "-1"], {},
          ["--temperature", ">= 0", "'-1'"]),
         ("generate", ["--checkpoint", "x", "--temperature", "inf"], {}, ["--temperature", "'inf'"]),
@@ -132,6 +138,12 @@ def expected_cases(f):
          [f["short.json"], "fewer than one batch"]),
         ("generate", ["--checkpoint", str(f["dir"] / "none.pt")], {}, ["none.pt", "cannot read"]),
         ("generate", ["--checkpoint", f["damaged.pt"]], {}, ["damaged.pt", "not a readable"]),
+        ("generate", ["--checkpoint", str(f["dir"] / "statedict.pt")], {},
+         ["statedict.pt", "not an orchard checkpoint", "model_config"]),
+        ("generate", ["--checkpoint", str(f["dir"] / "tensor.pt")], {},
+         ["tensor.pt", "not an orchard checkpoint"]),
+        ("train", ["--resume", str(f["dir"] / "tensor.pt"), "--output", str(f["dir"] / "r2"),
+                   "--device", "cpu"], {}, ["tensor.pt", "not an orchard checkpoint"]),
         ("prepare", [str(f["dir"] / "nowhere"), "-o", "x.json"], {}, ["SRC_DIR", "nowhere"]),
         ("prepare", [str(f["dir"] / "empty_src"), "-o", str(f["dir"] / "kept.json"),
                      "--overwrite"], {},
@@ -141,6 +153,11 @@ def expected_cases(f):
          ["--output", "exists", "--overwrite", "kept.json"]),
         ("bench", ["--quick", "--plot", str(f["dir"] / "x.txt")], {}, ["--plot", "x.txt"]),
         ("train", tiny + ["--output", f["config"]], {}, ["--output", "is a file", "tiny.yaml"]),
+        ("train", tiny + ["--output", f["config"] + "/sub"], {},
+         ["--output", "cannot be made", "tiny.yaml"]),
+        ("train", tiny + ["--output", ""], {}, ["--output", "must name a folder"]),
+        ("train", tiny + ["--output", str(f["dir"] / "u3")], {},
+         ["--output", "metrics.jsonl", "folder"]),
         # flags that exclude each other
         ("train", ["--fp16", "--bf16"], {}, ["--bf16", "not allowed with", "--fp16"]),
     ]
@@ -219,6 +236,18 @@ def test_a_new_run_does_not_replace_a_checkpoint(files, tmp_path):
         % (out, out / "checkpoint.pt", out)]
     assert (out / "checkpoint.pt").read_bytes() == b"a run of many steps"
     assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_resuming_into_another_runs_folder_does_not_replace_its_checkpoint(tmp_path):
+    """--resume A --output B continues A in B: refused where B holds another run's
+    checkpoint (as a new run would be), unless --overwrite."""
+    for run in ("A", "B"):
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "checkpoint.pt").write_bytes(b"run " + run.encode())
+    r = run_cases([["train", ["--resume", str(tmp_path / "A"), "--output", str(tmp_path / "B"),
+                              "--device", "cpu"], {}]])[0]
+    assert r["code"] == 2 and "already holds a checkpoint" in r["stderr"], r
+    assert (tmp_path / "B" / "checkpoint.pt").read_bytes() == b"run B"
 
 
 def test_help_gives_each_default_once_in_sentences_with_examples():

@@ -321,6 +321,24 @@ def test_an_unknown_mask_pattern_falls_back_to_sdpa(fresh_warnings):
     assert_close(got, ref(input_ids=ids).logits)
 
 
+def test_an_encoder_falls_back_to_sdpa_with_or_without_padding(fresh_warnings):
+    """An encoder's bidirectional mask, which sdpa skips where nothing is padded, still falls
+    back with its warning (README: encoders run on the fallback)."""
+    from transformers import BertConfig, BertModel
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=128)
+    ref = BertModel(config).eval()
+    model = copy.deepcopy(ref)
+    model.set_attn_implementation("orchard")
+    ids = tokens(2, 8)
+    for mask in (None, torch.ones(2, 8, dtype=torch.long), padding("right", 2, 8)):
+        hf._warned.clear()
+        with pytest.warns(UserWarning, match="bidirectional"):
+            got = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        assert_close(got, ref(input_ids=ids, attention_mask=mask).last_hidden_state)
+
+
 def test_softcap_falls_back_to_eager(fresh_warnings):
     ref, model = pair("gemma2-softcap")
     mask = torch.ones(12, 12, dtype=torch.bool).tril()

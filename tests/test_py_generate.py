@@ -5,7 +5,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import orchard_ops  # noqa: E402
-from orchard.generation import generate, generate_ids  # noqa: E402
+from orchard.generation import decode, generate, generate_ids  # noqa: E402
 from orchard.model import GPT, GPTConfig, KVCache  # noqa: E402
 from orchard.torch import patch_model  # noqa: E402
 from test_py_support import run_python  # noqa: E402
@@ -102,3 +102,10 @@ def test_generate_speed_benchmark_runs():
                          "--rounds", "1"])
     assert result.returncode == 0, result.stderr[-2000:]
     assert "with KV cache (after)" in result.stdout and "same tokens: yes" in result.stdout
+
+
+def test_byte_level_text_skips_ids_past_the_bytes():
+    """A byte-level model whose vocabulary the config raised past 256 can sample those ids:
+    the text leaves them out instead of failing after the whole generation."""
+    assert decode([104, 105, 300, 33, 256], byte_level=True) == "hi!"
+    assert decode([104, 300], byte_level=False) == "104 300"

@@ -180,7 +180,7 @@ def test_writer_killed_mid_checkpoint_leaves_the_previous_one(tmp_path):
     path = tmp_path / "checkpoint.pt"
     result = run_python(["-c", KILL_MID_CHECKPOINT, str(path)])
     assert result.returncode == -signal.SIGKILL, result.stderr
-    state = load_checkpoint(str(path))
+    state = torch.load(str(path), weights_only=True)    # the file as written, whole
     assert state["step"] == 1 and torch.equal(state["w"], torch.ones(1000))
     assert any(name.endswith(".tmp") for name in os.listdir(tmp_path))  # the torn write
 

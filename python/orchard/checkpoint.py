@@ -24,13 +24,26 @@ def checkpoint_path(path):
     return os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path
 
 
+# What every checkpoint of this format holds (orchard.trainer.Trainer.state_dict).
+FORMAT = 1
+KEYS = ("model", "optimizer", "step", "seed", "config", "model_config", "data", "metrics", "rng")
+
+
 def load_checkpoint(path):
     path = checkpoint_path(path)
     try:
         # weights_only: a checkpoint is data (tensors, numbers, strings), never code to run.
-        return torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except OSError as exc:
         raise CheckpointError("%s: cannot read the checkpoint: %s" % (path, exc.strerror)) from None
     except Exception as exc:  # torch reports a damaged file with many types and long advice
         raise CheckpointError("%s: not a readable orchard checkpoint (torch.load raised %s)"
                               % (path, type(exc).__name__)) from None
+    # a state dict, a tensor or a transformers weights file loads too, and is not one
+    missing = [k for k in KEYS if k not in state] if isinstance(state, dict) else list(KEYS)
+    if missing or state.get("format") != FORMAT:
+        raise CheckpointError("%s: not an orchard checkpoint of format %d (an orchard-train "
+                              "checkpoint.pt); it lacks %s" % (
+                                  path, FORMAT, ", ".join(missing) if missing else
+                                  "format %d (it has %r)" % (FORMAT, state.get("format"))))
+    return state

@@ -71,8 +71,8 @@ def encode(prompt, byte_level):
 
 
 def decode(ids, byte_level):
-    if byte_level:
-        return bytes(ids).decode("utf-8", errors="replace")
+    if byte_level:  # a vocabulary above the data's 256 bytes can still sample the other ids
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
     return " ".join(map(str, ids))
 
 

@@ -105,11 +105,14 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
             raise _Unsupported("queries at positions %d to %d over keys at %d to %d" % (
                 q_offset, q_offset + q_length - 1, kv_offset, kv_offset + kv_length - 1))
     except _Unsupported as e:
+        # a real mask to mark, also where sdpa would skip it (a bidirectional mask without
+        # padding, which an encoder's is)
         kwargs.pop("allow_is_causal_skip", None)
+        kwargs.pop("allow_is_bidirectional_skip", None)
         mask = masking_utils.sdpa_mask(
             batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
             kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
-            allow_is_causal_skip=False, **kwargs)
+            allow_is_causal_skip=False, allow_is_bidirectional_skip=False, **kwargs)
         mask.orchard_fallback = str(e)
         return mask
     if ids is not None:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .atomic import write_atomically
-from .checkpoint import save_checkpoint
+from .checkpoint import FORMAT, save_checkpoint
 from .config import get_dtype_from_string
 from .data import DataError
 from .hf_causal_lm import build_model
@@ -105,7 +105,7 @@ class Trainer:
 
     def state_dict(self):
         return {
-            "format": 1,
+            "format": FORMAT,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),

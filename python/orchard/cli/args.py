@@ -107,8 +107,12 @@ def _typed(name, convert):
     return convert
 
 
-def integer(minimum=None):
-    """An argparse type: an integer >= minimum."""
+# The largest seed torch.manual_seed takes as it is (a signed 64-bit integer).
+SEED_MAX = 2 ** 63 - 1
+
+
+def integer(minimum=None, maximum=None):
+    """An argparse type: an integer in minimum..maximum."""
     def parse(text):
         try:
             value = int(text)
@@ -116,6 +120,8 @@ def integer(minimum=None):
             raise argparse.ArgumentTypeError("must be an integer (got %r)" % text) from None
         if minimum is not None and value < minimum:
             raise argparse.ArgumentTypeError("must be >= %d (got %r)" % (minimum, text))
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError("must be <= %d (got %r)" % (maximum, text))
         return value
     return _typed("integer", parse)
 

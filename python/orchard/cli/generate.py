@@ -12,7 +12,7 @@ what that means for the sample.
 """
 import sys
 
-from .args import Parser, UsageError, console_script, device, integer, number
+from .args import SEED_MAX, Parser, UsageError, console_script, device, integer, number
 
 EXAMPLES = (
     'orchard-generate --checkpoint runs/demo --prompt "def "',
@@ -37,7 +37,7 @@ def main(argv=None):
                         help="The softmax temperature; 0 always picks the most likely token.")
     parser.add_argument("--top-k", type=integer(1), default=40, metavar="K",
                         help="Sample among the K most likely tokens only.")
-    parser.add_argument("--seed", type=integer(0), default=0, metavar="N",
+    parser.add_argument("--seed", type=integer(0, SEED_MAX), default=0, metavar="N",
                         help="The sampling seed.")
     args = parser.parse_args(argv)
 

@@ -18,8 +18,8 @@ import os
 import shlex
 import sys
 
-from .args import (Parser, UsageError, console_script, debug_requested, device, integer,
-                   logs_held_until_checked)
+from .args import (SEED_MAX, Parser, UsageError, console_script, debug_requested, device,
+                   integer, logs_held_until_checked)
 
 log = logging.getLogger("orchard")
 
@@ -59,7 +59,7 @@ def parse_args(argv):
     parser.add_argument("--overwrite", action="store_true",
                         help="Start a new run even if --output holds a checkpoint (which is "
                              "then replaced).")
-    parser.add_argument("--seed", type=integer(0), metavar="N",
+    parser.add_argument("--seed", type=integer(0, SEED_MAX), metavar="N",
                         help="The seed of initialisation, data order and dropout. Default: "
                              "%d (a resumed run keeps its own)." % DEFAULT_SEED)
     precision = parser.add_mutually_exclusive_group()
@@ -89,11 +89,29 @@ def parse_args(argv):
 
 
 def check_output(args):
-    """--output is a folder, and a new run does not replace a checkpoint unless asked to."""
+    """--output is a folder (or can be made one) whose checkpoint.pt and metrics.jsonl can be
+    files, and no run replaces another run's checkpoint unless asked to (--resume continues
+    the one in its own folder)."""
+    from ..checkpoint import checkpoint_path
+
+    if not args.output:
+        raise UsageError("argument --output: must name a folder (got %r)" % args.output)
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise UsageError("argument --output: is a file, not a folder (%r)" % args.output)
+    parent = os.path.dirname(os.path.abspath(args.output))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise UsageError("argument --output: cannot be made, %s is a file (got %r)"
+                         % (parent, args.output))
+    for name in ("checkpoint.pt", "metrics.jsonl"):
+        if os.path.isdir(os.path.join(args.output, name)):
+            raise UsageError("argument --output: %s there is a folder, not a file (got %r)"
+                             % (name, args.output))
     path = os.path.join(args.output, "checkpoint.pt")
-    if args.resume or args.overwrite or not os.path.exists(path):
+    continued = args.resume and os.path.realpath(checkpoint_path(args.resume)) == \
+        os.path.realpath(path)
+    if continued or args.overwrite or not os.path.exists(path):
         return
     raise UsageError("--output %s already holds a checkpoint (%s); continue it with --resume "
                      "%s, or pass --overwrite to start again, or choose another --output"
