@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+from conftest import OPENCL_IDS
 from test_py_support import write_tiny_run_files, run_python
 
 SCRIPTS = ("train", "generate", "devices", "prepare", "bench", "tune", "demo")
@@ -92,6 +93,12 @@ def expected_cases(f):
         ("bench", ["--repeats", "1"], {}, ["--repeats", "'1'"]),
         ("bench", ["--shapes", "0,0,0,0"], {}, ["--shapes", "'0,0,0,0'"]),
         ("bench", ["--shapes", "1,2,3"], {}, ["--shapes", "'1,2,3'"]),
+        ("bench", ["--shapes", "1,2,64,512"], {}, ["--shapes", "at most 256", "'1,2,64,512'"]),
+        ("bench", ["--shapes", "99999999,99999,99999,64"], {}, ["--shapes", "GiB"]),
+        ("tune", ["--shape", "1,2,64,300"], {}, ["--shape", "at most 256", "'1,2,64,300'"]),
+        ("bench", ["--quick", "--json", str(f["dir"] / "kept.json")], {},
+         ["--json", "exists", "--overwrite", "kept.json"]),
+        ("bench", ["--quick", "--plot", f["config"]], {}, ["--plot", "exists", "--overwrite"]),
         ("bench", ["--dtypes", "float32,float8"], {}, ["--dtypes", "'float32,float8'"]),
         ("bench", ["--plot", "/nonexistent/plot.png"], {}, ["--plot", "'/nonexistent/plot.png'"]),
         ("bench", ["--json", "/nonexistent/r.json"], {}, ["--json", "'/nonexistent/r.json'"]),
@@ -120,6 +127,10 @@ def expected_cases(f):
         ("devices", [], tpu, ["ORCHARD_DEVICE", "'tpu'"]),
         ("bench", ["--devices", "cpu,opencl:99"], {}, ["--devices", "'opencl:99'"]),
         ("bench", [], tpu, ["ORCHARD_DEVICE", "'tpu'"]),
+    ] + ([
+        ("train", [], {"ORCHARD_CL_FAMILY": "bogus"}, ["ORCHARD_CL_FAMILY", "'bogus'"]),
+        ("bench", ["--quick"], {"ORCHARD_CL_FAMILY": "bogus"}, ["ORCHARD_CL_FAMILY"]),
+    ] if OPENCL_IDS else []) + [
         ("tune", ["--device", "cpu"], {}, ["--device", "OpenCL", "'cpu'"]),
         ("tune", ["--device", "tpu"], {}, ["--device", "'tpu'"]),
         ("demo", ["--device", "tpu"], {}, ["--device", "'tpu'"]),

@@ -142,7 +142,10 @@ def number(minimum=None):
 
 
 def shape(text):
-    """An argparse type: B,H,N,D, four integers >= 1."""
+    """An argparse type: B,H,N,D, four integers >= 1, D at most orchard's largest head dim,
+    whose q, k, v and output (float32) fit in this machine's memory."""
+    import orchard_ops
+
     try:
         dims = tuple(int(x) for x in text.split(","))
     except ValueError:
@@ -150,6 +153,15 @@ def shape(text):
     if len(dims) != 4 or min(dims) < 1:
         raise argparse.ArgumentTypeError("a shape is B,H,N,D, four integers >= 1 (got %r)"
                                          % text)
+    max_d = orchard_ops.build_info()["max_head_dim"]
+    if dims[3] > max_d:
+        raise argparse.ArgumentTypeError("D must be at most %d (got %r)" % (max_d, text))
+    need = 16 * math.prod(dims)     # four float32 arrays of B x H x N x D
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > memory:
+        raise argparse.ArgumentTypeError("its arrays need %.3g GiB, more than this machine's "
+                                         "%.3g GiB (got %r)" % (need / 2**30, memory / 2**30,
+                                                                text))
     return dims
 
 
@@ -213,13 +225,19 @@ def devices(text):
 
 def check_device_environment():
     """UsageError if ORCHARD_ISA names a kernel set this CPU cannot run, ORCHARD_NUM_THREADS
-    is not a thread count, or ORCHARD_DEVICE names no device (device=auto would fail later)."""
+    is not a thread count, ORCHARD_CL_FAMILY names no OpenCL kernel family (devices() lists
+    none for the OpenCL devices then) or ORCHARD_DEVICE names no device (device=auto would
+    fail later)."""
     import orchard_ops
 
     try:
-        orchard_ops.devices()
+        listed = orchard_ops.devices()
     except ValueError as exc:   # what devices() reports: ORCHARD_ISA, ORCHARD_NUM_THREADS
         raise UsageError("environment variable %s" % exc)
+    family = os.environ.get("ORCHARD_CL_FAMILY")
+    if family and any(d["kernel_family"] is None for d in listed if d["backend"] == "opencl"):
+        raise UsageError("environment variable ORCHARD_CL_FAMILY names no OpenCL kernel family "
+                         "(rows, tiled or wg) (got %r)" % family)
     name = os.environ.get("ORCHARD_DEVICE")
     if name and _device_problem(None):
         raise UsageError("environment variable ORCHARD_DEVICE names no available device (%r); "

@@ -2,7 +2,7 @@
 
     orchard-bench [--shapes B,H,N,D ...] [--devices cpu,opencl:0] [--dtypes float32,float16,bfloat16]
                   [--causal both] [--repeats 5] [--quick] [--json [FILE]] [--plot FILE.png]
-                  [--train] [--decode] [--quiet]
+                  [--overwrite] [--train] [--decode] [--quiet]
     orchard-bench --scaling [--max-n N] [--head-dims 64,128,256] [--dtypes ...] [--causal ...]
                   [--devices cpu] [--repeats 5] [--quick] [--json [FILE]] [--plot FILE.png]
 
@@ -141,6 +141,8 @@ def main(argv=None):
                         help="Write a PNG of forward GFLOP/s against N to FILE (with "
                              "--scaling: forward and backward, a panel per dtype, causal "
                              "flag and head dim).")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="Replace an existing --json or --plot file.")
     parser.add_argument("--train", action="store_true",
                         help="Also time training steps of the demo model (needs torch).")
     parser.add_argument("--decode", action="store_true",
@@ -175,6 +177,10 @@ def main(argv=None):
                                              ("--decode", args.decode)) if wanted]
     if needs_torch and importlib.util.find_spec("torch") is None:
         raise UsageError("%s needs torch (pip install '.[torch]')" % " and ".join(needs_torch))
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path not in (None, "-") and os.path.exists(path) and not args.overwrite:
+            raise UsageError("argument %s: %s exists; pass --overwrite to replace it (got %r)"
+                             % (flag, path, path))
     if args.plot:
         check_plot_file(args.plot)
 
