@@ -333,8 +333,10 @@ class Trainer:
                              if validate else "", lr, record["tokens_per_s"], self.micro_batch,
                              self.accumulation_steps())
                     losses, t0 = [], time.perf_counter()
-                bar.update(self.step, "loss %.3f" % (self.history[-1]["loss"]
-                                                     if self.history else float("nan")))
+                # the last logged loss; none before the first log line (not "nan", which
+                # reads as a diverged run)
+                bar.update(self.step, "loss %.3f" % self.history[-1]["loss"]
+                           if self.history else "")
                 if self.step % train["checkpoint_interval"] == 0 and self.step != total:
                     self.save()
                 if self._should_stop():
