@@ -134,6 +134,14 @@ def test_pretrained_folder_is_loaded_and_its_vocabulary_checked(fast_config, tmp
     assert ("orchard-train: error: the data has token ids up to 255 but the model of %s has a "
             "vocabulary of 100" % (tmp_path / "small")) in capsys.readouterr().err
 
+    # a tokenizer beside the weights: its ids are not the data's bytes
+    (tmp_path / "llama" / "tokenizer.json").write_text("{}")
+    assert train.main(["--hf-model", str(tmp_path / "llama"), "--output", str(tmp_path / "y"),
+                       "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "orchard-train: error: the data is bytes" in err and "tokenizer.json" in err, err
+    assert not (tmp_path / "y").exists()
+
 
 @needs_transformers
 def test_hf_config_vocabulary_grows_to_the_data(fast_config, tmp_path):

@@ -23,6 +23,9 @@ from .args import (SEED_MAX, Parser, UsageError, console_script, debug_requested
 
 log = logging.getLogger("orchard")
 
+# The files of a pretrained folder's tokenizer (transformers' fast and slow ones).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
 DEFAULT_OUTPUT = "runs/orchard"
 DEFAULT_SEED = 1337
 EXAMPLES = (
@@ -189,6 +192,12 @@ def build_trainer(args):
         requested = apply_flags(load_config(args.config), args)
         seed = DEFAULT_SEED if args.seed is None else args.seed
     hf_config = state.get("hf_config") if state is not None else None
+    tokenizer = [name for name in TOKENIZER_FILES
+                 if args.hf_model and os.path.exists(os.path.join(args.hf_model, name))]
+    if tokenizer and data_info["byte_level"]:
+        raise DataError("the data is bytes (a vocabulary of 256), but %s has a tokenizer (%s) "
+                        "whose token ids orchard does not map bytes to: prepare the sequences "
+                        "with that tokenizer" % (hf_path, tokenizer[0]))
     if hf is not None:
         if vocab_size > hf.vocab_size:
             if args.hf_model:
