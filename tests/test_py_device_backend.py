@@ -2,7 +2,7 @@
 import pytest
 
 import orchard_ops
-from orchard.config import default_config
+from orchard.config import ConfigError, default_config
 from orchard.device_backend import (GiB, DeviceBackend, auto_choice_reason, get_device_backend,
                                     resolve_device)
 from test_py_support import run_python
@@ -78,6 +78,16 @@ def test_tiny_device_shortens_the_context_unless_the_model_is_fixed():
     assert new["training"]["micro_batch"] == 1
     fixed, _ = adapt(tiny, cfg, fixed_model=True)
     assert fixed["model"] == cfg["model"]
+
+
+def test_a_model_whose_weights_alone_do_not_fit_is_refused():
+    """Weights, gradients and optimizer state shrink with no micro-batch or context: a plan
+    that cannot hold them is a ConfigError (a token id of 10^9 in the data makes such a
+    vocabulary), not a run the operating system kills."""
+    cfg = default_config()
+    cfg["model"]["vocab_size"] = 10 ** 9
+    with pytest.raises(ConfigError, match="weights, gradients and optimizer state need"):
+        adapt(HOST, cfg)
 
 
 def test_explicit_choices_are_kept_unless_impossible():

@@ -33,7 +33,7 @@ import sys
 
 import orchard_ops
 
-from .config import AUTO
+from .config import AUTO, ConfigError
 
 log = logging.getLogger("orchard")
 
@@ -213,6 +213,17 @@ class DeviceBackend:
 
         # micro-batch, gradient checkpointing, context: fit the memory budget.
         budget = self.memory_budget(new)
+        # what no micro-batch, checkpointing or context shrinks: refused here, where a run
+        # would otherwise start and be killed by the operating system when it allocates them
+        least = self.estimate_memory(model, 1, 1, train["dtype"], True)
+        fixed = least["parameter_bytes"] + least["gradient_bytes"] + least["optimizer_bytes"]
+        if fixed > budget:
+            raise ConfigError(
+                "the model's weights, gradients and optimizer state need %.3g GiB, more than "
+                "the memory budget of %.3g GiB (device.memory_fraction %g of %.3g GiB): choose "
+                "a smaller model (model.n_layer, model.n_embd, the data's vocabulary)"
+                % (fixed / GiB, budget / GiB, dev["memory_fraction"],
+                   min(self.info["global_mem_bytes"], self.host["global_mem_bytes"]) / GiB))
         per_process = max(1, train["batch_size"] // self.processes)
         requested = per_process if train["micro_batch"] == AUTO else min(
             train["micro_batch"], per_process)
