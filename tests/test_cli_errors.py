@@ -247,6 +247,11 @@ def test_a_new_run_does_not_replace_a_checkpoint(files, tmp_path):
         % (out, out / "checkpoint.pt", out)]
     assert (out / "checkpoint.pt").read_bytes() == b"a run of many steps"
     assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    (out / "checkpoint.pt").unlink()    # metrics alone: a run that never saved, or the user's
+    r = run_cases([["train", ["--config", files["config"], "--sequences", files["sequences"],
+                              "--device", "cpu", "--output", str(out)], {}]])[0]
+    assert r["code"] == 2 and "already holds metrics" in r["stderr"], r
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 
 def test_resuming_into_another_runs_folder_does_not_replace_its_checkpoint(tmp_path):

@@ -135,6 +135,7 @@ class Trainer:
 
     def save(self):
         if self.rank == 0:
+            os.makedirs(self.output_dir, exist_ok=True)
             path = os.path.join(self.output_dir, CHECKPOINT_NAME)
             save_checkpoint(self.state_dict(), path)
             return path
@@ -253,6 +254,7 @@ class Trainer:
     def _save_metrics(self):
         # Rewritten whole and renamed into place, as the checkpoint: never half a line.
         if self.rank == 0:
+            os.makedirs(self.output_dir, exist_ok=True)
             text = "".join(json.dumps(r) + "\n" for r in self.history).encode()
             write_atomically(os.path.join(self.output_dir, METRICS_NAME), lambda f: f.write(text))
 
@@ -279,9 +281,10 @@ class Trainer:
             log.info("nothing to train: the run is at step %d, its stopping point is step %d; "
                      "nothing written", self.step, total)
             return 0
-        if self.rank == 0:
-            os.makedirs(self.output_dir, exist_ok=True)
-            # The curve so far, as of the checkpoint: steps logged after it are redone.
+        if self.rank == 0 and (self.history or os.path.exists(
+                os.path.join(self.output_dir, METRICS_NAME))):
+            # The curve so far, as of the checkpoint: steps logged after it are redone (a
+            # new run writes its first line at its first log step, not an empty file now).
             self._save_metrics()
         tokens_per_step = train["batch_size"] * self.cfg["model"]["context"]
         log.info("training %s parameters on %s: %d steps (%d per epoch), batch %d = %d "

@@ -114,11 +114,17 @@ def check_output(args):
     path = os.path.join(args.output, "checkpoint.pt")
     continued = args.resume and os.path.realpath(checkpoint_path(args.resume)) == \
         os.path.realpath(path)
-    if continued or args.overwrite or not os.path.exists(path):
+    if continued or args.overwrite:
         return
-    raise UsageError("--output %s already holds a checkpoint (%s); continue it with --resume "
-                     "%s, or pass --overwrite to start again, or choose another --output"
-                     % (args.output, path, args.output))
+    if os.path.exists(path):
+        raise UsageError("--output %s already holds a checkpoint (%s); continue it with "
+                         "--resume %s, or pass --overwrite to start again, or choose another "
+                         "--output" % (args.output, path, args.output))
+    metrics = os.path.join(args.output, "metrics.jsonl")
+    if os.path.exists(metrics):
+        raise UsageError("--output %s already holds metrics (%s) of a run without a "
+                         "checkpoint; pass --overwrite to start again, or choose another "
+                         "--output" % (args.output, metrics))
 
 
 def resume_command(args, distributed):
