@@ -137,6 +137,9 @@ def expected_cases(f):
         ("demo", [], tpu, ["ORCHARD_DEVICE", "'tpu'"]),
         # config files: the file, the key, the expected type
         ("devices", ["--config", missing], {}, [missing, "no such config file"]),
+        ("devices", ["--config", str(f["dir"])], {}, [str(f["dir"]), "a folder, not a config"]),
+        ("train", ["--hf-model", f["config"], "--device", "cpu"], {},
+         ["tiny.yaml", "a file, not a model folder"]),
         ("devices", ["--config", f["type.yaml"]], {}, [f["type.yaml"], "model.n_layer", "int",
                                                        "'two'"]),
         ("devices", ["--config", f["syntax.yaml"]], {}, [f["syntax.yaml"], "line 2"]),

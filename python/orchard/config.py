@@ -128,7 +128,8 @@ def load_config(path=None):
     import yaml
 
     if not os.path.isfile(path):
-        raise ConfigError("%s: no such config file" % path)
+        raise ConfigError("%s: %s" % (path, "a folder, not a config file" if os.path.isdir(path)
+                                      else "no such config file"))
     with open(path, "rb") as f:
         try:
             cfg = yaml.safe_load(f)

@@ -69,13 +69,15 @@ def load_hf_config(path, pretrained=False):
     local pretrained model folder (pretrained=True, --hf-model)."""
     if pretrained:
         if not os.path.isdir(path):
-            raise HFModelError("%s: no such model folder" % path)
+            raise HFModelError("%s: %s" % (path, "a file, not a model folder"
+                                           if os.path.exists(path) else "no such model folder"))
         path_json = os.path.join(path, "config.json")
         if not os.path.isfile(path_json):
             raise HFModelError("%s: not a pretrained model folder (no config.json)" % path)
     else:
         if not os.path.isfile(path):
-            raise HFModelError("%s: no such config file" % path)
+            raise HFModelError("%s: %s" % (path, "a folder, not a config file"
+                                           if os.path.isdir(path) else "no such config file"))
         path_json = path
     return _config_from_dict(read_json(path_json, HFModelError, "config"), path)
 
