@@ -55,6 +55,7 @@ def files(tmp_path_factory):
         "syntax.yaml": "model: [1, 2\n",
         "binary.yaml": b"\x89PNG\r\n\x1a\n\x00\xff",
         "short.json": json.dumps({"vocab_size": 256, "sequences": [list(range(200))]}),
+        "bools.json": json.dumps([[1, 2, True] + list(range(300))]),
         "damaged.pt": b"not a checkpoint",
     }
     for name, text in texts.items():
@@ -65,6 +66,8 @@ def files(tmp_path_factory):
     import torch
     torch.save({"w": torch.zeros(2)}, str(folder / "statedict.pt"))     # a model's state dict
     torch.save(torch.zeros(3), str(folder / "tensor.pt"))
+    from orchard.checkpoint import KEYS
+    torch.save(dict({k: 0 for k in KEYS}, format=1, step=-5), str(folder / "negative.pt"))
     (folder / "u3" / "metrics.jsonl").mkdir(parents=True)
     return {"dir": folder, "config": config, "sequences": sequences,
             **{name: str(folder / name) for name in texts}}
@@ -150,12 +153,16 @@ def expected_cases(f):
         ("train", tiny[:2] + ["--sequences", f["short.json"], "--device", "cpu", "--output",
                               str(f["dir"] / "out_short")], {},
          [f["short.json"], "fewer than one batch"]),
+        ("train", tiny[:2] + ["--sequences", f["bools.json"], "--device", "cpu"], {},
+         [f["bools.json"], "item 2 is True"]),
         ("generate", ["--checkpoint", str(f["dir"] / "none.pt")], {}, ["none.pt", "cannot read"]),
         ("generate", ["--checkpoint", f["damaged.pt"]], {}, ["damaged.pt", "not a readable"]),
         ("generate", ["--checkpoint", str(f["dir"] / "statedict.pt")], {},
          ["statedict.pt", "not an orchard checkpoint", "model_config"]),
         ("generate", ["--checkpoint", str(f["dir"] / "tensor.pt")], {},
          ["tensor.pt", "not an orchard checkpoint"]),
+        ("generate", ["--checkpoint", str(f["dir"] / "negative.pt")], {},
+         ["negative.pt", "a step count", "-5"]),
         ("train", ["--resume", str(f["dir"] / "tensor.pt"), "--output", str(f["dir"] / "r2"),
                    "--device", "cpu"], {}, ["tensor.pt", "not an orchard checkpoint"]),
         ("prepare", [str(f["dir"] / "nowhere"), "-o", "x.json"], {}, ["SRC_DIR", "nowhere"]),

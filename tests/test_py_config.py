@@ -42,6 +42,7 @@ def test_partial_config_takes_defaults(tmp_path):
     ("training:\n  val_fraction: 1\n", "training.val_fraction"),
     ("training:\n  eval_interval: 0\n", "training.eval_interval"),
     ("model:\n  n_embd: 100\n  n_head: 3\n", "model.n_embd"),
+    ("training:\n  learning_rate: 0.001\n  min_lr: 0.01\n", "training.min_lr"),
     ("model: 3\n", "model"),
 ])
 def test_errors_name_the_key_and_the_file(tmp_path, text, key):

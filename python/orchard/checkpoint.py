@@ -41,6 +41,8 @@ def load_checkpoint(path):
                               % (path, type(exc).__name__)) from None
     # a state dict, a tensor or a transformers weights file loads too, and is not one
     missing = [k for k in KEYS if k not in state] if isinstance(state, dict) else list(KEYS)
+    if not missing and not (isinstance(state["step"], int) and state["step"] >= 0):
+        missing = ["a step count (it has %r)" % (state["step"],)]
     if missing or state.get("format") != FORMAT:
         raise CheckpointError("%s: not an orchard checkpoint of format %d (an orchard-train "
                               "checkpoint.pt); it lacks %s" % (

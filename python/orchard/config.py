@@ -118,6 +118,11 @@ def validate(cfg, source="<config>"):
     if model["n_head"] % model["n_kv_head"]:
         raise ConfigError("%s: key 'model.n_kv_head' (%d) must divide model.n_head (%d)"
                           % (source, model["n_kv_head"], model["n_head"]))
+    train = merged["training"]
+    if train["min_lr"] > train["learning_rate"]:
+        raise ConfigError("%s: key 'training.min_lr' (%g) must be at most "
+                          "training.learning_rate (%g), where the schedule decays to it"
+                          % (source, train["min_lr"], train["learning_rate"]))
     return merged
 
 

@@ -50,7 +50,9 @@ def load_sequences(path):
         raise DataError("%s: 'sequences' must be a list of token-id lists" % path)
     top = -1
     for n, seq in enumerate(data):
-        bad = next((i for i, t in enumerate(seq) if not isinstance(t, int) or t < 0), None)
+        # JSON's true and false are Python bools, which are ints: not token ids
+        bad = next((i for i, t in enumerate(seq)
+                    if not isinstance(t, int) or isinstance(t, bool) or t < 0), None)
         if bad is not None:
             raise DataError("%s: sequence %d holds something other than non-negative integer "
                             "token ids: item %d is %r" % (path, n, bad, seq[bad]))

@@ -76,7 +76,8 @@ def grid(args, quick, repeats, causal_flags):
         cases = [(8, 2, 64, 1024)] if quick else decode_bench.CASES
         report["decode"] = {}
         for dev in device_ids:
-            bandwidth, rows = decode_bench.measure(cases, rounds=repeats, device=dev)
+            dtypes = [dt for dt in decode_bench.DTYPES if str(dt).split(".")[-1] in args.dtypes]
+            bandwidth, rows = decode_bench.measure(cases, dtypes, rounds=repeats, device=dev)
             report["decode"][dev] = dict(read_bandwidth_gbs=bandwidth, results=rows)
     return report
 
