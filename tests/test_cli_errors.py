@@ -162,7 +162,7 @@ def expected_cases(f):
         ("generate", ["--checkpoint", str(f["dir"] / "tensor.pt")], {},
          ["tensor.pt", "not an orchard checkpoint"]),
         ("generate", ["--checkpoint", str(f["dir"] / "negative.pt")], {},
-         ["negative.pt", "a step count", "-5"]),
+         ["negative.pt", "step is -5"]),
         ("train", ["--resume", str(f["dir"] / "tensor.pt"), "--output", str(f["dir"] / "r2"),
                    "--device", "cpu"], {}, ["tensor.pt", "not an orchard checkpoint"]),
         ("prepare", [str(f["dir"] / "nowhere"), "-o", "x.json"], {}, ["SRC_DIR", "nowhere"]),

@@ -39,13 +39,21 @@ def load_checkpoint(path):
     except Exception as exc:  # torch reports a damaged file with many types and long advice
         raise CheckpointError("%s: not a readable orchard checkpoint (torch.load raised %s)"
                               % (path, type(exc).__name__)) from None
-    # a state dict, a tensor or a transformers weights file loads too, and is not one
-    missing = [k for k in KEYS if k not in state] if isinstance(state, dict) else list(KEYS)
-    if not missing and not (isinstance(state["step"], int) and state["step"] >= 0):
-        missing = ["a step count (it has %r)" % (state["step"],)]
-    if missing or state.get("format") != FORMAT:
+    problem = _problem(state)
+    if problem:
         raise CheckpointError("%s: not an orchard checkpoint of format %d (an orchard-train "
-                              "checkpoint.pt); it lacks %s" % (
-                                  path, FORMAT, ", ".join(missing) if missing else
-                                  "format %d (it has %r)" % (FORMAT, state.get("format"))))
+                              "checkpoint.pt): %s" % (path, FORMAT, problem))
     return state
+
+
+def _problem(state):
+    """What keeps a loaded object from being a checkpoint (a state dict, a tensor or a
+    transformers weights file loads too), or None."""
+    missing = [k for k in KEYS if k not in state] if isinstance(state, dict) else list(KEYS)
+    if missing:
+        return "it lacks %s" % ", ".join(missing)
+    if state.get("format") != FORMAT:
+        return "its format is %r" % (state.get("format"),)
+    if not (isinstance(state["step"], int) and state["step"] >= 0):
+        return "its step is %r, not a step count" % (state["step"],)
+    return None
