@@ -11,6 +11,8 @@
  * width of the kernels (vector_width).
  */
 #ifdef ORCHARD_HAVE_OPENCL
+#include <errno.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -212,11 +214,67 @@ static device_t *lock_device(int i, int *rc, or_error *err)
     return dev;
 }
 
-static int env_int(const char *name, int fallback)
+/* The family called name, or -1. */
+static int family_named(const char *name)
+{
+    for (int f = 0; f < OR_NFAMILIES; f++)
+        if (strcmp(name, or_cl_families[f].name) == 0)
+            return f;
+    return -1;
+}
+
+/* ORCHARD_CL_* integer name: 1 and *out when set to an integer in lo..hi, 0 when unset or
+ * empty, -1 when set to anything else (or_cl_environment_problem reports it). */
+static int env_count(const char *name, long lo, long hi, long *out)
 {
     const char *v = getenv(name);
-    int n = v ? atoi(v) : 0;
-    return n > 0 ? n : fallback;
+    if (v == NULL || *v == '\0')
+        return 0;
+    char *end;
+    errno = 0;
+    const long n = strtol(v, &end, 10);
+    if (*end != '\0' || errno || n < lo || n > hi)
+        return -1;
+    *out = n;
+    return 1;
+}
+
+/* Variable name's value where it is a usable count, else fallback. */
+static int env_int(const char *name, int fallback)
+{
+    long n;
+    return env_count(name, 1, INT_MAX, &n) == 1 ? (int)n : fallback;
+}
+
+int or_cl_environment_problem(char *msg, size_t size)
+{
+    static const struct { const char *name; long hi; } counts[] = {
+        {"ORCHARD_CL_BLOCK_Q", OR_CL_MAX_BLOCK},
+        {"ORCHARD_CL_BLOCK_K", OR_CL_MAX_BLOCK},
+#ifdef ORCHARD_TEST_HOOKS
+        {"ORCHARD_CL_LOCAL_MEM", INT_MAX},  /* bytes */
+#endif
+    };
+    const char *family = getenv("ORCHARD_CL_FAMILY");
+    long n;
+    if (family != NULL && *family != '\0' && family_named(family) < 0) {
+        snprintf(msg, size, "ORCHARD_CL_FAMILY='%.64s' names no kernel family (rows, tiled or "
+                 "wg)", family);
+        return 1;
+    }
+    const int given = env_count("ORCHARD_CL_VECTOR", 4, 16, &n);
+    if (given < 0 || (given == 1 && n != 4 && n != 8 && n != 16)) {
+        snprintf(msg, size, "ORCHARD_CL_VECTOR='%.64s': expected 4, 8 or 16",
+                 getenv("ORCHARD_CL_VECTOR"));
+        return 1;
+    }
+    for (size_t i = 0; i < sizeof(counts) / sizeof(*counts); i++)
+        if (env_count(counts[i].name, 1, counts[i].hi, &n) < 0) {
+            snprintf(msg, size, "%s='%.64s': expected an integer in 1..%ld", counts[i].name,
+                     getenv(counts[i].name), counts[i].hi);
+            return 1;
+        }
+    return 0;
 }
 
 static int build_log(device_t *dev, cl_program prog, or_error *err)
@@ -283,13 +341,13 @@ static int build(device_t *dev, const char *options, or_counters *ct, cl_program
 static int family_of(const device_t *dev)
 {
     const char *env = getenv("ORCHARD_CL_FAMILY");
-    for (int f = 0; f < OR_NFAMILIES; f++) {
-        const or_cl_family *row = &or_cl_families[f];
-        if (env && *env ? strcmp(env, row->name) == 0
-                        : row->device_kind && strcmp(row->device_kind, dev->info.kind) == 0)
+    if (env && *env)
+        return family_named(env);
+    for (int f = 0; f < OR_NFAMILIES; f++)
+        if (or_cl_families[f].device_kind
+            && strcmp(or_cl_families[f].device_kind, dev->info.kind) == 0)
             return f;
-    }
-    return env && *env ? -1 : OR_FAMILY_ROWS;
+    return OR_FAMILY_ROWS;
 }
 
 int or_cl_family_of(int i)
@@ -344,7 +402,8 @@ static int load_tuned(const device_t *dev, int family, int *bq, int *bk)
     if (rec != NULL && size < sizeof(text)) {
         memcpy(text, rec, size);
         text[size] = '\0';
-        if (sscanf(text, "%d %d", &q, &k) == 2 && q >= 1 && k >= 1 && q <= 4096 && k <= 4096) {
+        if (sscanf(text, "%d %d", &q, &k) == 2 && q >= 1 && k >= 1 && q <= OR_CL_MAX_BLOCK
+            && k <= OR_CL_MAX_BLOCK) {
             *bq = q;
             *bk = k;
             found = 1;
@@ -491,11 +550,8 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
     /* ORCHARD_CL_LOCAL_MEM=bytes: a device with that much local memory, to test the rules */
     facts.local_mem = (unsigned long long)env_int("ORCHARD_CL_LOCAL_MEM", (int)facts.local_mem);
 #endif
-    if (family < 0) {
-        snprintf(err->msg, sizeof(err->msg), "ORCHARD_CL_FAMILY='%.64s' names no kernel family "
-                 "(rows, tiled or wg)", getenv("ORCHARD_CL_FAMILY"));
+    if (or_cl_environment_problem(err->msg, sizeof(err->msg)))
         return OR_EDEVICE;
-    }
     for (;;) {      /* the family's blocks: defaults, a tuned record, the environment, its rule */
         const or_cl_family *f = &or_cl_families[family];
         vw = vector_width(&dev->info, family);

@@ -61,6 +61,10 @@ int or_cl_get_program(int i, or_dtype dt, int d, int dv, or_counters *ct, or_cl_
  * whose local memory cannot hold the smallest tiles still falls back to the rows family). */
 int or_cl_family_of(int i);
 
+/* The first ORCHARD_CL_* environment variable set to a value orchard cannot use, as a
+ * sentence in msg (size bytes): 1; 0 when there is none. Programs are not built meanwhile. */
+int or_cl_environment_problem(char *msg, size_t size);
+
 /* Block sizes tuned for device i (orchard-tune), for the kernel family it runs:
  * read (1 when there is a record) and stored (1 when written; not with the cache off). */
 int or_cl_tuned_blocks(int i, int *bq, int *bk);

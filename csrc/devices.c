@@ -194,8 +194,9 @@ int or_resolve_device(const char *func, PyObject *device, or_device_choice *out)
 }
 
 #ifdef ORCHARD_HAVE_OPENCL
-/* The kernel family an OpenCL device runs, and the blocks orchard-tune times for it (None and
- * an empty list while ORCHARD_CL_FAMILY names no family). */
+/* The kernel family an OpenCL device runs, the blocks orchard-tune times for it (None and
+ * an empty list while ORCHARD_CL_FAMILY names no family), and the ORCHARD_CL_* variable that
+ * stops its calls (environment_error: a sentence, or None). */
 static int add_family(PyObject *item, int cl_index)
 {
     const int f = or_cl_family_of(cl_index);
@@ -215,11 +216,17 @@ static int add_family(PyObject *item, int cl_index)
                 PyList_SET_ITEM(blocks, i, pair);
         }
     }
-    int rc = name && blocks ? PyDict_SetItemString(item, "kernel_family", name) : -1;
+    char msg[256];
+    PyObject *problem = or_cl_environment_problem(msg, sizeof(msg)) ? PyUnicode_FromString(msg)
+                                                                     : Py_NewRef(Py_None);
+    int rc = name && blocks && problem ? PyDict_SetItemString(item, "kernel_family", name) : -1;
     if (rc == 0)
         rc = PyDict_SetItemString(item, "block_candidates", blocks);
+    if (rc == 0)
+        rc = PyDict_SetItemString(item, "environment_error", problem);
     Py_XDECREF(name);
     Py_XDECREF(blocks);
+    Py_XDECREF(problem);
     return rc;
 }
 #endif

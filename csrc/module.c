@@ -433,10 +433,10 @@ static PyObject *save_tuned_blocks(PyObject *module, PyObject *args, PyObject *k
     int bq, bk;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "Oii:save_tuned_blocks", kwlist, &device, &bq, &bk))
         return NULL;
-    if (bq < 1 || bq > 4096 || bk < 1 || bk > 4096) {
-        const int q_bad = bq < 1 || bq > 4096;
-        PyErr_Format(PyExc_ValueError, "save_tuned_blocks(): '%s' must be in 1..4096, got %d",
-                     q_bad ? "block_q" : "block_k", q_bad ? bq : bk);
+    if (bq < 1 || bq > OR_CL_MAX_BLOCK || bk < 1 || bk > OR_CL_MAX_BLOCK) {
+        const int q_bad = bq < 1 || bq > OR_CL_MAX_BLOCK;
+        PyErr_Format(PyExc_ValueError, "save_tuned_blocks(): '%s' must be in 1..%d, got %d",
+                     q_bad ? "block_q" : "block_k", OR_CL_MAX_BLOCK, q_bad ? bq : bk);
         return NULL;
     }
     int index = opencl_device("save_tuned_blocks", device);

@@ -113,6 +113,8 @@ int  or_pool_acquire(or_ssize n_items);     /* how many workers this call may us
 void or_pool_run(int nworkers, or_ssize n_items, or_task fn, void *ctx);
 void or_pool_release(int nworkers);
 #define OR_MAX_THREADS 4096
+/* The largest OpenCL block (rows or keys) a tuned record or ORCHARD_CL_BLOCK_Q/K may name. */
+#define OR_CL_MAX_BLOCK 4096
 void or_set_num_threads(int n);     /* 1..OR_MAX_THREADS */
 int  or_get_num_threads(void);
 const char *or_bad_threads_env(void);   /* an ORCHARD_NUM_THREADS not in 1..OR_MAX_THREADS, or NULL */

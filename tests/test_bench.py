@@ -46,11 +46,13 @@ def test_bench_decode_table(tmp_path):
     out = tmp_path / "bench.json"
     r = run_python("""
         from orchard.cli import bench
-        bench.main(["--quick", "--dtypes", "float32", "--devices", "cpu", "--causal", "no",
-                    "--decode", "--json", %r])
+        bench.main(["--quick", "--repeats", "4", "--dtypes", "float32", "--devices", "cpu",
+                    "--causal", "no", "--decode", "--json", %r])
     """ % str(out), timeout=600)
     assert r.returncode == 0, r.stderr
-    decode = json.loads(out.read_text())["decode"]["cpu"]
+    report = json.loads(out.read_text())
+    assert report["repeats"] == 4 and r.stdout.startswith("--quick: tiny shapes and 4 repeats")
+    decode = report["decode"]["cpu"]
     assert decode["read_bandwidth_gbs"] > 0
     assert {row["dtype"] for row in decode["results"]} == {"float32"}     # --dtypes
     for row in decode["results"]:

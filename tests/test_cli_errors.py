@@ -117,6 +117,8 @@ def expected_cases(f):
         ("bench", ["--scaling", "--decode"], {},
          ["--decode", "not allowed with argument --scaling"]),
         ("tune", ["--shape", "1,8,0,64"], {}, ["--shape", "'1,8,0,64'"]),
+        ("bench", ["--quick", "--json", "/proc/self/r.json"], {},
+         ["--json", "'/proc/self/r.json'", "can write"]),
         ("tune", ["--candidates", "0x64"], {}, ["--candidates", "'0x64'"]),
         ("tune", ["--repeats", "0"], {}, ["--repeats", "'0'"]),
         ("prepare", [str(f["dir"]), "-o", "x.json", "--max-bytes", "0"], {},
@@ -133,6 +135,9 @@ def expected_cases(f):
     ] + ([
         ("train", [], {"ORCHARD_CL_FAMILY": "bogus"}, ["ORCHARD_CL_FAMILY", "'bogus'"]),
         ("bench", ["--quick"], {"ORCHARD_CL_FAMILY": "bogus"}, ["ORCHARD_CL_FAMILY"]),
+        ("train", [], {"ORCHARD_CL_VECTOR": "3"}, ["ORCHARD_CL_VECTOR", "'3'", "4, 8 or 16"]),
+        ("devices", [], {"ORCHARD_CL_BLOCK_Q": "abc"}, ["ORCHARD_CL_BLOCK_Q", "'abc'"]),
+        ("tune", [], {"ORCHARD_CL_BLOCK_K": "0"}, ["ORCHARD_CL_BLOCK_K", "1..4096"]),
     ] if OPENCL_IDS else []) + [
         ("tune", ["--device", "cpu"], {}, ["--device", "OpenCL", "'cpu'"]),
         ("tune", ["--device", "tpu"], {}, ["--device", "'tpu'"]),

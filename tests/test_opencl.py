@@ -430,6 +430,41 @@ def test_kernel_family_listed_and_named():
     assert "ORCHARD_CL_FAMILY='blocked' names no kernel family" in err
 
 
+ENVIRONMENT_PROBE = """
+    import json, numpy as np, orchard_ops as o
+    listed = [d.get("environment_error") for d in o.devices()]
+    q = np.ones((1, 2, 8, 16), np.float32)
+    try:
+        o.flash_attn_fwd(q, q, q, device="%s")
+        err = None
+    except o.OrchardError as e:
+        err = str(e)
+    print(json.dumps([listed, err]))
+"""
+
+
+@needs_opencl
+@pytest.mark.parametrize("name, value, message", [
+    ("ORCHARD_CL_VECTOR", "3", "ORCHARD_CL_VECTOR='3': expected 4, 8 or 16"),
+    ("ORCHARD_CL_VECTOR", "8x", "ORCHARD_CL_VECTOR='8x': expected 4, 8 or 16"),
+    ("ORCHARD_CL_BLOCK_Q", "abc", "ORCHARD_CL_BLOCK_Q='abc': expected an integer in 1..4096"),
+    ("ORCHARD_CL_BLOCK_K", "-4", "ORCHARD_CL_BLOCK_K='-4': expected an integer in 1..4096"),
+    ("ORCHARD_CL_BLOCK_Q", "5000", "ORCHARD_CL_BLOCK_Q='5000': expected an integer in 1..4096"),
+    ("ORCHARD_CL_FAMILY", "blocked", "ORCHARD_CL_FAMILY='blocked' names no kernel family"),
+    ("ORCHARD_CL_VECTOR", "", None),  # empty: unset
+])
+def test_bad_opencl_environment_refused(name, value, message):
+    """An ORCHARD_CL_* value the kernels cannot use (once silently replaced by the default) is
+    named by devices() for every OpenCL device, and every OpenCL call refuses it; the native
+    device is untouched."""
+    listed, err = child(ENVIRONMENT_PROBE % OPENCL_IDS[0], ORCHARD_NO_CACHE=1, **{name: value})
+    assert listed[0] is None    # cpu
+    if message is None:
+        assert err is None and all(e is None for e in listed)
+    else:
+        assert all(message in e for e in listed[1:]) and message in err
+
+
 @needs_opencl
 def test_tuned_blocks_stored_and_used(tmp_path):
     """orchard-tune times candidates in child processes, stores the fastest beside the program

@@ -5,7 +5,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import orchard_ops  # noqa: E402
-from orchard.generation import decode, generate, generate_ids  # noqa: E402
+from orchard.generation import Detokenizer, decode, generate, generate_ids  # noqa: E402
 from orchard.model import GPT, GPTConfig, KVCache  # noqa: E402
 from orchard.torch import patch_model  # noqa: E402
 from test_py_support import run_python  # noqa: E402
@@ -109,3 +109,16 @@ def test_byte_level_text_skips_ids_past_the_bytes():
     the text leaves them out instead of failing after the whole generation."""
     assert decode([104, 105, 300, 33, 256], byte_level=True) == "hi!"
     assert decode([104, 300], byte_level=False) == "104 300"
+
+
+def test_text_streamed_token_by_token():
+    """orchard-generate prints each token as it comes: a character whose UTF-8 bytes are
+    separate tokens appears once whole, ids are separated by spaces across pieces, and the
+    pieces add up to the text of all the ids."""
+    text = Detokenizer(byte_level=True)
+    pieces = [text([i]) for i in "é€!".encode()] + [text([], final=True)]
+    assert pieces == ["", "é", "", "", "€", "!", ""]
+    text = Detokenizer(byte_level=True)
+    assert text([0xe2]) + text([0x82], final=True) == "\ufffd"  # a cut character, replaced
+    ids = Detokenizer(byte_level=False)
+    assert ids([1, 2]) + ids([]) + ids([3]) + ids([], final=True) == "1 2 3"

@@ -6,6 +6,8 @@ import os
 import re
 import shlex
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -18,7 +20,8 @@ from orchard.data import load_sequences, split_validation, token_chunks  # noqa:
 from orchard.device_backend import get_device_backend  # noqa: E402
 from orchard.trainer import Trainer  # noqa: E402
 from test_py_support import (REPO_ROOT, TINY_CONFIG, fail_first_forward,  # noqa: E402
-                             read_metrics, run_python, write_tiny_run_files)
+                             read_metrics, run_python, subprocess_env,
+                             write_tiny_run_files)
 
 
 @pytest.fixture(scope="module")
@@ -250,3 +253,16 @@ def test_generate_and_prepare(run_files, tmp_path):
     assert re.match(r"checkpoint of step 2 of 2, validation loss [0-9.]+ \(uniform guessing: "
                     r"5\.55\): barely trained; expect near-random tokens$", result.stderr), \
         result.stderr
+    # tokens are printed as they are sampled: Ctrl-C keeps what came before it
+    proc = subprocess.Popen([sys.executable, "-m", "orchard.cli.generate", "--checkpoint",
+                             str(out), "--prompt", "print", "--max-new-tokens", "10000000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=subprocess_env(PYTHONUNBUFFERED="1"), cwd=REPO_ROOT)
+    try:
+        assert proc.stdout.read(len("print") + 10)  # the prompt, then sampled bytes
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and err.endswith("orchard-generate: interrupted\n"), err
+    assert rest.endswith("\n")

@@ -11,6 +11,7 @@ model's context (its positions): once the tokens outgrow it, the window slides b
 step, every position moves, and no cached key stays valid, so each step then prefills the
 last `context` tokens anew, exactly what generation without the cache computes.
 """
+import codecs
 import math
 
 import torch
@@ -70,10 +71,28 @@ def encode(prompt, byte_level):
     return ids
 
 
+class Detokenizer:
+    """Text of token ids as they come, piece by piece: byte-level ids through an incremental
+    UTF-8 decoder (a character whose bytes span several tokens appears once, whole; ids past
+    the 256 bytes, which a larger vocabulary can still sample, are left out), others as
+    space-separated ids."""
+
+    def __init__(self, byte_level):
+        self.byte_level = byte_level
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.started = False
+
+    def __call__(self, ids, final=False):
+        """The text that ids add (final: the last piece, flushing a partial character)."""
+        if self.byte_level:
+            return self.utf8.decode(bytes(i for i in ids if i < 256), final)
+        text = (" " if self.started and ids else "") + " ".join(map(str, ids))
+        self.started = self.started or bool(ids)
+        return text
+
+
 def decode(ids, byte_level):
-    if byte_level:  # a vocabulary above the data's 256 bytes can still sample the other ids
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-    return " ".join(map(str, ids))
+    return Detokenizer(byte_level)(ids, final=True)
 
 
 def sample_next(logits, temperature, top_k=None, generator=None):
@@ -89,10 +108,11 @@ def sample_next(logits, temperature, top_k=None, generator=None):
 
 
 @torch.no_grad()
-def generate_ids(model, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None,
+def sample_steps(model, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None,
                  use_cache=True):
-    """idx (batch, n) followed by max_new_tokens sampled tokens. use_cache=False recomputes
-    every step from scratch (the reference the cache must match; see the module docstring)."""
+    """Yields the max_new_tokens tokens (batch, 1) sampled after idx (batch, n), one a step.
+    use_cache=False recomputes every step from scratch (the reference the cache must match; see
+    the module docstring)."""
     context = model.context
     cache, filled, size = None, 0, 0
     for step in range(max_new_tokens):
@@ -108,12 +128,26 @@ def generate_ids(model, idx, max_new_tokens, temperature=1.0, top_k=None, genera
                 size = min(context, filled + max_new_tokens - step - 1)
                 cache = model.new_cache(len(idx), size)
             logits, _ = model(window, cache=cache)
-        idx = torch.cat([idx, sample_next(logits[:, -1], temperature, top_k, generator)], 1)
-    return idx
+        token = sample_next(logits[:, -1], temperature, top_k, generator)
+        idx = torch.cat([idx, token], 1)
+        yield token
+
+
+def generate_ids(model, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None,
+                 use_cache=True):
+    """idx (batch, n) followed by max_new_tokens sampled tokens (sample_steps)."""
+    return torch.cat([idx, *sample_steps(model, idx, max_new_tokens, temperature, top_k,
+                                         generator, use_cache)], 1)
+
+
+def stream(model, ids, max_new_tokens, temperature=0.8, top_k=40, seed=0, use_cache=True):
+    """Yields the max_new_tokens ids sampled after the prompt's ids, one at a time."""
+    generator = torch.Generator().manual_seed(seed)
+    for token in sample_steps(model, torch.tensor([ids]), max_new_tokens, temperature, top_k,
+                              generator, use_cache):
+        yield token.item()
 
 
 def generate(model, ids, max_new_tokens, temperature=0.8, top_k=40, seed=0, use_cache=True):
     """The prompt's ids followed by max_new_tokens sampled ones."""
-    generator = torch.Generator().manual_seed(seed)
-    return generate_ids(model, torch.tensor([ids]), max_new_tokens, temperature, top_k,
-                        generator, use_cache)[0].tolist()
+    return ids + list(stream(model, ids, max_new_tokens, temperature, top_k, seed, use_cache))

@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import sys
+import tempfile
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -166,11 +167,18 @@ def shape(text):
 
 
 def output_file(text):
-    """An argparse type: a file to write, in a folder that exists (checked before the work
-    whose results it will hold)."""
+    """An argparse type: a file to write, in a folder that exists and takes new files (checked
+    before the work whose results it will hold, by making and removing a temporary file there:
+    permission bits alone do not say it for root or a read-only file system)."""
     folder = os.path.dirname(os.path.abspath(text))
     if os.path.isdir(text) or not os.path.isdir(folder):
         raise argparse.ArgumentTypeError("must be a file in an existing folder (got %r)" % text)
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError("must be a file in a folder this user can write to "
+                                         "(got %r: %s)" % (text, exc.strerror or exc))
     return text
 
 
@@ -225,19 +233,17 @@ def devices(text):
 
 def check_device_environment():
     """UsageError if ORCHARD_ISA names a kernel set this CPU cannot run, ORCHARD_NUM_THREADS
-    is not a thread count, ORCHARD_CL_FAMILY names no OpenCL kernel family (devices() lists
-    none for the OpenCL devices then) or ORCHARD_DEVICE names no device (device=auto would
-    fail later)."""
+    is not a thread count, an ORCHARD_CL_* variable has a value OpenCL calls refuse (devices()
+    names it) or ORCHARD_DEVICE names no device (device=auto would fail later)."""
     import orchard_ops
 
     try:
         listed = orchard_ops.devices()
     except ValueError as exc:   # what devices() reports: ORCHARD_ISA, ORCHARD_NUM_THREADS
         raise UsageError("environment variable %s" % exc)
-    family = os.environ.get("ORCHARD_CL_FAMILY")
-    if family and any(d["kernel_family"] is None for d in listed if d["backend"] == "opencl"):
-        raise UsageError("environment variable ORCHARD_CL_FAMILY names no OpenCL kernel family "
-                         "(rows, tiled or wg) (got %r)" % family)
+    for d in listed:
+        if d.get("environment_error"):     # an ORCHARD_CL_* value OpenCL calls refuse
+            raise UsageError("environment variable %s" % d["environment_error"])
     name = os.environ.get("ORCHARD_DEVICE")
     if name and _device_problem(None):
         raise UsageError("environment variable ORCHARD_DEVICE names no available device (%r); "

@@ -36,7 +36,7 @@ EXAMPLES = (
     "orchard-bench --scaling --dtypes bfloat16 --head-dims 128 --max-n 4096 --plot scaling.png",
 )
 INDICATIVE = ("--quick: tiny shapes and %d repeats; the figures and ratios are indicative "
-              "only, not measurements to quote" % benchmark.MIN_REPEATS)
+              "only, not measurements to quote")
 
 
 def print_report(report, out):
@@ -130,11 +130,13 @@ def main(argv=None):
                         help="Comma-separated dtypes, of %s." % ", ".join(benchmark.DTYPES))
     parser.add_argument("--causal", choices=["both", "yes", "no"], default="both",
                         help="Time causal attention, non-causal, or both.")
-    parser.add_argument("--repeats", type=integer(benchmark.MIN_REPEATS), default=5,
-                        metavar="N", help="Timed calls per figure, which is their median.")
+    parser.add_argument("--repeats", type=integer(benchmark.MIN_REPEATS), metavar="N",
+                        help="Timed calls per figure, which is their median. Default: 5 "
+                             "(%d with --quick)." % benchmark.MIN_REPEATS)
     parser.add_argument("--quick", action="store_true",
-                        help="Tiny shapes and %d repeats, to check that everything runs; its "
-                             "figures are indicative only." % benchmark.MIN_REPEATS)
+                        help="Tiny shapes and, unless --repeats says otherwise, %d repeats, to "
+                             "check that everything runs; its figures are indicative only."
+                             % benchmark.MIN_REPEATS)
     parser.add_argument("--json", type=output_file, nargs="?", const="-", metavar="FILE",
                         help="Write the report as JSON to FILE, or without FILE print it to "
                              "stdout instead of the table.")
@@ -185,7 +187,7 @@ def main(argv=None):
     if args.plot:
         check_plot_file(args.plot)
 
-    repeats = benchmark.MIN_REPEATS if quick else args.repeats
+    repeats = args.repeats or (benchmark.MIN_REPEATS if quick else 5)
     causal_flags = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     report = (scaling if args.scaling else grid)(args, quick, repeats, causal_flags)
     report["indicative_only"] = quick
@@ -194,7 +196,7 @@ def main(argv=None):
         print()
     else:
         if quick:
-            print(INDICATIVE)
+            print(INDICATIVE % repeats)
         print_report(report, sys.stdout)
         if args.json:
             with open(args.json, "w") as f:

@@ -7,8 +7,9 @@ Models trained on byte-level data (a vocabulary of 256: the default data and orc
 output) take the prompt as text and print text; others take and print space-separated token
 ids (orchard.generation). The model (the built-in GPT or a transformers model trained with
 --hf-config/--hf-model) keeps a KV cache: the prompt is prefilled once, then one decode step
-per token. Before the sample, a line on stderr says how far the checkpoint was trained and
-what that means for the sample.
+per token, each token printed as it is sampled (Ctrl-C keeps what was printed). Before the
+sample, a line on stderr says how far the checkpoint was trained and what that means for the
+sample.
 """
 import sys
 
@@ -42,7 +43,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     from ..checkpoint import load_checkpoint
-    from ..generation import decode, describe_training, encode, generate, load_model
+    from ..generation import Detokenizer, describe_training, encode, load_model, stream
 
     state = load_checkpoint(args.checkpoint)
     model, byte_level = load_model(state, args.device)
@@ -57,8 +58,16 @@ def main(argv=None):
                          "vocabulary of %d (got %r)" % (bad[0], vocab, args.prompt))
     if not args.quiet:
         print(describe_training(state), file=sys.stderr)
-    out = generate(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.seed)
-    print(decode(out, byte_level))
+    # the text is written as it is sampled, so that what came before an interrupt stays
+    text = Detokenizer(byte_level)
+    sys.stdout.write(text(ids))
+    try:
+        for token in stream(model, ids, args.max_new_tokens, args.temperature, args.top_k,
+                            args.seed):
+            sys.stdout.write(text([token]))
+            sys.stdout.flush()
+    finally:
+        print(text([], final=True))
     return 0
 
 
