@@ -81,7 +81,20 @@ int or_check_options(or_call *c, const or_opts *o)
     }
     p->prm.left = (or_ssize)lr[0];
     p->prm.right = (or_ssize)lr[1];
-    if (o->causal)
+    /* causal: a bool (Python's or NumPy's) or the int 0 or 1; truthiness would read the string
+     * "False" as causal */
+    long long flag = -1;
+    if (PyBool_Check(o->causal) || PyArray_IsScalar(o->causal, Bool))
+        flag = PyObject_IsTrue(o->causal);
+    else if ((PyLong_Check(o->causal) || PyArray_IsScalar(o->causal, Integer))
+             && or_as_integer(o->causal, &flag) < 0 && PyErr_Occurred())
+        return -1;
+    if (flag != 0 && flag != 1) {
+        PyErr_Format(PyExc_TypeError, "%s(): 'causal' must be a bool, got %.100R", c->func,
+                     o->causal);
+        return -1;
+    }
+    if (flag)
         p->prm.right = 0;
 
     if (o->seed == NULL)

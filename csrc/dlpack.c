@@ -80,6 +80,23 @@ PyArrayObject *or_from_dlpack(PyObject *obj, const char *func, const char *name,
     const int is_torch = torch_tensor(obj, &torch);
     if (is_torch < 0)
         return NULL;
+    if (is_torch) {     /* torch exports a lazily negated view's memory without its sign */
+        PyObject *neg = PyObject_CallMethod(obj, "is_neg", NULL);
+        int lazy = neg == NULL ? -1 : PyObject_IsTrue(neg);
+        Py_XDECREF(neg);
+        if (lazy < 0 && PyErr_ExceptionMatches(PyExc_AttributeError)) {  /* a torch without */
+            PyErr_Clear();
+            lazy = 0;
+        }
+        if (lazy != 0) {
+            if (lazy > 0)
+                PyErr_Format(PyExc_ValueError, "%s(): argument '%s' is a torch tensor with its "
+                             "negative bit set (a lazily negated view, which DLPack does not "
+                             "carry): pass %s.resolve_neg()", func, name, name);
+            Py_DECREF(torch);
+            return NULL;
+        }
+    }
     PyObject *capsule = is_torch ? PyObject_CallMethod(torch, "to_dlpack", "O", obj)
                                  : PyObject_CallMethod(obj, "__dlpack__", NULL);
     Py_XDECREF(torch);

@@ -161,7 +161,7 @@ done:
 #define OPTION_FORMAT "$OOdOO"
 #define OPTION_ARGS &o.window, &o.alibi, &o.softcap, &o.seed, &o.device
 /* window NULL = (-1, -1), seed NULL = 0 */
-#define OPTS_INIT {.scale = Py_None, .window = NULL, .alibi = Py_None, .seed = NULL, \
+#define OPTS_INIT {.scale = Py_None, .causal = Py_False, .window = NULL, .alibi = Py_None, .seed = NULL, \
                    .device = Py_None, .max_q = Py_None, .max_k = Py_None, .seqused_k = Py_None, \
                    .block_table = Py_None, .leftpad_k = Py_None}
 
@@ -174,7 +174,7 @@ static PyObject *flash_attn_fwd(PyObject *module, PyObject *args, PyObject *kw)
     or_opts o = OPTS_INIT;
     PyObject *x[3];
     or_call c = {.func = "flash_attn_fwd"};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|Odp" OPTION_FORMAT ":flash_attn_fwd", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|OdO" OPTION_FORMAT ":flash_attn_fwd", kwlist,
                                      &x[0], &x[1], &x[2], &o.scale, &o.dropout_p, &o.causal,
                                      OPTION_ARGS))
         return NULL;
@@ -188,7 +188,7 @@ static PyObject *flash_attn_bwd(PyObject *module, PyObject *args, PyObject *kw)
     or_opts o = OPTS_INIT;
     PyObject *x[6];
     or_call c = {.func = "flash_attn_bwd"};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|Odp" OPTION_FORMAT ":flash_attn_bwd",
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|OdO" OPTION_FORMAT ":flash_attn_bwd",
                                      kwlist, &x[0], &x[1], &x[2], &x[3], &x[4], &x[5], &o.scale,
                                      &o.dropout_p, &o.causal, OPTION_ARGS))
         return NULL;
@@ -204,7 +204,7 @@ static PyObject *flash_attn_varlen_fwd(PyObject *module, PyObject *args, PyObjec
     PyObject *x[3], *cuq, *cuk;
     or_call c = {.func = "flash_attn_varlen_fwd", .varlen = 1};
     if (!PyArg_ParseTupleAndKeywords(args, kw,
-                                     "OOOOO|OOOdp" OPTION_FORMAT "OOO:flash_attn_varlen_fwd",
+                                     "OOOOO|OOOdO" OPTION_FORMAT "OOO:flash_attn_varlen_fwd",
                                      kwlist, &x[0], &x[1], &x[2], &cuq, &cuk, &o.max_q, &o.max_k,
                                      &o.scale, &o.dropout_p, &o.causal, OPTION_ARGS,
                                      &o.seqused_k, &o.block_table, &o.leftpad_k))
@@ -221,7 +221,7 @@ static PyObject *flash_attn_varlen_bwd(PyObject *module, PyObject *args, PyObjec
     PyObject *x[6], *cuq, *cuk;
     or_call c = {.func = "flash_attn_varlen_bwd", .varlen = 1};
     if (!PyArg_ParseTupleAndKeywords(args, kw,
-                                     "OOOOOOOO|OOOdp" OPTION_FORMAT ":flash_attn_varlen_bwd",
+                                     "OOOOOOOO|OOOdO" OPTION_FORMAT ":flash_attn_varlen_bwd",
                                      kwlist, &x[0], &x[1], &x[2], &x[3], &x[4], &x[5], &cuq, &cuk,
                                      &o.max_q, &o.max_k, &o.scale, &o.dropout_p, &o.causal,
                                      OPTION_ARGS))
@@ -248,8 +248,9 @@ static PyObject *dropout_mask(PyObject *module, PyObject *args, PyObject *kw)
     int kn = qn < 0 ? -1 : or_parse_shape(ks, "k_shape", kd);
     if (kn < 0)
         return NULL;
-    or_opts o = {.scale = Py_None, .alibi = Py_None, .seed = seed_obj, .device = Py_None,
-                .dropout_p = p};
+    or_opts o = OPTS_INIT;
+    o.seed = seed_obj;
+    o.dropout_p = p;
     or_call c = {.func = "dropout_mask"};
     if (or_check_options(&c, &o) < 0)
         return NULL;
@@ -467,7 +468,9 @@ PyDoc_STRVAR(build_info_doc,
 "build_info() -> dict: how this orchard_ops was built. 'version'; 'opencl': the OpenCL backend\n"
 "is compiled in; 'test_hooks': built with ORCHARD_TEST_HOOKS=1, so that ORCHARD_FAULT,\n"
 "ORCHARD_AUTO_ANY_OPENCL, ORCHARD_CL_TRANSFERS and ORCHARD_CL_LOCAL_MEM take effect;\n"
-"'max_head_dim': the largest D and Dv; 'dtypes': the array dtypes read and written.");
+"'max_head_dim': the largest D and Dv; 'max_cl_block': the largest OpenCL block (rows or\n"
+"keys) ORCHARD_CL_BLOCK_Q/K and tuned records may name; 'dtypes': the array dtypes read and\n"
+"written.");
 
 static PyObject *build_info(PyObject *module, PyObject *unused)
 {
@@ -491,9 +494,10 @@ static PyObject *build_info(PyObject *module, PyObject *unused)
     }
     if (dtypes == NULL)
         return NULL;
-    PyObject *info = Py_BuildValue("{s:s, s:O, s:O, s:i, s:O}", "version", ORCHARD_VERSION,
+    PyObject *info = Py_BuildValue("{s:s, s:O, s:O, s:i, s:i, s:O}", "version", ORCHARD_VERSION,
                                    "opencl", opencl, "test_hooks", test_hooks,
-                                   "max_head_dim", OR_MAX_HEAD_DIM, "dtypes", dtypes);
+                                   "max_head_dim", OR_MAX_HEAD_DIM, "max_cl_block",
+                                   OR_CL_MAX_BLOCK, "dtypes", dtypes);
     Py_DECREF(dtypes);
     return info;
 }

@@ -68,7 +68,7 @@ typedef struct {
     PyObject *scale, *window, *alibi, *seed, *device, *max_q, *max_k, *seqused_k;
     PyObject *block_table, *leftpad_k;      /* paged K and V (varlen forward), or None */
     double dropout_p, softcap;
-    int causal;
+    PyObject *causal;
 } or_opts;
 
 /* One attention call in flight: what it owns and the problem handed to the kernels. */

@@ -120,6 +120,7 @@ def expected_cases(f):
         ("bench", ["--quick", "--json", "/proc/self/r.json"], {},
          ["--json", "'/proc/self/r.json'", "can write"]),
         ("tune", ["--candidates", "0x64"], {}, ["--candidates", "'0x64'"]),
+        ("tune", ["--candidates", "100000x64"], {}, ["--candidates", "1..4096", "'100000x64'"]),
         ("tune", ["--repeats", "0"], {}, ["--repeats", "'0'"]),
         ("prepare", [str(f["dir"]), "-o", "x.json", "--max-bytes", "0"], {},
          ["--max-bytes", "'0'"]),

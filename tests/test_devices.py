@@ -134,7 +134,7 @@ def test_build_info(ops):
     info = ops.build_info()
     assert info["version"] == ops.__version__
     assert isinstance(info["opencl"], bool) and isinstance(info["test_hooks"], bool)
-    assert info["max_head_dim"] == 256
+    assert info["max_head_dim"] == 256 and info["max_cl_block"] == 4096
     assert info["dtypes"] == ("float16", "float32", "float64", "bfloat16")
     if not info["opencl"]:
         assert [d["id"] for d in ops.devices()] == ["cpu"]

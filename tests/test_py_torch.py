@@ -66,6 +66,53 @@ def test_rejects_what_it_cannot_compute():
         flash_attention(q, q.to(torch.int32), q)
     with pytest.raises(TypeError):
         flash_attention(q, [1], q)
+    # truthiness would read "False" as causal; a string is no probability
+    for causal in ("False", 2, None):
+        with pytest.raises(TypeError, match="'causal' must be a bool, got %r" % (causal,)):
+            flash_attention(q, q, q, causal=causal)
+    with pytest.raises(TypeError, match="'dropout_p' must be a number, got '0.5'"):
+        flash_attention(q, q, q, dropout_p="0.5")
+    import numpy as np
+    for causal in (np.bool_(True), 1):
+        torch.testing.assert_close(flash_attention(q, q, q, causal=causal),
+                                   flash_attention(q, q, q, causal=True), atol=0, rtol=0)
+
+
+def test_lazily_negated_tensors_are_refused():
+    """torch's DLPack export drops a tensor's negative bit (a view such as z.conj().imag):
+    read as it lies, its values would have the wrong sign, so the call refuses it."""
+    z = torch.randn(1, 2, 5, 4, dtype=torch.complex64)
+    q, k = z.conj().imag, torch.randn(1, 2, 5, 4)
+    assert q.is_neg()
+    with pytest.raises(ValueError, match="'q' is a torch tensor with its negative bit set.*"
+                                         "resolve_neg"):
+        flash_attention(q, k, k)
+    torch.testing.assert_close(flash_attention(q.resolve_neg(), k, k),
+                               F.scaled_dot_product_attention(q.resolve_neg(), k, k))
+
+
+def test_second_derivatives_are_refused_not_wrong():
+    """A backward with create_graph=True (a gradient penalty) raises: its gradients would
+    have no graph, and the second derivative would silently miss orchard's part."""
+    q, k, v = qkv((1, 2, 3, 4), (1, 2, 3, 4))
+    out = flash_attention(q, k, v)
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        torch.autograd.grad(out.sum(), q, create_graph=True)
+    out = flash_attention(q, k, v)
+    torch.autograd.grad(out.sum(), q)       # first derivatives as usual
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")     # torch.jit.trace's own
+def test_jit_trace_is_refused():
+    """A trace would replay the traced call's output for every input (orchard's results
+    enter torch as constants), so tracing raises instead."""
+    class M(torch.nn.Module):
+        def forward(self, q, k, v):
+            return flash_attention(q, k, v, causal=True)
+
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(RuntimeError, match="cannot be traced by torch.jit.trace"):
+        torch.jit.trace(M(), (q, q, q))
 
 
 def tiny_gpt(seed=0, **overrides):
@@ -172,6 +219,51 @@ def test_multihead_attention_calls_orchard_cannot_compute_are_named_in_the_summa
     assert "the model (nn.MultiheadAttention): need_weights=True" in summary
     assert "pass need_weights=False" in summary
     assert "the model (nn.MultiheadAttention): key_padding_mask" in summary
+    # torch refuses is_causal without the mask it hints at: so does the patched module
+    with pytest.raises(RuntimeError, match="Need attn_mask if specifying the is_causal hint"):
+        mha(x, x, x, is_causal=True, need_weights=False)
+    assert "is_causal=True without attn_mask" in router.summary()
+
+
+def test_patched_model_copies_pickles_and_unpatches_cleanly():
+    """copy.deepcopy (an EMA or teacher copy) and pickle (torch.save of a whole model) of a
+    patched model give a model that is still routed and computes with its own weights;
+    unpatch_model gives back a forward the user had set on a module before patching."""
+    import copy
+    import io
+    import inspect
+
+    torch.manual_seed(0)
+    encoder = torch.nn.TransformerEncoder(
+        torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True), 2,
+        enable_nested_tensor=False)
+    x = torch.randn(2, 10, 32)
+    router = patch_model(encoder)
+    want = encoder(x)
+    twin = copy.deepcopy(encoder)
+    torch.testing.assert_close(twin(x), want, atol=0, rtol=0)
+    assert twin.orchard_router is not router and twin.orchard_router.routed == router.routed + 2
+    for p in twin.parameters():
+        p.data.zero_()
+    assert not torch.allclose(twin(x), want)    # its own weights, not the original's
+    torch.testing.assert_close(encoder(x), want, atol=0, rtol=0)
+    buf = io.BytesIO()
+    torch.save(encoder, buf)
+    loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    torch.testing.assert_close(loaded(x), want, atol=0, rtol=0)
+    assert loaded.orchard_router.routed == router.routed + 2
+    # the signature transformers and Trainer read off forward is the module's own
+    assert list(inspect.signature(encoder.forward).parameters)[0] == "src"
+
+    layer = torch.nn.Linear(4, 4)
+    own = layer.forward
+    layer.forward = lambda t: own(t) * 0 + 42
+    model = torch.nn.Sequential(layer)
+    patch_model(model)
+    assert float(model(torch.randn(1, 4))[0, 0].detach()) == 42
+    unpatch_model(model)
+    assert float(model(torch.randn(1, 4))[0, 0].detach()) == 42 and "forward" in layer.__dict__
+    assert "forward" not in model.__dict__
 
 
 @pytest.mark.parametrize("causal", [False, True])

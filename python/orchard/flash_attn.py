@@ -9,13 +9,13 @@ orchard is always deterministic (deterministic= is accepted) and splits the keys
 """
 import itertools
 import math
-import numbers
 import operator
 
 import torch
 
 import orchard_ops
-from orchard.torch import _MAX_HEAD_DIM, _Options, _attention, _forward, _check_tensors, _dropout_keep, _seed
+from orchard.torch import (_MAX_HEAD_DIM, _Options, _attention, _check_tensors, _dropout_keep,
+                           _fail, _flag, _forward, _number, _seed)
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
            "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
@@ -31,10 +31,6 @@ def _get_block_size_n(device=None, head_dim=None, is_dropout=False, is_causal=Fa
 
 
 # ----------------------------------------------------------------------------- checks
-
-
-def _fail(fn, name, why, error=ValueError):
-    raise error("%s: '%s' %s" % (fn, name, why))
 
 
 def _check_shape(fn, name, t, shape, layout):
@@ -72,13 +68,6 @@ def _cu_seqlens(fn, name, t, total):
         _fail(fn, name, "must start at 0, never decrease and end at %s (the number of tokens), "
               "got %s" % (total, cu))
     return cu
-
-
-def _number(fn, name, x):
-    """x, a real number (Python's or NumPy's), as a float; else TypeError naming it."""
-    if isinstance(x, bool) or not isinstance(x, numbers.Real):
-        _fail(fn, name, "must be a number, got %r" % (x,), TypeError)
-    return float(x)
 
 
 def _options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
@@ -124,7 +113,7 @@ def _options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size, sof
             orchard_ops.resolve_device(device)
         except (TypeError, ValueError) as e:
             raise type(e)("%s: %s" % (fn, str(e).replace("resolve_device(): ", ""))) from None
-    return _Options(scale=softmax_scale, dropout_p=dropout_p, causal=bool(causal),
+    return _Options(scale=softmax_scale, dropout_p=dropout_p, causal=_flag(fn, "causal", causal),
                     window=window, alibi_slopes=alibi_slopes, softcap=softcap,
                     seed=_seed(dropout_p), device=device, **varlen)
 

@@ -7,8 +7,11 @@ no copy either way. _attention is the one path from torch to orchard_ops; orchar
 uses it too.
 """
 import collections
-import functools
+import inspect
+import numbers
 import threading
+
+import numpy
 
 import torch
 import torch.nn.functional as F
@@ -76,8 +79,14 @@ class _FlashAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
+        # Grad mode is on here only under create_graph=True, which asks for the gradients'
+        # own graph: orchard's backward has none, and gradients without one would make a
+        # second derivative (a gradient penalty) silently wrong.
+        if torch.is_grad_enabled():
+            raise RuntimeError("orchard attention has no second derivative: its backward ran "
+                               "with create_graph=True (a gradient of a gradient, such as a "
+                               "gradient penalty); compute such terms with torch's attention")
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _ops_call(orchard_ops.flash_attn_bwd, orchard_ops.flash_attn_varlen_bwd,
                                ctx.opts, dout, q, k, v, out, lse)
@@ -86,6 +95,10 @@ class _FlashAttention(torch.autograd.Function):
 
 def _attention(q, k, v, opts):
     """(out, lse) by orchard, differentiable in q, k, v: the one way from torch to orchard_ops."""
+    if torch.jit.is_tracing():  # a trace would hold this call's result as a constant
+        raise RuntimeError("orchard attention cannot be traced by torch.jit.trace: its kernels "
+                           "run outside torch's graph, so the trace would replay this call's "
+                           "result for every input; use torch.compile or eager mode")
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _FlashAttention.apply(q, k, v, opts)
     # No graph to record: autograd's bookkeeping (about 7 us a call) is skipped.
@@ -96,6 +109,26 @@ def _dropout_keep(q_shape, k_shape, dropout_p, seed):
     """orchard's keep-mask (bool tensor q_shape[:-2] + (Nq, Nk)) for these shapes and seed."""
     return torch.from_numpy(orchard_ops.dropout_mask(tuple(q_shape), tuple(k_shape), dropout_p,
                                                      seed))
+
+
+def _fail(fn, name, why, error=ValueError):
+    raise error("%s: '%s' %s" % (fn, name, why))
+
+
+def _number(fn, name, x):
+    """x, a real number (Python's or NumPy's), as a float; else TypeError naming it."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        _fail(fn, name, "must be a number, got %r" % (x,), TypeError)
+    return float(x)
+
+
+def _flag(fn, name, x):
+    """x, a bool (Python's or NumPy's, or the int 0 or 1), as a bool; else TypeError naming it
+    (truthiness would read the string "False" as true)."""
+    if not (isinstance(x, (bool, numpy.bool_)) or (isinstance(x, numbers.Integral)
+                                                    and x in (0, 1))):
+        _fail(fn, name, "must be a bool, got %r" % (x,), TypeError)
+    return bool(x)
 
 
 def _check_tensors(fn, **tensors):
@@ -127,8 +160,9 @@ def flash_attention(q, k, v, causal=False, dropout_p=0.0, scale=None, *, device=
     (None: orchard_ops.default_device()).
     """
     _check_tensors("flash_attention", q=q, k=k, v=v)
-    dropout_p = float(dropout_p)
-    opts = _Options(scale=scale, dropout_p=dropout_p, causal=bool(causal),
+    dropout_p = _number("flash_attention", "dropout_p", dropout_p)
+    opts = _Options(scale=scale, dropout_p=dropout_p, causal=_flag("flash_attention", "causal",
+                                                                   causal),
                     seed=_seed(dropout_p), device=device)
     return _attention(q, k, v, opts)[0]
 
@@ -197,6 +231,12 @@ class AttentionRouter(TorchFunctionMode):
     def active(self):
         return getattr(self._depth, "n", 0) > 0
 
+    def __getstate__(self):     # a copy or a pickle starts inactive in every thread
+        return {k: v for k, v in self.__dict__.items() if k != "_depth"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _depth=threading.local())
+
     def __enter__(self):
         self._depth.n = getattr(self._depth, "n", 0) + 1
         return super().__enter__()
@@ -221,6 +261,8 @@ def _why_not_mha(mha, query, key, value, key_padding_mask, need_weights, attn_ma
         return "key_padding_mask (orchard takes no masks)"
     if attn_mask is not None and not is_causal:
         return "attn_mask (orchard takes no masks; a causal one is routed with is_causal=True)"
+    if is_causal and attn_mask is None:     # torch refuses it: its is_causal is only a hint
+        return "is_causal=True without attn_mask"
     if mha.bias_k is not None or mha.add_zero_attn:
         return "add_bias_kv or add_zero_attn"
     tensors = (query, key, value)
@@ -264,33 +306,46 @@ def _mha_attention(mha, query, key, value, causal, device):
     return out if mha.batch_first else out.transpose(0, 1)
 
 
-def _mha_routed(mha, name, forward, router):
-    """The forward of an nn.MultiheadAttention (and so of the Transformer layers built on it):
-    torch computes its attention inside F.multi_head_attention_forward, where a
-    TorchFunctionMode cannot see the scaled_dot_product_attention call, so the module's
-    calls are routed here instead, or left to torch with the module's name and the reason."""
-    @functools.wraps(forward)
-    def routed_forward(query, key, value, key_padding_mask=None, need_weights=True,
-                       attn_mask=None, average_attn_weights=True, is_causal=False):
-        reason = _why_not_mha(mha, query, key, value, key_padding_mask, need_weights,
+class _RoutedForward:
+    """A module's forward while patch_model routes it: the forward it had (its class's, or one
+    set on the instance before, kept for unpatch_model) run with the router active; for an
+    nn.MultiheadAttention (and so the Transformer layers built on it), whose attention torch
+    computes inside F.multi_head_attention_forward where a TorchFunctionMode cannot see the
+    scaled_dot_product_attention call, the attention computed by orchard where it can, or left
+    to torch with the module's name and the reason. An object, not a closure, so that
+    copy.deepcopy and pickle of a patched model work and a copy runs on its own weights."""
+
+    def __init__(self, module, name, router, previous):
+        self.module, self.name, self.router, self.previous = module, name, router, previous
+
+    def original(self, *args, **kwargs):
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    @property
+    def __signature__(self):    # what transformers and Trainer read off model.forward
+        if self.previous is not None:
+            return inspect.signature(self.previous)
+        return inspect.signature(type(self.module).forward.__get__(self.module))
+
+    def __call__(self, *args, **kwargs):
+        forward = self.mha if isinstance(self.module, torch.nn.MultiheadAttention) else self.original
+        if self.router.active():
+            return forward(*args, **kwargs)
+        with self.router:
+            return forward(*args, **kwargs)
+
+    def mha(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+            average_attn_weights=True, is_causal=False):
+        reason = _why_not_mha(self.module, query, key, value, key_padding_mask, need_weights,
                               attn_mask, is_causal)
         if reason is not None:
-            router.left_to_torch["%s (nn.MultiheadAttention): %s" % (name, reason)] += 1
-            return forward(query, key, value, key_padding_mask, need_weights, attn_mask,
-                           average_attn_weights, is_causal)
-        router.routed += 1
-        return _mha_attention(mha, query, key, value, is_causal, router.device), None
-    return routed_forward
-
-
-def _routed(forward, router):
-    @functools.wraps(forward)
-    def routed_forward(*args, **kwargs):
-        if router.active():
-            return forward(*args, **kwargs)
-        with router:
-            return forward(*args, **kwargs)
-    return routed_forward
+            self.router.left_to_torch["%s (nn.MultiheadAttention): %s" % (self.name, reason)] += 1
+            return self.original(query, key, value, key_padding_mask, need_weights, attn_mask,
+                                 average_attn_weights, is_causal)
+        self.router.routed += 1
+        return _mha_attention(self.module, query, key, value, is_causal, self.router.device), None
 
 
 def patch_model(model, device=None):
@@ -307,15 +362,20 @@ def patch_model(model, device=None):
         return model.orchard_router
     router = AttentionRouter(device)
     for name, module in model.named_modules():
-        forward = module.forward
-        if isinstance(module, torch.nn.MultiheadAttention):
-            forward = _mha_routed(module, name or "the model", forward, router)
-        module.forward = _routed(forward, router)
+        module.forward = _RoutedForward(module, name or "the model", router,
+                                        module.__dict__.get("forward"))
     model.orchard_router = router
     return router
 
 
 def unpatch_model(model):
+    """Undoes patch_model: each module's forward is what it was before (one set on the
+    instance stays)."""
     for module in model.modules():
-        module.__dict__.pop("forward", None)
+        routed = module.__dict__.get("forward")
+        if isinstance(routed, _RoutedForward):
+            if routed.previous is None:
+                del module.forward
+            else:
+                module.forward = routed.previous
     model.__dict__.pop("orchard_router", None)

@@ -10,6 +10,8 @@ import argparse
 import json
 import sys
 
+import orchard_ops
+
 from ..progress import Progress
 from ..tuning import default_candidates, tune
 from .args import Parser, UsageError, console_script, device, integer, shape
@@ -21,14 +23,15 @@ EXAMPLES = (
 
 
 def block_pair(text):
-    """An argparse type: BQxBK, two integers >= 1."""
+    """An argparse type: BQxBK, two integers in 1..the largest block a record may hold."""
+    largest = orchard_ops.build_info()["max_cl_block"]
     try:
         bq, bk = (int(x) for x in text.lower().split("x"))
     except ValueError:
         bq = bk = 0
-    if min(bq, bk) < 1:
-        raise argparse.ArgumentTypeError("a candidate is BQxBK, two integers >= 1 such as "
-                                         "96x96 (got %r)" % text)
+    if not (1 <= bq <= largest and 1 <= bk <= largest):
+        raise argparse.ArgumentTypeError("a candidate is BQxBK, two integers in 1..%d such as "
+                                         "96x96 (got %r)" % (largest, text))
     return bq, bk
 
 
