@@ -43,6 +43,13 @@ static const char *unavailable = "OpenCL has not been probed";
 static device_t *devices;
 static int ndevices;
 static pthread_once_t discovered = PTHREAD_ONCE_INIT;
+/* Set in a child fork()ed after OpenCL was loaded: the driver's threads and locks do not
+ * survive fork (a PoCL call there never returned), so the child makes no OpenCL call. */
+static volatile int forked;
+
+static void after_fork_child(void) { forked = 1; }
+
+int or_cl_forked(void) { return forked; }
 
 
 int or_cl_fail(or_error *err, cl_int code, const char *call)
@@ -126,6 +133,7 @@ static void discover(void)
     api = or_cl_load(&unavailable);
     if (api == NULL)
         return;
+    pthread_atfork(NULL, NULL, after_fork_child);
     cl_uint nplat = 0;
     if (api->clGetPlatformIDs(0, NULL, &nplat) != CL_SUCCESS || nplat == 0) {
         unavailable = "no OpenCL platform is installed (no ICD found)";
@@ -204,6 +212,13 @@ static int ensure_queue(device_t *dev, or_error *err)
  * unlocks it); NULL, not locked, with *rc set, when there is no device i. */
 static device_t *lock_device(int i, int *rc, or_error *err)
 {
+    if (forked) {
+        snprintf(err->msg, sizeof(err->msg), "OpenCL cannot be used in a process fork()ed "
+                 "after its parent loaded OpenCL (the driver's threads do not survive fork): "
+                 "start it with multiprocessing's 'spawn' or 'forkserver' method");
+        *rc = OR_EDEVICE;
+        return NULL;
+    }
     if (i < 0 || i >= or_cl_count()) {
         *rc = or_cl_fail(err, CL_INVALID_DEVICE, "orchard device lookup");
         return NULL;

@@ -50,6 +50,7 @@ typedef struct {
 } or_cl_program;
 
 int or_cl_count(void);                              /* discovers devices on first use */
+int or_cl_forked(void);     /* a child fork()ed after OpenCL was loaded: no OpenCL calls */
 const or_cl_info *or_cl_info_get(int i);
 const char *or_cl_unavailable_reason(void);         /* why there are none, or NULL */
 

@@ -62,7 +62,8 @@ static int buffer_read(int device, void *mem, size_t nbytes, void *host, or_erro
 
 static void buffer_free(const void *api, void *mem)
 {
-    ((const or_cl_api *)api)->clReleaseMemObject((cl_mem)mem);
+    if (!or_cl_forked())    /* a forked child's copy of the parent's buffer: left alone */
+        ((const or_cl_api *)api)->clReleaseMemObject((cl_mem)mem);
 }
 #else
 /* built without OpenCL there is no device to name, so no DeviceArray is ever made */

@@ -623,3 +623,35 @@ def test_gpu_benchmark_script_runs(tmp_path):
         runpy.run_path("%s", run_name="__main__")
     """ % os.path.join(REPO_ROOT, "benchmarks", "gpu_opencl.py"))
     assert bad.returncode == 2 and "gpu_opencl: error: --device 'opencl:99'" in bad.stderr
+
+
+@needs_opencl
+def test_forked_child_refuses_opencl_instead_of_hanging():
+    """The OpenCL driver's threads do not survive fork(): a PoCL call in a child forked after
+    the parent loaded OpenCL never returned. The child gets an error naming the way out, its
+    native calls work, and dropping a DeviceArray it inherited makes no OpenCL call."""
+    out = child("""
+        import json, os, numpy as np, orchard_ops as o
+        q = np.ones((1, 2, 8, 16), np.float32)
+        o.flash_attn_fwd(q, q, q, device="%s")
+        kept = o.to_device(q, "%s")
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                o.flash_attn_fwd(q, q, q, device="%s")
+                err = None
+            except o.OrchardError as e:
+                err = str(e)
+            native = float(o.flash_attn_fwd(q, q, q)[0].sum())
+            del kept
+            os.write(w, json.dumps([err, native]).encode())
+            os._exit(0)
+        os.close(w)
+        reply = os.read(r, 4096).decode()
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps([json.loads(reply), status, kept.numpy().shape]))
+    """ % ((OPENCL_IDS[0],) * 3))
+    (err, native), status, shape = out
+    assert status == 0 and native == 256.0 and shape == [1, 2, 8, 16]
+    assert "fork()ed after its parent loaded OpenCL" in err and "'spawn'" in err
