@@ -45,18 +45,41 @@ static int number_error(or_call *c, const char *name, const char *what, double v
     return -1;
 }
 
+/* A real-number argument (NULL: 0) as a double; -1 with TypeError naming it otherwise (a bool
+ * included, as a probability or a cap it is a mistake). */
+static int real_arg(or_call *c, const char *name, PyObject *obj, double *out)
+{
+    *out = 0.0;
+    if (obj == NULL)
+        return 0;
+    if (!PyBool_Check(obj)) {
+        *out = PyFloat_AsDouble(obj);
+        if (!(*out == -1.0 && PyErr_Occurred()))
+            return 0;
+        if (!PyErr_ExceptionMatches(PyExc_TypeError))
+            return -1;
+        PyErr_Clear();
+    }
+    PyErr_Format(PyExc_TypeError, "%s(): '%s' must be a number, got %.100R", c->func, name, obj);
+    return -1;
+}
+
 /* Checks the options that do not depend on shapes and stores them in c->p. */
 int or_check_options(or_call *c, const or_opts *o)
 {
     or_problem *p = &c->p;
-    if (!(o->dropout_p >= 0.0 && o->dropout_p < 1.0))
-        return number_error(c, "dropout_p", "must be in [0, 1)", o->dropout_p);
-    if (!(o->softcap >= 0.0 && isfinite(o->softcap)))
-        return number_error(c, "softcap", "must be a finite number >= 0", o->softcap);
-    p->prm.softcap = o->softcap;
-    p->prm.dropout = o->dropout_p > 0.0;
-    p->prm.threshold = or_dropout_threshold(o->dropout_p);
-    p->prm.drop_scale = 1.0 / (1.0 - o->dropout_p);
+    double dropout_p, softcap;
+    if (real_arg(c, "dropout_p", o->dropout_p, &dropout_p) < 0
+        || real_arg(c, "softcap", o->softcap, &softcap) < 0)
+        return -1;
+    if (!(dropout_p >= 0.0 && dropout_p < 1.0))
+        return number_error(c, "dropout_p", "must be in [0, 1)", dropout_p);
+    if (!(softcap >= 0.0 && isfinite(softcap)))
+        return number_error(c, "softcap", "must be a finite number >= 0", softcap);
+    p->prm.softcap = softcap;
+    p->prm.dropout = dropout_p > 0.0;
+    p->prm.threshold = or_dropout_threshold(dropout_p);
+    p->prm.drop_scale = 1.0 / (1.0 - dropout_p);
 
     p->prm.left = p->prm.right = -1;
     if (o->window != NULL && (!PySequence_Check(o->window) || PySequence_Size(o->window) != 2)) {

@@ -158,11 +158,10 @@ done:
 }
 
 #define OPTION_KWLIST "window", "alibi_slopes", "softcap", "seed", "device"
-#define OPTION_FORMAT "$OOdOO"
+#define OPTION_FORMAT "$OOOOO"
 #define OPTION_ARGS &o.window, &o.alibi, &o.softcap, &o.seed, &o.device
-/* window NULL = (-1, -1), seed NULL = 0 */
-#define OPTS_INIT {.scale = Py_None, .causal = Py_False, .window = NULL, .alibi = Py_None, .seed = NULL, \
-                   .device = Py_None, .max_q = Py_None, .max_k = Py_None, .seqused_k = Py_None, \
+#define OPTS_INIT {.scale = Py_None, .causal = Py_False, .alibi = Py_None, .device = Py_None, \
+                   .max_q = Py_None, .max_k = Py_None, .seqused_k = Py_None, \
                    .block_table = Py_None, .leftpad_k = Py_None}
 
 static const int FWD_SLOTS[] = {OR_Q, OR_K, OR_V};
@@ -174,7 +173,7 @@ static PyObject *flash_attn_fwd(PyObject *module, PyObject *args, PyObject *kw)
     or_opts o = OPTS_INIT;
     PyObject *x[3];
     or_call c = {.func = "flash_attn_fwd"};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|OdO" OPTION_FORMAT ":flash_attn_fwd", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|OOO" OPTION_FORMAT ":flash_attn_fwd", kwlist,
                                      &x[0], &x[1], &x[2], &o.scale, &o.dropout_p, &o.causal,
                                      OPTION_ARGS))
         return NULL;
@@ -188,7 +187,7 @@ static PyObject *flash_attn_bwd(PyObject *module, PyObject *args, PyObject *kw)
     or_opts o = OPTS_INIT;
     PyObject *x[6];
     or_call c = {.func = "flash_attn_bwd"};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|OdO" OPTION_FORMAT ":flash_attn_bwd",
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|OOO" OPTION_FORMAT ":flash_attn_bwd",
                                      kwlist, &x[0], &x[1], &x[2], &x[3], &x[4], &x[5], &o.scale,
                                      &o.dropout_p, &o.causal, OPTION_ARGS))
         return NULL;
@@ -204,7 +203,7 @@ static PyObject *flash_attn_varlen_fwd(PyObject *module, PyObject *args, PyObjec
     PyObject *x[3], *cuq, *cuk;
     or_call c = {.func = "flash_attn_varlen_fwd", .varlen = 1};
     if (!PyArg_ParseTupleAndKeywords(args, kw,
-                                     "OOOOO|OOOdO" OPTION_FORMAT "OOO:flash_attn_varlen_fwd",
+                                     "OOOOO|OOOOO" OPTION_FORMAT "OOO:flash_attn_varlen_fwd",
                                      kwlist, &x[0], &x[1], &x[2], &cuq, &cuk, &o.max_q, &o.max_k,
                                      &o.scale, &o.dropout_p, &o.causal, OPTION_ARGS,
                                      &o.seqused_k, &o.block_table, &o.leftpad_k))
@@ -221,7 +220,7 @@ static PyObject *flash_attn_varlen_bwd(PyObject *module, PyObject *args, PyObjec
     PyObject *x[6], *cuq, *cuk;
     or_call c = {.func = "flash_attn_varlen_bwd", .varlen = 1};
     if (!PyArg_ParseTupleAndKeywords(args, kw,
-                                     "OOOOOOOO|OOOdO" OPTION_FORMAT ":flash_attn_varlen_bwd",
+                                     "OOOOOOOO|OOOOO" OPTION_FORMAT ":flash_attn_varlen_bwd",
                                      kwlist, &x[0], &x[1], &x[2], &x[3], &x[4], &x[5], &cuq, &cuk,
                                      &o.max_q, &o.max_k, &o.scale, &o.dropout_p, &o.causal,
                                      OPTION_ARGS))
@@ -238,9 +237,8 @@ PyDoc_STRVAR(dropout_mask_doc,
 static PyObject *dropout_mask(PyObject *module, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"q_shape", "k_shape", "dropout_p", "seed", NULL};
-    PyObject *qs, *ks, *seed_obj = NULL;
-    double p;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOd|O:dropout_mask", kwlist, &qs, &ks, &p,
+    PyObject *qs, *ks, *p, *seed_obj = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|O:dropout_mask", kwlist, &qs, &ks, &p,
                                      &seed_obj))
         return NULL;
     npy_intp qd[NPY_MAXDIMS], kd[NPY_MAXDIMS];
@@ -388,10 +386,12 @@ static PyObject *reset_stats(PyObject *module, PyObject *unused)
 static PyObject *set_num_threads(PyObject *module, PyObject *arg)
 {
     long long n;
-    if (or_as_integer(arg, &n) < 0 || n < 1 || n > OR_MAX_THREADS) {
+    const int bad = or_as_integer(arg, &n) < 0;
+    if (bad || n < 1 || n > OR_MAX_THREADS) {    /* not an int: TypeError, else ValueError */
         if (!PyErr_Occurred())
-            PyErr_Format(PyExc_ValueError, "set_num_threads(): 'n' must be an int in 1..%d, "
-                         "got %.100R", OR_MAX_THREADS, arg);
+            PyErr_Format(bad && !PyLong_Check(arg) ? PyExc_TypeError : PyExc_ValueError,
+                         "set_num_threads(): 'n' must be an int in 1..%d, got %.100R",
+                         OR_MAX_THREADS, arg);
         return NULL;
     }
     or_set_num_threads((int)n);

@@ -217,12 +217,18 @@ static int alibi_table(or_call *c, PyObject *obj)
         Py_DECREF(a);
         return -1;
     }
+    const double *v = PyArray_DATA(a);
+    for (npy_intp i = 0; i < size; i++)
+        if (!isfinite(v[i])) {     /* it would make every row it touches NaN */
+            PyErr_Format(PyExc_ValueError, "%s(): 'alibi_slopes' must be finite, got %s at "
+                         "flat index %zd", c->func,
+                         isnan(v[i]) ? "nan" : v[i] > 0 ? "inf" : "-inf", (Py_ssize_t)i);
+            Py_DECREF(a);
+            return -1;
+        }
     c->slopes = (double *)or_alloc_units(n, sizeof(double));
-    if (c->slopes != NULL) {
-        const double *v = PyArray_DATA(a);
-        for (or_ssize u = 0; u < n; u++)
-            c->slopes[u] = per_head ? v[h > 0 ? u % h : 0] : v[u];
-    }
+    for (or_ssize u = 0; c->slopes != NULL && u < n; u++)
+        c->slopes[u] = per_head ? v[h > 0 ? u % h : 0] : v[u];
     Py_DECREF(a);
     return c->slopes ? 0 : -1;
 }

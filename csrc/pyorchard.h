@@ -63,12 +63,12 @@ int or_device_fp64(int index);
 int or_device_tuned_blocks(int index, int *bq, int *bk);
 int or_device_save_tuned_blocks(int index, int bq, int bk);
 
-/* The options of an attention call as parsed; window NULL = (-1, -1), seed NULL = 0. */
+/* The options of an attention call as parsed (checked by or_check_options); window NULL =
+ * (-1, -1), seed, dropout_p and softcap NULL = 0. */
 typedef struct {
     PyObject *scale, *window, *alibi, *seed, *device, *max_q, *max_k, *seqused_k;
     PyObject *block_table, *leftpad_k;      /* paged K and V (varlen forward), or None */
-    double dropout_p, softcap;
-    PyObject *causal;
+    PyObject *dropout_p, *softcap, *causal;
 } or_opts;
 
 /* One attention call in flight: what it owns and the problem handed to the kernels. */

@@ -4,12 +4,13 @@ status 2, no traceback (unless --verbose or ORCHARD_DEBUG asks for one), files u
 Most cases run in one child process that calls each script's main() in turn (a subprocess
 per case would import torch again each time); a few run each script as its own process, as a
 user does."""
+import importlib.util
 import json
 import os
 
 import pytest
 
-from conftest import OPENCL_IDS
+from conftest import OPENCL_IDS, REPO_ROOT
 from test_py_support import write_tiny_run_files, run_python
 
 SCRIPTS = ("train", "generate", "devices", "prepare", "bench", "tune", "demo")
@@ -56,6 +57,7 @@ def files(tmp_path_factory):
         "binary.yaml": b"\x89PNG\r\n\x1a\n\x00\xff",
         "short.json": json.dumps({"vocab_size": 256, "sequences": [list(range(200))]}),
         "bools.json": json.dumps([[1, 2, True] + list(range(300))]),
+        "deep.json": "[" * 100000 + "]" * 100000,
         "damaged.pt": b"not a checkpoint",
     }
     for name, text in texts.items():
@@ -69,6 +71,13 @@ def files(tmp_path_factory):
     from orchard.checkpoint import KEYS
     torch.save(dict({k: 0 for k in KEYS}, format=1, step=-5), str(folder / "negative.pt"))
     (folder / "u3" / "metrics.jsonl").mkdir(parents=True)
+    (folder / "bert.json").write_text(json.dumps({
+        "model_type": "bert", "hidden_size": 32, "num_attention_heads": 2,
+        "num_hidden_layers": 1, "intermediate_size": 64, "vocab_size": 300}))
+    (folder / "badweights").mkdir()
+    (folder / "badweights" / "config.json").write_text(
+        open(os.path.join(REPO_ROOT, "configs", "hf_llama_tiny.json")).read())
+    (folder / "badweights" / "model.safetensors").write_text("junk\n")
     return {"dir": folder, "config": config, "sequences": sequences,
             **{name: str(folder / name) for name in texts}}
 
@@ -118,7 +127,7 @@ def expected_cases(f):
          ["--decode", "not allowed with argument --scaling"]),
         ("tune", ["--shape", "1,8,0,64"], {}, ["--shape", "'1,8,0,64'"]),
         ("bench", ["--quick", "--json", "/proc/self/r.json"], {},
-         ["--json", "'/proc/self/r.json'", "can write"]),
+         ["--json", "'/proc/self/r.json'", "can write", "takes no new files"]),
         ("tune", ["--candidates", "0x64"], {}, ["--candidates", "'0x64'"]),
         ("tune", ["--candidates", "100000x64"], {}, ["--candidates", "1..4096", "'100000x64'"]),
         ("tune", ["--repeats", "0"], {}, ["--repeats", "'0'"]),
@@ -161,6 +170,8 @@ def expected_cases(f):
          [f["short.json"], "fewer than one batch"]),
         ("train", tiny[:2] + ["--sequences", f["bools.json"], "--device", "cpu"], {},
          [f["bools.json"], "item 2 is True"]),
+        ("train", tiny[:2] + ["--sequences", f["deep.json"], "--device", "cpu"], {},
+         [f["deep.json"], "nested too deeply"]),
         ("generate", ["--checkpoint", str(f["dir"] / "none.pt")], {}, ["none.pt", "cannot read"]),
         ("generate", ["--checkpoint", f["damaged.pt"]], {}, ["damaged.pt", "not a readable"]),
         ("generate", ["--checkpoint", str(f["dir"] / "statedict.pt")], {},
@@ -183,10 +194,26 @@ def expected_cases(f):
         ("train", tiny + ["--output", f["config"] + "/sub"], {},
          ["--output", "cannot be made", "tiny.yaml"]),
         ("train", tiny + ["--output", ""], {}, ["--output", "must name a folder"]),
+        ("train", tiny + ["--output", "/proc/self/run"], {},
+         ["--output", "cannot be made or written", "/proc/self"]),
+        ("prepare", [str(f["dir"]), "-o", "/proc/self/q.json"], {},
+         ["--output", "cannot be made or written", "/proc/self"]),
+        ("prepare", [str(f["dir"]), "-o", f["config"] + "/q.json"], {},
+         ["--output", "tiny.yaml is a file"]),
         ("train", tiny + ["--output", str(f["dir"] / "u3")], {},
          ["--output", "metrics.jsonl", "folder"]),
+    ] + ([
+        # transformers models: an encoder's config, a damaged weights file
+        ("train", tiny + ["--hf-config", str(f["dir"] / "bert.json"), "--output",
+                          str(f["dir"] / "o_bert")], {},
+         ["bert.json", "not causal", "is_decoder"]),
+        ("train", tiny[2:] + ["--hf-model", str(f["dir"] / "badweights"), "--output",
+                              str(f["dir"] / "o_weights")], {},
+         ["badweights", "cannot load the pretrained model", "header"]),
+    ] if importlib.util.find_spec("transformers") else []) + [
         # flags that exclude each other
         ("train", ["--fp16", "--bf16"], {}, ["--bf16", "not allowed with", "--fp16"]),
+        ("bench", ["--verbose", "--quiet"], {}, ["--quiet", "not allowed with", "--verbose"]),
     ]
 
 

@@ -232,6 +232,33 @@ def test_every_command_is_a_console_script():
         assert callable(getattr(importlib.import_module(module), func))
 
 
+def test_damaged_checkpoint_contents_are_one_line_errors(run_files, tmp_path, capsys):
+    """A checkpoint whose keys are all there but whose contents do not make its model
+    (weights of another shape, a model config of another type, an hf_config that is not
+    JSON) is one error line naming the file, for orchard-generate and --resume alike."""
+    from orchard.cli import generate
+
+    out = tmp_path / "run"
+    assert train_cli(run_files, out, "--max-steps", 1) == 0
+    state = load_checkpoint(str(out))
+    first = next(iter(state["model"]))
+    damaged = {"shape": dict(state, model=dict(state["model"], **{first: torch.zeros(3)})),
+               "type": dict(state, model_config=dict(state["model_config"], n_layer="x")),
+               "json": dict(state, hf_config="{bad")}
+    capsys.readouterr()
+    for name, bad in damaged.items():
+        path = str(tmp_path / (name + ".pt"))
+        torch.save(bad, path)
+        for script, argv in ((generate, ["--checkpoint", path, "--max-new-tokens", "2"]),
+                             (train, ["--resume", path, "--sequences", run_files[1],
+                                      "--output", str(tmp_path / ("r_" + name)),
+                                      "--device", "cpu"])):
+            assert script.main(argv) == 2, (name, script)
+            err = capsys.readouterr().err.strip().splitlines()
+            assert err[-1].startswith("orchard-") and path in err[-1], (name, err)
+            assert "Traceback" not in "\n".join(err)
+
+
 def test_generate_and_prepare(run_files, tmp_path):
     src = tmp_path / "src"
     src.mkdir()

@@ -33,11 +33,13 @@ def test_set_num_threads_rejects_bad(ops, restore_threads, bad):
 
 
 def test_set_num_threads_rejects_non_int(ops, restore_threads):
-    # the contract does not say which; a non-int is rejected either way
-    with pytest.raises((TypeError, ValueError)):
+    # a wrong type is a TypeError (the Semantics table), a wrong value a ValueError
+    with pytest.raises(TypeError, match="'n' must be an int"):
         ops.set_num_threads("2")
-    with pytest.raises((TypeError, ValueError)):
+    with pytest.raises(TypeError, match="'n' must be an int"):
         ops.set_num_threads(2.5)
+    with pytest.raises(ValueError, match="'n' must be an int in 1..4096, got 5000"):
+        ops.set_num_threads(5000)
 
 
 def test_set_num_threads_passes_on_other_failures(ops, restore_threads):

@@ -4,11 +4,13 @@ A checkpoint is written atomically (orchard.atomic): a reader sees either the pr
 checkpoint or the new one, never half of one. Tensors are saved from CPU and loaded to CPU
 (map_location), so a checkpoint carries no device; the trainer moves things where it needs.
 """
+import contextlib
 import os
 
 import torch
 
 from .atomic import write_atomically
+from .config import ConfigError
 
 
 def save_checkpoint(state, path):
@@ -57,3 +59,18 @@ def _problem(state):
     if not (isinstance(state["step"], int) and state["step"] >= 0):
         return "its step is %r, not a step count" % (state["step"],)
     return None
+
+
+@contextlib.contextmanager
+def checkpoint_contents(path):
+    """What a checkpoint's contents raise while a model is built and loaded from them (weights
+    of other shapes, a model config of other types, an hf_config that is not JSON) as one
+    CheckpointError naming the file; the checks of load_checkpoint see only the keys."""
+    try:
+        yield
+    except (ConfigError, CheckpointError):     # they name their source already
+        raise
+    except (RuntimeError, TypeError, ValueError, KeyError) as exc:
+        why = str(exc).strip().split("\n")[0][:300]
+        raise CheckpointError("%s: its contents do not make a model (%s: %s)"
+                              % (path, type(exc).__name__, why)) from None

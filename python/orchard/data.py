@@ -30,6 +30,8 @@ def read_json(path, error, what):
         raise error("%s: cannot read the %s: %s" % (path, what, exc.strerror)) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise error("%s: not valid JSON: %s" % (path, exc)) from None
+    except RecursionError:
+        raise error("%s: not a %s: nested too deeply" % (path, what)) from None
 
 
 def load_sequences(path):

@@ -17,17 +17,21 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import load_checkpoint
+from .checkpoint import checkpoint_contents, checkpoint_path, load_checkpoint
 from .device_backend import get_device_backend
 from .hf_causal_lm import build_model
 
 
-def load_model(checkpoint, device="auto"):
+def load_model(checkpoint, device="auto", source=None):
     """(model in eval mode with orchard attention on `device`, whether it is byte-level);
-    checkpoint is a path (file or output folder) or a checkpoint already loaded."""
-    state = checkpoint if isinstance(checkpoint, dict) else load_checkpoint(checkpoint)
-    model = build_model(state["model_config"], state.get("hf_config"))
-    model.load_state_dict(state["model"])
+    checkpoint is a path (file or output folder) or a checkpoint already loaded (from source,
+    the path its errors name)."""
+    if not isinstance(checkpoint, dict):
+        source, checkpoint = checkpoint_path(checkpoint), load_checkpoint(checkpoint)
+    state = checkpoint
+    with checkpoint_contents(source or "the checkpoint"):
+        model = build_model(state["model_config"], state.get("hf_config"))
+        model.load_state_dict(state["model"])
     model.eval()
     backend = get_device_backend(device).setup()
     if state.get("hf_config") is None:

@@ -40,7 +40,11 @@ def _transformers(path):
 
 
 def _first_line(exc):
-    return str(exc).strip().split("\n")[0][:300]
+    """The first line of an exception's message, with the next one where it ends in a colon
+    (pydantic-style validation errors put the field's problem there)."""
+    lines = [line.strip() for line in str(exc).strip().split("\n") if line.strip()] or [""]
+    text = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]
+    return text[:300]
 
 
 def _config_from_dict(values, path):
@@ -61,6 +65,17 @@ def _config_from_dict(values, path):
     if type(config) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
         raise HFModelError("%s: model_type %r is not a causal language model"
                            % (path, model_type))
+    # An encoder (BERT without is_decoder) has a language-model head over attention that sees
+    # later tokens: next-token training would teach it to copy them. Its modules say so; built
+    # on the meta device, they cost no memory.
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    seeing = sorted({type(m).__name__ for m in model.modules()
+                     if getattr(m, "is_causal", None) is False})
+    if seeing:
+        raise HFModelError("%s: model_type %r builds attention that is not causal (%s): not a "
+                           "causal language model as configured (BERT-like models need "
+                           "\"is_decoder\": true)" % (path, model_type, seeing[0]))
     return config
 
 
@@ -162,7 +177,7 @@ def build_model(model_cfg, hf_config=None, pretrained=None):
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 pretrained, config=config, attn_implementation=ATTN_IMPLEMENTATION,
                 dtype=torch.float32, local_files_only=True)
-        except (OSError, ValueError) as exc:
+        except Exception as exc:  # a damaged weights file raises safetensors' own type too
             raise HFModelError("%s: cannot load the pretrained model: %s"
                                % (pretrained, _first_line(exc))) from None
     return HFCausalLM(model)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .atomic import write_atomically
-from .checkpoint import FORMAT, save_checkpoint
+from .checkpoint import FORMAT, checkpoint_contents, save_checkpoint
 from .config import get_dtype_from_string
 from .data import DataError
 from .hf_causal_lm import build_model
@@ -45,7 +45,7 @@ def is_out_of_memory(exc):
 class Trainer:
     def __init__(self, cfg, backend, chunks, output_dir, requested_cfg=None, seed=1337,
                  data_info=None, resume_state=None, val_chunks=None, hf_config=None,
-                 pretrained=None):
+                 pretrained=None, resume_from="the checkpoint"):
         self.cfg = cfg
         self.requested_cfg = requested_cfg if requested_cfg is not None else cfg
         self.backend = backend
@@ -72,7 +72,8 @@ class Trainer:
         # hf_config: a transformers model (orchard.hf_causal_lm), whose attention reaches
         # orchard through attn_implementation="orchard" rather than the router.
         self.hf_config = hf_config
-        self.model = build_model(cfg["model"], hf_config, pretrained)
+        with checkpoint_contents(resume_from) if resume_state else contextlib.nullcontext():
+            self.model = build_model(cfg["model"], hf_config, pretrained)
         self.model.grad_checkpointing = train["grad_checkpointing"]
         self.router = backend.patch_model(self.model) if hf_config is None else None
         self.optimizer = self._make_optimizer()
@@ -82,7 +83,8 @@ class Trainer:
         self.history = []
         self.schedule_steps = None  # the stopping point a resumed run keeps (see run)
         if resume_state is not None:
-            self._restore(resume_state)
+            with checkpoint_contents(resume_from):
+                self._restore(resume_state)
         else:
             # Ranks draw different dropout masks; the model above was initialised alike.
             torch.manual_seed(seed + self.rank)

@@ -90,13 +90,15 @@ class Parser(argparse.ArgumentParser):
         epilog = "examples:\n" + "\n".join("  " + e for e in examples) if examples else None
         super().__init__(prog=prog, description=description, epilog=epilog,
                          formatter_class=_HelpFormatter)
-        self.add_argument("--verbose", action="store_true",
-                          help="Show the full traceback of an error (as ORCHARD_DEBUG=1 "
-                               "does)%s." % (", and log " + verbose_logs if verbose_logs else ""))
+        chatter = self.add_mutually_exclusive_group()
+        chatter.add_argument("--verbose", action="store_true",
+                             help="Show the full traceback of an error (as ORCHARD_DEBUG=1 "
+                                  "does)%s." % (", and log " + verbose_logs if verbose_logs
+                                               else ""))
         if quiet:
-            self.add_argument("--quiet", action="store_true",
-                              help="Log only warnings and errors to stderr; results still go "
-                                   "to stdout.")
+            chatter.add_argument("--quiet", action="store_true",
+                                 help="Log only warnings and errors to stderr; results still "
+                                      "go to stdout.")
 
     def error(self, message):
         # One line, not argparse's usage block: the message names the argument and value.
@@ -168,18 +170,31 @@ def shape(text):
 
 def output_file(text):
     """An argparse type: a file to write, in a folder that exists and takes new files (checked
-    before the work whose results it will hold, by making and removing a temporary file there:
-    permission bits alone do not say it for root or a read-only file system)."""
+    before the work whose results it will hold)."""
     folder = os.path.dirname(os.path.abspath(text))
     if os.path.isdir(text) or not os.path.isdir(folder):
         raise argparse.ArgumentTypeError("must be a file in an existing folder (got %r)" % text)
-    try:
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as exc:
+    problem = folder_problem(folder)
+    if problem:
         raise argparse.ArgumentTypeError("must be a file in a folder this user can write to "
-                                         "(got %r: %s)" % (text, exc.strerror or exc))
+                                         "(got %r: %s)" % (text, problem))
     return text
+
+
+def folder_problem(folder):
+    """Why folder (made when missing) cannot take new files, or None. Found by making and
+    removing a temporary file in its nearest existing ancestor: permission bits alone do not
+    say it for root or a read-only file system."""
+    existing = os.path.abspath(folder)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return "%s is a file" % existing
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            return None
+    except OSError as exc:
+        return "%s takes no new files (%s)" % (existing, exc.strerror or exc)
 
 
 def integer_list(minimum, maximum):

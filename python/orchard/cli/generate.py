@@ -42,11 +42,11 @@ def main(argv=None):
                         help="The sampling seed.")
     args = parser.parse_args(argv)
 
-    from ..checkpoint import load_checkpoint
+    from ..checkpoint import checkpoint_path, load_checkpoint
     from ..generation import Detokenizer, describe_training, encode, load_model, stream
 
     state = load_checkpoint(args.checkpoint)
-    model, byte_level = load_model(state, args.device)
+    model, byte_level = load_model(state, args.device, checkpoint_path(args.checkpoint))
     try:
         ids = encode(args.prompt, byte_level)
     except ValueError as exc:

@@ -12,7 +12,7 @@ import sys
 
 from ..data import BYTE_VOCAB, folder_files, save_sequences, text_file_sequences
 from ..progress import Progress
-from .args import Parser, UsageError, console_script, integer
+from .args import Parser, UsageError, console_script, folder_problem, integer
 
 EXAMPLES = (
     "orchard-prepare ~/src/myproject -o data/token_sequences.json --ext .py --ext .md",
@@ -52,6 +52,10 @@ def main(argv=None):
     if os.path.exists(args.output) and not args.overwrite:
         raise UsageError("argument --output: the file exists; pass --overwrite to replace it "
                          "(%r)" % args.output)
+    problem = folder_problem(os.path.dirname(os.path.abspath(args.output)))
+    if problem:
+        raise UsageError("argument --output: cannot be made or written, %s (got %r)"
+                         % (problem, args.output))
 
     paths = folder_files(args.src_dir, args.ext)
     progress = Progress(len(paths), "reading", unit="files", enabled=not args.quiet)

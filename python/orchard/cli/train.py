@@ -19,7 +19,7 @@ import shlex
 import sys
 
 from .args import (SEED_MAX, Parser, UsageError, console_script, debug_requested, device,
-                   integer, logs_held_until_checked)
+                   folder_problem, integer, logs_held_until_checked)
 
 log = logging.getLogger("orchard")
 
@@ -101,12 +101,10 @@ def check_output(args):
         raise UsageError("argument --output: must name a folder (got %r)" % args.output)
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise UsageError("argument --output: is a file, not a folder (%r)" % args.output)
-    parent = os.path.dirname(os.path.abspath(args.output))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise UsageError("argument --output: cannot be made, %s is a file (got %r)"
-                         % (parent, args.output))
+    problem = folder_problem(args.output)
+    if problem:
+        raise UsageError("argument --output: cannot be made or written, %s (got %r)"
+                         % (problem, args.output))
     for name in ("checkpoint.pt", "metrics.jsonl"):
         if os.path.isdir(os.path.join(args.output, name)):
             raise UsageError("argument --output: %s there is a folder, not a file (got %r)"
@@ -165,7 +163,7 @@ def build_trainer(args):
     """The device, data, config and model of this run, each checked, as a Trainer."""
     import orchard_ops
 
-    from ..checkpoint import load_checkpoint
+    from ..checkpoint import checkpoint_path, load_checkpoint
     from ..config import load_config, validate
     from ..data import DataError, load_training_data, split_validation, token_chunks
     from ..device_backend import auto_choice_reason, get_device_backend
@@ -184,8 +182,8 @@ def build_trainer(args):
     sequences, vocab_size, data_info = load_training_data(args.sequences)
     if state is not None:
         # The checkpoint fixes the model; the rest is re-adapted to this device.
-        requested = validate(state["config"], "checkpoint %s" % args.resume)
-        requested["model"] = dict(state["model_config"])
+        requested = dict(state["config"], model=state["model_config"])
+        requested = validate(requested, "checkpoint %s" % checkpoint_path(args.resume))
         seed = state["seed"]
         ignored = [flag for flag, given in (
             ("--config", args.config), ("--seed", args.seed is not None), ("--fp16", args.fp16),
@@ -254,7 +252,8 @@ def build_trainer(args):
     try:
         return Trainer(cfg, backend, chunks, args.output, requested_cfg=requested, seed=seed,
                        data_info=data_info, resume_state=state, val_chunks=val_chunks,
-                       hf_config=hf_config, pretrained=args.hf_model if state is None else None)
+                       hf_config=hf_config, pretrained=args.hf_model if state is None else None,
+                       resume_from=args.resume and checkpoint_path(args.resume))
     except DataError as exc:
         raise DataError("%s: %s" % (data_info["source"], exc)) from None
 
