@@ -84,6 +84,25 @@ int or_device_save_tuned_blocks(int index, int bq, int bk)
     return 0;
 }
 
+int or_device_program_blocks(int index, int d, const char **family, int *bq, int *bk,
+                             or_error *err)
+{
+#ifdef ORCHARD_HAVE_OPENCL
+    or_cl_program prog;
+    const int rc = or_cl_get_program(index - 1, OR_F32, d, d, or_device_counters(index), &prog,
+                                     err);
+    if (rc == OR_OK) {
+        *family = or_cl_families[prog.family].name;
+        *bq = prog.bq;
+        *bk = prog.bk;
+    }
+    return rc;
+#else
+    snprintf(err->msg, sizeof(err->msg), "orchard_ops was built without OpenCL headers");
+    return OR_EDEVICE;
+#endif
+}
+
 PyObject *or_device_id(int index)
 {
     return index == 0 ? PyUnicode_FromString("cpu") : PyUnicode_FromFormat("opencl:%d", index - 1);

@@ -427,6 +427,32 @@ static PyObject *tuned_blocks(PyObject *module, PyObject *device)
     return Py_BuildValue("(ii)", bq, bk);
 }
 
+static PyObject *program_blocks(PyObject *module, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"device", "head_dim", NULL};
+    PyObject *device;
+    int d = 64;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|i:program_blocks", kwlist, &device, &d))
+        return NULL;
+    if (d < 1 || d > OR_MAX_HEAD_DIM) {
+        PyErr_Format(PyExc_ValueError, "program_blocks(): 'head_dim' must be in 1..%d, got %d",
+                     OR_MAX_HEAD_DIM, d);
+        return NULL;
+    }
+    const int index = opencl_device("program_blocks", device);
+    if (index < 0)
+        return NULL;
+    or_error err = {0};
+    const char *family = NULL;
+    int bq = 0, bk = 0, rc;
+    Py_BEGIN_ALLOW_THREADS      /* a first build takes seconds */
+    rc = or_device_program_blocks(index, d, &family, &bq, &bk, &err);
+    Py_END_ALLOW_THREADS
+    if (rc != OR_OK)
+        return or_device_error(PyModule_GetState(module), "program_blocks", index, &err);
+    return Py_BuildValue("(sii)", family, bq, bk);
+}
+
 static PyObject *save_tuned_blocks(PyObject *module, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"device", "block_q", "block_k", NULL};
@@ -553,6 +579,10 @@ static PyMethodDef methods[] = {
     {"get_num_threads", get_num_threads, METH_NOARGS, "get_num_threads() -> int"},
     {"tuned_blocks", tuned_blocks, METH_O,
      "tuned_blocks(device) -> (block_q, block_k) stored for this OpenCL device, or None"},
+    {"program_blocks", (PyCFunction)(void (*)(void))program_blocks, METH_VARARGS | METH_KEYWORDS,
+     "program_blocks(device, head_dim=64) -> (family, block_q, block_k) that this OpenCL\n"
+     "device's float32 programs of that head dim run with: ORCHARD_CL_BLOCK_Q/K or a tuned\n"
+     "record rounded and fitted by the family's rules (builds the program, as a call would)"},
     {"save_tuned_blocks", (PyCFunction)(void (*)(void))save_tuned_blocks,
      METH_VARARGS | METH_KEYWORDS,
      "save_tuned_blocks(device, block_q, block_k) -> bool; stores the block sizes that programs\n"

@@ -62,6 +62,11 @@ size_t or_device_align(int index);
 int or_device_fp64(int index);
 int or_device_tuned_blocks(int index, int *bq, int *bk);
 int or_device_save_tuned_blocks(int index, int bq, int bk);
+/* The kernel family and blocks of the float32 program for head dim d that OpenCL device index
+ * runs (built, or loaded from the cache, as a call would): the environment, a tuned record
+ * and the family's local-memory rule applied. OR_OK, or an error code with err set. */
+int or_device_program_blocks(int index, int d, const char **family, int *bq, int *bk,
+                             or_error *err);
 
 /* The options of an attention call as parsed (checked by or_check_options); window NULL =
  * (-1, -1), seed, dropout_p and softcap NULL = 0. */

@@ -468,16 +468,25 @@ def test_bad_opencl_environment_refused(name, value, message):
 @needs_opencl
 def test_tuned_blocks_stored_and_used(tmp_path):
     """orchard-tune times candidates in child processes, stores the fastest beside the program
-    binaries; a later process builds with it (the debug log says so), results unchanged."""
+    binaries, as the blocks it ran with (a candidate the family's rules round runs, and is
+    reported and stored, as what it became); a later process builds with it (the debug log
+    says so), results unchanged."""
     dev = OPENCL_IDS[0]
     r = run_python("""
         import sys
         from orchard.cli import tune
         sys.exit(tune.main(["--device", "%s", "--shape", "1,2,100,16", "--repeats", "1",
-                            "--candidates", "96x96", "192x96"]))
+                            "--candidates", "96x96", "192x96", "7x9"]))
     """ % dev, timeout=600, ORCHARD_CACHE_DIR=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "chosen: " in r.stdout
+    ran = child("""
+        import json, orchard_ops as o
+        print(json.dumps(o.program_blocks("%s", head_dim=16)))
+    """ % dev, ORCHARD_CACHE_DIR=tmp_path, ORCHARD_CL_BLOCK_Q=7, ORCHARD_CL_BLOCK_K=9)
+    assert ran[0] in ("rows", "tiled", "wg") and (ran[1], ran[2]) != (7, 9)
+    assert "7 x 9: " in r.stderr and "(runs as %d x %d)" % tuple(ran[1:]) in r.stderr
+    assert "chosen: 7 x 9" not in r.stdout      # never stored as asked
     log = tmp_path / "debug.log"
     got = child("""
         import json, numpy as np, orchard_ops as o
@@ -488,8 +497,8 @@ def test_tuned_blocks_stored_and_used(tmp_path):
         print(json.dumps([o.tuned_blocks("%s"), float(np.abs(out - ref).max())]))
     """ % (dev, dev), ORCHARD_CACHE_DIR=tmp_path, ORCHARD_DEBUG_FLASH_ATN=1, ORCHARD_LOG=log)
     blocks, err = got
-    # whole register-tile steps at either vector width (48 or 32), so built as stored
-    assert tuple(blocks) in {(96, 96), (192, 96)} and err < 1e-5
+    # stored as they ran: whole register-tile steps, built as stored
+    assert tuple(blocks) in {(96, 96), (192, 96), tuple(ran[1:])} and err < 1e-5
     assert "blocks %d x %d (tuned)" % tuple(blocks) in log.read_text()
 
 
@@ -503,6 +512,10 @@ def test_tuned_blocks_errors(ops, tmp_path):
         ops.save_tuned_blocks(OPENCL_IDS[0], 64, 5000)
     with pytest.raises(ValueError, match="'device'"):
         ops.save_tuned_blocks("opencl:99", 64, 64)
+    with pytest.raises(ValueError, match="'device' must be an OpenCL device"):
+        ops.program_blocks("cpu")
+    with pytest.raises(ValueError, match="'head_dim' must be in 1..256, got 0"):
+        ops.program_blocks(OPENCL_IDS[0], head_dim=0)
     assert child("""
         import json, orchard_ops as o
         print(json.dumps([o.save_tuned_blocks("%s", 48, 48), o.tuned_blocks("%s")]))

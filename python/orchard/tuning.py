@@ -32,12 +32,13 @@ for _ in range(repeats):
     start = time.perf_counter()
     step()
     best = min(best, time.perf_counter() - start)
-print(json.dumps(best))
+print(json.dumps([best] + list(orchard_ops.program_blocks(device, d)[1:])))
 """
 
 
 def time_candidate(device, shape, block_q, block_k, repeats, report=print):
-    """Seconds of a forward plus backward with these blocks, or None if they do not run."""
+    """(seconds of a forward plus backward with these blocks, (bq, bk) they ran as: rounded
+    and fitted by the family's rules), or None if they do not run."""
     env = dict(os.environ, ORCHARD_CL_BLOCK_Q=str(block_q), ORCHARD_CL_BLOCK_K=str(block_k))
     r = subprocess.run([sys.executable, "-c", TIMING_SCRIPT, device, json.dumps(shape),
                         str(repeats)], env=env, capture_output=True, text=True)
@@ -45,7 +46,8 @@ def time_candidate(device, shape, block_q, block_k, repeats, report=print):
         report("  %d x %d: failed (%s)" % (block_q, block_k,
                                            (r.stderr.strip().splitlines() or ["?"])[-1]))
         return None
-    return json.loads(r.stdout.split()[-1])
+    seconds, bq, bk = json.loads(r.stdout.splitlines()[-1])
+    return seconds, (bq, bk)
 
 
 def default_candidates(device):
@@ -60,17 +62,21 @@ def default_candidates(device):
 
 def tune(device, shape=(1, 8, 1024, 64), candidates=None, repeats=3, report=print,
          progress=None):
-    """Times every candidate on `device`, stores the fastest; returns {(bq, bk): seconds}.
-    Each candidate's time (or failure) is passed to `report` as a line of text, and progress
-    (an orchard.progress.Progress of len(candidates)) is updated after each."""
+    """Times every candidate on `device`, stores the fastest; returns {(bq, bk): seconds},
+    keyed by the blocks that ran (a candidate the family's rules round or fit runs as other
+    blocks, which are what is stored). Each candidate's time (or failure) is passed to
+    `report` as a line of text, and progress (an orchard.progress.Progress of
+    len(candidates)) is updated after each."""
     default = default_candidates(device)
     candidates = default if candidates is None else candidates
     times = {}
     for n, (bq, bk) in enumerate(candidates, 1):
-        seconds = time_candidate(device, list(shape), bq, bk, repeats, report)
-        if seconds is not None:
-            times[(bq, bk)] = seconds
-            report("  %d x %d: %.2f ms" % (bq, bk, seconds * 1e3))
+        timed = time_candidate(device, list(shape), bq, bk, repeats, report)
+        if timed is not None:
+            seconds, ran = timed
+            times[ran] = min(seconds, times.get(ran, seconds))
+            report("  %d x %d: %.2f ms%s" % (bq, bk, seconds * 1e3, "" if ran == (bq, bk)
+                                              else " (runs as %d x %d)" % ran))
         if progress is not None:
             progress.update(n, "%dx%d" % (bq, bk))
     if not times:
