@@ -72,6 +72,8 @@ def test_rejects_what_it_cannot_compute():
             flash_attention(q, q, q, causal=causal)
     with pytest.raises(TypeError, match="'dropout_p' must be a number, got '0.5'"):
         flash_attention(q, q, q, dropout_p="0.5")
+    with pytest.raises(ValueError, match=r"flash_attention: 'dropout_p' must be in \[0, 1\)"):
+        flash_attention(q, q, q, dropout_p=1.0)
     import numpy as np
     for causal in (np.bool_(True), 1):
         torch.testing.assert_close(flash_attention(q, q, q, causal=causal),

@@ -161,6 +161,8 @@ def flash_attention(q, k, v, causal=False, dropout_p=0.0, scale=None, *, device=
     """
     _check_tensors("flash_attention", q=q, k=k, v=v)
     dropout_p = _number("flash_attention", "dropout_p", dropout_p)
+    if not 0.0 <= dropout_p < 1.0:
+        _fail("flash_attention", "dropout_p", "must be in [0, 1), got %r" % (dropout_p,))
     opts = _Options(scale=scale, dropout_p=dropout_p, causal=_flag("flash_attention", "causal",
                                                                    causal),
                     seed=_seed(dropout_p), device=device)
