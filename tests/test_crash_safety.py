@@ -43,25 +43,26 @@ def train_args(run_files, out, *extra):
             str(out), "--device", "cpu", "--max-steps", str(STEPS), *extra]
 
 
-def temp_files(out):
+def temp_files(out, prefix="."):
     """The temporary files of atomic writes in progress (orchard/atomic.py): the checkpoint's
     (.checkpoint.pt.*.tmp) and the metrics' (.metrics.jsonl.*.tmp). A kill inside either must
     leave the last complete file in place."""
-    return ({n for n in os.listdir(out) if n.startswith(".") and n.endswith(".tmp")}
+    return ({n for n in os.listdir(out) if n.startswith(prefix) and n.endswith(".tmp")}
             if out.exists() else set())
 
 
 def kill_during(args, out, mid_write, rng, duration):
-    """Starts a run and SIGKILLs it: the moment a new write's temporary file appears, or at a
-    random moment within `duration` (seconds an uninterrupted run takes). Returns (killed,
-    inside a write): a temporary file left behind means the kill came between its creation and
-    the rename (SIGKILL skips the cleanup)."""
-    stale = temp_files(out)
+    """Starts a run and SIGKILLs it: the moment a new checkpoint write's temporary file appears
+    (the metrics' write is too short to land a kill in reliably: once, every mid-write kill came
+    after its rename), or at a random moment within `duration` (seconds an uninterrupted run
+    takes). Returns (killed, inside a write): a temporary file left behind means the kill came
+    between its creation and the rename (SIGKILL skips the cleanup)."""
+    stale, stale_checkpoints = temp_files(out), temp_files(out, ".checkpoint.pt.")
     proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env=subprocess_env(), cwd=REPO_ROOT)
     deadline = time.monotonic() + (120 if mid_write else rng.uniform(0.4, 0.9) * duration)
     while proc.poll() is None and time.monotonic() < deadline:
-        if mid_write and temp_files(out) - stale:
+        if mid_write and temp_files(out, ".checkpoint.pt.") - stale_checkpoints:
             break
         time.sleep(0.0005 if mid_write else 0.01)
     if proc.poll() is not None:
@@ -69,6 +70,12 @@ def kill_during(args, out, mid_write, rng, duration):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     return True, bool(temp_files(out) - stale)
+
+
+def resume_args(out):
+    """--resume the killed run's checkpoint; before its first one, start again over the
+    metrics it left (--overwrite: a folder with metrics and no checkpoint is refused)."""
+    return ["--resume", str(out)] if (out / "checkpoint.pt").exists() else ["--overwrite"]
 
 
 def test_sigkill_at_random_moments_and_mid_checkpoint_then_resume(run_files, tmp_path):
@@ -82,7 +89,7 @@ def test_sigkill_at_random_moments_and_mid_checkpoint_then_resume(run_files, tmp
     for round_ in range(3 * KILLS):     # more rounds while no kill has landed inside a write
         if round_ >= KILLS and mid_write_kills:
             break
-        resume = ["--resume", str(killed)] if (killed / "checkpoint.pt").exists() else []
+        resume = resume_args(killed)
         mid_write = round_ % 2 == 0     # first: the run is young, its writes all ahead
         was_killed, inside_write = kill_during(train_args(run_files, killed, *resume), killed,
                                                mid_write, rng, duration)
@@ -94,8 +101,7 @@ def test_sigkill_at_random_moments_and_mid_checkpoint_then_resume(run_files, tmp
             assert not steps_seen or step >= steps_seen[-1]
             steps_seen.append(step)
     assert mid_write_kills >= 1, "no kill landed inside a checkpoint or metrics write"
-    resume = ["--resume", str(killed)] if (killed / "checkpoint.pt").exists() else []
-    result = run_python(train_args(run_files, killed, *resume))
+    result = run_python(train_args(run_files, killed, *resume_args(killed)))
     assert result.returncode == 0, result.stderr[-3000:]
     assert load_checkpoint(str(killed))["step"] == STEPS
     assert [m["step"] for m in read_metrics(killed)] == list(range(1, STEPS + 1))
