@@ -26,10 +26,9 @@ decode_bf16_dots(float *s, const uint32_t *q, int ldq, const char *const *kr, in
                  const int nr)
 {
     const int HALF = nr > 2 ? NKEYS / 2 : NKEYS;
-    FN(vec) acc[DROWS][NKEYS];  /* the sums, for decode_sums */
 #pragma GCC unroll 2
     for (int h = 0; h < NKEYS; h += HALF) {
-        FN(vec) a[DROWS][NKEYS] = {{{0}}};  /* in registers, as decode_dots' */
+        FN(vec) a[2 * NKEYS] = {0};     /* a[r * HALF + t], in registers, as decode_dots' */
         for (int i = 0; i < d; i += 2 * DVL) {
             const __mmask32 mask = d - i >= 2 * DVL ? ~0u : (1u << (d - i)) - 1;
             __m512bh x[DROWS];
@@ -38,18 +37,10 @@ decode_bf16_dots(float *s, const uint32_t *q, int ldq, const char *const *kr, in
             for (int t = 0; t < HALF; t++) {
                 const __m512bh y = (__m512bh)_mm512_maskz_loadu_epi16(mask, kr[h + t] + 2 * i);
                 for (int r = 0; r < nr; r++)
-                    a[r][t] = (FN(vec))_mm512_dpbf16_ps((__m512)a[r][t], x[r], y);
+                    a[r * HALF + t] = (FN(vec))_mm512_dpbf16_ps((__m512)a[r * HALF + t], x[r], y);
             }
         }
-        for (int r = 0; r < nr; r++)
-            for (int t = 0; t < HALF; t++)
-                acc[r][h + t] = a[r][t];
-    }
-    for (int r = 0; r < nr; r++) {
-        float sum[NKEYS];
-        FN(decode_sums)(acc[r], sum);
-        for (int t = 0; t < NKEYS; t++)
-            s[(or_ssize)r * BC + t] = sum[t] * scale;
+        FN(decode_totals)(a, nr, HALF, s + h, scale);
     }
 }
 

@@ -14,7 +14,7 @@
  *                      per block (so a paged cache is read where its pages lie), widened to
  *                      REAL in registers (no tile: a float16/bfloat16 step would otherwise
  *                      write and reread a float copy of the cache); NKEYS rows at a time, so
- *                      that one tree of shuffles sums NKEYS dot products (decode_sums)
+ *                      that one tree of shuffles sums NKEYS dot products (decode_totals)
  *   s    R x BC        scores, then probabilities (the forward's s tile)
  * (a set with AVX512-BF16 multiplies a bfloat16 step's q, k, P and v as they lie, in pairs,
  * instead of widening them: attn_decode_bf16_impl.h; q unscaled, P also as words in pw).
@@ -168,17 +168,22 @@ FN(decode_deal)(REAL *x, int n, int to_pairs, int dots)
     }
 }
 
-/* sum[t] = the sum of the lanes of acc[t], t < NKEYS (8): one transpose-and-add tree of
- * shuffles for all of them (fold_vectors; a reduction per key cost as much as its dot
- * product), always in the same order. */
-static inline __attribute__((always_inline)) void FN(decode_sums)(FN(vec) *acc, REAL *sum)
+/* s[r * BC + t] = scale x the total of the lanes of a[r * nk + t], for r < nr, t < nk (nr x nk
+ * at most 2 NKEYS, a power of two): one transpose-and-add tree of shuffles for all of a pass's
+ * sums (fold_vectors; a reduction per key cost as much as its dot product), always in the same
+ * order. All at once, not a row at a time: keeping every row's sums until the end had held 2
+ * NKEYS vectors more than the register file has (spilled at every step). */
+static inline __attribute__((always_inline)) void
+FN(decode_totals)(FN(vec) *a, const int nr, const int nk, REAL *s, REAL scale)
 {
-    const int m = FN(fold_vectors)(acc, NKEYS, 0);
+    const int m = FN(fold_vectors)(a, nr * nk, 0);
+    REAL total[2 * NKEYS > DVL ? 2 * NKEYS : DVL];  /* total j in place j */
     for (int i = 0; i < m; i++) {
-        REAL lane[DVL];
-        memcpy(lane, &acc[i], sizeof(lane));
-        memcpy(sum + i * (NKEYS / m), lane, sizeof(REAL) * (size_t)(NKEYS / m));
+        const FN(vec) x = a[i] * scale;
+        memcpy(total + i * DVL, &x, sizeof(x));
     }
+    for (int r = 0; r < nr; r++)
+        memcpy(s + (or_ssize)r * BC, total + r * nk, sizeof(REAL) * (size_t)nk);
 }
 #undef BF16_SPREAD
 
@@ -212,12 +217,11 @@ FN(decode_dots)(REAL *s, const REAL *q, int dp, const char *const *kr, int d, or
 #endif
     const int HALF = nr > 2 ? NKEYS / 2 : NKEYS;  /* fewer sums would not hide the latency */
     const int dvec = d - d % DVL;
-    FN(vec) acc[DROWS][NKEYS];  /* the sums, for decode_sums */
 #pragma GCC unroll 2
     for (int h = 0; h < NKEYS; h += HALF) {
-        /* this half's sums: constant indices, never addressed, so kept in registers (summed
-         * in acc itself, they were stored back to memory at every step) */
-        FN(vec) a[DROWS][NKEYS] = {{{0}}};
+        /* this half's sums, a[r * HALF + t]: constant indices, never addressed, so kept in
+         * registers (summed in memory, they were stored back at every step) */
+        FN(vec) a[2 * NKEYS] = {0};
         int i = 0;
 #if REAL_SIZE == 4
         for (; i < FN(decode_paired)(d, dt); i += 2 * DVL) {
@@ -230,8 +234,8 @@ FN(decode_dots)(REAL *s, const REAL *q, int dp, const char *const *kr, int d, or
                 FN(vec) ye, yo;
                 FN(decode_bf16_pair)(kr[h + t], i, &ye, &yo);
                 for (int r = 0; r < nr; r++) {  /* two FMAs (a + (b + c) would be three ops) */
-                    a[r][t] += xe[r] * ye;
-                    a[r][t] += xo[r] * yo;
+                    a[r * HALF + t] += xe[r] * ye;
+                    a[r * HALF + t] += xo[r] * yo;
                 }
             }
         }
@@ -245,21 +249,15 @@ FN(decode_dots)(REAL *s, const REAL *q, int dp, const char *const *kr, int d, or
                     __builtin_prefetch(pf[h + t] + i * (int)sizeof(REAL), 0, 2);
                 const FN(vec) y = FN(decode_vec)(kr[h + t], i, dt);
                 for (int r = 0; r < nr; r++)
-                    a[r][t] += x[r] * y;
+                    a[r * HALF + t] += x[r] * y;
             }
         }
-        for (int r = 0; r < nr; r++)
-            for (int t = 0; t < HALF; t++)
-                acc[r][h + t] = a[r][t];
+        FN(decode_totals)(a, nr, HALF, s + h, 1);
     }
-    for (int r = 0; r < nr; r++) {
-        REAL sum[NKEYS];
-        FN(decode_sums)(acc[r], sum);
+    for (int r = 0; r < nr; r++)
         for (int i = dvec; i < d; i++)
             for (int t = 0; t < NKEYS; t++)
-                sum[t] += q[(or_ssize)r * dp + i] * FN(decode_load)(kr[t], i, dt);
-        memcpy(s + (or_ssize)r * BC, sum, sizeof(sum));
-    }
+                s[(or_ssize)r * BC + t] += q[(or_ssize)r * dp + i] * FN(decode_load)(kr[t], i, dt);
 }
 
 /* Whether n rows of len bytes at rows lie back to back (as far as the first and last show). */
