@@ -604,7 +604,13 @@ def test_bad_varlen_input_names_the_argument():
         (ValueError, "'k'", lambda: flash_attn_varlen_func(q, k[:, :1].expand(7, 3, 16),
                                                            v[:, :1].expand(7, 3, 16),
                                                            cu_q, cu_k, 3, 4)),
-        (ValueError, "'max_seqlen_q'", lambda: flash_attn_varlen_func(q, k, v, cu_q, cu_k, 2, 4)),
+        (ValueError, "flash_attn_varlen_func: 'max_seqlen_q' must be at least 3",
+         lambda: flash_attn_varlen_func(q, k, v, cu_q, cu_k, 2, 4)),
+        (TypeError, "flash_attn_varlen_func: 'max_seqlen_k' must be an int",
+         lambda: flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 4.0)),
+        (TypeError, "'max_seqlen_k'", lambda: flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, True)),
+        (ValueError, "flash_attn_varlen_qkvpacked_func: 'max_seqlen' must be at least 3",
+         lambda: flash_attn_varlen_qkvpacked_func(torch.stack((q, q, q), 1), cu_q, 2)),
         (TypeError, "'block_table'", lambda: flash_attn_varlen_func(
             q, kp, vp, cu_q, cu_k, 3, 4, block_table=table.long())),
         (ValueError, "'block_table'", lambda: flash_attn_varlen_func(
@@ -629,6 +635,7 @@ def test_bad_kvcache_input_names_the_argument_and_writes_nothing():
         (ValueError, "'cache_seqlens'", dict(kw, cache_seqlens=i32(5, 10))),
         (ValueError, "'cache_seqlens'", dict(kw, cache_seqlens=i32(-1, 2))),
         (TypeError, "'cache_seqlens'", dict(kw, cache_seqlens=kw["cache_seqlens"].long())),
+        (TypeError, "'cache_seqlens'", dict(kw, cache_seqlens=True)),    # not the int 1
         (ValueError, "'cache_seqlens'", drop(kw, "cache_seqlens")),
         (ValueError, "'v'", drop(kw, "v")),
         (ValueError, "'k'", dict(kw, k=kw["k"][:, :, :1])),

@@ -9,6 +9,7 @@ orchard is always deterministic (deterministic= is accepted) and splits the keys
 """
 import itertools
 import math
+import numbers
 import operator
 
 import torch
@@ -283,9 +284,22 @@ def _paged_gather(fn, k, v, cu_k, block_table, d, gather):
     return k.flatten(0, 1)[index], v.flatten(0, 1)[index]
 
 
+def _check_max_seqlen(fn, name, x, cu):
+    """TypeError / ValueError naming it unless x is None or an int at least the longest
+    sequence of cu (cumulative lengths)."""
+    if x is None:
+        return
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        _fail(fn, name, "must be an int, got %r" % (x,), TypeError)
+    longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
+    if x < longest:
+        _fail(fn, name, "must be at least %d, the longest sequence, got %d" % (longest, x))
+
+
 def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
             softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
-            block_table, device, cu_names=("cu_seqlens_q", "cu_seqlens_k")):
+            block_table, device, suffixes=("_q", "_k")):
+    cu_names = ["cu_seqlens" + x for x in suffixes]
     _check_tensors(fn, q=q, k=k, v=v)
     _check_shape(fn, "q", q, (None,) * 3, "(total_q, nheads, headdim)")
     cu_q = _cu_seqlens(fn, cu_names[0], cu_seqlens_q, q.shape[0])
@@ -306,6 +320,8 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         _fail(fn, cu_names[1], "has %d entries, %s has %d: one per sequence plus one"
               % (len(cu_k), cu_names[0], len(cu_q)))
     _check_heads(fn, q, k, v, -2)
+    for x, name, cu in zip((max_seqlen_q, max_seqlen_k), suffixes, (cu_q, cu_k)):
+        _check_max_seqlen(fn, "max_seqlen" + name, x, cu)
     seqlen_k = max(b - a for a, b in zip(cu_k, cu_k[1:])) if max_seqlen_k is None else max_seqlen_k
     opts = _options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
                     alibi_slopes, len(cu_q) - 1, device, cu_seqlens_q=cu_seqlens_q,
@@ -349,7 +365,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     _check_shape(fn, "qkv", qkv, (None, 3, None, None), "(total, 3, nheads, headdim)")
     return _varlen(fn, *qkv.unbind(1), cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                    dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                   return_attn_probs, None, device, cu_names=("cu_seqlens", "cu_seqlens"))
+                   return_attn_probs, None, device, suffixes=("", ""))
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -446,8 +462,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if k is not None:
             _fail(fn, "cache_seqlens", "must be given with new keys 'k' and values 'v'")
         seqlens = [capacity] * batch
-    elif isinstance(cache_seqlens, int):
-        seqlens = [cache_seqlens] * batch
+    elif isinstance(cache_seqlens, bool):   # an int to Python, never a length
+        _fail(fn, "cache_seqlens", "must be an int or a torch.int32 tensor, got %r"
+              % cache_seqlens, TypeError)
+    elif isinstance(cache_seqlens, numbers.Integral):
+        seqlens = [int(cache_seqlens)] * batch
     else:
         seqlens = _int32(fn, "cache_seqlens", cache_seqlens, (batch,), "(batch_size,) = (%d,)"
                          % batch)
