@@ -495,8 +495,8 @@ PyDoc_STRVAR(build_info_doc,
 "is compiled in; 'test_hooks': built with ORCHARD_TEST_HOOKS=1, so that ORCHARD_FAULT,\n"
 "ORCHARD_AUTO_ANY_OPENCL, ORCHARD_CL_TRANSFERS and ORCHARD_CL_LOCAL_MEM take effect;\n"
 "'max_head_dim': the largest D and Dv; 'max_cl_block': the largest OpenCL block (rows or\n"
-"keys) ORCHARD_CL_BLOCK_Q/K and tuned records may name; 'dtypes': the array dtypes read and\n"
-"written.");
+"keys) ORCHARD_CL_BLOCK_Q/K and tuned records may name; 'max_threads': the most threads\n"
+"set_num_threads and ORCHARD_NUM_THREADS take; 'dtypes': the array dtypes read and written.");
 
 static PyObject *build_info(PyObject *module, PyObject *unused)
 {
@@ -520,10 +520,11 @@ static PyObject *build_info(PyObject *module, PyObject *unused)
     }
     if (dtypes == NULL)
         return NULL;
-    PyObject *info = Py_BuildValue("{s:s, s:O, s:O, s:i, s:i, s:O}", "version", ORCHARD_VERSION,
-                                   "opencl", opencl, "test_hooks", test_hooks,
+    PyObject *info = Py_BuildValue("{s:s, s:O, s:O, s:i, s:i, s:i, s:O}", "version",
+                                   ORCHARD_VERSION, "opencl", opencl, "test_hooks", test_hooks,
                                    "max_head_dim", OR_MAX_HEAD_DIM, "max_cl_block",
-                                   OR_CL_MAX_BLOCK, "dtypes", dtypes);
+                                   OR_CL_MAX_BLOCK, "max_threads", OR_MAX_THREADS,
+                                   "dtypes", dtypes);
     Py_DECREF(dtypes);
     return info;
 }

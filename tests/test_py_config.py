@@ -44,6 +44,9 @@ def test_partial_config_takes_defaults(tmp_path):
     ("model:\n  n_embd: 100\n  n_head: 3\n", "model.n_embd"),
     ("training:\n  learning_rate: 0.001\n  min_lr: 0.01\n", "training.min_lr"),
     ("model: 3\n", "model"),
+    ("device:\n  num_threads: 100000\n", "device.num_threads"),   # past orchard_ops' limit
+    ("training:\n  learning_rate: .inf\n", "training.learning_rate"),
+    ("training:\n  weight_decay: .nan\n", "training.weight_decay"),
 ])
 def test_errors_name_the_key_and_the_file(tmp_path, text, key):
     path = write(tmp_path, text)

@@ -2,6 +2,7 @@
 out-of-memory policy, crash-safe checkpoints, data parallelism, and --help of every command."""
 import json
 import logging
+import math
 import os
 import re
 import shlex
@@ -105,6 +106,28 @@ def test_interrupted_run_resumes_exactly(run_files, tmp_path, monkeypatch):
                                                           read_metrics(straight)]
     a, b = final_parameters(straight), final_parameters(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resumed_loss_curve_between_log_lines_is_the_same(run_files, tmp_path, monkeypatch):
+    """Interrupted between two log lines (log_interval 3, stopped after step 5), the resumed
+    run's step-6 line averages steps 4-6 as the uninterrupted run's does, bit for bit."""
+    import yaml
+
+    cfg = json.loads(json.dumps(TINY_CONFIG))
+    cfg["training"]["log_interval"] = 3
+    config = tmp_path / "log3.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    files = (str(config), run_files[1])
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert train_cli(files, straight, "--max-steps", 9) == 0
+    assert interrupted_run(files, resumed, monkeypatch, 5, "--max-steps", 9) == 130
+    monkeypatch.undo()
+    assert load_checkpoint(str(resumed))["pending_losses"] != []
+    assert train_cli(files, resumed, "--resume", resumed) == 0
+    want = read_metrics(straight)
+    assert [m["step"] for m in want] == [3, 6, 9]
+    got = [m for m in read_metrics(resumed) if m["step"] in (3, 6, 9)]
+    assert [m["loss"] for m in got] == [m["loss"] for m in want]
 
 
 def test_ctrl_c_prints_the_command_that_resumes_the_same_schedule(run_files, tmp_path,
@@ -257,6 +280,40 @@ def test_damaged_checkpoint_contents_are_one_line_errors(run_files, tmp_path, ca
             err = capsys.readouterr().err.strip().splitlines()
             assert err[-1].startswith("orchard-") and path in err[-1], (name, err)
             assert "Traceback" not in "\n".join(err)
+
+
+def test_diverged_checkpoint_is_a_one_line_error_for_generate(run_files, tmp_path, capsys):
+    from orchard.cli import generate
+
+    out = tmp_path / "run"
+    assert train_cli(run_files, out, "--max-steps", 1) == 0
+    state = load_checkpoint(str(out))
+    weights = {k: torch.full_like(x, math.nan) if x.is_floating_point() else x
+               for k, x in state["model"].items()}    # all: tied weights load last-wins
+    path = str(tmp_path / "nan.pt")
+    torch.save(dict(state, model=weights), path)
+    capsys.readouterr()
+    assert generate.main(["--checkpoint", path, "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not finite" in err[0] and path in err[0], err
+
+
+def test_max_steps_past_one_epoch_and_large_seeds(run_files, tmp_path, caplog):
+    """--max-steps alone trains that many steps over as many epochs as they take (as
+    HuggingFace's max_steps); a seed past 1.8e13 (times the order's multiplier past 2^64)
+    still runs; a resume on other data says so."""
+    trainer = make_trainer(run_files, tmp_path / "a", micro_batch=8)
+    steps = trainer.steps_per_epoch
+    assert trainer.stopping_point(max_steps=steps + 3) == steps + 3
+    assert trainer.stopping_point(epochs=1, max_steps=steps + 3) == steps
+    out = tmp_path / "run"
+    assert train_cli(run_files, out, "--max-steps", 2, "--seed", 2 ** 63 - 1) == 0
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"sequences": [list(range(200)) * 20]}))
+    with caplog.at_level(logging.WARNING, logger="orchard"):
+        assert train.main(["--resume", str(out), "--sequences", str(other), "--max-steps", "3",
+                           "--device", "cpu"]) == 0
+    assert "the checkpoint was trained on" in caplog.text
 
 
 def test_generate_and_prepare(run_files, tmp_path):

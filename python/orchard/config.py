@@ -7,6 +7,8 @@ device at hand by DeviceBackend.adapt_config, which reports a reason for each ch
 """
 import os
 
+import orchard_ops
+
 AUTO = "auto"
 
 # section -> key -> (allowed types, default, check or None). A check returns an error text or
@@ -16,6 +18,9 @@ _positive = lambda v: None if v >= 1 else "must be >= 1"
 _fraction = lambda v: None if 0.0 <= v < 1.0 else "must be in [0, 1)"
 _unit = lambda v: None if 0.0 < v <= 1.0 else "must be in (0, 1]"
 _non_negative = lambda v: None if v >= 0 else "must be >= 0"
+_finite = lambda v: None if 0 <= v < float("inf") else "must be a finite number >= 0"
+_MAX_THREADS = orchard_ops.build_info()["max_threads"]
+_threads = lambda v: None if 1 <= v <= _MAX_THREADS else "must be in 1..%d" % _MAX_THREADS
 
 
 def _auto_or(check):
@@ -41,10 +46,10 @@ SCHEMA = {
     "training": {
         "batch_size": (int, 16, _positive),
         "micro_batch": ((int, str), AUTO, _auto_or(_positive)),
-        "learning_rate": ((int, float), 0.002, _non_negative),
+        "learning_rate": ((int, float), 0.002, _finite),
         "min_lr": ((int, float), 0.0002, _non_negative),
         "warmup_steps": (int, 20, _non_negative),
-        "weight_decay": ((int, float), 0.1, _non_negative),
+        "weight_decay": ((int, float), 0.1, _finite),
         "beta1": ((int, float), 0.9, _fraction),
         "beta2": ((int, float), 0.95, _fraction),
         "grad_clip": ((int, float), 1.0, _non_negative),
@@ -58,7 +63,7 @@ SCHEMA = {
     },
     "device": {
         "memory_fraction": ((int, float), 0.8, _unit),
-        "num_threads": ((int, str), AUTO, _auto_or(_positive)),
+        "num_threads": ((int, str), AUTO, _auto_or(_threads)),
     },
 }
 

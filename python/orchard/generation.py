@@ -17,7 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import checkpoint_contents, checkpoint_path, load_checkpoint
+from .checkpoint import CheckpointError, checkpoint_contents, checkpoint_path, load_checkpoint
 from .device_backend import get_device_backend
 from .hf_causal_lm import build_model
 
@@ -32,6 +32,12 @@ def load_model(checkpoint, device="auto", source=None):
     with checkpoint_contents(source or "the checkpoint"):
         model = build_model(state["model_config"], state.get("hf_config"))
         model.load_state_dict(state["model"])
+    bad = [name for name, x in model.state_dict().items()
+           if x.is_floating_point() and not torch.isfinite(x).all()]
+    if bad:     # a run that diverged: its samples would be meaningless (or fail in multinomial)
+        raise CheckpointError("%s: its weights are not finite (NaN or inf in %d tensors, e.g. "
+                              "%s): the run that wrote it diverged" % (source or "the checkpoint",
+                                                                       len(bad), bad[0]))
     model.eval()
     backend = get_device_backend(device).setup()
     if state.get("hf_config") is None:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from .atomic import write_atomically
 from .checkpoint import FORMAT, checkpoint_contents, save_checkpoint
-from .config import get_dtype_from_string
+from .config import ConfigError, get_dtype_from_string
 from .data import DataError
 from .hf_causal_lm import build_model
 from .progress import Progress
@@ -59,8 +59,8 @@ class Trainer:
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
         if train["batch_size"] % self.world:
-            raise ValueError("training.batch_size %d must be a multiple of the %d processes"
-                             % (train["batch_size"], self.world))
+            raise ConfigError("training.batch_size %d must be a multiple of the %d processes"
+                              % (train["batch_size"], self.world))
         self.rank_batch = train["batch_size"] // self.world
         self.micro_batch = min(train["micro_batch"], self.rank_batch)
         self.steps_per_epoch = len(chunks) // train["batch_size"]
@@ -81,6 +81,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler("cpu", enabled=self.dtype == "fp16")
         self.step = 0
         self.history = []
+        self.losses = []    # of the steps since the last log line
         self.schedule_steps = None  # the stopping point a resumed run keeps (see run)
         if resume_state is not None:
             with checkpoint_contents(resume_from):
@@ -105,7 +106,7 @@ class Trainer:
 
     # -- state -------------------------------------------------------------------------------
 
-    def state_dict(self):
+    def state_dict(self, pending_losses):
         return {
             "format": FORMAT,
             "model": self.model.state_dict(),
@@ -119,6 +120,7 @@ class Trainer:
             "hf_config": self.hf_config,
             "data": self.data_info,
             "metrics": self.history,
+            "pending_losses": pending_losses,
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
         }
 
@@ -130,16 +132,26 @@ class Trainer:
         self.step = state["step"]
         self.schedule_steps = state.get("schedule_steps")
         self.history = list(state["metrics"])
+        # older checkpoints have none: their first log line averages the steps since the resume
+        self.losses = list(state.get("pending_losses", []))
+        if not all(isinstance(x, float) for x in self.losses):
+            raise TypeError("pending_losses must be a list of floats")
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         if self.rank:
             torch.manual_seed(self.seed + self.rank + self.step)
 
+    def pending_losses(self):
+        """The losses of the steps since the last log line, averaged over the ranks, so that a
+        resumed run's first log line averages the same steps as an uninterrupted one."""
+        return [self._sum_over_ranks(x) / self.world for x in self.losses]
+
     def save(self):
+        pending = self.pending_losses()     # a collective: every rank, before rank 0 writes
         if self.rank == 0:
             os.makedirs(self.output_dir, exist_ok=True)
             path = os.path.join(self.output_dir, CHECKPOINT_NAME)
-            save_checkpoint(self.state_dict(), path)
+            save_checkpoint(self.state_dict(pending), path)
             return path
         return None
 
@@ -157,7 +169,8 @@ class Trainer:
         """This rank's share of the sequences of optimizer step `step`: (inputs, targets)."""
         epoch, index = divmod(step, self.steps_per_epoch)
         if getattr(self, "_order_epoch", None) != epoch:
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            # torch takes seeds below 2^64: a large --seed wraps (smaller ones are unchanged)
+            generator = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2 ** 64)
             self._order = torch.randperm(len(self.chunks), generator=generator)
             self._order_epoch = epoch
         size = self.cfg["training"]["batch_size"]
@@ -266,11 +279,14 @@ class Trainer:
 
     def stopping_point(self, epochs=None, max_steps=None):
         """The step count the run ends at and its learning-rate schedule spans: `epochs`
-        passes over the data (default 1) or `max_steps` optimizer steps in all, whichever is
-        fewer. A resumed run given neither keeps the stopping point of the run it continues,
-        so its schedule goes on exactly where it stopped."""
+        passes over the data (default 1), or `max_steps` optimizer steps in all (as many
+        passes as they take, as HuggingFace's max_steps), or with both whichever is fewer. A
+        resumed run given neither keeps the stopping point of the run it continues, so its
+        schedule goes on exactly where it stopped."""
         if epochs is None and max_steps is None and self.schedule_steps is not None:
             return self.schedule_steps
+        if epochs is None and max_steps is not None:
+            return max_steps
         total = (1 if epochs is None else epochs) * self.steps_per_epoch
         return total if max_steps is None else min(total, max_steps)
 
@@ -306,13 +322,14 @@ class Trainer:
         previous = {sig: signal.signal(sig, self._request_stop)
                     for sig in (_STOP_SIGNALS if main_thread else ())}
         self.model.train()
-        interrupted = False
+        interrupted = diverged = False
         try:
-            losses, t0 = [], time.perf_counter()
+            timed, t0 = 0, time.perf_counter()
             while self.step < total:
                 inputs, targets = self.batch(self.step)
                 lr = self.learning_rate(self.step, total)
-                losses.append(self.train_step(inputs, targets, lr))
+                self.losses.append(self.train_step(inputs, targets, lr))
+                timed += 1
                 self.step += 1
                 validate = self.val_chunks is not None and (
                     self.step % train["eval_interval"] == 0 or self.step == total)
@@ -321,10 +338,10 @@ class Trainer:
                     record = {
                         "step": self.step,
                         "epoch": (self.step - 1) // self.steps_per_epoch,
-                        "loss": round(self._sum_over_ranks(sum(losses) / len(losses))
+                        "loss": round(self._sum_over_ranks(sum(self.losses) / len(self.losses))
                                       / self.world, 5),
                         "lr": lr,
-                        "tokens_per_s": round(len(losses) * tokens_per_step / elapsed, 1),
+                        "tokens_per_s": round(timed * tokens_per_step / elapsed, 1),
                         "device": self.backend.device,
                         "micro_batch": self.micro_batch,
                         "grad_accum": self.accumulation_steps(),
@@ -332,12 +349,17 @@ class Trainer:
                     if validate:
                         record["val_loss"] = round(self.evaluate(), 5)
                     self._write_metrics(record)
+                    if not math.isfinite(record["loss"]) and not diverged:
+                        diverged = True
+                        log.warning("loss %s at step %d: the run has diverged (a smaller "
+                                    "training.learning_rate may help); orchard-generate refuses "
+                                    "its checkpoints", record["loss"], self.step)
                     log.info("step %d/%d  epoch %d  loss %.4f%s  lr %.2e  %.0f tokens/s  "
                              "micro-batch %d x %d", self.step, total, record["epoch"],
                              record["loss"], "  val loss %.4f" % record["val_loss"]
                              if validate else "", lr, record["tokens_per_s"], self.micro_batch,
                              self.accumulation_steps())
-                    losses, t0 = [], time.perf_counter()
+                    self.losses, timed, t0 = [], 0, time.perf_counter()
                 # the last logged loss; none before the first log line (not "nan", which
                 # reads as a diverged run)
                 bar.update(self.step, "loss %.3f" % self.history[-1]["loss"]

@@ -49,8 +49,9 @@ def parse_args(argv):
                         help="Passes over the data. Default: 1, or with --resume the stopping "
                              "point of the run resumed.")
     parser.add_argument("--max-steps", type=integer(1), metavar="N",
-                        help="Stop after N optimizer steps in all, resumed steps included; "
-                             "the learning-rate schedule spans them.")
+                        help="Stop after N optimizer steps in all, resumed steps included, "
+                             "over as many passes over the data as they take (with --epochs: "
+                             "whichever comes first); the learning-rate schedule spans them.")
     parser.add_argument("--device", type=device, default="auto",
                         help="The device: auto, cpu, opencl, opencl:N or opencl:NAME.")
     parser.add_argument("--resume", metavar="CKPT",
@@ -192,6 +193,11 @@ def build_trainer(args):
         if ignored:
             log.warning("ignored with --resume (the checkpoint's config holds): %s",
                         ", ".join(ignored))
+        trained_on = state["data"].get("source")
+        if trained_on != data_info["source"]:
+            log.warning("the checkpoint was trained on %s, this run reads %s: its data order "
+                        "and loss curve do not continue (--sequences chooses the data)",
+                        trained_on, data_info["source"])
     else:
         requested = apply_flags(load_config(args.config), args)
         seed = DEFAULT_SEED if args.seed is None else args.seed
