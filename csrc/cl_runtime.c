@@ -14,6 +14,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -128,7 +129,7 @@ static int usable(cl_device_id d)
     return available && compiler;
 }
 
-static void discover(void)
+static void discover_platforms(void)
 {
     api = or_cl_load(&unavailable);
     if (api == NULL)
@@ -172,6 +173,23 @@ static void discover(void)
     }
     free(plats);
     unavailable = ndevices ? NULL : "no usable OpenCL device (none available with a compiler)";
+}
+
+/* The signals LLVM (which PoCL loads) takes for itself while the platforms are listed: its
+ * handler, installed with SA_RESETHAND, left a second Ctrl-C arriving during the first to the
+ * default action (the process killed, no KeyboardInterrupt, no checkpoint), and it stood before
+ * Python's own. discover gives them back to the handlers the process had. */
+static const int taken_signals[] = {SIGHUP, SIGINT, SIGPIPE, SIGTERM, SIGUSR2};
+#define NTAKEN (sizeof(taken_signals) / sizeof(taken_signals[0]))
+
+static void discover(void)
+{
+    struct sigaction before[NTAKEN];
+    for (size_t i = 0; i < NTAKEN; i++)
+        sigaction(taken_signals[i], NULL, &before[i]);
+    discover_platforms();
+    for (size_t i = 0; i < NTAKEN; i++)
+        sigaction(taken_signals[i], &before[i], NULL);
 }
 
 int or_cl_count(void)

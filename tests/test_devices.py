@@ -2,6 +2,7 @@
 build_info()."""
 import os
 import stat
+import sys
 
 import numpy as np
 import pytest
@@ -151,3 +152,39 @@ def test_test_switches_are_compiled_out():
                         ORCHARD_AUTO_ANY_OPENCL=1)
     assert plain.returncode == 0 and hooked.returncode == 0, plain.stderr + hooked.stderr
     assert hooked.stdout == plain.stdout and hooked.stderr == plain.stderr == ""
+
+
+SIGNAL_HANDLERS = r"""
+import ctypes, signal
+import orchard_ops
+
+libc = ctypes.CDLL(None)
+
+
+class Action(ctypes.Structure):     # struct sigaction on Linux: the handler first
+    _fields_ = [("handler", ctypes.c_void_p), ("rest", ctypes.c_char * 256)]
+
+
+def handlers():
+    out = []
+    for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM, signal.SIGUSR2):
+        action = Action()
+        assert libc.sigaction(sig, None, ctypes.byref(action)) == 0
+        out.append(action.handler)
+    return out
+
+
+before = handlers()
+devices = orchard_ops.devices()
+print(sum(d["backend"] == "opencl" for d in devices), before == handlers())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="struct sigaction of Linux")
+def test_listing_opencl_devices_leaves_the_signal_handlers_as_they_were():
+    """PoCL's LLVM installs its own handlers for SIGINT and others while the platforms are
+    listed (with SA_RESETHAND: a second Ctrl-C during the first killed the process); orchard
+    gives them back."""
+    result = run_python(SIGNAL_HANDLERS)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[1] == "True", result.stdout
