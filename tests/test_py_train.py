@@ -108,6 +108,12 @@ def test_interrupted_run_resumes_exactly(run_files, tmp_path, monkeypatch):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_ctrl_c_in_the_last_step_completes_the_run(run_files, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    assert interrupted_run(run_files, out, monkeypatch, 3, "--max-steps", 3) == 0
+    assert load_checkpoint(str(out))["step"] == 3
+
+
 def test_resumed_loss_curve_between_log_lines_is_the_same(run_files, tmp_path, monkeypatch):
     """Interrupted between two log lines (log_interval 3, stopped after step 5), the resumed
     run's step-6 line averages steps 4-6 as the uninterrupted run's does, bit for bit."""

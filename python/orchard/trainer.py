@@ -366,7 +366,8 @@ class Trainer:
                            if self.history else "")
                 if self.step % train["checkpoint_interval"] == 0 and self.step != total:
                     self.save()
-                if self._should_stop():
+                # a stop asked for during the last step finds the run complete
+                if self.step < total and self._should_stop():
                     interrupted = True
                     break
         finally:
