@@ -187,3 +187,15 @@ def test_setup_makes_the_program_cache_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     DeviceBackend(SMALL_GPU, HOST).setup()
     assert (tmp_path / "orchard").is_dir()
+
+
+def test_orchard_num_threads_is_what_adapt_config_reports():
+    """setup() keeps ORCHARD_NUM_THREADS over the config's num_threads: adapt_config says so
+    (it had reported 'auto' -> the core count)."""
+    code = ("from orchard.config import default_config\n"
+            "from orchard.device_backend import get_device_backend\n"
+            "cfg, why = get_device_backend('cpu').adapt_config(default_config())\n"
+            "print(cfg['device']['num_threads'], why['device.num_threads'])\n")
+    result = run_python(["-c", code], ORCHARD_NUM_THREADS="3")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "3 'auto' -> 3: ORCHARD_NUM_THREADS=3"

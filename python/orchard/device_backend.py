@@ -206,7 +206,11 @@ class DeviceBackend:
         elif train["dtype"] == "fp16" and not self.info["fp16"]:
             change("training", "dtype", "fp32", "%s reports no fp16 support" % name)
 
-        if dev["num_threads"] == AUTO:
+        if os.environ.get("ORCHARD_NUM_THREADS"):     # setup() keeps it: it wins over the config
+            if dev["num_threads"] != orchard_ops.get_num_threads():
+                change("device", "num_threads", orchard_ops.get_num_threads(),
+                       "ORCHARD_NUM_THREADS=%s" % os.environ["ORCHARD_NUM_THREADS"])
+        elif dev["num_threads"] == AUTO:
             change("device", "num_threads", self.default_threads(),
                    "%d host cores for %d process(es)" % (self.host["compute_units"],
                                                          self.processes))
