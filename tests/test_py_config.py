@@ -55,6 +55,12 @@ def test_errors_name_the_key_and_the_file(tmp_path, text, key):
     assert "'%s'" % key in str(info.value) and path in str(info.value)
 
 
+def test_a_number_yaml_reads_as_text_gets_a_hint(tmp_path):
+    with pytest.raises(ConfigError, match=r"got str '1e-3' \(YAML reads it as text: write "
+                                          r"1\.0e-3\)"):
+        load_config(write(tmp_path, "training:\n  learning_rate: 1e-3\n"))
+
+
 def test_missing_file_and_bad_yaml(tmp_path):
     with pytest.raises(ConfigError, match="no such config file"):
         load_config(str(tmp_path / "nope.yaml"))

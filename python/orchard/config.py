@@ -77,6 +77,21 @@ def default_config():
             for section, keys in SCHEMA.items()}
 
 
+def _yaml_float_hint(value, types):
+    """A hint for a number YAML read as a string: PyYAML follows YAML 1.1, where 1e-3 (no dot
+    in the mantissa) is not a float."""
+    if not isinstance(value, str) or float not in (types if isinstance(types, tuple) else ()):
+        return ""
+    try:
+        float(value)
+    except ValueError:
+        return ""
+    mantissa, _, exponent = value.lower().partition("e")
+    if not exponent or "." in mantissa:
+        return ""
+    return " (YAML reads it as text: write %s.0e%s)" % (mantissa, exponent)
+
+
 def _type_names(types):
     # A str next to another type is there only for the word 'auto'.
     types = types if isinstance(types, tuple) else (types,)
@@ -109,9 +124,9 @@ def validate(cfg, source="<config>"):
             bool_mismatch = isinstance(value, bool) and bool not in (
                 types if isinstance(types, tuple) else (types,))
             if not isinstance(value, types) or bool_mismatch:
-                raise ConfigError("%s: key '%s' must be %s, got %s %r"
+                raise ConfigError("%s: key '%s' must be %s, got %s %r%s"
                                   % (source, name, _type_names(types), type(value).__name__,
-                                     value))
+                                     value, _yaml_float_hint(value, types)))
             problem = check(value) if check else None
             if problem:
                 raise ConfigError("%s: key '%s' %s, got %r" % (source, name, problem, value))
