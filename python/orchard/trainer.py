@@ -299,10 +299,11 @@ class Trainer:
             log.info("nothing to train: the run is at step %d, its stopping point is step %d; "
                      "nothing written", self.step, total)
             return 0
-        if self.rank == 0 and (self.history or os.path.exists(
+        if self.rank == 0 and self.step and (self.history or os.path.exists(
                 os.path.join(self.output_dir, METRICS_NAME))):
-            # The curve so far, as of the checkpoint: steps logged after it are redone (a
-            # new run writes its first line at its first log step, not an empty file now).
+            # A resumed run's curve so far, as of the checkpoint: steps logged after it are
+            # redone. A new run (--overwrite included) replaces the file at its first log
+            # step, not with an empty file now (a run that fails first keeps the old one).
             self._save_metrics()
         tokens_per_step = train["batch_size"] * self.cfg["model"]["context"]
         log.info("training %s parameters on %s: %d steps (%d per epoch), batch %d = %d "
