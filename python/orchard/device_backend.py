@@ -207,8 +207,9 @@ class DeviceBackend:
             change("training", "dtype", "fp32", "%s reports no fp16 support" % name)
 
         if os.environ.get("ORCHARD_NUM_THREADS"):     # setup() keeps it: it wins over the config
-            if dev["num_threads"] != orchard_ops.get_num_threads():
-                change("device", "num_threads", orchard_ops.get_num_threads(),
+            threads = orchard_ops.get_num_threads()
+            if dev["num_threads"] != threads:
+                change("device", "num_threads", threads,
                        "ORCHARD_NUM_THREADS=%s" % os.environ["ORCHARD_NUM_THREADS"])
         elif dev["num_threads"] == AUTO:
             change("device", "num_threads", self.default_threads(),

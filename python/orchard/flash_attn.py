@@ -284,14 +284,12 @@ def _paged_gather(fn, k, v, cu_k, block_table, d, gather):
     return k.flatten(0, 1)[index], v.flatten(0, 1)[index]
 
 
-def _check_max_seqlen(fn, name, x, cu):
-    """TypeError / ValueError naming it unless x is None or an int at least the longest
-    sequence of cu (cumulative lengths)."""
+def _check_max_seqlen(fn, name, x, longest):
+    """TypeError / ValueError naming it unless x is None or an int at least `longest`."""
     if x is None:
         return
     if isinstance(x, bool) or not isinstance(x, numbers.Integral):
         _fail(fn, name, "must be an int, got %r" % (x,), TypeError)
-    longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
     if x < longest:
         _fail(fn, name, "must be at least %d, the longest sequence, got %d" % (longest, x))
 
@@ -320,9 +318,10 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         _fail(fn, cu_names[1], "has %d entries, %s has %d: one per sequence plus one"
               % (len(cu_k), cu_names[0], len(cu_q)))
     _check_heads(fn, q, k, v, -2)
-    for x, name, cu in zip((max_seqlen_q, max_seqlen_k), suffixes, (cu_q, cu_k)):
-        _check_max_seqlen(fn, "max_seqlen" + name, x, cu)
-    seqlen_k = max(b - a for a, b in zip(cu_k, cu_k[1:])) if max_seqlen_k is None else max_seqlen_k
+    longest = [max(b - a for a, b in zip(cu, cu[1:])) for cu in (cu_q, cu_k)]
+    for x, suffix, n in zip((max_seqlen_q, max_seqlen_k), suffixes, longest):
+        _check_max_seqlen(fn, "max_seqlen" + suffix, x, n)
+    seqlen_k = longest[1] if max_seqlen_k is None else max_seqlen_k
     opts = _options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
                     alibi_slopes, len(cu_q) - 1, device, cu_seqlens_q=cu_seqlens_q,
                     cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
