@@ -196,10 +196,10 @@ static int decode_fwd(const or_problem *p, const or_kernels *kern, int dbl)
     job.splits_done = calloc((size_t)n_kv, sizeof(int));
     int rc = OR_ENOMEM;
     if (job.part != NULL && job.splits_done != NULL) {
-        /* q tiles (one per unit of an item), the s tile, P as bfloat16 pairs (sets with
-         * bfloat16 dot products), the dropout keep row, then a row of out for the merge */
-        job.per_worker = round_up(real * ((size_t)heads * rows * dp + rows * bc)
-                                  + sizeof(uint32_t) * rows * (size_t)bc / 2 + bc)
+        /* q and s tiles and P as bfloat16 pairs (sets with bfloat16 dot products), one each
+         * per unit of an item, the dropout keep row, then a row of out for the merge */
+        job.per_worker = round_up(real * (size_t)heads * rows * (dp + (size_t)bc)
+                                  + sizeof(uint32_t) * (size_t)heads * rows * (size_t)bc / 2 + bc)
                          + round_up(real * dvp);
         rc = run_job(&job, n_kv / heads * job.splits,
                      (or_ssize)(kv_bytes / DECODE_WORKER_BYTES) + 1, kern->decode_item[dbl]);

@@ -61,7 +61,7 @@ typedef struct {
     or_ssize part_stride;   /* decode: REALs per item in part */
     int stream_lines;       /* decode: every line of the next block asked for, contiguous or not */
     or_ssize heads;         /* decode: kv units per item (side by side in memory, else 1) */
-    or_ssize step_keys;     /* decode: keys per block (BC, or fewer for side-by-side units) */
+    or_ssize step_keys;     /* decode: keys per chunk read (BC, or fewer for side-by-side units) */
 } or_job;
 
 /* The instances of a set's kernels, by what they compute in: the indexes of or_kernels' arrays.

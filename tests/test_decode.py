@@ -118,6 +118,28 @@ def test_thread_count_does_not_change_results(ops, rng, layout):
         assert np.array_equal(out, results[0][0]) and np.array_equal(lse, results[0][1])
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32", "bfloat16"])
+@pytest.mark.parametrize("hkv,nk", [(8, 1000), (32, 517), (4, 3001)])
+def test_side_by_side_gives_the_same_bits(ops, rng, dtype, hkv, nk):
+    """Side-by-side heads are read a chunk of 32 or 8 keys per head in turn, but their softmax
+    blocks are the contiguous path's (csrc/attn_decode_impl.h decode_split): the same bits."""
+    if dtype == "bfloat16":
+        torch = pytest.importorskip("torch")
+        q, k, v = (torch.from_numpy(x).to(torch.bfloat16)
+                   for x in qkv(rng, np.float32, h=32, hkv=hkv, nk=nk, d=128))
+        apart = ops.flash_attn_fwd(q, k, v, causal=True, device="cpu")
+        k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
+        together = ops.flash_attn_fwd(q, k, v, causal=True, device="cpu")
+        same = [torch.equal(a, b) for a, b in zip(apart, together)]
+    else:
+        q, k, v = qkv(rng, getattr(np, dtype), h=32, hkv=hkv, nk=nk, d=128)
+        apart = ops.flash_attn_fwd(q, k, v, causal=True, device="cpu")
+        together = ops.flash_attn_fwd(q, side_by_side(k), side_by_side(v), causal=True,
+                                      device="cpu")
+        same = [np.array_equal(a, b) for a, b in zip(apart, together)]
+    assert same == [True, True]
+
+
 def test_varlen_ragged_decode(ops, device, rng):
     """One query token per sequence over ragged key counts, with seqused_k: the cache layout
     of flash_attn_with_kvcache (each sequence's slot longer than what it uses)."""
