@@ -6,8 +6,8 @@
  * leaves cores idle and its whole-cache key transposition costs more than the attention. Here a
  * work item is (kv unit, split): the R = group x nq query rows of one GQA group against one
  * contiguous range of keys, read once, in order, a block of BC keys at a time (or (kv units,
- * split) where units' rows lie side by side, job->heads of them a block of job->step_keys
- * keys each in turn: attn_native.c side_by_side):
+ * split) where units' rows lie side by side: job->heads of them, whose blocks are read a chunk
+ * of job->step_keys keys of each unit in turn, attn_native.c side_by_side; decode_split):
  *   q    R x dp        the group's query rows, pre-multiplied by scale (row g * nq + i is
  *                      query row i of the group's head g)
  *   k, v               read in place, in their own dtype, through a list of row addresses
@@ -15,7 +15,7 @@
  *                      REAL in registers (no tile: a float16/bfloat16 step would otherwise
  *                      write and reread a float copy of the cache); NKEYS rows at a time, so
  *                      that one tree of shuffles sums NKEYS dot products (decode_totals)
- *   s    R x BC        scores, then probabilities (the forward's s tile)
+ *   s    R x BC        scores, then probabilities (the forward's s tile), one per unit
  * (a set with AVX512-BF16 multiplies a bfloat16 step's q, k, P and v as they lie, in pairs,
  * instead of widening them: attn_decode_bf16_impl.h; q unscaled, P also as words in pw).
  * and leaves, per row, its partial (unnormalised output o, running max m, sum l) in part.

@@ -121,7 +121,7 @@ static double bwd_cost(const or_job *job, or_ssize kvu)     /* a kv unit (bwd_it
 /* Steps over this many bytes of keys and values ask for every line ahead (attn_decode_impl.h
  * decode_ahead): over fewer, contiguous rows are left to the hardware's stream prefetcher. */
 #define DECODE_STREAM_BYTES (16 << 20)
-/* Side-by-side units' keys per block (side_by_side): all their pieces of 8 rows in turn (64 KB
+/* Side-by-side units' keys per chunk (side_by_side): all their pieces of 8 rows in turn (64 KB
  * at 32 heads of bfloat16, D 128) were read at 1.0-1.2x the speed of contiguous rows, of 32 rows
  * 0.8-0.9x, of 128 rows (a block) 0.6-0.8x */
 #define DECODE_SPAN_BYTES (64 << 10)
