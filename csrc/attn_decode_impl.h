@@ -577,8 +577,6 @@ FN(decode_softmax)(const or_job *job, or_ssize kvu, or_ssize split, REAL *s, uin
 #if DECODE_DOTS
     if (dt == OR_BF16)
         bf16_pairs_along(pw, BC / 2, s, BC, rows, ncols);
-#else
-    (void)pw;
 #endif
 }
 
