@@ -106,6 +106,17 @@ def test_bench_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_draws_what_was_timed():
+    """float32 non-causal where timed, else another dtype and causal flag, never empty axes."""
+    from orchard import benchmark
+
+    rows = [{"dtype": dt, "causal": c} for dt in ("bfloat16", "float16") for c in (True, False)]
+    assert benchmark.plot_kind(rows) == ("bfloat16", False)
+    assert benchmark.plot_kind(rows[:1]) == ("bfloat16", True)
+    assert benchmark.plot_kind(rows + [{"dtype": "float32", "causal": True}]) == ("float32", True)
+    assert benchmark.plot_kind(rows + [{"dtype": "float32", "causal": False}]) == ("float32", False)
+
+
 def test_notebook_runs(tmp_path):
     """Executes the notebook's code cells in order, as a kernel would, at tiny sizes."""
     pytest.importorskip("matplotlib")

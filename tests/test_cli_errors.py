@@ -65,6 +65,7 @@ def files(tmp_path_factory):
     (folder / "empty_src").mkdir()
     (folder / "empty_src" / "blob.bin").write_bytes(b"\0\1\2")
     (folder / "kept.json").write_text('{"vocab_size": 256, "sequences": [[1, 2]]}')
+    (folder / "kept.png").write_text("a plot to keep\n")
     import torch
     torch.save({"w": torch.zeros(2)}, str(folder / "statedict.pt"))     # a model's state dict
     torch.save(torch.zeros(3), str(folder / "tensor.pt"))
@@ -111,6 +112,13 @@ def expected_cases(f):
         ("bench", ["--quick", "--json", str(f["dir"] / "kept.json")], {},
          ["--json", "exists", "--overwrite", "kept.json"]),
         ("bench", ["--quick", "--plot", f["config"]], {}, ["--plot", "exists", "--overwrite"]),
+        # matplotlib adds .png to a name without a suffix: that file is the one checked
+        ("bench", ["--quick", "--plot", str(f["dir"] / "kept")], {},
+         ["--plot", "exists", "--overwrite", "kept.png"]),
+        ("bench", ["--quick", "--json", str(f["dir"] / "same.png"), "--plot",
+                   str(f["dir"] / "same.png")], {}, ["--plot", "same file as --json", "same.png"]),
+        ("bench", ["--quick", "--json", ""], {}, ["--json", "''"]),
+        ("bench", ["--quick", "--plot", ""], {}, ["--plot", "''"]),
         ("bench", ["--dtypes", "float32,float8"], {}, ["--dtypes", "'float32,float8'"]),
         ("bench", ["--plot", "/nonexistent/plot.png"], {}, ["--plot", "'/nonexistent/plot.png'"]),
         ("bench", ["--json", "/nonexistent/r.json"], {}, ["--json", "'/nonexistent/r.json'"]),
@@ -150,12 +158,15 @@ def expected_cases(f):
         ("tune", [], {"ORCHARD_CL_BLOCK_K": "0"}, ["ORCHARD_CL_BLOCK_K", "1..4096"]),
     ] if OPENCL_IDS else []) + [
         ("tune", ["--device", "cpu"], {}, ["--device", "OpenCL", "'cpu'"]),
+        ("tune", ["--device", "cpu", "--candidates", "96x96"], {}, ["--device", "OpenCL", "'cpu'"]),
         ("tune", ["--device", "tpu"], {}, ["--device", "'tpu'"]),
         ("demo", ["--device", "tpu"], {}, ["--device", "'tpu'"]),
         ("demo", [], tpu, ["ORCHARD_DEVICE", "'tpu'"]),
         # config files: the file, the key, the expected type
         ("devices", ["--config", missing], {}, [missing, "no such config file"]),
         ("devices", ["--config", str(f["dir"])], {}, [str(f["dir"]), "a folder, not a config"]),
+        ("devices", ["--config", "/dev/null"], {}, ["/dev/null", "not a regular file"]),
+        ("devices", ["--config", "/proc/self/mem"], {}, ["/proc/self/mem", "cannot be read"]),
         ("train", ["--hf-model", f["config"], "--device", "cpu"], {},
          ["tiny.yaml", "a file, not a model folder"]),
         ("devices", ["--config", f["type.yaml"]], {}, [f["type.yaml"], "model.n_layer", "int",

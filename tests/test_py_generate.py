@@ -71,6 +71,14 @@ def test_sampling_is_reproducible(model):
     assert a != generate(model, ids, 30, temperature=0.8, top_k=20, seed=4)
 
 
+def test_a_temperature_too_small_to_divide_by_is_greedy():
+    from orchard.generation import sample_next
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 10
+    for temperature in (1e-40, 5e-324, 0):
+        assert torch.equal(sample_next(logits, temperature), logits.argmax(-1, keepdim=True))
+
+
 def test_cache_misuse_is_a_clear_error():
     cfg = GPTConfig(vocab_size=16, context=8, n_layer=1, n_head=2, n_kv_head=1, n_embd=8)
     model = GPT(cfg).eval()

@@ -165,13 +165,22 @@ def table(rows, roofline):
     return "\n".join(out)
 
 
+def plot_kind(rows):
+    """(dtype, causal) of the problems plot draws: float32 non-causal where they were timed,
+    else the first of float32 first, non-causal first, then by name."""
+    return min({(r["dtype"], r["causal"]) for r in rows},
+               key=lambda kind: (kind[0] != "float32", kind[1], kind[0]))
+
+
 def plot(rows, path):
-    """GFLOP/s (forward) against N, one line per backend and device, float32 non-causal."""
+    """GFLOP/s (forward) against N of the problems of plot_kind, one line per backend and
+    device."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    picked = [r for r in rows if r["dtype"] == "float32" and not r["causal"]]
+    dtype, causal = plot_kind(rows)
+    picked = [r for r in rows if (r["dtype"], r["causal"]) == (dtype, causal)]
     for label in sorted({(r["backend"], r["device"]) for r in picked}):
         line = sorted((r for r in picked if (r["backend"], r["device"]) == label),
                       key=lambda r: r["N"])
@@ -180,7 +189,7 @@ def plot(rows, path):
     ax.set_xscale("log", base=2)
     ax.set_xlabel("sequence length N")
     ax.set_ylabel("forward GFLOP/s (FlashAttention-2 accounting)")
-    ax.set_title("attention forward, float32, non-causal")
+    ax.set_title("attention forward, %s, %s" % (dtype, "causal" if causal else "non-causal"))
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()

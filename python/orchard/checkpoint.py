@@ -70,7 +70,7 @@ def checkpoint_contents(path):
         yield
     except (ConfigError, CheckpointError):     # they name their source already
         raise
-    except (RuntimeError, TypeError, ValueError, KeyError) as exc:
+    except (RuntimeError, TypeError, ValueError, KeyError, ZeroDivisionError) as exc:
         why = str(exc).strip().split("\n")[0][:300]
         raise CheckpointError("%s: its contents do not make a model (%s: %s)"
                               % (path, type(exc).__name__, why)) from None

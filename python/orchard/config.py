@@ -154,16 +154,19 @@ def load_config(path=None):
 
     if not os.path.isfile(path):
         raise ConfigError("%s: %s" % (path, "a folder, not a config file" if os.path.isdir(path)
+                                      else "not a regular file" if os.path.exists(path)
                                       else "no such config file"))
-    with open(path, "rb") as f:
-        try:
+    try:
+        with open(path, "rb") as f:
             cfg = yaml.safe_load(f)
-        except yaml.YAMLError as exc:
-            # one line: where, and what the parser expected
-            mark = getattr(exc, "problem_mark", None)
-            where = " at line %d, column %d" % (mark.line + 1, mark.column + 1) if mark else ""
-            what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-            raise ConfigError("%s: not valid YAML%s: %s" % (path, where, what)) from None
+    except OSError as exc:
+        raise ConfigError("%s: cannot be read (%s)" % (path, exc.strerror or exc)) from None
+    except yaml.YAMLError as exc:
+        # one line: where, and what the parser expected
+        mark = getattr(exc, "problem_mark", None)
+        where = " at line %d, column %d" % (mark.line + 1, mark.column + 1) if mark else ""
+        what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError("%s: not valid YAML%s: %s" % (path, where, what)) from None
     return validate(cfg if cfg is not None else {}, source=path)
 
 

@@ -106,11 +106,13 @@ def decode(ids, byte_level):
 
 
 def sample_next(logits, temperature, top_k=None, generator=None):
-    """(batch, 1) token ids from logits (batch, vocab): the most likely for temperature <= 0,
-    else sampled at that temperature among the top_k most likely (all for None or 0)."""
-    if temperature <= 0:
+    """(batch, 1) token ids from logits (batch, vocab): the most likely for temperature <= 0
+    (or one so small that logits / temperature overflow), else sampled at that temperature
+    among the top_k most likely (all for None or 0)."""
+    scaled = logits / temperature if temperature > 0 else None
+    if scaled is None or (torch.isfinite(logits) & ~torch.isfinite(scaled)).any():
         return logits.argmax(-1, keepdim=True)
-    logits = logits / temperature
+    logits = scaled
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -172,7 +172,7 @@ def output_file(text):
     """An argparse type: a file to write, in a folder that exists and takes new files (checked
     before the work whose results it will hold)."""
     folder = os.path.dirname(os.path.abspath(text))
-    if os.path.isdir(text) or not os.path.isdir(folder):
+    if not text or os.path.isdir(text) or not os.path.isdir(folder):
         raise argparse.ArgumentTypeError("must be a file in an existing folder (got %r)" % text)
     problem = folder_problem(folder)
     if problem:

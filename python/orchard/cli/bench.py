@@ -141,7 +141,8 @@ def main(argv=None):
                         help="Write the report as JSON to FILE, or without FILE print it to "
                              "stdout instead of the table.")
     parser.add_argument("--plot", type=output_file, metavar="FILE",
-                        help="Write a PNG of forward GFLOP/s against N to FILE (with "
+                        help="Write a plot of forward GFLOP/s against N to FILE, in the "
+                             "format its suffix names (.png added to a name without one; with "
                              "--scaling: forward and backward, a panel per dtype, causal "
                              "flag and head dim).")
     parser.add_argument("--overwrite", action="store_true",
@@ -180,6 +181,11 @@ def main(argv=None):
                                              ("--decode", args.decode)) if wanted]
     if needs_torch and importlib.util.find_spec("torch") is None:
         raise UsageError("%s needs torch (pip install '.[torch]')" % " and ".join(needs_torch))
+    if args.plot and not os.path.splitext(args.plot)[1]:
+        args.plot += ".png"     # what matplotlib writes for a name without a suffix
+    if args.plot and args.json not in (None, "-") and os.path.abspath(args.json) == \
+            os.path.abspath(args.plot):
+        raise UsageError("argument --plot: the same file as --json (got %r)" % args.plot)
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path not in (None, "-") and os.path.exists(path) and not args.overwrite:
             raise UsageError("argument %s: %s exists; pass --overwrite to replace it (got %r)"

@@ -51,9 +51,10 @@ def main(argv=None):
                         help="Print the timings and the choice as one JSON object.")
     args = parser.parse_args(argv)
     try:
-        candidates = args.candidates or default_candidates(args.device)
+        default = default_candidates(args.device)
     except ValueError as exc:
         raise UsageError("argument --device: %s" % exc) from None
+    candidates = args.candidates or default
 
     log = (lambda line: None) if args.quiet else (lambda line: print(line, file=sys.stderr))
     log("timing block sizes on %s, causal forward + backward at B,H,N,D = %s, float32"
@@ -67,13 +68,17 @@ def main(argv=None):
     finally:
         progress.close()
     best = min(times, key=times.get)
+    stored = orchard_ops.tuned_blocks(args.device) == best  # not where the cache is off
     if args.json:
         print(json.dumps({"device": args.device, "shape": args.shape,
                           "ms": {"%dx%d" % bb: t * 1e3 for bb, t in times.items()},
-                          "chosen": "%dx%d" % best}))
-    else:
+                          "chosen": "%dx%d" % best, "stored": stored}))
+    elif stored:
         print("chosen: %d x %d; stored for %s (ORCHARD_CL_BLOCK_Q/K override it)"
               % (best + (args.device,)))
+    else:
+        print("chosen: %d x %d; not stored: the OpenCL cache is off (ORCHARD_NO_CACHE) or "
+              "not writable" % best)
     return 0
 
 
