@@ -305,6 +305,28 @@ def test_diverged_checkpoint_is_a_one_line_error_for_generate(run_files, tmp_pat
     assert len(err) == 1 and "not finite" in err[0] and path in err[0], err
 
 
+def test_generate_prompts_that_cannot_be_encoded(run_files, tmp_path, capsys):
+    """A model of token ids has no default prompt, and text that is not valid Unicode (lone
+    surrogates, from bytes the terminal could not decode) is one error line naming it."""
+    from orchard.cli import generate
+
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps({"vocab_size": 50, "sequences": [[i % 50 for i in range(3000)]]}))
+    out = tmp_path / "ids_run"
+    assert train.main(["--config", run_files[0], "--sequences", str(ids), "--output", str(out),
+                       "--max-steps", "1", "--device", "cpu"]) == 0
+    text_run = tmp_path / "text_run"
+    assert train_cli(run_files, text_run, "--max-steps", 1) == 0
+    capsys.readouterr()
+    for run, argv, words in ((out, [], ["--prompt", "token ids", "'17 4 99'"]),
+                             (text_run, ["--prompt", "ab\udcff"], ["--prompt", "'ab\\udcff'"])):
+        assert generate.main(["--checkpoint", str(run), "--max-new-tokens", "2"] + argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and all(w in err[0] for w in words), err
+    assert generate.main(["--checkpoint", str(out), "--prompt", "1 2", "--max-new-tokens",
+                          "2"]) == 0
+
+
 def test_max_steps_past_one_epoch_and_large_seeds(run_files, tmp_path, caplog):
     """--max-steps alone trains that many steps over as many epochs as they take (as
     HuggingFace's max_steps); a seed past 1.8e13 (times the order's multiplier past 2^64)

@@ -69,7 +69,10 @@ def describe_training(state):
 def encode(prompt, byte_level):
     """Token ids of a prompt; ValueError if it is empty or not token ids."""
     if byte_level:
-        ids = list(prompt.encode("utf-8"))
+        try:
+            ids = list(prompt.encode("utf-8"))
+        except UnicodeEncodeError as exc:   # lone surrogates: bytes the terminal could not decode
+            raise ValueError("not valid text (%s), got %r" % (exc.reason, prompt)) from None
     else:
         try:
             ids = [int(t) for t in prompt.split()]

@@ -27,9 +27,10 @@ def main(argv=None):
     parser = Parser("orchard-generate", __doc__.split("\n")[0], EXAMPLES)
     parser.add_argument("--checkpoint", required=True, metavar="CKPT",
                         help="A checkpoint file, or an orchard-train output folder.")
-    parser.add_argument("--prompt", default="\n",
+    parser.add_argument("--prompt",
                         help="The text (or, for models not trained on bytes, the "
-                             "space-separated token ids) to continue. Default: a newline.")
+                             "space-separated token ids) to continue. Default: a newline "
+                             "(byte-level models; others need one).")
     parser.add_argument("--device", type=device, default="auto",
                         help="The device: auto, cpu, opencl, opencl:N or opencl:NAME.")
     parser.add_argument("--max-new-tokens", type=integer(1), default=200, metavar="N",
@@ -48,8 +49,11 @@ def main(argv=None):
 
     state = load_checkpoint(args.checkpoint)
     model, byte_level = load_model(state, args.device, checkpoint_path(args.checkpoint))
+    if args.prompt is None and not byte_level:
+        raise UsageError("argument --prompt: needed for a model of token ids (not byte-level), "
+                         "e.g. --prompt '17 4 99' (got none)")
     try:
-        ids = encode(args.prompt, byte_level)
+        ids = encode("\n" if args.prompt is None else args.prompt, byte_level)
     except ValueError as exc:
         raise UsageError("argument --prompt: %s" % exc) from None
     vocab = state["model_config"]["vocab_size"]
