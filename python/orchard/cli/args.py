@@ -212,13 +212,13 @@ def integer_list(minimum, maximum):
 
 
 def choices_list(choices):
-    """An argparse type: a comma-separated list of some of `choices`."""
+    """An argparse type: a comma-separated list of some of `choices`, each once."""
     def parse(text):
         items = text.split(",")
         unknown = [item for item in items if item not in choices]
-        if unknown or not text:
-            raise argparse.ArgumentTypeError("must be a comma-separated list of %s (got %r)"
-                                             % (", ".join(choices), text))
+        if unknown or not text or len(set(items)) < len(items):
+            raise argparse.ArgumentTypeError("must be a comma-separated list of %s, each once "
+                                             "(got %r)" % (", ".join(choices), text))
         return items
     return _typed("list", parse)
 
@@ -242,8 +242,11 @@ def device(text):
 
 
 def devices(text):
-    """An argparse type: a comma-separated list of device ids."""
-    return [device(item) for item in text.split(",")]
+    """An argparse type: a comma-separated list of device ids, each once."""
+    ids = [device(item) for item in text.split(",")]
+    if len(set(ids)) < len(ids):
+        raise argparse.ArgumentTypeError("must name each device once (got %r)" % text)
+    return ids
 
 
 def check_device_environment():

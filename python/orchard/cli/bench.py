@@ -157,9 +157,9 @@ def main(argv=None):
                              "on the native device unless --devices says otherwise."
                              % (scaling_bench.NS[0], scaling_bench.NS[-1]))
     parser.add_argument("--max-n", type=integer(scaling_bench.NS[0]), metavar="N",
-                        help="With --scaling: the largest N of the tables. Default: %d "
-                             "(%d with --quick)." % (scaling_bench.NS[-1],
-                                                     scaling_bench.QUICK_NS[-1]))
+                        help="With --scaling: the largest N of the tables, a bound on "
+                             "their Ns (%d at most, %d with --quick). Default: the most."
+                             % (scaling_bench.NS[-1], scaling_bench.QUICK_NS[-1]))
     parser.add_argument("--head-dims", metavar="D,...",
                         type=integer_list(1, orchard_ops.build_info()["max_head_dim"]),
                         help="With --scaling: comma-separated head dims. Default: %s (%s "
