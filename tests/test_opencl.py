@@ -523,6 +523,13 @@ def test_tuned_blocks_errors(ops, tmp_path):
         == [False, None]
     r = run_python("from orchard.cli import tune; raise SystemExit(tune.main(['--device', 'cpu']))")
     assert r.returncode == 2 and "'device' must be an OpenCL device" in r.stderr
+    # with the cache off, orchard-tune says that nothing was stored, even with --quiet
+    r = run_python("""
+        from orchard.cli import tune
+        raise SystemExit(tune.main(["--device", "%s", "--shape", "1,2,64,16", "--repeats", "1",
+                                    "--candidates", "96x96", "--quiet"]))
+    """ % OPENCL_IDS[0], timeout=600, ORCHARD_CACHE_DIR=tmp_path, ORCHARD_NO_CACHE=1)
+    assert r.returncode == 0 and "not stored" in r.stdout, (r.stdout, r.stderr)
 
 
 @needs_opencl
