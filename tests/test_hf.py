@@ -339,6 +339,31 @@ def test_an_encoder_falls_back_to_sdpa_with_or_without_padding(fresh_warnings):
         assert_close(got, ref(input_ids=ids, attention_mask=mask).last_hidden_state)
 
 
+def test_a_model_outside_the_attention_interface_is_refused():
+    """Bloom computes its attention in its own code: "orchard" would never reach it, and the
+    mask function's None (causal) would leave it unmasked, so its forward is an error; BioGPT,
+    which calls the interface without the flag that says so, runs on orchard."""
+    from transformers import BioGptConfig, BioGptForCausalLM, BloomConfig, BloomForCausalLM
+    bloom = BloomForCausalLM._from_config(BloomConfig(vocab_size=VOCAB, hidden_size=64,
+                                                      n_layer=2, n_head=4),
+                                          attn_implementation="orchard").eval()
+    with pytest.raises(ValueError, match="BloomModel computes its attention in its own code"):
+        bloom(input_ids=tokens(1, 8))
+    assert hf.computes_attention_itself(bloom.config) == "BloomModel"
+
+    config = BioGptConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, intermediate_size=128)
+    assert hf.computes_attention_itself(config) is None
+    torch.manual_seed(0)
+    ref = BioGptForCausalLM(config).eval()
+    model = copy.deepcopy(ref)
+    model.set_attn_implementation("orchard")
+    orchard_ops.reset_stats()
+    ids = tokens(2, 8)
+    assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+    assert orchard_ops.stats()["fwd_calls"] > 0
+
+
 def test_softcap_falls_back_to_eager(fresh_warnings):
     ref, model = pair("gemma2-softcap")
     mask = torch.ones(12, 12, dtype=torch.bool).tril()

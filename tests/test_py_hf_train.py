@@ -4,6 +4,7 @@ errors of bad paths, a vocabulary that does not fit, and a missing transformers.
 import json
 import os
 import signal
+import types
 
 import pytest
 
@@ -134,6 +135,30 @@ def test_pretrained_folder_is_loaded_and_its_vocabulary_checked(fast_config, tmp
     assert ("orchard-train: error: the data has token ids up to 255 but the model of %s has a "
             "vocabulary of 100" % (tmp_path / "small")) in capsys.readouterr().err
 
+    # weights of another model (one layer fewer than the config's): an error, not a model
+    # trained from partly random weights
+    config.vocab_size = 256
+    config.num_hidden_layers += 1
+    config.save_pretrained(str(tmp_path / "llama_2"))
+    os.link(tmp_path / "llama" / "model.safetensors", tmp_path / "llama_2" / "model.safetensors")
+    assert train.main(["--hf-model", str(tmp_path / "llama_2"), "--output", str(tmp_path / "z"),
+                       "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "orchard-train: error: argument --hf-model: %s: its weights lack 9 of the model's "
+        "parameters (e.g. model.layers.%d.input_layernorm.weight): not the weights of this "
+        "config's model" % (tmp_path / "llama_2", config.num_hidden_layers - 1)]
+    assert not (tmp_path / "z").exists()
+    config.num_hidden_layers -= 1
+    config.vocab_size = 300     # embeddings of other shapes
+    config.save_pretrained(str(tmp_path / "llama_2"))
+    assert train.main(["--hf-model", str(tmp_path / "llama_2"), "--output", str(tmp_path / "z"),
+                       "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "orchard-train: error: argument --hf-model: %s: its weights do not fit the model: 1 of "
+        "other shapes (e.g. model.embed_tokens.weight [256, 64], where its config makes [300, "
+        "64])"
+        % (tmp_path / "llama_2")]
+
     # a tokenizer beside the weights: its ids are not the data's bytes
     (tmp_path / "llama" / "tokenizer.json").write_text("{}")
     assert train.main(["--hf-model", str(tmp_path / "llama"), "--output", str(tmp_path / "y"),
@@ -141,6 +166,16 @@ def test_pretrained_folder_is_loaded_and_its_vocabulary_checked(fast_config, tmp
     err = capsys.readouterr().err
     assert "orchard-train: error: the data is bytes" in err and "tokenizer.json" in err, err
     assert not (tmp_path / "y").exists()
+
+
+@needs_transformers
+def test_context_is_the_trained_one_without_max_position_embeddings():
+    from orchard.hf_causal_lm import build_model, load_hf_config
+
+    model = build_model({"context": 64}, load_hf_config(TINY_LLAMA).to_json_string())
+    assert model.context == 256     # the config's max_position_embeddings
+    model.hf.config = types.SimpleNamespace()   # none, as in ALiBi models' configs
+    assert model.context == 64
 
 
 @needs_transformers
@@ -164,7 +199,7 @@ def test_missing_hf_paths_are_one_error_line(tmp_path, flag, name, why):
                          str(tmp_path / "out"), "--device", "cpu"])
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().splitlines() == [
-        "orchard-train: error: %s: %s" % (path, why)], result.stderr[-2000:]
+        "orchard-train: error: argument %s: %s: %s" % (flag, path, why)], result.stderr[-2000:]
     assert not os.path.exists(tmp_path / "out")
 
 
@@ -179,6 +214,11 @@ def test_missing_hf_paths_are_one_error_line(tmp_path, flag, name, why):
     ("--hf-config", "typo.json", '{"model_type": "llama", "hidden_size": "x"}',
      "not a valid llama config: "),
     ("--hf-model", "empty", None, "not a pretrained model folder (no config.json)"),
+    ("--hf-config", "bloom.json", '{"model_type": "bloom", "hidden_size": 32, "n_head": 2}',
+     "model_type 'bloom' computes its attention in its own code (BloomModel), not through "
+     "transformers' attention interface"),
+    ("--hf-config", "mamba.json", '{"model_type": "mamba", "hidden_size": 32}',
+     "model_type 'mamba' has no attention heads"),
 ])
 def test_malformed_hf_paths_are_an_error(tmp_path, capsys, flag, name, content, why):
     path = tmp_path / name
@@ -188,9 +228,18 @@ def test_malformed_hf_paths_are_an_error(tmp_path, capsys, flag, name, content, 
         path.write_text(content)
     assert train.main([flag, str(path), "--output", str(tmp_path / "out"), "--device",
                        "cpu"]) == 2
-    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    errors = capsys.readouterr().err.splitlines()
     assert len(errors) == 1 and errors[0].startswith(
-        "orchard-train: error: %s: %s" % (path, why)), errors
+        "orchard-train: error: argument %s: %s: %s" % (flag, path, why)), errors
+    assert not os.path.exists(tmp_path / "out")
+
+
+@needs_transformers
+@pytest.mark.parametrize("flag", ["--hf-config", "--hf-model"])
+def test_empty_hf_paths_are_an_error(tmp_path, capsys, flag):
+    assert train.main([flag, "", "--output", str(tmp_path / "out"), "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "orchard-train: error: argument %s: '': an empty path" % flag]
     assert not os.path.exists(tmp_path / "out")
 
 
@@ -214,8 +263,8 @@ def test_without_transformers_hf_flags_are_a_clear_error(tmp_path):
                          str(tmp_path), "--device", "cpu"])
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().splitlines() == [
-        "orchard-train: error: %s: a transformers model needs the transformers package: "
-        "pip install 'orchard[hf]'" % TINY_LLAMA]
+        "orchard-train: error: argument --hf-config: %s: a transformers model needs the "
+        "transformers package: pip install 'orchard[hf]'" % TINY_LLAMA]
 
 
 @needs_transformers

@@ -10,7 +10,7 @@ import os
 import torch
 
 from .atomic import write_atomically
-from .config import ConfigError
+from .config import ConfigError, first_line
 
 
 def save_checkpoint(state, path):
@@ -71,6 +71,6 @@ def checkpoint_contents(path):
     except (ConfigError, CheckpointError):     # they name their source already
         raise
     except (RuntimeError, TypeError, ValueError, KeyError, ZeroDivisionError) as exc:
-        why = str(exc).strip().split("\n")[0][:300]
+        why = first_line(exc)
         raise CheckpointError("%s: its contents do not make a model (%s: %s)"
                               % (path, type(exc).__name__, why)) from None

@@ -72,6 +72,14 @@ class ConfigError(ValueError):
     """A config file that does not match SCHEMA; the message names the key and the file."""
 
 
+def first_line(exc):
+    """The first line of an exception's message, with the next one where it ends in a colon
+    (pydantic-style validation errors and load_state_dict put the problem there)."""
+    lines = [line.strip() for line in str(exc).strip().split("\n") if line.strip()] or [""]
+    text = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]
+    return text[:300]
+
+
 def default_config():
     return {section: {key: spec[1] for key, spec in keys.items()}
             for section, keys in SCHEMA.items()}

@@ -30,7 +30,8 @@ def load_model(checkpoint, device="auto", source=None):
         source, checkpoint = checkpoint_path(checkpoint), load_checkpoint(checkpoint)
     state = checkpoint
     with checkpoint_contents(source or "the checkpoint"):
-        model = build_model(state["model_config"], state.get("hf_config"))
+        model = build_model(state["model_config"], state.get("hf_config"),
+                            checkpoint=source or "the checkpoint")
         model.load_state_dict(state["model"])
     bad = [name for name, x in model.state_dict().items()
            if x.is_floating_point() and not torch.isfinite(x).all()]

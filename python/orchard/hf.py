@@ -34,9 +34,27 @@ if int(transformers.__version__.split(".")[0]) != 5:
 from orchard.flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from orchard.torch import _MAX_HEAD_DIM, _ROUTABLE_DTYPES
 
-__all__ = ["register", "attention_forward", "attention_mask"]
+__all__ = ["register", "attention_forward", "attention_mask", "computes_attention_itself"]
 
 NAME = "orchard"
+
+# ----------------------------------------------------------------------------- the model
+
+
+def computes_attention_itself(config):
+    """The name of the transformers model class of `config` where that class computes its
+    attention in its own code rather than through transformers' attention interface (Bloom,
+    XGLM, Falcon, GPT-J, ...): attn_implementation="orchard" never reaches its attention, and
+    the masks orchard's mask function describes (None for causal) would leave it unmasked.
+    None for any other model, or one transformers does not map (custom code)."""
+    cls = transformers.MODEL_MAPPING.get(type(config), None)
+    if cls is None or cls.is_backend_compatible():
+        return None
+    # Some models use the interface without the flag that says so (BioGPT): transformers'
+    # own test for whether a model's attention can be switched reads its source for the call.
+    can_switch = getattr(cls, "_can_set_attn_implementation", None)
+    return None if can_switch is not None and can_switch() else cls.__name__
+
 
 # ----------------------------------------------------------------------------- the mask
 
@@ -96,6 +114,11 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     the real tokens. Returns None, a (batch, keys) bool padding mask over the keys up to the
     last query, packed-sequence ids marked orchard_packed, or for a mask orchard cannot
     compute transformers' 4-D sdpa mask marked orchard_fallback (the reason)."""
+    own = computes_attention_itself(kwargs["config"]) if "config" in kwargs else None
+    if own is not None:
+        raise ValueError("orchard.hf: %s computes its attention in its own code, not through "
+                         "transformers' attention interface, so attn_implementation=%r cannot "
+                         "run it: use 'sdpa' or 'eager'" % (own, NAME))
     q_offset, kv_offset = int(q_offset), int(kv_offset)
     # Keys past the last query are a static cache's unwritten rows: the attention drops them.
     n_keys = q_offset + q_length - kv_offset

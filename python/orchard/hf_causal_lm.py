@@ -11,13 +11,14 @@ model's config as JSON (hf_config), from which build_model rebuilds it.
 transformers is an optional extra (pip install '.[hf]'); it is imported only here, and only
 when an HF model is asked for.
 """
+import contextlib
 import json
 import os
 
 import torch
 import torch.nn.functional as F
 
-from .config import ConfigError
+from .config import ConfigError, first_line
 from .data import read_json
 from .model import GPT, GPTConfig
 
@@ -34,21 +35,30 @@ def _transformers(path):
     except ImportError:
         raise HFModelError("%s: a transformers model needs the transformers package: "
                            "pip install 'orchard[hf]'" % path) from None
-    # `import orchard.hf` registers attn_implementation="orchard" (idempotent).
-    from . import hf  # noqa: F401
     return transformers
 
 
-def _first_line(exc):
-    """The first line of an exception's message, with the next one where it ends in a colon
-    (pydantic-style validation errors put the field's problem there)."""
-    lines = [line.strip() for line in str(exc).strip().split("\n") if line.strip()] or [""]
-    text = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]
-    return text[:300]
+@contextlib.contextmanager
+def _quiet(transformers):
+    """transformers' warnings and progress bars held back (the load report of a pretrained
+    folder, advice on standalone use): what orchard needs from them it checks and reports
+    itself."""
+    verbosity, bars = (transformers.logging.get_verbosity(),
+                       transformers.logging.is_progress_bar_enabled())
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        if bars:
+            transformers.logging.enable_progress_bar()
 
 
 def _config_from_dict(values, path):
     transformers = _transformers(path)
+    # `import orchard.hf` registers attn_implementation="orchard" (idempotent).
+    from . import hf
     if not isinstance(values, dict) or not isinstance(values.get("model_type"), str):
         raise HFModelError("%s: not a transformers config: expected a JSON object with a "
                            "'model_type'" % path)
@@ -58,18 +68,27 @@ def _config_from_dict(values, path):
         raise HFModelError("%s: unknown model_type %r (transformers %s)"
                            % (path, model_type, transformers.__version__))
     try:
-        config = transformers.AutoConfig.for_model(model_type, **values)
+        with _quiet(transformers):
+            config = transformers.AutoConfig.for_model(model_type, **values)
     except Exception as exc:  # transformers validates fields with several exception types
         raise HFModelError("%s: not a valid %s config: %s"
-                           % (path, model_type, _first_line(exc))) from None
+                           % (path, model_type, first_line(exc))) from None
     if type(config) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
         raise HFModelError("%s: model_type %r is not a causal language model"
                            % (path, model_type))
+    if not getattr(config, "num_attention_heads", None):
+        raise HFModelError("%s: model_type %r has no attention heads (num_attention_heads): "
+                           "orchard trains attention models" % (path, model_type))
+    own = hf.computes_attention_itself(config)
+    if own is not None:
+        raise HFModelError("%s: model_type %r computes its attention in its own code (%s), "
+                           "not through transformers' attention interface, so orchard cannot "
+                           "run it" % (path, model_type, own))
     # An encoder (BERT without is_decoder) has a language-model head over attention that sees
     # later tokens: next-token training would teach it to copy them. Its modules say so; built
     # on the meta device, they cost no memory.
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), _quiet(transformers):
             model = transformers.AutoModelForCausalLM.from_config(config)
     except Exception:   # a model that cannot be built there is built, and judged, later
         model = torch.nn.Module()
@@ -85,6 +104,8 @@ def _config_from_dict(values, path):
 def load_hf_config(path, pretrained=False):
     """The transformers config of a config.json file (pretrained=False, --hf-config) or of a
     local pretrained model folder (pretrained=True, --hf-model)."""
+    if not path:
+        raise HFModelError("%r: an empty path" % path)
     if pretrained:
         if not os.path.isdir(path):
             raise HFModelError("%s: %s" % (path, "a file, not a model folder"
@@ -122,14 +143,16 @@ def model_section(config, context):
 class HFCausalLM(torch.nn.Module):
     """A transformers causal LM with orchard.model.GPT's interface."""
 
-    def __init__(self, hf_model):
+    def __init__(self, hf_model, context):
         super().__init__()
         self.hf = hf_model
+        self.trained_context = context
 
     @property
     def context(self):
-        """The most positions one forward may hold (generation slides its window past it)."""
-        return self.hf.config.max_position_embeddings
+        """The most positions one forward may hold (generation slides its window past it):
+        the model's max_position_embeddings, else the context it was trained on."""
+        return getattr(self.hf.config, "max_position_embeddings", None) or self.trained_context
 
     @property
     def grad_checkpointing(self):
@@ -161,26 +184,45 @@ class HFCausalLM(torch.nn.Module):
         return logits, loss
 
 
-def build_model(model_cfg, hf_config=None, pretrained=None):
+def build_model(model_cfg, hf_config=None, pretrained=None, checkpoint="the checkpoint"):
     """The built-in GPT of a config's model section, or, when hf_config (a config's JSON, as
-    checkpoints record it) is given, the transformers model it describes: randomly
-    initialised, or with the weights of the local folder `pretrained`."""
+    the checkpoint file `checkpoint` records it) is given, the transformers model it
+    describes: randomly initialised, or with the weights of the local folder `pretrained`."""
     if hf_config is None:
         return GPT(GPTConfig.from_dict(model_cfg))
-    source = pretrained or "the checkpoint's hf_config"
+    source = pretrained or "%s: its hf_config" % checkpoint
     config = _config_from_dict(json.loads(hf_config), source)
     transformers = _transformers(source)
     # float32 master weights, whatever dtype the config or files name: the trainer casts
     # with autocast.
-    if pretrained is None:
-        model = transformers.AutoModelForCausalLM.from_config(
-            config, attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.float32)
-    else:
-        try:
-            model = transformers.AutoModelForCausalLM.from_pretrained(
-                pretrained, config=config, attn_implementation=ATTN_IMPLEMENTATION,
-                dtype=torch.float32, local_files_only=True)
-        except Exception as exc:  # a damaged weights file raises safetensors' own type too
-            raise HFModelError("%s: cannot load the pretrained model: %s"
-                               % (pretrained, _first_line(exc))) from None
-    return HFCausalLM(model)
+    with _quiet(transformers):
+        if pretrained is None:
+            model = transformers.AutoModelForCausalLM.from_config(
+                config, attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.float32)
+        else:
+            model = _pretrained(transformers, pretrained, config)
+    return HFCausalLM(model, (model_cfg or {}).get("context"))
+
+
+def _pretrained(transformers, folder, config):
+    """The model of a pretrained folder, every parameter from its weights (transformers
+    initialises missing and, asked to go on, mismatched ones at random, with a report)."""
+    try:
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, config=config, attn_implementation=ATTN_IMPLEMENTATION,
+            dtype=torch.float32, local_files_only=True, output_loading_info=True,
+            ignore_mismatched_sizes=True)
+    except Exception as exc:  # a damaged weights file raises safetensors' own type too
+        raise HFModelError("%s: cannot load the pretrained model: %s"
+                           % (folder, first_line(exc))) from None
+    missing, mismatched = sorted(info["missing_keys"]), sorted(info["mismatched_keys"])
+    if mismatched:
+        name, stored, wanted = mismatched[0]
+        raise HFModelError("%s: its weights do not fit the model: %d of other shapes (e.g. %s "
+                           "%s, where its config makes %s)" % (folder, len(mismatched), name,
+                                                               list(stored), list(wanted)))
+    if missing:
+        raise HFModelError("%s: its weights lack %d of the model's parameters (e.g. %s): not "
+                           "the weights of this config's model" % (folder, len(missing),
+                                                                   missing[0]))
+    return model

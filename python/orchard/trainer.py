@@ -73,7 +73,7 @@ class Trainer:
         # orchard through attn_implementation="orchard" rather than the router.
         self.hf_config = hf_config
         with checkpoint_contents(resume_from) if resume_state else contextlib.nullcontext():
-            self.model = build_model(cfg["model"], hf_config, pretrained)
+            self.model = build_model(cfg["model"], hf_config, pretrained, checkpoint=resume_from)
         self.model.grad_checkpointing = train["grad_checkpointing"]
         self.router = backend.patch_model(self.model) if hf_config is None else None
         self.optimizer = self._make_optimizer()

@@ -175,11 +175,16 @@ def build_trainer(args):
     if args.device in (None, "auto"):
         log.info("device %s chosen automatically: %s", *auto_choice_reason())
     state = load_checkpoint(args.resume) if args.resume else None
-    hf_path = args.hf_config or args.hf_model
-    if hf_path and state is not None:
-        raise HFModelError("%s: --resume continues the checkpoint's own model; leave out "
-                           "--hf-config/--hf-model" % hf_path)
-    hf = load_hf_config(hf_path, pretrained=args.hf_model is not None) if hf_path else None
+    hf_flag = "--hf-config" if args.hf_config is not None else "--hf-model"
+    hf_path = args.hf_config if args.hf_config is not None else args.hf_model
+    if hf_path is not None and state is not None:
+        raise UsageError("argument %s: --resume continues the checkpoint's own model; leave "
+                         "out %s" % (hf_flag, hf_flag))
+    try:
+        hf = (load_hf_config(hf_path, pretrained=args.hf_model is not None)
+              if hf_path is not None else None)
+    except HFModelError as exc:
+        raise UsageError("argument %s: %s" % (hf_flag, exc)) from None
     sequences, vocab_size, data_info = load_training_data(args.sequences)
     if state is not None:
         # The checkpoint fixes the model; the rest is re-adapted to this device.
@@ -262,6 +267,10 @@ def build_trainer(args):
                        resume_from=args.resume and checkpoint_path(args.resume))
     except DataError as exc:
         raise DataError("%s: %s" % (data_info["source"], exc)) from None
+    except HFModelError as exc:
+        if hf_path is None:     # the checkpoint's hf_config: the message names the file
+            raise
+        raise UsageError("argument %s: %s" % (hf_flag, exc)) from None
 
 
 @console_script("orchard-train")
