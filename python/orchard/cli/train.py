@@ -32,6 +32,7 @@ EXAMPLES = (
     "orchard-train --config configs/universal.yaml --output runs/demo",
     "orchard-train --sequences data/token_sequences.json --epochs 3 --device opencl:0",
     "orchard-train --resume runs/demo          # continue where Ctrl-C stopped it",
+    "orchard-train --hf-config configs/hf_llama_tiny.json --output runs/llama  # transformers",
     "torchrun --standalone --nproc-per-node 2 -m orchard.cli.train --output runs/ddp",
 )
 
