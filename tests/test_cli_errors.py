@@ -282,6 +282,18 @@ def test_train_errors_come_alone(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.skipif(not OPENCL_IDS, reason="no OpenCL device")
+def test_build_options_opencl_refuses_are_one_line():
+    # OpenCL checks ORCHARD_CL_OPTIONS only when it builds a program, in the middle of a run
+    r = run_python(["-m", "orchard.cli.bench", "--devices", OPENCL_IDS[0], "--quick",
+                    "--dtypes", "float32"], ORCHARD_CL_OPTIONS="-cl-nonsense")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.splitlines() == [
+        "orchard-bench: error: environment variable ORCHARD_CL_OPTIONS='-cl-nonsense': OpenCL "
+        "refused these build options (flash_attn_fwd() on %s: clBuildProgram failed: "
+        "CL_INVALID_BUILD_OPTIONS (-43))" % OPENCL_IDS[0]], r.stderr[-2000:]
+
+
 def test_verbose_or_orchard_debug_show_the_traceback():
     argv = ["-m", "orchard.cli.devices", "--config", "missing.yaml"]
     for r in (run_python(argv + ["--verbose"]), run_python(argv, ORCHARD_DEBUG="1")):

@@ -34,6 +34,16 @@ def _user_errors():
     return errors + ((checkpoint.CheckpointError,) if checkpoint else ())
 
 
+def _build_options_error(exc):
+    """The UsageError of an OpenCL program build that ORCHARD_CL_OPTIONS made fail (OpenCL
+    checks build options only when it builds, so no earlier check sees them), else None."""
+    options = os.environ.get("ORCHARD_CL_OPTIONS")
+    if not options or "CL_INVALID_BUILD_OPTIONS" not in str(exc):
+        return None
+    return UsageError("environment variable ORCHARD_CL_OPTIONS=%r: OpenCL refused these build "
+                      "options (%s)" % (options, str(exc).strip().split("\n")[0]))
+
+
 class _HeldRecords(logging.Handler):
     def __init__(self):
         super().__init__()
@@ -291,9 +301,10 @@ def console_script(prog, uses_devices=True):
                 print("%s: interrupted" % prog, file=sys.stderr)
                 return EXIT_INTERRUPTED
             except Exception as exc:
-                if debug or not isinstance(exc, _user_errors()):
+                user = exc if isinstance(exc, _user_errors()) else _build_options_error(exc)
+                if debug or user is None:
                     raise
-                print("%s: error: %s" % (prog, exc), file=sys.stderr)
+                print("%s: error: %s" % (prog, user), file=sys.stderr)
                 return EXIT_USAGE
         return run
     return wrap
