@@ -61,6 +61,17 @@ def test_a_number_yaml_reads_as_text_gets_a_hint(tmp_path):
         load_config(write(tmp_path, "training:\n  learning_rate: 1e-3\n"))
 
 
+def test_a_key_given_twice_is_an_error(tmp_path):
+    # PyYAML would keep the last value and drop the first without a word
+    path = write(tmp_path, "training:\n  batch_size: 8\n  batch_size: 16\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(e.value) == ("%s: not valid YAML at line 3, column 3: key 'batch_size' given "
+                            "twice" % path)
+    with pytest.raises(ConfigError, match="line 3, column 1: key 'training' given twice"):
+        load_config(write(tmp_path, "training:\n  batch_size: 8\ntraining:\n  epochs: 2\n"))
+
+
 def test_missing_file_and_bad_yaml(tmp_path):
     with pytest.raises(ConfigError, match="no such config file"):
         load_config(str(tmp_path / "nope.yaml"))

@@ -154,6 +154,22 @@ def validate(cfg, source="<config>"):
     return merged
 
 
+def _unique_key_loader(yaml):
+    """yaml.SafeLoader, but a key given twice in one mapping is an error where PyYAML keeps
+    the last value silently (YAML requires unique keys): a config's first value for it would
+    be ignored without a word."""
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
+            for i, key in enumerate(keys):
+                if key in keys[:i]:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, "key %r given twice" % (key,), node.value[i][0].start_mark)
+            return super().construct_mapping(node, deep)
+
+    return UniqueKeyLoader
+
+
 def load_config(path=None):
     """The validated config of a YAML file, or the defaults (= configs/universal.yaml) for None."""
     if path is None:
@@ -166,7 +182,7 @@ def load_config(path=None):
                                       else "no such config file"))
     try:
         with open(path, "rb") as f:
-            cfg = yaml.safe_load(f)
+            cfg = yaml.load(f, _unique_key_loader(yaml))
     except OSError as exc:
         raise ConfigError("%s: cannot be read (%s)" % (path, exc.strerror or exc)) from None
     except yaml.YAMLError as exc:

@@ -226,7 +226,8 @@ class DeviceBackend:
             raise ConfigError(
                 "the model's weights, gradients and optimizer state need %.3g GiB, more than "
                 "the memory budget of %.3g GiB (device.memory_fraction %g of %.3g GiB): choose "
-                "a smaller model (model.n_layer, model.n_embd, the data's vocabulary)"
+                "a smaller model (model.n_layer, model.n_embd, model.context, the data's "
+                "vocabulary)"
                 % (fixed / GiB, budget / GiB, dev["memory_fraction"],
                    min(self.info["global_mem_bytes"], self.host["global_mem_bytes"]) / GiB))
         per_process = max(1, train["batch_size"] // self.processes)
