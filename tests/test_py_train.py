@@ -194,6 +194,14 @@ def test_other_errors_are_not_retried(run_files, tmp_path):
     assert trainer.micro_batch == 8
 
 
+def test_a_config_not_adapted_to_the_device_is_a_clear_error(tmp_path):
+    from orchard.config import ConfigError, default_config
+
+    with pytest.raises(ConfigError, match=r"adapt_config\(cfg\)\); still 'auto': "
+                                          r"training.micro_batch, "):
+        Trainer(default_config(), get_device_backend("cpu"), [[1] * 257] * 64, str(tmp_path))
+
+
 KILL_MID_CHECKPOINT = r"""
 import os, signal, sys, torch
 from orchard import checkpoint

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from .atomic import write_atomically
 from .checkpoint import FORMAT, checkpoint_contents, save_checkpoint
-from .config import ConfigError, get_dtype_from_string
+from .config import AUTO, ConfigError, get_dtype_from_string
 from .data import DataError
 from .hf_causal_lm import build_model
 from .progress import Progress
@@ -55,6 +55,11 @@ class Trainer:
         self.seed = seed
         self.data_info = data_info or {}
         train = cfg["training"]
+        left = ["%s.%s" % (section, key) for section, keys in cfg.items() if isinstance(keys, dict)
+                for key, value in keys.items() if value == AUTO]
+        if left:    # adapt_config resolves them for the device
+            raise ConfigError("Trainer needs a config adapted to its device "
+                              "(backend.adapt_config(cfg)); still 'auto': %s" % ", ".join(left))
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
