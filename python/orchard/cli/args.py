@@ -37,11 +37,13 @@ def _user_errors():
 def _build_options_error(exc):
     """The UsageError of an OpenCL program build that ORCHARD_CL_OPTIONS made fail (OpenCL
     checks build options only when it builds, so no earlier check sees them), else None."""
+    from ..config import first_line
+
     options = os.environ.get("ORCHARD_CL_OPTIONS")
     if not options or "CL_INVALID_BUILD_OPTIONS" not in str(exc):
         return None
     return UsageError("environment variable ORCHARD_CL_OPTIONS=%r: OpenCL refused these build "
-                      "options (%s)" % (options, str(exc).strip().split("\n")[0]))
+                      "options (%s)" % (options, first_line(exc)))
 
 
 class _HeldRecords(logging.Handler):
