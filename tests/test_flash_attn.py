@@ -230,6 +230,20 @@ def test_return_values_and_keywords():
     assert torch.equal(flash_attn_func(q, k, v, window_size=(10, 10)), out)
 
 
+def test_one_unbounded_window_side_reaches_seqlen_k_as_fa2():
+    # FlashAttention-2 (set_params_fprop): with one bound set, -1 on the other side becomes
+    # seqlen_k; where Nq > Nk that leaves the rows whose window ends before the first key
+    # empty, as orchard_ops computes with that bound given
+    q, k, v = randn(1, 10, 1, 8), randn(1, 2, 1, 8, seed=1), randn(1, 2, 1, 8, seed=2)
+    for window, explicit in (((1, -1), (1, 2)), ((-1, 1), (2, 1))):
+        out, lse, _ = flash_attn_func(q, k, v, window_size=window, return_attn_probs=True)
+        want, want_lse = orchard_ops.flash_attn_fwd(q.transpose(1, 2), k.transpose(1, 2),
+                                                    v.transpose(1, 2), window=explicit)
+        assert torch.equal(out, torch.as_tensor(want).transpose(1, 2))
+        assert torch.equal(lse, torch.as_tensor(want_lse))
+    assert lse[0, 0, :7].eq(-math.inf).all() and lse[0, 0, 7:].isfinite().all()
+
+
 def test_S_dmask_normalises_to_the_probabilities_as_fa2_tests_do():
     # Several key blocks, so the per-block scaling matters.
     nk = 2 * _get_block_size_n(None, 8, True, False) + 7
@@ -652,11 +666,22 @@ def test_bad_kvcache_input_names_the_argument_and_writes_nothing():
         (ValueError, "'softcap'", dict(kw, softcap=float("nan"))),
         (ValueError, "'device'", dict(kw, device="cuda")),
         (TypeError, "'device'", dict(kw, device=0)),
+        (TypeError, "'num_splits'", dict(kw, num_splits="x")),
     ]
     for error, name, args in bad:
         before = k_cache.clone(), v_cache.clone()
         with pytest.raises(error, match=name):
             flash_attn_with_kvcache(q, k_cache, v_cache, **args)
+        assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1]), name
+    # caches that cannot be written: refused before the other is written
+    with torch.inference_mode():
+        frozen = v_cache.clone()
+    for name, k_arg, v_arg in (("'v_cache' is an inference tensor", k_cache, frozen),
+                               ("'k_cache' is an expanded view", k_cache[:1].expand_as(k_cache),
+                                v_cache)):
+        before = k_cache.clone(), v_cache.clone()
+        with pytest.raises(ValueError, match=name):
+            flash_attn_with_kvcache(q, k_arg, v_arg, **kw)
         assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1]), name
     with pytest.raises(ValueError, match="'k_cache'"):
         flash_attn_with_kvcache(q, k_cache.to("meta"), v_cache, **drop(kw, "k", "v", "rotary_cos",
@@ -709,6 +734,12 @@ def test_sequences_without_keys_return_probs():
                                              return_attn_probs=True)
     assert probs.shape == (2, 2, 2, 3) and not probs[1].any() and not out[2:].any()
     assert (lse[:, 2:] == -math.inf).all() and torch.isfinite(lse[:, :2]).all()
+    # max_seqlen_q/k left to orchard (None): the probabilities are as wide as the longest
+    for given in ((None, None), (2, None), (None, 3)):
+        _, _, taken = flash_attn_varlen_func(torch.randn(4, 2, 8), torch.randn(3, 2, 8),
+                                             torch.randn(3, 2, 8), cq, ck, *given,
+                                             return_attn_probs=True)
+        assert taken.shape == (2, 2, 2, 3), given
 
 
 def test_kvcache_empty_batch_and_no_queries():

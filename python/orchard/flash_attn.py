@@ -92,8 +92,11 @@ def _options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size, sof
     if left < -1 or right < -1:
         _fail(fn, "window_size", "entries must be >= -1 (-1 = unbounded), got %r"
               % ((left, right),))
-    # As FlashAttention-2: a window reaching past every key is no window.
-    window = (-1 if left >= seqlen_k else left, -1 if right >= seqlen_k else right)
+    # As FlashAttention-2: a bound reaching past every key is none; then, with the other
+    # bound set, an unbounded side reaches seqlen_k (which leaves the rows of Nq > Nk whose
+    # window ends before the first key empty).
+    left, right = (-1 if left >= seqlen_k else left, -1 if right >= seqlen_k else right)
+    window = (seqlen_k if left < 0 <= right else left, seqlen_k if right < 0 <= left else right)
     if alibi_slopes is not None:
         if (not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype == torch.bool
                 or alibi_slopes.is_complex()):
@@ -321,8 +324,9 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     longest = [max(b - a for a, b in zip(cu, cu[1:])) for cu in (cu_q, cu_k)]
     for x, suffix, n in zip((max_seqlen_q, max_seqlen_k), suffixes, longest):
         _check_max_seqlen(fn, "max_seqlen" + suffix, x, n)
-    seqlen_k = longest[1] if max_seqlen_k is None else max_seqlen_k
-    opts = _options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
+    max_seqlen_q, max_seqlen_k = (n if x is None else x
+                                  for x, n in zip((max_seqlen_q, max_seqlen_k), longest))
+    opts = _options(fn, q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
                     alibi_slopes, len(cu_q) - 1, device, cu_seqlens_q=cu_seqlens_q,
                     cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                     max_seqlen_k=max_seqlen_k, block_table=block_table)
@@ -417,6 +421,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     whole batch; a decode step (seqlen_q <= 16) takes the split-KV path. Not differentiable.
     Returns out, or (out, softmax_lse) with return_softmax_lse."""
     fn = "flash_attn_with_kvcache"
+    try:
+        operator.index(num_splits)
+    except TypeError:
+        _fail(fn, "num_splits", "must be an int (orchard chooses the splits itself), got %r"
+              % (num_splits,), TypeError)
     if (k is None) != (v is None):
         _fail(fn, "v" if v is None else "k", "must be given with '%s'" % ("k" if v is None else "v"))
     new = {} if k is None else dict(k=k, v=v)
@@ -501,6 +510,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if rotary_cos.shape[0] < last:
             _fail(fn, "rotary_cos", "has %d positions; these tokens need %d"
                   % (rotary_cos.shape[0], last))
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)) if k is not None else ():
+        if cache.is_inference() and not torch.is_inference_mode_enabled():
+            _fail(fn, name, "is an inference tensor (made under torch.inference_mode): it "
+                  "can be written only in inference mode")
+        if any(st == 0 and size > 1 for st, size in zip(cache.stride(), cache.shape)):
+            _fail(fn, name, "is an expanded view (stride 0): its rows share memory and "
+                  "cannot take new keys and values")
     # Checked: from here on nothing fails on the caller's input, so the cache is written only
     # for a call that completes.
 
