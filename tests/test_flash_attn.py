@@ -661,6 +661,8 @@ def test_bad_kvcache_input_names_the_argument_and_writes_nothing():
         (ValueError, "'cache_leftpad'", dict(kw, cache_leftpad=i32(0, 11))),
         (ValueError, "'window_size'", dict(kw, window_size=(0, -3))),
         (ValueError, "'alibi_slopes'", dict(kw, alibi_slopes=torch.rand(3, 4))),
+        (ValueError, "with_kvcache: 'alibi_slopes' must be finite",
+         dict(kw, alibi_slopes=torch.tensor([0.5, math.nan, 1, 1]))),
         # the options orchard_ops checks too: checked before the cache is written
         (ValueError, "'softmax_scale'", dict(kw, softmax_scale=float("nan"))),
         (ValueError, "'softcap'", dict(kw, softcap=float("nan"))),

@@ -110,6 +110,8 @@ def _options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size, sof
                   "(%d, %d), got shape %s" % (h, batch, h, tuple(alibi_slopes.shape)))
         # no gradient reaches the slopes (as FlashAttention-2); orchard_ops reads float32/64
         alibi_slopes = alibi_slopes.detach()
+        if not torch.isfinite(alibi_slopes).all():
+            _fail(fn, "alibi_slopes", "must be finite, got %s" % alibi_slopes.tolist())
         if alibi_slopes.dtype not in (torch.float32, torch.float64):
             alibi_slopes = alibi_slopes.to(torch.float32)
     if device is not None:
