@@ -42,6 +42,8 @@ def _check_shape(fn, name, t, shape, layout):
 
 def _check_heads(fn, q, k, v, head_axis):
     h, hk = q.shape[head_axis], k.shape[head_axis]
+    if h == 0:
+        _fail(fn, "q", "has 0 heads (orchard needs at least one)")
     if hk == 0 or h % hk:
         _fail(fn, "k", "has %d heads, which must divide the %d heads of q" % (hk, h))
     for name, d in (("q", q.shape[-1]), ("v", v.shape[-1])):
