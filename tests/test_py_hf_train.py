@@ -179,6 +179,23 @@ def test_context_is_the_trained_one_without_max_position_embeddings():
 
 
 @needs_transformers
+def test_metrics_name_the_device_attention_runs_on(fast_config, tmp_path, caplog):
+    """orchard.hf calls orchard with device=None: --device plans memory, the default device
+    computes the attention, and the log and metrics say which."""
+    import orchard_ops
+
+    opencl = [d["id"] for d in orchard_ops.devices() if d["id"].startswith("opencl:")]
+    if not opencl or orchard_ops.default_device() == opencl[0]:
+        pytest.skip("needs an OpenCL device other than the default")
+    caplog.set_level("INFO", logger="orchard")
+    out = tmp_path / "run"
+    assert train.main(["--config", fast_config, "--output", str(out), "--device", opencl[0],
+                       "--hf-config", TINY_LLAMA, "--max-steps", "1"]) == 0
+    assert [r["device"] for r in read_metrics(out)] == [orchard_ops.default_device()]
+    assert "parameters on %s:" % orchard_ops.default_device() in caplog.text
+
+
+@needs_transformers
 def test_hf_config_vocabulary_grows_to_the_data(fast_config, tmp_path):
     sequences = tmp_path / "seqs.json"
     sequences.write_text(json.dumps({"vocab_size": 300, "sequences": [

@@ -18,6 +18,7 @@ import signal
 import threading
 import time
 
+import orchard_ops
 import torch
 import torch.distributed as dist
 
@@ -77,6 +78,8 @@ class Trainer:
         # hf_config: a transformers model (orchard.hf_causal_lm), whose attention reaches
         # orchard through attn_implementation="orchard" rather than the router.
         self.hf_config = hf_config
+        # where attention runs: orchard.hf calls orchard with device=None
+        self.attention_device = orchard_ops.default_device() if hf_config else backend.device
         with checkpoint_contents(resume_from) if resume_state else contextlib.nullcontext():
             self.model = build_model(cfg["model"], hf_config, pretrained, checkpoint=resume_from)
         self.model.grad_checkpointing = train["grad_checkpointing"]
@@ -313,7 +316,7 @@ class Trainer:
         tokens_per_step = train["batch_size"] * self.cfg["model"]["context"]
         log.info("training %s parameters on %s: %d steps (%d per epoch), batch %d = %d "
                  "process(es) x micro-batch %d x %d accumulation, context %d, %s%s",
-                 f"{self.model.num_params():,}", self.backend.device, total,
+                 f"{self.model.num_params():,}", self.attention_device, total,
                  self.steps_per_epoch, train["batch_size"], self.world, self.micro_batch,
                  self.accumulation_steps(), self.cfg["model"]["context"], self.dtype,
                  ", gradient checkpointing" if self.model.grad_checkpointing else "")
@@ -348,7 +351,7 @@ class Trainer:
                                       / self.world, 5),
                         "lr": lr,
                         "tokens_per_s": round(timed * tokens_per_step / elapsed, 1),
-                        "device": self.backend.device,
+                        "device": self.attention_device,
                         "micro_batch": self.micro_batch,
                         "grad_accum": self.accumulation_steps(),
                     }
