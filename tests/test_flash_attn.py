@@ -635,6 +635,10 @@ def test_bad_varlen_input_names_the_argument():
             q, kp, vp, cu_q, i32(0, 3, 9), 3, 6, block_table=table)),
         (ValueError, "'cu_seqlens'", lambda: flash_attn_varlen_qkvpacked_func(
             torch.stack((q, q, q), 1), i32(0, 2, 4), 3)),
+        (ValueError, "'cu_seqlens_q' must have batch_size \\+ 1 entries, got none",
+         lambda: flash_attn_varlen_func(q[:0], k[:0], v[:0], i32(), i32(), 0, 0)),
+        (ValueError, "flash_attn_varlen_func: 'k' must be .* num_blocks and page_block_size >= 1",
+         lambda: flash_attn_varlen_func(q, kp[:0], vp[:0], cu_q, cu_k, 3, 4, block_table=table)),
     ]
     for error, name, call in bad:
         with pytest.raises(error, match=name):
@@ -692,6 +696,8 @@ def test_bad_kvcache_input_names_the_argument_and_writes_nothing():
                                                                      "rotary_sin"))
     with pytest.raises(ValueError, match="'rotary_cos'"):
         flash_attn_with_kvcache(q, k_cache, v_cache, **drop(kw, "k", "v"))
+    with pytest.raises(ValueError, match="'k_cache' must be .* page_block_size >= 1, got \\(0,"):
+        flash_attn_with_kvcache(pq, pk_cache[:0], pv_cache[:0], **pkw)
     with pytest.raises(ValueError, match="'k_cache' has batch_size_cache 1"):
         flash_attn_with_kvcache(q, k_cache[:1], v_cache[:1], **drop(kw, "k", "v", "rotary_cos",
                                                                       "rotary_sin"))
@@ -756,6 +762,18 @@ def test_kvcache_empty_batch_and_no_queries():
     out = flash_attn_with_kvcache(torch.randn(1, 0, 2, 8), k_cache, v_cache,
                                   torch.ones(1, 1, 2, 8), torch.ones(1, 1, 2, 8), cache_seqlens=3)
     assert out.shape == (1, 0, 2, 8) and k_cache[0, 3].eq(1).all() and v_cache[0, 3].eq(1).all()
+
+
+def test_varlen_empty_batch(device):
+    """cu_seqlens [0] (no sequences) gives empty results, gradients included, as the dense
+    functions do with batch 0."""
+    none = torch.zeros(1, dtype=torch.int32)
+    q = torch.randn(0, 2, 8, requires_grad=True)
+    out, lse, probs = flash_attn_varlen_func(q, q, q, none, none, None, None, causal=True,
+                                             return_attn_probs=True, device=device)
+    assert out.shape == (0, 2, 8) and lse.shape == (2, 0) and probs.shape == (0, 2, 0, 0)
+    out.sum().backward()
+    assert q.grad.shape == (0, 2, 8)
 
 
 def test_outputs_are_contiguous():

@@ -64,8 +64,8 @@ def _int32(fn, name, t, shape, layout):
 
 def _cu_seqlens(fn, name, t, total):
     cu = _int32(fn, name, t, (None,), "(batch_size + 1,)")
-    if len(cu) < 2:
-        _fail(fn, name, "must have batch_size + 1 >= 2 entries, got %s" % cu)
+    if not cu:
+        _fail(fn, name, "must have batch_size + 1 entries, got none")
     if (cu[0] != 0 or total is not None and cu[-1] != total
             or any(a > b for a, b in zip(cu, cu[1:]))):
         _fail(fn, name, "must start at 0, never decrease and end at %s (the number of tokens), "
@@ -263,6 +263,13 @@ def _reads_pages(device):
     return orchard_ops.resolve_device(device) == "cpu"
 
 
+def _check_pages(fn, name, t, layout):
+    """ValueError naming it unless pages t have num_blocks and page_block_size >= 1."""
+    if t.shape[0] < 1 or t.shape[1] < 1:
+        _fail(fn, name, "must be %s, num_blocks and page_block_size >= 1, got %s"
+              % (layout, tuple(t.shape)))
+
+
 def _paged_gather(fn, k, v, cu_k, block_table, d, gather):
     """The keys and values of every sequence, packed (total_k, nheads_k, headdim), from the
     pages (num_blocks, page_block_size, nheads_k, headdim) that block_table lists; a copy
@@ -273,11 +280,12 @@ def _paged_gather(fn, k, v, cu_k, block_table, d, gather):
     batch = len(cu_k) - 1
     table = _int32(fn, "block_table", block_table, (batch, None),
                    "(batch_size, max_num_blocks_per_seq) = (%d, ...)" % batch)
+    _check_pages(fn, "k", k, layout)
     nblocks, page = k.shape[0], k.shape[1]
     flat = []
     for b, row in enumerate(table):
         n = cu_k[b + 1] - cu_k[b]
-        used = row[:-(-n // page)] if page else []
+        used = row[:-(-n // page)]
         if n > len(row) * page:
             _fail(fn, "cu_seqlens_k", "gives sequence %d %d keys, more than its %d pages of %d "
                   "in block_table hold" % (b, n, len(row), page))
@@ -325,7 +333,7 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         _fail(fn, cu_names[1], "has %d entries, %s has %d: one per sequence plus one"
               % (len(cu_k), cu_names[0], len(cu_q)))
     _check_heads(fn, q, k, v, -2)
-    longest = [max(b - a for a, b in zip(cu, cu[1:])) for cu in (cu_q, cu_k)]
+    longest = [max((b - a for a, b in zip(cu, cu[1:])), default=0) for cu in (cu_q, cu_k)]
     for x, suffix, n in zip((max_seqlen_q, max_seqlen_k), suffixes, longest):
         _check_max_seqlen(fn, "max_seqlen" + suffix, x, n)
     max_seqlen_q, max_seqlen_k = (n if x is None else x
@@ -455,9 +463,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             _fail(fn, "cache_batch_idx", "cannot be used with a block_table")
         table = _int32(fn, "block_table", block_table, (batch, None),
                        "(batch_size, max_num_blocks_per_seq) = (%d, ...)" % batch)
+        _check_pages(fn, "k_cache", k_cache, cache_layout)
         page = k_cache.shape[1]
-        if page < 1:
-            _fail(fn, "k_cache", "has page_block_size 0")
         capacity = block_table.shape[1] * page
         rows = list(range(batch))
     else:
