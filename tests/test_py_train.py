@@ -17,7 +17,8 @@ torch = pytest.importorskip("torch")
 from orchard.cli import train  # noqa: E402
 from orchard.checkpoint import load_checkpoint  # noqa: E402
 from orchard.config import load_config  # noqa: E402
-from orchard.data import load_sequences, split_validation, token_chunks  # noqa: E402
+from orchard.data import (evaluation_windows, load_sequences, split_validation,  # noqa: E402
+                          token_chunks)
 from orchard.device_backend import get_device_backend  # noqa: E402
 from orchard.trainer import Trainer  # noqa: E402
 from test_py_support import (REPO_ROOT, TINY_CONFIG, fail_first_forward,  # noqa: E402
@@ -63,11 +64,19 @@ def test_validation_split_is_the_end_of_the_data():
     assert len(split_validation(chunks[:10], 0.05)[1]) == 0     # under one window: none
 
 
+def test_evaluation_windows_are_spread_over_the_held_out_ones():
+    val = torch.arange(20).view(10, 2)
+    assert torch.equal(evaluation_windows(val, 10), val)
+    assert torch.equal(evaluation_windows(val, 50), val)
+    assert evaluation_windows(val, 4)[:, 0].tolist() == [0, 4, 10, 14]    # windows 0, 2, 5, 7
+    assert evaluation_windows(val, 1)[:, 0].tolist() == [0]
+
+
 def test_validation_loss_is_measured_periodically(run_files, tmp_path, caplog):
     import yaml
 
     cfg = json.loads(json.dumps(TINY_CONFIG))
-    cfg["training"].update(eval_interval=4, val_fraction=0.1)
+    cfg["training"].update(eval_interval=4, val_fraction=0.1, eval_sequences=3)
     config = tmp_path / "val.yaml"
     config.write_text(yaml.safe_dump(cfg))
     out = tmp_path / "run"
@@ -79,6 +88,7 @@ def test_validation_loss_is_measured_periodically(run_files, tmp_path, caplog):
     assert sorted(val) == [4, 8, 10]         # every eval_interval steps and at the end
     assert val[10] < val[4]
     assert "held out for validation" in caplog.text and "val loss %.4f" % val[8] in caplog.text
+    assert "(3 of them, spread evenly, at each validation" in caplog.text
 
 
 def interrupted_run(run_files, out, monkeypatch, step, *extra):

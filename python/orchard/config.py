@@ -60,6 +60,7 @@ SCHEMA = {
         "checkpoint_interval": (int, 100, _positive),
         "val_fraction": ((int, float), 0.05, _fraction),
         "eval_interval": (int, 100, _positive),
+        "eval_sequences": (int, 512, _positive),
     },
     "device": {
         "memory_fraction": ((int, float), 0.8, _unit),

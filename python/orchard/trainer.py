@@ -5,7 +5,8 @@ One optimizer step consumes `batch_size` sequences (split evenly over data-paral
 fed through the model `micro_batch` at a time. The batches of an epoch are a permutation
 seeded by (seed, epoch), so a resumed run sees exactly the batches the original would have.
 Every `eval_interval` steps and at the end, the mean loss over the held-out sequences
-(orchard.data.split_validation) is measured and reported as val_loss.
+(orchard.data.split_validation, at most eval_sequences of them: evaluation_windows) is
+measured and reported as val_loss.
 """
 import contextlib
 import hashlib

@@ -167,7 +167,8 @@ def build_trainer(args):
 
     from ..checkpoint import checkpoint_path, load_checkpoint
     from ..config import load_config, validate
-    from ..data import DataError, load_training_data, split_validation, token_chunks
+    from ..data import (DataError, evaluation_windows, load_training_data, split_validation,
+                        token_chunks)
     from ..device_backend import auto_choice_reason, get_device_backend
     from ..hf_causal_lm import HFModelError, load_hf_config, model_section
     from ..trainer import Trainer
@@ -256,11 +257,14 @@ def build_trainer(args):
         chunks = token_chunks(sequences, cfg["model"]["context"])
     except DataError as exc:
         raise DataError("%s: %s" % (data_info["source"], exc)) from None
-    chunks, val_chunks = split_validation(chunks, cfg["training"]["val_fraction"])
+    chunks, held_out = split_validation(chunks, cfg["training"]["val_fraction"])
+    val_chunks = evaluation_windows(held_out, cfg["training"]["eval_sequences"])
     log.info("data: %s, %d tokens, %d sequences of %d for training, %d held out for "
-             "validation", data_info["source"],
-             (len(chunks) + len(val_chunks)) * cfg["model"]["context"], len(chunks),
-             cfg["model"]["context"], len(val_chunks))
+             "validation%s", data_info["source"],
+             (len(chunks) + len(held_out)) * cfg["model"]["context"], len(chunks),
+             cfg["model"]["context"], len(held_out),
+             " (%d of them, spread evenly, at each validation: training.eval_sequences)"
+             % len(val_chunks) if len(val_chunks) < len(held_out) else "")
     try:
         return Trainer(cfg, backend, chunks, args.output, requested_cfg=requested, seed=seed,
                        data_info=data_info, resume_state=state, val_chunks=val_chunks,
