@@ -43,3 +43,27 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
         write_atomically(str(path), fail)
     assert path.read_bytes() == b"old"
     assert os.listdir(tmp_path) == ["checkpoint.pt"]
+
+
+def test_a_link_is_written_through(tmp_path):
+    target = tmp_path / "data" / "tokens.json"
+    target.parent.mkdir()
+    target.write_bytes(b"old")
+    link = tmp_path / "tokens.json"
+    link.symlink_to(target)
+    write_atomically(str(link), lambda f: f.write(b"new"))
+    assert link.is_symlink() and target.read_bytes() == b"new"
+    assert sorted(os.listdir(tmp_path)) == ["data", "tokens.json"]
+
+
+def test_a_fifo_is_written_in_place_not_replaced(tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)     # so the writer's open returns
+    try:
+        write_atomically(str(fifo), lambda f: f.write(b"through"))
+        assert os.read(reader, 100) == b"through"
+    finally:
+        os.close(reader)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and os.listdir(tmp_path) == ["pipe"]
+

@@ -348,3 +348,28 @@ def test_help_gives_each_default_once_in_sentences_with_examples():
             assert help_text.count("Default") <= 1, (module, help_text)
             # a sentence: it ends with a full stop (argparse's own -h line aside)
             assert help_text.endswith(".") or "show this help" in help_text, (module, help_text)
+
+
+# A child whose files may not grow past 300 bytes: its writes fail with EFBIG (Python ignores
+# SIGXFSZ), as a full disk's would with ENOSPC, after every check before the work has passed.
+SMALL_FILES = ("import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_FSIZE, "
+               "(300, 300)); sys.argv = sys.argv[1:]; runpy.run_module(sys.argv[0], "
+               "run_name='__main__')")
+
+
+def test_a_write_that_fails_is_one_line_naming_the_argument(files, tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text("text " * 200)
+    config, sequences = files["config"], files["sequences"]
+    for script, argv, argument, output in (
+            ("prepare", [str(tmp_path / "src"), "-o", str(tmp_path / "t.json")], "--output",
+             tmp_path / "t.json"),
+            ("train", ["--config", config, "--sequences", sequences, "--output",
+                       str(tmp_path / "run"), "--device", "cpu", "--max-steps", "2"],
+             "--output", tmp_path / "run" / "checkpoint.pt")):
+        r = run_python(["-c", SMALL_FILES, "orchard.cli." + script] + argv)
+        assert r.returncode == 2, r.stderr[-2000:]
+        assert r.stderr.splitlines()[-1].startswith(
+            "orchard-%s: error: argument %s: cannot write " % (script, argument)), r.stderr
+        assert "File too large" in r.stderr and "Traceback" not in r.stderr
+        assert not output.exists()

@@ -4,6 +4,8 @@ The new content goes to a temporary file in the same folder, is flushed to disk 
 renamed over the old file: rename is atomic, so a reader (or the next run after a crash or a
 power loss) sees either the previous file or the new one, never half of one. The file gets the
 permissions of any new file (0666 less the umask), or keeps those of the file it replaces.
+A symbolic link's target is replaced, not the link (as a shell's `>` writes through it); a
+device, FIFO or socket (`/dev/stdout`, a named pipe) cannot be replaced and is written in place.
 """
 import os
 import secrets
@@ -12,7 +14,12 @@ import stat
 
 def write_atomically(path, write):
     """Calls write(f) on a temporary file beside `path`, syncs it and renames it over `path`."""
-    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
+        with open(path, "wb") as f:
+            write(f)
+        return
+    path = os.path.realpath(path)
+    folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, ".%s.%s.tmp" % (os.path.basename(path), secrets.token_hex(8)))
     # os.open applies the umask to 0o666, as open() does (tempfile.mkstemp makes 0o600 files)

@@ -13,8 +13,34 @@ from .atomic import write_atomically
 from .config import ConfigError, first_line
 
 
+class _Writes:
+    """A file's write(), keeping the OSError it raised: torch.save's zip writer reports a
+    failed write (a full disk) as a RuntimeError ("unexpected pos") that names no cause."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data):
+        try:
+            return self.f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self):
+        self.f.flush()
+
+
 def save_checkpoint(state, path):
-    write_atomically(path, lambda f: torch.save(state, f))
+    def save(f):
+        writes = _Writes(f)
+        try:
+            torch.save(state, writes)
+        except RuntimeError:
+            if writes.error is not None:
+                raise writes.error from None
+            raise
+    write_atomically(path, save)
 
 
 class CheckpointError(ValueError):

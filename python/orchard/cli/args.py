@@ -56,6 +56,17 @@ class _HeldRecords(logging.Handler):
 
 
 @contextlib.contextmanager
+def writing(argument, path):
+    """An OSError in the block (a full disk, a device that takes no data) as the UsageError of
+    the argument that named the file it writes: the checks before the work cannot see these."""
+    try:
+        yield
+    except OSError as exc:
+        raise UsageError("argument %s: cannot write %r: %s"
+                         % (argument, path, exc.strerror or exc)) from None
+
+
+@contextlib.contextmanager
 def logs_held_until_checked(logger, debug=False):
     """Holds the records `logger` (and its children) emit in the block and passes them on when
     it ends, unless it ends with an error in the user's input (and not debug): then the

@@ -26,7 +26,7 @@ import orchard_ops
 from .. import benchmark, scaling_bench
 from ..progress import Progress
 from .args import (Parser, UsageError, choices_list, console_script, devices, integer,
-                   integer_list, output_file, shape)
+                   integer_list, output_file, shape, writing)
 
 EXAMPLES = (
     "orchard-bench --quick",
@@ -205,13 +205,14 @@ def main(argv=None):
             print(INDICATIVE % repeats)
         print_report(report, sys.stdout)
         if args.json:
-            with open(args.json, "w") as f:
+            with writing("--json", args.json), open(args.json, "w") as f:
                 json.dump(report, f, indent=1)
     if args.plot:
-        if args.scaling:
-            scaling_bench.plot(report["scaling"], args.plot)
-        else:
-            benchmark.plot(report["results"], args.plot)
+        with writing("--plot", args.plot):
+            if args.scaling:
+                scaling_bench.plot(report["scaling"], args.plot)
+            else:
+                benchmark.plot(report["results"], args.plot)
     return 0
 
 

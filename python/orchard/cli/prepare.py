@@ -12,7 +12,7 @@ import sys
 
 from ..data import BYTE_VOCAB, folder_files, save_sequences, text_file_sequences
 from ..progress import Progress
-from .args import Parser, UsageError, console_script, folder_problem, integer
+from .args import Parser, UsageError, console_script, folder_problem, integer, writing
 
 EXAMPLES = (
     "orchard-prepare ~/src/myproject -o data/token_sequences.json --ext .py --ext .md",
@@ -64,7 +64,8 @@ def main(argv=None):
     if not sequences:
         raise UsageError("no text files under SRC_DIR (%r)%s" % (
             args.src_dir, " ending in %s" % ", ".join(args.ext) if args.ext else ""))
-    save_sequences(args.output, sequences, BYTE_VOCAB)
+    with writing("--output", args.output):
+        save_sequences(args.output, sequences, BYTE_VOCAB)
     summary = {"output": args.output, "sequences": len(sequences),
                "tokens": sum(map(len, sequences)), "vocab_size": BYTE_VOCAB}
     if args.json:

@@ -19,7 +19,7 @@ import shlex
 import sys
 
 from .args import (SEED_MAX, Parser, UsageError, console_script, debug_requested, device,
-                   folder_problem, integer, logs_held_until_checked)
+                   folder_problem, integer, logs_held_until_checked, writing)
 
 log = logging.getLogger("orchard")
 
@@ -296,7 +296,8 @@ def main(argv=None):
         with logs_held_until_checked(log, debug_requested(sys.argv[1:] if argv is None
                                                           else list(argv))):
             trainer = build_trainer(args)
-        code = trainer.run(args.epochs, args.max_steps)
+        with writing("--output", args.output):     # checkpoints and metrics
+            code = trainer.run(args.epochs, args.max_steps)
         if code == 130 and rank == 0:
             log.info("resume with: %s", resume_command(args, distributed))
         if distributed:
