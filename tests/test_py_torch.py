@@ -117,6 +117,40 @@ def test_jit_trace_is_refused():
         torch.jit.trace(M(), (q, q, q))
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")     # torch.func's first use of jit
+def test_func_transforms_and_forward_ad_are_refused_and_routed_to_torch():
+    """Under vmap, grad, jvp or with dual tensors orchard cannot read the tensors (or would
+    drop their tangents, a jvp of 0): NotImplementedError, as torch's attention gives for
+    forward AD; a patched model falls back to torch there."""
+    import torch.autograd.forward_ad as fwad
+    from orchard.flash_attn import flash_attn_func
+
+    q = torch.randn(3, 2, 5, 8)
+    attend = lambda x: flash_attention(x, x, x)
+    for call in (lambda: torch.vmap(attend)(q), lambda: torch.func.grad(
+                     lambda x: attend(x).sum())(q), lambda: torch.func.jvp(attend, (q,), (q,)),
+                 lambda: torch.func.jacrev(attend)(q[:1, :1, :2, :2]),
+                 lambda: torch.vmap(lambda x: flash_attn_func(x, x, x))(q[:, None])):
+        with pytest.raises(NotImplementedError, match="torch.func transform"):
+            call()
+    with fwad.dual_level():
+        dual = fwad.make_dual(q, torch.ones_like(q))
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            flash_attention(dual, dual, dual)
+        torch.testing.assert_close(flash_attention(q, q, q), F.scaled_dot_product_attention(
+            q, q, q))     # no tangent: orchard runs
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return F.scaled_dot_product_attention(x, x, x)
+
+    model = M()
+    router = patch_model(model)
+    torch.testing.assert_close(torch.vmap(model)(q), F.scaled_dot_product_attention(q, q, q))
+    assert router.left_to_torch["a torch.func transform (vmap, grad, jacrev, jvp)"] == 1
+    unpatch_model(model)
+
+
 def tiny_gpt(seed=0, **overrides):
     torch.manual_seed(seed)
     cfg = dict(vocab_size=64, context=24, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)

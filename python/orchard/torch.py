@@ -14,7 +14,9 @@ import threading
 import numpy
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
+from torch._C._functorch import peek_interpreter_stack
 from torch.overrides import TorchFunctionMode
 
 import orchard_ops
@@ -63,7 +65,29 @@ def _ops_call(dense, varlen, o, *arrays):
                   o.scale, o.dropout_p, o.causal, **kw)
 
 
+def _transform_in_use(q, k, v):
+    """What keeps orchard from these tensors, or None: a torch.func transform (vmap, grad,
+    jacrev, jvp), whose tensors are wrappers with no memory of their own, or forward-mode AD,
+    whose tangents orchard's kernels would drop (a jvp of 0, silently)."""
+    if peek_interpreter_stack() is not None:
+        return "a torch.func transform (vmap, grad, jacrev, jvp)"
+    if forward_ad._current_level >= 0 and any(
+            forward_ad.unpack_dual(t).tangent is not None for t in (q, k, v)):
+        return "forward-mode AD (dual tensors)"
+    return None
+
+
+def _refuse_transforms(q, k, v):
+    why = _transform_in_use(q, k, v)
+    if why:
+        raise NotImplementedError(
+            "orchard attention does not run under %s: its kernels read the tensors' memory and "
+            "have no batching rule or forward derivative; use torch's "
+            "scaled_dot_product_attention there (patch_model falls back to it)" % why)
+
+
 def _forward(q, k, v, opts):
+    _refuse_transforms(q, k, v)
     return _ops_call(orchard_ops.flash_attn_fwd, orchard_ops.flash_attn_varlen_fwd, opts, q, k, v)
 
 
@@ -100,6 +124,7 @@ def _attention(q, k, v, opts):
                            "run outside torch's graph, so the trace would replay this call's "
                            "result for every input; use torch.compile or eager mode")
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        _refuse_transforms(q, k, v)     # before apply, which fails on them with torch's words
         return _FlashAttention.apply(q, k, v, opts)
     # No graph to record: autograd's bookkeeping (about 7 us a call) is skipped.
     return _forward(q, k, v, opts)
@@ -202,7 +227,7 @@ def _why_not_routable(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gq
         return "is_causal with Nq != Nk"
     if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
         return "dropout_p"
-    return None
+    return _transform_in_use(q, k, v)
 
 
 class AttentionRouter(TorchFunctionMode):
@@ -279,7 +304,7 @@ def _why_not_mha(mha, query, key, value, key_padding_mask, need_weights, attn_ma
     length = lambda t: t.shape[0 if t.dim() == 3 and not mha.batch_first else -2]
     if is_causal and length(query) != length(key):
         return "is_causal with Nq != Nk"
-    return None
+    return _transform_in_use(query, key, value)
 
 
 def _mha_attention(mha, query, key, value, causal, device):
