@@ -137,6 +137,7 @@ PyArrayObject *or_from_dlpack(PyObject *obj, const char *func, const char *name,
     }
     npy_intp dims[NPY_MAXDIMS], strides[NPY_MAXDIMS];
     const int itemsize = or_dtypes[found].itemsize;
+    int empty = 0;
     for (int i = t->ndim - 1; i >= 0; i--) {   /* sizes and strides a producer got wrong */
         int64_t step = 1, bytes = 0;            /* elements, then bytes, to the next index */
         int bad = t->shape[i] < 0 || t->shape[i] > NPY_MAX_INTP;
@@ -155,6 +156,12 @@ PyArrayObject *or_from_dlpack(PyObject *obj, const char *func, const char *name,
         }
         dims[i] = (npy_intp)t->shape[i];
         strides[i] = (npy_intp)bytes;
+        empty |= dims[i] == 0;
+    }
+    if (t->data == NULL && !empty) {   /* NumPy would allocate fresh, uninitialised memory */
+        PyErr_Format(PyExc_ValueError, "%s(): argument '%s' has no memory (a DLPack tensor "
+                     "whose data pointer is NULL, as a torch FakeTensor's is)", func, name);
+        goto done;
     }
     /* from here the capsule's tensor is ours: the protocol marks it used, and our capsule
      * (the array's base) calls its deleter */

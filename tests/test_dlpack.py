@@ -180,6 +180,23 @@ def test_dlpack_errors(ops):
                            q.to(torch.bfloat16), out, lse.to(torch.bfloat16))
 
 
+@pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
+def test_a_tensor_without_memory_is_refused(ops):
+    """A DLPack tensor whose data pointer is NULL (a FakeTensor's) was given NumPy, which then
+    allocated uninitialised memory for it: the kernels ran on garbage."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake, empty = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 0, 8)
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="argument 'k' has no memory"):
+        ops.flash_attn_fwd(q, fake, q)
+    out, lse = ops.flash_attn_fwd(q, q, q)
+    with pytest.raises(ValueError, match="argument 'dout' has no memory"):
+        ops.flash_attn_bwd(fake, q, q, q, out, lse)
+    assert ops.flash_attn_fwd(empty, empty, empty)[0].shape == (1, 2, 0, 8)   # nothing to read
+
+
 def test_dlpack_producer_errors_name_the_argument(ops):
     """__dlpack__ giving something other than an unused capsule is a TypeError naming the
     argument (not CPython's capsule message)."""
