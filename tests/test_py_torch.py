@@ -104,6 +104,20 @@ def test_second_derivatives_are_refused_not_wrong():
     torch.autograd.grad(out.sum(), q)       # first derivatives as usual
 
 
+def test_a_lazily_negated_gradient_is_taken():
+    """The gradient through a complex conjugate reaches the backward as a view with its
+    negative bit set, which DLPack cannot carry: resolved, and the gradients are torch's."""
+    q = torch.randn(1, 1, 4, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(1, 1, 4, 8, dtype=torch.complex128)
+    grads = []
+    for attend in (flash_attention, F.scaled_dot_product_attention):
+        out = attend(q, q, q)
+        (torch.complex(torch.zeros_like(out), out).conj() * w).real.sum().backward()
+        grads.append(q.grad)
+        q.grad = None
+    torch.testing.assert_close(grads[0], grads[1])
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")     # torch.jit.trace's own
 def test_jit_trace_is_refused():
     """A trace would replay the traced call's output for every input (orchard's results

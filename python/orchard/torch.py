@@ -112,8 +112,10 @@ class _FlashAttention(torch.autograd.Function):
                                "with create_graph=True (a gradient of a gradient, such as a "
                                "gradient penalty); compute such terms with torch's attention")
         q, k, v, out, lse = ctx.saved_tensors
+        # autograd may hand a lazily negated view (the gradient through a complex conj),
+        # which DLPack does not carry: resolved here, as the user cannot
         dq, dk, dv = _ops_call(orchard_ops.flash_attn_bwd, orchard_ops.flash_attn_varlen_bwd,
-                               ctx.opts, dout, q, k, v, out, lse)
+                               ctx.opts, dout.resolve_neg(), q, k, v, out, lse)
         return dq, dk, dv, None
 
 
