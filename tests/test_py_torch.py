@@ -104,6 +104,22 @@ def test_second_derivatives_are_refused_not_wrong():
     torch.autograd.grad(out.sum(), q)       # first derivatives as usual
 
 
+def test_patching_again_switches_the_device_and_bad_devices_are_refused_at_once():
+    from conftest import OPENCL_IDS
+
+    model = torch.nn.Module()
+    router = patch_model(model)
+    for device in OPENCL_IDS[:1] + ["cpu", None]:
+        assert patch_model(model, device=device) is router and router.device == device
+    with pytest.raises(ValueError, match="patch_model: 'device' 'opencl:99' is not an "
+                                         "available device"):
+        patch_model(torch.nn.Module(), device="opencl:99")
+    with pytest.raises(TypeError, match="patch_model: 'device' must be a str"):
+        patch_model(model, device=0)
+    assert router.device is None
+    unpatch_model(model)
+
+
 def test_a_lazily_negated_gradient_is_taken():
     """The gradient through a complex conjugate reaches the backward as a view with its
     negative bit set, which DLPack cannot carry: resolved, and the gradients are torch's."""

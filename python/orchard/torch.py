@@ -385,9 +385,17 @@ def patch_model(model, device=None):
     Every submodule's forward is wrapped, not only the model's, so that activation
     checkpointing, which re-runs a block inside backward, recomputes through orchard too.
     The routing is per model and per thread: other models and threads are not affected.
-    unpatch_model(model) undoes it.
+    Patching a patched model again returns its router, on the device this call names (None:
+    orchard's default). unpatch_model(model) undoes it.
     """
+    if device is not None and not isinstance(device, str):
+        _fail("patch_model", "device", "must be a str or None, got %r" % (device,), TypeError)
+    available = [d["id"] for d in orchard_ops.devices()]
+    if device not in [None, "auto"] + available:
+        _fail("patch_model", "device", "%r is not an available device (available: %s)"
+              % (device, available))
     if getattr(model, "orchard_router", None) is not None:
+        model.orchard_router.device = device
         return model.orchard_router
     router = AttentionRouter(device)
     for name, module in model.named_modules():
