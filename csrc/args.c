@@ -197,7 +197,8 @@ int or_call_device(or_call *c, PyObject *device, PyObject **objs, const int *slo
     c->resident = 1;
     c->device.index = where;
     c->device.automatic = 0;        /* no fallback: the native path cannot read device memory */
-    if (device == Py_None)
+    if (device == Py_None        /* "auto", as None, leaves the choice: the operands' device */
+        || (PyUnicode_Check(device) && PyUnicode_CompareWithASCIIString(device, "auto") == 0))
         return 0;
     or_device_choice named;
     if (or_resolve_device(c->func, device, &named) < 0)

@@ -180,13 +180,20 @@ static int alibi_table(or_call *c, PyObject *obj)
 {
     if (obj == Py_None)
         return 0;
-    PyArrayObject *a = (PyArrayObject *)PyArray_FromAny(
-        obj, PyArray_DescrFromType(NPY_FLOAT64), 0, 0, NPY_ARRAY_CARRAY | NPY_ARRAY_FORCECAST,
-        NULL);
+    /* integers or floats as given, then as float64: a forced cast would also take booleans,
+     * and complex slopes without their imaginary parts */
+    PyArrayObject *a = (PyArrayObject *)PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
+    if (a != NULL && !PyArray_ISINTEGER(a) && !PyArray_ISFLOAT(a))
+        Py_CLEAR(a);
+    if (a != NULL)
+        Py_SETREF(a, (PyArrayObject *)PyArray_FromAny(
+                         (PyObject *)a, PyArray_DescrFromType(NPY_FLOAT64), 0, 0,
+                         NPY_ARRAY_CARRAY | NPY_ARRAY_FORCECAST, NULL));
     if (a == NULL) {
-        if (!PyErr_ExceptionMatches(PyExc_MemoryError)) {
+        if (!PyErr_Occurred() || !PyErr_ExceptionMatches(PyExc_MemoryError)) {
             PyErr_Clear();
-            PyErr_Format(PyExc_TypeError, "%s(): 'alibi_slopes' must be an array of floats, got "
+            PyErr_Format(PyExc_TypeError, "%s(): 'alibi_slopes' must be an array of integers or "
+                         "floats that NumPy can read (a bfloat16 tensor: convert it first), got "
                          "%.100R", c->func, obj);
         }
         return -1;

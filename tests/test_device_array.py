@@ -205,6 +205,9 @@ def test_mixed_and_misplaced_operands(ops, rng):
     with pytest.raises(ValueError, match=r"flash_attn_fwd\(\): 'device' is 'cpu' but the "
                                          r"operands are DeviceArrays on %s" % DEV):
         ops.flash_attn_fwd(d, d, d, device="cpu")
+    for device in ("auto", DEV):    # "auto", as None, leaves the choice to the operands
+        assert np.array_equal(ops.flash_attn_fwd(d, d, d, device=device)[0].numpy(),
+                              out.numpy())
     with pytest.raises(TypeError, match=r"flash_attn_bwd\(\): argument 'lse' has dtype float16; "
                                         r"it must be float32"):
         ops.flash_attn_bwd(d, d, d, d, out, ops.to_device(lse.numpy().astype(np.float16), DEV))
