@@ -1,4 +1,6 @@
 """orchard.torch: the autograd Function and the routing of a model's SDPA calls."""
+import math
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -220,7 +222,8 @@ def test_routing_leaves_other_semantics_to_torch():
             return (F.scaled_dot_product_attention(q, k, v, is_causal=True),
                     F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
                     F.scaled_dot_product_attention(q, k[:, :, :5], v[:, :, :5], is_causal=True),
-                    F.scaled_dot_product_attention(q, k, v, scale=0.5, dropout_p=0.0))
+                    F.scaled_dot_product_attention(q, k, v, scale=0.5, dropout_p=0.0),
+                    F.scaled_dot_product_attention(q, k, v, scale=math.inf))
 
     q, k, v = qkv((1, 2, 8, 4), (1, 2, 8, 4), torch.float32)
     mask = torch.ones(8, 8, dtype=torch.bool).tril()
@@ -228,9 +231,9 @@ def test_routing_leaves_other_semantics_to_torch():
     expected = model(q, k, v, mask)
     router = patch_model(model)
     for got, want in zip(model(q, k, v, mask), expected):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, equal_nan=True)
     assert router.routed == 2
-    assert router.left_to_torch == {"attn_mask": 1, "is_causal with Nq != Nk": 1}
+    assert router.left_to_torch == {"attn_mask": 1, "is_causal with Nq != Nk": 1, "scale": 1}
     assert "routed to orchard: 2" in router.summary()
     # Outside the patched model, torch's own function runs.
     F.scaled_dot_product_attention(q, k, v)

@@ -8,6 +8,7 @@ uses it too.
 """
 import collections
 import inspect
+import math
 import numbers
 import threading
 
@@ -229,6 +230,8 @@ def _why_not_routable(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gq
         return "is_causal with Nq != Nk"
     if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
         return "dropout_p"
+    if scale is not None and not (isinstance(scale, numbers.Real) and math.isfinite(scale)):
+        return "scale"      # orchard refuses it; torch computes something
     return _transform_in_use(q, k, v)
 
 
