@@ -7,6 +7,7 @@ user does."""
 import importlib.util
 import json
 import os
+import shutil
 
 import pytest
 
@@ -76,8 +77,8 @@ def files(tmp_path_factory):
         "model_type": "bert", "hidden_size": 32, "num_attention_heads": 2,
         "num_hidden_layers": 1, "intermediate_size": 64, "vocab_size": 300}))
     (folder / "badweights").mkdir()
-    (folder / "badweights" / "config.json").write_text(
-        open(os.path.join(REPO_ROOT, "configs", "hf_llama_tiny.json")).read())
+    shutil.copy(os.path.join(REPO_ROOT, "configs", "hf_llama_tiny.json"),
+                folder / "badweights" / "config.json")
     (folder / "badweights" / "model.safetensors").write_text("junk\n")
     return {"dir": folder, "config": config, "sequences": sequences,
             **{name: str(folder / name) for name in texts}}
@@ -208,6 +209,18 @@ def expected_cases(f):
         ("train", tiny + ["--output", f["config"] + "/sub"], {},
          ["--output", "cannot be made", "tiny.yaml"]),
         ("train", tiny + ["--output", ""], {}, ["--output", "must name a folder"]),
+        # empty paths: each named (an empty --resume had started a new run)
+        ("train", ["--resume", ""], {}, ["--resume", "must name a checkpoint", "''"]),
+        ("train", ["--config", ""], {}, ["--config", "must name a config file", "''"]),
+        ("train", ["--sequences", ""], {}, ["--sequences", "must name a token_sequences"]),
+        ("devices", ["--config", ""], {}, ["--config", "must name a config file"]),
+        ("generate", ["--checkpoint", ""], {}, ["--checkpoint", "must name a checkpoint"]),
+        ("prepare", ["", "-o", "x.json"], {}, ["SRC_DIR", "must name a folder"]),
+        ("prepare", [str(f["dir"]), "-o", ""], {}, ["--output", "must name a file", "''"]),
+        ("prepare", [str(f["dir"]), "-o", str(f["dir"] / "new") + "/"], {},
+         ["--output", "must name a file", "new/"]),
+        ("bench", ["--quick", "--json", str(f["dir"] / "r.json") + "/"], {},
+         ["--json", "must be a file", "r.json/"]),
         ("train", tiny + ["--output", "/proc/self/run"], {},
          ["--output", "cannot be made or written", "/proc/self"]),
         ("prepare", [str(f["dir"]), "-o", "/proc/self/q.json"], {},

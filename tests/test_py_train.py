@@ -363,6 +363,22 @@ def test_max_steps_past_one_epoch_and_large_seeds(run_files, tmp_path, caplog):
     assert "the checkpoint was trained on" in caplog.text
 
 
+def test_prepare_reads_regular_files_only_and_not_its_own_output(tmp_path):
+    """A FIFO under SRC_DIR had made orchard-prepare wait forever, a link to nothing stopped
+    it, and an earlier output written into SRC_DIR was read as text by the next run."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("hello\n")
+    os.mkfifo(src / "pipe.txt")
+    (src / "broken.txt").symlink_to(tmp_path / "nothing")
+    out = src / "tokens.json"
+    for _ in range(2):
+        result = run_python(["-m", "orchard.cli.prepare", str(src), "-o", str(out),
+                             "--overwrite", "--json"], timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout)["tokens"] == len("hello\n")
+
+
 def test_generate_and_prepare(run_files, tmp_path):
     src = tmp_path / "src"
     src.mkdir()

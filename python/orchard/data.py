@@ -97,15 +97,20 @@ def text_file_sequences(paths, max_bytes=None):
     return sequences
 
 
-def folder_files(src_dir, extensions=None):
-    """Files under src_dir in a stable order, skipping hidden folders and files."""
+def folder_files(src_dir, extensions=None, exclude=None):
+    """Regular files under src_dir in a stable order, skipping hidden folders and files, the
+    file exclude (an output written there), and what is no file to read (a FIFO, which would
+    wait for a writer forever; a link to nothing)."""
     found = []
+    skip = os.path.realpath(exclude) if exclude else None
     for root, dirs, files in os.walk(src_dir):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in sorted(files):
-            if name.startswith(".") or (extensions and not name.endswith(tuple(extensions))):
+            path = os.path.join(root, name)
+            if (name.startswith(".") or (extensions and not name.endswith(tuple(extensions)))
+                    or not os.path.isfile(path) or os.path.realpath(path) == skip):
                 continue
-            found.append(os.path.join(root, name))
+            found.append(path)
     return found
 
 

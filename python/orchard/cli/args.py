@@ -191,11 +191,21 @@ def shape(text):
     return dims
 
 
+def path(what):
+    """An argparse type: a path, not empty (an empty one would read as the current folder, or
+    as no value at all); what names what it must be."""
+    def parse(text):
+        if not text:
+            raise argparse.ArgumentTypeError("must name %s (got '')" % what)
+        return text
+    return _typed("path", parse)
+
+
 def output_file(text):
     """An argparse type: a file to write, in a folder that exists and takes new files (checked
     before the work whose results it will hold)."""
     folder = os.path.dirname(os.path.abspath(text))
-    if not text or os.path.isdir(text) or not os.path.isdir(folder):
+    if not text or text.endswith(os.sep) or os.path.isdir(text) or not os.path.isdir(folder):
         raise argparse.ArgumentTypeError("must be a file in an existing folder (got %r)" % text)
     problem = folder_problem(folder)
     if problem:

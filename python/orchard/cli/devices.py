@@ -10,7 +10,7 @@ import orchard_ops
 
 from ..config import load_config
 from ..device_backend import GiB, auto_choice_reason, get_device_backend
-from .args import Parser, console_script
+from .args import Parser, console_script, path
 
 _FACTS = ("kind", "backend", "vendor", "platform", "driver_version", "compute_units",
           "global_mem_bytes", "local_mem_bytes", "max_work_group_size", "fp16", "fp64",
@@ -28,7 +28,7 @@ EXAMPLES = (
 def main(argv=None):
     parser = Parser("orchard-devices", __doc__.split("\n\n")[0], EXAMPLES,
                     quiet=False)
-    parser.add_argument("--config", metavar="YAML",
+    parser.add_argument("--config", type=path("a config file"), metavar="YAML",
                         help="A training config to adapt to the chosen device. Default: the "
                              "built-in universal config.")
     parser.add_argument("--json", action="store_true",

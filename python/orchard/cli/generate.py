@@ -13,7 +13,7 @@ sample.
 """
 import sys
 
-from .args import SEED_MAX, Parser, UsageError, console_script, device, integer, number
+from .args import SEED_MAX, Parser, UsageError, console_script, device, integer, number, path
 
 EXAMPLES = (
     'orchard-generate --checkpoint runs/demo --prompt "def "',
@@ -25,7 +25,8 @@ EXAMPLES = (
 @console_script("orchard-generate")
 def main(argv=None):
     parser = Parser("orchard-generate", __doc__.split("\n")[0], EXAMPLES)
-    parser.add_argument("--checkpoint", required=True, metavar="CKPT",
+    parser.add_argument("--checkpoint", required=True, type=path("a checkpoint or a run's folder"),
+                        metavar="CKPT",
                         help="A checkpoint file, or an orchard-train output folder.")
     parser.add_argument("--prompt",
                         help="The text (or, for models not trained on bytes, the "

@@ -12,7 +12,7 @@ import sys
 
 from ..data import BYTE_VOCAB, folder_files, save_sequences, text_file_sequences
 from ..progress import Progress
-from .args import Parser, UsageError, console_script, folder_problem, integer, writing
+from .args import Parser, UsageError, console_script, folder_problem, integer, path, writing
 
 EXAMPLES = (
     "orchard-prepare ~/src/myproject -o data/token_sequences.json --ext .py --ext .md",
@@ -29,7 +29,7 @@ def counted(items, progress):
 @console_script("orchard-prepare", uses_devices=False)
 def main(argv=None):
     parser = Parser("orchard-prepare", __doc__.split("\n")[0], EXAMPLES)
-    parser.add_argument("src_dir", metavar="SRC_DIR",
+    parser.add_argument("src_dir", type=path("a folder"), metavar="SRC_DIR",
                         help="The folder of text or source files to read, recursively.")
     parser.add_argument("-o", "--output", required=True, metavar="FILE",
                         help="The token_sequences.json to write (its folder is made if "
@@ -47,6 +47,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if not os.path.isdir(args.src_dir):
         raise UsageError("SRC_DIR is not a folder (%r)" % args.src_dir)
+    if not args.output or args.output.endswith(os.sep):
+        raise UsageError("argument --output: must name a file (got %r)" % args.output)
     if os.path.isdir(args.output):
         raise UsageError("argument --output: is a folder, not a file (%r)" % args.output)
     if os.path.exists(args.output) and not args.overwrite:
@@ -57,7 +59,7 @@ def main(argv=None):
         raise UsageError("argument --output: cannot be made or written, %s (got %r)"
                          % (problem, args.output))
 
-    paths = folder_files(args.src_dir, args.ext)
+    paths = folder_files(args.src_dir, args.ext, exclude=args.output)   # not a past output
     progress = Progress(len(paths), "reading", unit="files", enabled=not args.quiet)
     sequences = text_file_sequences(counted(paths, progress), args.max_bytes)
     progress.close()

@@ -19,7 +19,7 @@ import shlex
 import sys
 
 from .args import (SEED_MAX, Parser, UsageError, console_script, debug_requested, device,
-                   folder_problem, integer, logs_held_until_checked, writing)
+                   folder_problem, integer, logs_held_until_checked, path, writing)
 
 log = logging.getLogger("orchard")
 
@@ -40,10 +40,10 @@ EXAMPLES = (
 def parse_args(argv):
     parser = Parser("orchard-train", __doc__.split("\n")[0], EXAMPLES,
                     verbose_logs="the device's facts and the thread count")
-    parser.add_argument("--config", metavar="YAML",
+    parser.add_argument("--config", type=path("a config file"), metavar="YAML",
                         help="The training config. Default: the built-in universal config, "
                              "the same as configs/universal.yaml.")
-    parser.add_argument("--sequences", metavar="FILE",
+    parser.add_argument("--sequences", type=path("a token_sequences.json"), metavar="FILE",
                         help="A token_sequences.json to train on. Default: byte-level "
                              "sequences of the Python standard library's sources.")
     parser.add_argument("--epochs", type=integer(1), metavar="N",
@@ -55,7 +55,7 @@ def parse_args(argv):
                              "whichever comes first); the learning-rate schedule spans them.")
     parser.add_argument("--device", type=device, default="auto",
                         help="The device: auto, cpu, opencl, opencl:N or opencl:NAME.")
-    parser.add_argument("--resume", metavar="CKPT",
+    parser.add_argument("--resume", type=path("a checkpoint or a run's folder"), metavar="CKPT",
                         help="A checkpoint file or output folder to continue from; the model, "
                              "config, seed and stopping point come from it.")
     parser.add_argument("--output", metavar="DIR",
