@@ -41,6 +41,7 @@ def test_partial_config_takes_defaults(tmp_path):
     ("device:\n  memory_fraction: 1.5\n", "device.memory_fraction"),
     ("training:\n  val_fraction: 1\n", "training.val_fraction"),
     ("training:\n  eval_interval: 0\n", "training.eval_interval"),
+    ("training:\n  learning_rate: 1.0e+39\n", "training.learning_rate"),
     ("model:\n  n_embd: 100\n  n_head: 3\n", "model.n_embd"),
     ("training:\n  learning_rate: 0.001\n  min_lr: 0.01\n", "training.min_lr"),
     ("model: 3\n", "model"),

@@ -18,7 +18,9 @@ _positive = lambda v: None if v >= 1 else "must be >= 1"
 _fraction = lambda v: None if 0.0 <= v < 1.0 else "must be in [0, 1)"
 _unit = lambda v: None if 0.0 < v <= 1.0 else "must be in (0, 1]"
 _non_negative = lambda v: None if v >= 0 else "must be >= 0"
-_finite = lambda v: None if 0 <= v < float("inf") else "must be a finite number >= 0"
+# the optimizer keeps these in float32: a larger value failed at the first step
+_finite = lambda v: None if 0 <= v <= 3.4028234663852886e38 else (
+    "must be a number in [0, 3.4e38] (float32's range)")
 _MAX_THREADS = orchard_ops.build_info()["max_threads"]
 _threads = lambda v: None if 1 <= v <= _MAX_THREADS else "must be in 1..%d" % _MAX_THREADS
 
