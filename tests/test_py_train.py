@@ -104,6 +104,21 @@ def interrupted_run(run_files, out, monkeypatch, step, *extra):
     return train_cli(run_files, out, *extra)
 
 
+def test_overwrite_stopped_before_its_first_log_line_keeps_no_old_metrics(run_files, tmp_path,
+                                                                           monkeypatch):
+    import yaml
+
+    out = tmp_path / "run"
+    assert train_cli(run_files, out, "--max-steps", 2) == 0
+    cfg = json.loads(json.dumps(TINY_CONFIG))
+    cfg["training"]["log_interval"] = 10
+    config = tmp_path / "quiet.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    assert interrupted_run((str(config), run_files[1]), out, monkeypatch, 2, "--overwrite",
+                           "--max-steps", 8) == 130
+    assert load_checkpoint(str(out))["metrics"] == [] and read_metrics(out) == []
+
+
 def test_interrupted_run_resumes_exactly(run_files, tmp_path, monkeypatch):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert train_cli(run_files, straight, "--max-steps", 8) == 0

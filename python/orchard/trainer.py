@@ -161,6 +161,9 @@ class Trainer:
             os.makedirs(self.output_dir, exist_ok=True)
             path = os.path.join(self.output_dir, CHECKPOINT_NAME)
             save_checkpoint(self.state_dict(pending), path)
+            # the history the checkpoint holds: before this run's first log line, an
+            # --overwrite run stopped here had left the replaced run's metrics beside it
+            self._save_metrics()
             return path
         return None
 
