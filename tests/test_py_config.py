@@ -27,6 +27,12 @@ def test_partial_config_takes_defaults(tmp_path):
     cfg = load_config(write(tmp_path, "model:\n  n_layer: 2\n"))
     assert cfg["model"]["n_layer"] == 2
     assert cfg["training"] == default_config()["training"]
+    # kv heads left out: one per query head, whatever n_head is
+    for n_head in (2, 8):
+        cfg = load_config(write(tmp_path, "model:\n  n_head: %d\n" % n_head))
+        assert cfg["model"]["n_kv_head"] == n_head
+    cfg = load_config(write(tmp_path, "model:\n  n_head: 8\n  n_kv_head: 2\n"))
+    assert cfg["model"]["n_kv_head"] == 2
 
 
 @pytest.mark.parametrize("text, key", [

@@ -143,6 +143,10 @@ def validate(cfg, source="<config>"):
                 raise ConfigError("%s: key '%s' %s, got %r" % (source, name, problem, value))
             merged[section][key] = value
     model = merged["model"]
+    if "n_kv_head" not in (cfg.get("model") or {}):
+        # as transformers' num_key_value_heads: none given, one per query head (a 4 beside an
+        # n_head of 8 would make a GQA model nobody asked for)
+        model["n_kv_head"] = model["n_head"]
     if model["n_embd"] % model["n_head"]:
         raise ConfigError("%s: key 'model.n_embd' (%d) must be a multiple of model.n_head (%d)"
                           % (source, model["n_embd"], model["n_head"]))
