@@ -221,6 +221,9 @@ def expected_cases(f):
          ["--output", "must name a file", "new/"]),
         ("bench", ["--quick", "--json", str(f["dir"] / "r.json") + "/"], {},
          ["--json", "must be a file", "r.json/"]),
+        # a list that starts with a minus is a value, checked as such
+        ("bench", ["--shapes", "-1,8,64,64"], {}, ["--shapes", "four integers", "'-1,8,64,64'"]),
+        ("tune", ["--shape", "-1,2,128,32"], {}, ["--shape", "four integers", "'-1,2,128,32'"]),
         ("train", tiny + ["--output", "/proc/self/run"], {},
          ["--output", "cannot be made or written", "/proc/self"]),
         ("prepare", [str(f["dir"]), "-o", "/proc/self/q.json"], {},

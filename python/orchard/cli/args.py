@@ -12,6 +12,7 @@ import functools
 import logging
 import math
 import os
+import re
 import sys
 import tempfile
 
@@ -113,6 +114,10 @@ class Parser(argparse.ArgumentParser):
         epilog = "examples:\n" + "\n".join("  " + e for e in examples) if examples else None
         super().__init__(prog=prog, description=description, epilog=epilog,
                          formatter_class=_HelpFormatter)
+        # values that start with a minus and a digit, lists included ("-1,8,64,64"), are values
+        # (argparse takes only plain negative numbers for them, and "--shape -1,..." was
+        # "expected one argument", without the value): their own check then names it
+        self._negative_number_matcher = re.compile(r"^-\d[\d,.eE+-]*$")
         chatter = self.add_mutually_exclusive_group()
         chatter.add_argument("--verbose", action="store_true",
                              help="Show the full traceback of an error (as ORCHARD_DEBUG=1 "
