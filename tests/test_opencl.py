@@ -530,6 +530,15 @@ def test_tuned_blocks_errors(ops, tmp_path):
                                     "--candidates", "96x96", "--quiet"]))
     """ % OPENCL_IDS[0], timeout=600, ORCHARD_CACHE_DIR=tmp_path, ORCHARD_NO_CACHE=1)
     assert r.returncode == 0 and "not stored" in r.stdout, (r.stdout, r.stderr)
+    assert "cache is off (ORCHARD_NO_CACHE)" in r.stdout
+    # a cache folder that cannot be made: named
+    r = run_python("""
+        from orchard.cli import tune
+        raise SystemExit(tune.main(["--device", "%s", "--shape", "1,2,64,16", "--repeats", "1",
+                                    "--candidates", "96x96", "--quiet"]))
+    """ % OPENCL_IDS[0], timeout=600, ORCHARD_CACHE_DIR="/proc/orchard-cache")
+    assert r.returncode == 0 and "not stored: the cache folder /proc/orchard-cache cannot be " \
+        "made or written" in r.stdout, (r.stdout, r.stderr)
 
 
 @needs_opencl

@@ -8,6 +8,7 @@ orchard.tuning says how the candidates are timed.
 """
 import argparse
 import json
+import os
 import sys
 
 import orchard_ops
@@ -76,9 +77,13 @@ def main(argv=None):
     elif stored:
         print("chosen: %d x %d; stored for %s (ORCHARD_CL_BLOCK_Q/K override it)"
               % (best + (args.device,)))
+    elif os.environ.get("ORCHARD_NO_CACHE", "") not in ("", "0"):
+        print("chosen: %d x %d; not stored: the OpenCL cache is off (ORCHARD_NO_CACHE)" % best)
     else:
-        print("chosen: %d x %d; not stored: the OpenCL cache is off (ORCHARD_NO_CACHE) or "
-              "not writable" % best)
+        print("chosen: %d x %d; not stored: the cache folder %s cannot be made or written "
+              "(ORCHARD_CACHE_DIR chooses another)"
+              % (best + (os.environ.get("ORCHARD_CACHE_DIR") or "(ORCHARD_CACHE_DIR, "
+                         "$XDG_CACHE_HOME/orchard or ~/.cache/orchard)",)))
     return 0
 
 
