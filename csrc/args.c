@@ -122,7 +122,8 @@ int or_check_options(or_call *c, const or_opts *o)
 
     if (o->seed == NULL)
         return 0;       /* seed 0 */
-    PyObject *seed_int = PyNumber_Index(o->seed);
+    /* a bool is an int to Python, but seed=True is a mistake, not seed 1 */
+    PyObject *seed_int = PyBool_Check(o->seed) ? NULL : PyNumber_Index(o->seed);
     if (seed_int == NULL) {
         PyErr_Clear();
         PyErr_Format(PyExc_TypeError, "%s(): 'seed' must be an int, not %.100s", c->func,
@@ -147,8 +148,8 @@ int or_check_scale(or_call *c, const or_opts *o)
         c->p.prm.scale = 1.0 / sqrt((double)c->p.d);
         return 0;
     }
-    double s = PyFloat_AsDouble(o->scale);
-    if (s == -1.0 && PyErr_Occurred()) {
+    double s = PyBool_Check(o->scale) ? -1.0 : PyFloat_AsDouble(o->scale);
+    if (PyBool_Check(o->scale) || (s == -1.0 && PyErr_Occurred())) {
         PyErr_Clear();
         PyErr_Format(PyExc_TypeError, "%s(): 'scale' must be a number or None, not %.100s",
                      c->func, Py_TYPE(o->scale)->tp_name);

@@ -386,10 +386,12 @@ static PyObject *reset_stats(PyObject *module, PyObject *unused)
 static PyObject *set_num_threads(PyObject *module, PyObject *arg)
 {
     long long n;
-    const int bad = or_as_integer(arg, &n) < 0;
+    /* a bool is an int to Python, but set_num_threads(True) is a mistake, not 1 */
+    const int bad = PyBool_Check(arg) || or_as_integer(arg, &n) < 0;
     if (bad || n < 1 || n > OR_MAX_THREADS) {    /* not an int: TypeError, else ValueError */
         if (!PyErr_Occurred())
-            PyErr_Format(bad && !PyLong_Check(arg) ? PyExc_TypeError : PyExc_ValueError,
+            PyErr_Format(bad && (!PyLong_Check(arg) || PyBool_Check(arg)) ? PyExc_TypeError
+                         : PyExc_ValueError,
                          "set_num_threads(): 'n' must be an int in 1..%d, got %.100R",
                          OR_MAX_THREADS, arg);
         return NULL;

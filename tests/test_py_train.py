@@ -91,6 +91,32 @@ def test_validation_loss_is_measured_periodically(run_files, tmp_path, caplog):
     assert "(3 of them, spread evenly, at each validation" in caplog.text
 
 
+def test_a_diverged_run_writes_strict_json_and_uneven_micro_batches_are_named(
+        run_files, tmp_path, caplog):
+    import yaml
+
+    cfg = json.loads(json.dumps(TINY_CONFIG))
+    cfg["training"].update(learning_rate=1e30, min_lr=1e29, warmup_steps=0)
+    config = tmp_path / "wild.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "run"
+    with caplog.at_level(logging.INFO, logger="orchard"):
+        assert train.main(["--config", str(config), "--sequences", run_files[1], "--output",
+                           str(out), "--device", "cpu", "--max-steps", "4",
+                           "--micro-batch", "3"]) == 0
+    assert "the run has diverged" in caplog.text
+    # batch 8 as 3 + 3 + 2: "micro-batch 3 x 3" alone would read as 9
+    assert "batch 8 = 1 process(es) x micro-batch 3 x 3 accumulation (the last of 2)" \
+        in caplog.text
+
+    def refuse(token):
+        raise ValueError("not JSON: %s" % token)
+
+    with open(out / "metrics.jsonl") as f:
+        metrics = [json.loads(line, parse_constant=refuse) for line in f]
+    assert metrics[-1]["loss"] is None and metrics[-1]["step"] == 4
+
+
 def interrupted_run(run_files, out, monkeypatch, step, *extra):
     """A run that gets Ctrl-C during optimizer step `step`; returns its exit status."""
     train_step = Trainer.train_step

@@ -38,6 +38,8 @@ def test_set_num_threads_rejects_non_int(ops, restore_threads):
         ops.set_num_threads("2")
     with pytest.raises(TypeError, match="'n' must be an int"):
         ops.set_num_threads(2.5)
+    with pytest.raises(TypeError, match="'n' must be an int"):
+        ops.set_num_threads(True)   # an int to Python, but not a count
     with pytest.raises(ValueError, match="'n' must be an int in 1..4096, got 5000"):
         ops.set_num_threads(5000)
 

@@ -133,7 +133,8 @@ def measure(shapes, devices, dtypes, causal_flags, repeats, progress=None):
 
 
 def comparisons(rows):
-    """Sentences "X is 1.7x faster than Y" for every pair of backends on the same problem."""
+    """Sentences "X is 1.72x faster than Y" for every pair of backends on the same problem
+    (two decimals: 1.04x would read as 1.0x, no faster)."""
     lines = []
     key = lambda r: (r["B"], r["H"], r["N"], r["D"], r["dtype"], r["causal"])
     for problem in sorted({key(r) for r in rows}):
@@ -144,7 +145,7 @@ def comparisons(rows):
                           key=lambda r: r[direction + "_ms"])
             for slower in have[1:]:
                 fast = have[0]
-                lines.append("%s %s: %s %s is %.1fx faster than %s %s" % (
+                lines.append("%s %s: %s %s is %.2fx faster than %s %s" % (
                     name, direction, fast["backend"], fast["device"],
                     slower[direction + "_ms"] / fast[direction + "_ms"], slower["backend"],
                     slower["device"]))

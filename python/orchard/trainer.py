@@ -44,6 +44,13 @@ def is_out_of_memory(exc):
         isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
 
 
+def strict_json(record):
+    """A metrics record with a non-finite number (a diverged loss) as None: JSON has no NaN,
+    and strict parsers (jq, JavaScript, Go) refuse Python's NaN token; null is what they read."""
+    return {key: None if isinstance(value, float) and not math.isfinite(value) else value
+            for key, value in record.items()}
+
+
 class Trainer:
     def __init__(self, cfg, backend, chunks, output_dir, requested_cfg=None, seed=1337,
                  data_info=None, resume_state=None, val_chunks=None, hf_config=None,
@@ -243,6 +250,14 @@ class Trainer:
     def accumulation_steps(self):
         return math.ceil(self.rank_batch / self.micro_batch)
 
+    def micro_batch_text(self):
+        """"micro-batch 4 x 2 accumulation", and where the micro-batches do not divide the
+        batch, the size of the last (batch 8 as 3 + 3 + 2 would otherwise read as 9)."""
+        last = self.rank_batch - (self.accumulation_steps() - 1) * self.micro_batch
+        return "micro-batch %d x %d accumulation%s" % (
+            self.micro_batch, self.accumulation_steps(),
+            "" if last == self.micro_batch else " (the last of %d)" % last)
+
     @torch.no_grad()
     def evaluate(self):
         """Mean loss over the held-out sequences, each rank taking its share. Dropout is off
@@ -282,7 +297,7 @@ class Trainer:
         # Rewritten whole and renamed into place, as the checkpoint: never half a line.
         if self.rank == 0:
             os.makedirs(self.output_dir, exist_ok=True)
-            text = "".join(json.dumps(r) + "\n" for r in self.history).encode()
+            text = "".join(json.dumps(strict_json(r), allow_nan=False) + "\n" for r in self.history).encode()
             write_atomically(os.path.join(self.output_dir, METRICS_NAME), lambda f: f.write(text))
 
     def _write_metrics(self, record):
@@ -319,10 +334,10 @@ class Trainer:
             self._save_metrics()
         tokens_per_step = train["batch_size"] * self.cfg["model"]["context"]
         log.info("training %s parameters on %s: %d steps (%d per epoch), batch %d = %d "
-                 "process(es) x micro-batch %d x %d accumulation, context %d, %s%s",
+                 "process(es) x %s, context %d, %s%s",
                  f"{self.model.num_params():,}", self.attention_device, total,
-                 self.steps_per_epoch, train["batch_size"], self.world, self.micro_batch,
-                 self.accumulation_steps(), self.cfg["model"]["context"], self.dtype,
+                 self.steps_per_epoch, train["batch_size"], self.world,
+                 self.micro_batch_text(), self.cfg["model"]["context"], self.dtype,
                  ", gradient checkpointing" if self.model.grad_checkpointing else "")
         if self.step:
             log.info("resuming at step %d", self.step)
@@ -367,11 +382,10 @@ class Trainer:
                         log.warning("loss %s at step %d: the run has diverged (a smaller "
                                     "training.learning_rate may help); orchard-generate refuses "
                                     "its checkpoints", record["loss"], self.step)
-                    log.info("step %d/%d  epoch %d  loss %.4f%s  lr %.2e  %.0f tokens/s  "
-                             "micro-batch %d x %d", self.step, total, record["epoch"],
-                             record["loss"], "  val loss %.4f" % record["val_loss"]
-                             if validate else "", lr, record["tokens_per_s"], self.micro_batch,
-                             self.accumulation_steps())
+                    log.info("step %d/%d  epoch %d  loss %.4f%s  lr %.2e  %.0f tokens/s  %s",
+                             self.step, total, record["epoch"], record["loss"],
+                             "  val loss %.4f" % record["val_loss"] if validate else "", lr,
+                             record["tokens_per_s"], self.micro_batch_text())
                     self.losses, timed, t0 = [], 0, time.perf_counter()
                 # the last logged loss; none before the first log line (not "nan", which
                 # reads as a diverged run)
