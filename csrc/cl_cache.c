@@ -4,10 +4,13 @@
  * Directory: ORCHARD_CACHE_DIR, else $XDG_CACHE_HOME/orchard, else ~/.cache/orchard (made
  * 0700; files 0600), the one answer for Python too (orchard_ops.cache_dir(), also in a build
  * without OpenCL). ORCHARD_NO_CACHE=1 turns the cache off. A file is
- *   "ORCHARD-CL-BIN-1\n", u64 size, u64 checksum (FNV-1a of the binary), the binary
- * named by a 128-bit hash of the kernel source, build options, device, driver and platform.
- * Tuned block sizes (cl_runtime.c) are entries of the same kind, holding "BQ BK".
- * Anything that does not check out (truncated, corrupt, foreign) is ignored and rebuilt;
+ *   "ORCHARD-CL-BIN-2", the key (32 hex digits), u64 size, u64 checksum (FNV-1a of the
+ *   binary), the binary
+ * named by the key, a 128-bit hash of the kernel source, build options, device, driver and
+ * platform; the key inside is checked too, so a file copied over another entry's name is
+ * not run as that program. Tuned block sizes (cl_runtime.c) are entries of the same kind,
+ * holding "BQ BK". Anything that does not check out (truncated, corrupt, foreign, not a
+ * regular file) is ignored and rebuilt;
  * files are written to a temporary name, synced and renamed, so readers never see half a file.
  */
 #include <errno.h>
@@ -54,7 +57,8 @@ int or_cache_dir(char *out, size_t size)
 }
 
 #ifdef ORCHARD_HAVE_OPENCL
-static const char MAGIC[16] = "ORCHARD-CL-BIN-1";
+static const char MAGIC[16] = "ORCHARD-CL-BIN-2";
+enum { KEY_LEN = 32 };
 
 static uint64_t fnv1a(uint64_t h, const void *data, size_t n)
 {
@@ -83,13 +87,25 @@ unsigned char *or_cache_load(const char *key, size_t *size)
     if (!or_cache_dir(dir, sizeof(dir)))
         return NULL;
     snprintf(path, sizeof(path), "%s/%s.clbin", dir, key);
-    FILE *f = fopen(path, "rb");
-    if (f == NULL)
+    /* O_NONBLOCK: a FIFO in an entry's place must not hang the open */
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    struct stat st;
+    if (fd >= 0 && (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))) {
+        close(fd);
         return NULL;
-    char magic[16];
+    }
+    FILE *f = fd >= 0 ? fdopen(fd, "rb") : NULL;
+    if (f == NULL) {
+        if (fd >= 0)
+            close(fd);
+        return NULL;
+    }
+    char magic[16], stored_key[KEY_LEN];
     uint64_t n = 0, sum = 0;
     unsigned char *bin = NULL;
     if (fread(magic, 1, 16, f) == 16 && memcmp(magic, MAGIC, 16) == 0
+        && fread(stored_key, 1, KEY_LEN, f) == KEY_LEN
+        && memcmp(stored_key, key, KEY_LEN) == 0
         && fread(&n, sizeof(n), 1, f) == 1 && fread(&sum, sizeof(sum), 1, f) == 1
         && n > 0 && n < ((uint64_t)1 << 31) && (bin = malloc(n)) != NULL) {
         if (fread(bin, 1, n, f) != n || fgetc(f) != EOF
@@ -116,7 +132,8 @@ int or_cache_store(const char *key, const unsigned char *binary, size_t size)
         return 0;
     uint64_t n = size, sum = fnv1a(0xcbf29ce484222325ULL, binary, size);
     FILE *f = fdopen(fd, "wb");
-    int ok = f != NULL && fwrite(MAGIC, 1, 16, f) == 16 && fwrite(&n, sizeof(n), 1, f) == 1
+    int ok = f != NULL && fwrite(MAGIC, 1, 16, f) == 16 && fwrite(key, 1, KEY_LEN, f) == KEY_LEN
+             && fwrite(&n, sizeof(n), 1, f) == 1
              && fwrite(&sum, sizeof(sum), 1, f) == 1 && fwrite(binary, 1, size, f) == size
              && fflush(f) == 0 && fsync(fd) == 0;
     if (f != NULL)

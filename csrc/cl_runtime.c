@@ -11,6 +11,7 @@
  * width of the kernels (vector_width).
  */
 #ifdef ORCHARD_HAVE_OPENCL
+#include <ctype.h>
 #include <errno.h>
 #include <limits.h>
 #include <pthread.h>
@@ -267,7 +268,8 @@ static int env_count(const char *name, long lo, long hi, long *out)
     char *end;
     errno = 0;
     const long n = strtol(v, &end, 10);
-    if (*end != '\0' || errno || n < lo || n > hi)
+    /* strtol skips leading space, and trailing space is refused: refuse both */
+    if (isspace((unsigned char)*v) || *end != '\0' || errno || n < lo || n > hi)
         return -1;
     *out = n;
     return 1;
@@ -280,6 +282,33 @@ static int env_int(const char *name, int fallback)
     return env_count(name, 1, INT_MAX, &n) == 1 ? (int)n : fallback;
 }
 
+/* ORCHARD_CL_OPTIONS: at most this long, so the options of every program fit their buffer */
+enum { OPTIONS_MAX = 512 };
+
+/* 1 with msg when ORCHARD_CL_OPTIONS is too long, or has a -D or -I without its argument
+ * (PoCL's compiler crashes the process on a dangling one instead of refusing it). */
+static int options_problem(const char *opts, char *msg, size_t size)
+{
+    static const char space[] = " \t\n\v\f\r";
+    if (strlen(opts) > OPTIONS_MAX) {
+        snprintf(msg, size, "ORCHARD_CL_OPTIONS is %zu characters long: at most %d are taken",
+                 strlen(opts), OPTIONS_MAX);
+        return 1;
+    }
+    for (const char *p = opts + strspn(opts, space); *p; p += strspn(p, space)) {
+        const size_t n = strcspn(p, space);
+        const char *next = p + n + strspn(p + n, space);
+        if (n == 2 && p[0] == '-' && (p[1] == 'D' || p[1] == 'I')
+            && (*next == '\0' || *next == '-')) {
+            snprintf(msg, size, "ORCHARD_CL_OPTIONS='%.64s': %.2s needs a %s after it", opts, p,
+                     p[1] == 'D' ? "macro name" : "folder");
+            return 1;
+        }
+        p += n;
+    }
+    return 0;
+}
+
 int or_cl_environment_problem(char *msg, size_t size)
 {
     static const struct { const char *name; long hi; } counts[] = {
@@ -289,8 +318,10 @@ int or_cl_environment_problem(char *msg, size_t size)
         {"ORCHARD_CL_LOCAL_MEM", INT_MAX},  /* bytes */
 #endif
     };
-    const char *family = getenv("ORCHARD_CL_FAMILY");
+    const char *family = getenv("ORCHARD_CL_FAMILY"), *options = getenv("ORCHARD_CL_OPTIONS");
     long n;
+    if (options != NULL && options_problem(options, msg, size))
+        return 1;
     if (family != NULL && *family != '\0' && family_named(family) < 0) {
         snprintf(msg, size, "ORCHARD_CL_FAMILY='%.64s' names no kernel family (rows, tiled or "
                  "wg)", family);
@@ -466,16 +497,22 @@ int or_cl_save_tuned_blocks(int i, int bq, int bk)
 
 static int round_up_to(int n, int m) { return (n + m - 1) / m * m; }
 
-/* The rows family's local-memory rule: two tiles of bk rows of d + dv (+ lse, D) reals in half
- * the local memory, and work-groups the device allows. */
+/* The rows family's rule: two tiles of bk rows of d + dv (+ lse, D) reals in half the local
+ * memory, and work-groups the device allows; on a CPU, at most 1 MiB of the work-items'
+ * private rows of d + dv reals, as its runtime keeps a work-group's private memory on one
+ * thread's stack (PoCL's 8 MiB overflowed at 4 MiB of such rows: D 128, 4096 rows, and D 256,
+ * 2048 rows, in the backward). */
 static int fit_rows(const or_cl_info *in, size_t real, int d, int dv, int vw, int *bq, int *bk)
 {
     const size_t dpad = (size_t)round_up_to(d, vw), dvpad = (size_t)round_up_to(dv, vw);
     const unsigned long long fit = in->local_mem / 2 / (real * (dpad + dvpad + 2));
     if ((unsigned long long)*bk > fit)
         *bk = fit >= 1 ? (int)fit : 1;
-    if ((size_t)*bq > in->max_work_group)
-        *bq = (int)in->max_work_group;
+    unsigned long long rows = in->max_work_group;
+    if (strcmp(in->kind, "cpu") == 0 && (1ull << 20) / (real * (dpad + dvpad)) < rows)
+        rows = (1ull << 20) / (real * (dpad + dvpad));
+    if ((unsigned long long)*bq > rows)
+        *bq = rows >= 1 ? (int)rows : 1;
     return 1;
 }
 

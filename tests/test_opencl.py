@@ -126,6 +126,28 @@ def test_program_cache_across_processes(tmp_path):
 
 
 @needs_opencl
+def test_program_cache_refuses_another_programs_entry_and_a_fifo(tmp_path):
+    """An entry copied over another's name checks out on its own (magic, size, checksum):
+    the key inside it tells them apart, else the wrong kernels would run on this call's
+    buffers. A FIFO in an entry's place must not hang the process."""
+    dev = OPENCL_IDS[0]
+    cache = tmp_path / "cache"
+    env = dict(ORCHARD_CACHE_DIR=cache, ORCHARD_NO_CACHE=None)
+    child(CACHE_RUN % (dev, dev), **env)
+    [mine] = list(cache.iterdir())
+    wide = CACHE_RUN.replace("(1, 2, 20, 12)", "(1, 2, 20, 64)")
+    assert child(wide % (dev, dev), **env)["builds"] == 1
+    [other] = [f for f in cache.iterdir() if f != mine]
+    mine.write_bytes(other.read_bytes())
+    again = child(CACHE_RUN % (dev, dev), **env)
+    assert again["builds"] == 1 and again["hits"] == 0 and again["err"] < 1e-5
+    mine.unlink()
+    os.mkfifo(mine)
+    again = child(CACHE_RUN % (dev, dev), **env)
+    assert again["builds"] == 1 and again["hits"] == 0 and again["err"] < 1e-5
+
+
+@needs_opencl
 def test_no_cache_env(tmp_path):
     dev = OPENCL_IDS[0]
     for _ in range(2):
@@ -338,6 +360,19 @@ def test_wg_blocks_fit_local_memory(tmp_path, dtype, d, logged):
     assert logged in log.read_text()
 
 
+@needs_opencl
+def test_rows_blocks_fit_a_cpu_threads_stack(tmp_path):
+    """On a CPU device the rows family's work-group keeps its private rows on one thread's
+    stack: ORCHARD_CL_BLOCK_Q=4096 at D 128 (4 MiB of them) crashed PoCL's backward; the
+    rows are held to 1 MiB (1024 of D + Dv = 256 floats), results those of the reference."""
+    dev, log = OPENCL_IDS[0], tmp_path / "orchard.log"
+    err = child(FIT_RUN % (128, "float32", dev, dev), ORCHARD_CL_FAMILY="rows",
+                ORCHARD_CL_BLOCK_Q=4096, ORCHARD_NO_CACHE=1, ORCHARD_DEBUG_FLASH_ATN=1,
+                ORCHARD_LOG=log)
+    assert err < 1e-4
+    assert "rows kernels, blocks 1024 x 64" in log.read_text()
+
+
 def kernel_source():
     """The program source setup.py embeds: the kernels/ files in its order."""
     setup_py = os.path.join(REPO_ROOT, "setup.py")
@@ -450,7 +485,15 @@ ENVIRONMENT_PROBE = """
     ("ORCHARD_CL_BLOCK_Q", "abc", "ORCHARD_CL_BLOCK_Q='abc': expected an integer in 1..4096"),
     ("ORCHARD_CL_BLOCK_K", "-4", "ORCHARD_CL_BLOCK_K='-4': expected an integer in 1..4096"),
     ("ORCHARD_CL_BLOCK_Q", "5000", "ORCHARD_CL_BLOCK_Q='5000': expected an integer in 1..4096"),
+    ("ORCHARD_CL_BLOCK_Q", " 8", "ORCHARD_CL_BLOCK_Q=' 8': expected an integer in 1..4096"),
     ("ORCHARD_CL_FAMILY", "blocked", "ORCHARD_CL_FAMILY='blocked' names no kernel family"),
+    # PoCL's compiler crashed the process on a -D or -I without its argument
+    ("ORCHARD_CL_OPTIONS", "-w -D", "ORCHARD_CL_OPTIONS='-w -D': -D needs a macro name"),
+    ("ORCHARD_CL_OPTIONS", "-I", "ORCHARD_CL_OPTIONS='-I': -I needs a folder"),
+    # a longer value was cut short at its buffer, dropping its last options unseen
+    ("ORCHARD_CL_OPTIONS", "-DX=1 " * 100, "ORCHARD_CL_OPTIONS is 600 characters long: at most "
+     "512"),
+    ("ORCHARD_CL_OPTIONS", "-D X=1 -I .", None),
     ("ORCHARD_CL_VECTOR", "", None),  # empty: unset
 ])
 def test_bad_opencl_environment_refused(name, value, message):
