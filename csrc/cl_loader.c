@@ -19,6 +19,7 @@
 static or_cl_api api;
 static const or_cl_api *loaded;
 static const char *load_error = "not loaded";
+static char named_error[600];       /* load_error naming ORCHARD_OPENCL_LIBRARY's value */
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 
 static int fill(void *handle)
@@ -34,6 +35,8 @@ static int fill(void *handle)
 static void find(void)
 {
     const char *env = getenv("ORCHARD_OPENCL_LIBRARY");
+    if (env != NULL && env[0] == '\0')
+        env = NULL;                 /* empty: unset, as every other variable */
     if (env == NULL && fill(RTLD_DEFAULT) == 0) {
         loaded = &api;
         return;
@@ -43,16 +46,25 @@ static void find(void)
         if (names[i] == NULL)
             continue;
         void *h = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
-        if (h == NULL) {
+        if (h == NULL && env != NULL) {
+            const char *why = dlerror();
+            snprintf(named_error, sizeof(named_error),
+                     "ORCHARD_OPENCL_LIBRARY='%.200s' cannot be opened (%.300s)", env,
+                     why ? why : "dlopen failed");
+            load_error = named_error;
+        } else if (h == NULL) {
             load_error = "the OpenCL ICD loader (libOpenCL.so.1) was not found";
-            continue;
-        }
-        if (fill(h) == 0) {
+        } else if (fill(h) == 0) {
             loaded = &api;
             return;
+        } else {
+            if (env != NULL)
+                snprintf(named_error, sizeof(named_error), "ORCHARD_OPENCL_LIBRARY='%.200s' "
+                         "lacks OpenCL 1.2 entry points", env);
+            load_error = env != NULL ? named_error
+                                     : "the OpenCL library lacks OpenCL 1.2 entry points";
+            dlclose(h);
         }
-        load_error = "the OpenCL library lacks OpenCL 1.2 entry points";
-        dlclose(h);
     }
 }
 

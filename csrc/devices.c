@@ -13,6 +13,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "cl_runtime.h"
 #include "pyorchard.h"
@@ -169,12 +170,25 @@ static PyObject *available_ids(void)
     return ids;
 }
 
+/* Why no OpenCL device is listed (no library, no platform, a bad ORCHARD_OPENCL_LIBRARY...),
+ * or NULL when some are. */
+const char *or_opencl_unavailable(void)
+{
+#ifdef ORCHARD_HAVE_OPENCL
+    return or_cl_unavailable_reason();
+#else
+    return "this orchard_ops was built without the OpenCL backend (no CL/cl.h at build time)";
+#endif
+}
+
 static int unknown_device(const char *func, const char *what, const char *name)
 {
     PyObject *ids = available_ids();
+    const char *why = strncasecmp(name, "opencl", 6) == 0 ? or_opencl_unavailable() : NULL;
     if (ids != NULL)
-        PyErr_Format(PyExc_ValueError, "%s(): %s '%s' is not an available device (available: %S)",
-                     func, what, name, ids);
+        PyErr_Format(PyExc_ValueError, "%s(): %s '%s' is not an available device (available: "
+                     "%S)%s%s", func, what, name, ids, why ? "; no OpenCL device: " : "",
+                     why ? why : "");
     Py_XDECREF(ids);
     return -1;
 }

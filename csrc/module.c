@@ -289,6 +289,14 @@ static PyObject *devices(PyObject *module, PyObject *unused)
     return or_devices_list();
 }
 
+static PyObject *opencl_unavailable(PyObject *module, PyObject *unused)
+{
+    const char *why = or_opencl_unavailable();
+    if (why == NULL)
+        Py_RETURN_NONE;
+    return PyUnicode_FromString(why);
+}
+
 /* The id of the device that `device` names, errors reported as func's. */
 static PyObject *device_id_of(const char *func, PyObject *device)
 {
@@ -571,6 +579,9 @@ static PyMethodDef methods[] = {
     {"dropout_mask", (PyCFunction)(void (*)(void))dropout_mask, METH_VARARGS | METH_KEYWORDS,
      dropout_mask_doc},
     {"devices", devices, METH_NOARGS, "devices() -> list of dicts describing every usable device"},
+    {"opencl_unavailable", opencl_unavailable, METH_NOARGS,
+     "opencl_unavailable() -> None when devices() lists OpenCL devices, else why it lists none\n"
+     "(no ICD loader, no platform, a bad ORCHARD_OPENCL_LIBRARY, a build without OpenCL)"},
     {"default_device", default_device, METH_NOARGS,
      "default_device() -> the device id used for device=None (ORCHARD_DEVICE if set)"},
     {"resolve_device", resolve_device, METH_O, resolve_device_doc},

@@ -58,6 +58,7 @@ typedef struct {
 int or_resolve_device(const char *func, PyObject *device, or_device_choice *out);
 PyObject *or_device_id(int index);
 PyObject *or_devices_list(void);
+const char *or_opencl_unavailable(void);      /* why no OpenCL device is listed, or NULL */
 size_t or_device_align(int index);
 int or_device_fp64(int index);
 int or_device_tuned_blocks(int index, int *bq, int *bk);

@@ -42,20 +42,28 @@ def test_no_opencl_library_still_imports():
         except ValueError as e:
             err = str(e)
         print(json.dumps({"ids": [d["id"] for d in o.devices()], "default": o.default_device(),
-                          "out": float(out.sum()), "err": err}))
+                          "out": float(out.sum()), "err": err, "why": o.opencl_unavailable()}))
     """, ORCHARD_OPENCL_LIBRARY="/nonexistent/libOpenCL.so.1")
     assert out["ids"] == ["cpu"] and out["default"] == "cpu"
     assert out["out"] == pytest.approx(32.0)
-    assert "'device'" in out["err"] and "opencl" in out["err"]
+    # the reason is named, not only the devices there are
+    why = "ORCHARD_OPENCL_LIBRARY='/nonexistent/libOpenCL.so.1' cannot be opened"
+    assert out["why"].startswith(why) and "'device' 'opencl'" in out["err"]
+    assert "no OpenCL device: " + why in out["err"]
+    lacking = child("""
+        import json, orchard_ops as o
+        print(json.dumps(o.opencl_unavailable()))
+    """, ORCHARD_OPENCL_LIBRARY="libc.so.6")
+    assert lacking == "ORCHARD_OPENCL_LIBRARY='libc.so.6' lacks OpenCL 1.2 entry points"
 
 
 def test_no_platform_still_imports(tmp_path):
     """An ICD loader with no vendor files (no platform) gives just the CPU."""
     out = child("""
         import json, orchard_ops as o
-        print(json.dumps([d["id"] for d in o.devices()]))
+        print(json.dumps([[d["id"] for d in o.devices()], o.opencl_unavailable()]))
     """, OCL_ICD_VENDORS=str(tmp_path), ORCHARD_OPENCL_LIBRARY=None)
-    assert out == ["cpu"]
+    assert out == [["cpu"], "no OpenCL platform is installed (no ICD found)"]
 
 
 @needs_opencl
@@ -67,6 +75,7 @@ def test_device_names(ops):
                 "unified_memory"):
         assert key in first, key
     assert first["kind"] in ("cpu", "gpu", "accelerator")
+    assert ops.opencl_unavailable() is None
     q = randn(np.random.default_rng(0), (1, 2, 5, 8), np.float32)
     ref, _ = ops.flash_attn_fwd(q, q, q, device=first["id"])
     word = first["platform"].split()[0].lower()     # a substring, any case

@@ -59,8 +59,11 @@ def resolve_device(device, listing=None):
             raise  # ORCHARD_DEVICE names no device: orchard_ops's message says so
         chosen = None
     if chosen not in by_id:
-        raise ValueError("unknown device (%r); available: %s"
-                         % (device, ", ".join(by_id) or "none"))
+        why = orchard_ops.opencl_unavailable() if str(device).lower().startswith("opencl") \
+            else None
+        raise ValueError("unknown device (%r); available: %s%s"
+                         % (device, ", ".join(by_id) or "none",
+                            "; no OpenCL device: %s" % why if why else ""))
     return by_id[chosen]
 
 
@@ -81,6 +84,9 @@ def auto_choice_reason(listing=None):
         why = ("there is no OpenCL GPU, and on the same cores the native path is faster than "
                "the OpenCL CPU device(s) %s, which are never picked automatically"
                % ", ".join(others))
+    elif orchard_ops.opencl_unavailable():
+        why = ("there is no OpenCL device (%s), so attention runs on the native C path"
+               % orchard_ops.opencl_unavailable())
     else:
         why = "there is no OpenCL GPU, so attention runs on the native C path"
     return chosen["id"], why
