@@ -315,8 +315,7 @@ static int prepare(launch_t *L, int i, const or_problem *p, unsigned outputs, or
 #ifdef ORCHARD_TEST_HOOKS
     /* ORCHARD_CL_TRANSFERS=1: explicit copies as on a discrete GPU, to test that path on any
      * device (and to give Oclgrind's uninitialised-read checker memory it has seen written) */
-    const char *transfers = getenv("ORCHARD_CL_TRANSFERS");
-    L->in_place = L->in_place && !(transfers && transfers[0] && strcmp(transfers, "0") != 0);
+    L->in_place = L->in_place && !or_env_flag("ORCHARD_CL_TRANSFERS");
 #endif
     int rc = or_cl_get_program(i, p->view[OR_Q].dtype, p->d, p->dv, ct, &L->prog, err);
     if (rc == OR_OK)

@@ -28,8 +28,7 @@
 /* The cache directory (created), or 0 when caching is off or impossible. */
 int or_cache_dir(char *out, size_t size)
 {
-    const char *off = getenv("ORCHARD_NO_CACHE");
-    if (off != NULL && off[0] != '\0' && strcmp(off, "0") != 0)
+    if (or_env_flag("ORCHARD_NO_CACHE"))
         return 0;
     const char *dir = getenv("ORCHARD_CACHE_DIR"), *xdg = getenv("XDG_CACHE_HOME"),
                *home = getenv("HOME");
@@ -53,7 +52,8 @@ int or_cache_dir(char *out, size_t size)
         if (rc != 0 && errno != EEXIST)
             return 0;
     }
-    return mkdir(out, 0700) == 0 || errno == EEXIST;
+    struct stat st;     /* EEXIST: it may be a file */
+    return mkdir(out, 0700) == 0 || (errno == EEXIST && stat(out, &st) == 0 && S_ISDIR(st.st_mode));
 }
 
 #ifdef ORCHARD_HAVE_OPENCL

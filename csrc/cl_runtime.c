@@ -660,7 +660,7 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
         if (family == OR_FAMILY_TILED || (size_t)width <= limit || bq == (wg ? OR_WG_TM : 1)) {
             *out = (or_cl_program){api, dev->ctx, dev->queue, prog, family, bq, bk,
                                    prep > 1 ? prep : 1, round_up_to(d, OR_TN(vw))};
-            if (or_log_enabled("ORCHARD_DEBUG_FLASH_ATN"))
+            if (or_env_flag("ORCHARD_DEBUG_FLASH_ATN"))
                 or_log("orchard: OpenCL program for %s D=%d Dv=%d on %s: %s kernels, "
                        "blocks %d x %d%s, %d lanes", or_dtypes[dt].name, d, dv, dev->info.name,
                        or_cl_families[family].name, bq, bk, tuned && !overridden ? " (tuned)" : "",

@@ -217,8 +217,7 @@ int or_resolve_device(const char *func, PyObject *device, or_device_choice *out)
     }
     int gpus_only = 1;
 #ifdef ORCHARD_TEST_HOOKS
-    const char *any = getenv("ORCHARD_AUTO_ANY_OPENCL");
-    gpus_only = !(any != NULL && any[0] != '\0' && strcmp(any, "0") != 0);
+    gpus_only = !or_env_flag("ORCHARD_AUTO_ANY_OPENCL");
 #endif
     int best = best_opencl(gpus_only);
     out->index = best > 0 ? best : 0;

@@ -5,13 +5,20 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "pyorchard.h"
 
-int or_log_enabled(const char *env_name)
+int or_env_flag(const char *env_name)
 {
+    static const char *const off[] = {"0", "false", "no", "off"};
     const char *v = getenv(env_name);
-    return v != NULL && v[0] != '\0' && strcmp(v, "0") != 0;
+    if (v == NULL || v[0] == '\0')
+        return 0;
+    for (size_t i = 0; i < sizeof(off) / sizeof(*off); i++)
+        if (strcasecmp(v, off[i]) == 0)
+            return 0;
+    return 1;
 }
 
 void or_log(const char *fmt, ...)

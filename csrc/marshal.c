@@ -209,7 +209,7 @@ PyArrayObject *or_operand(PyObject *obj, const char *func, const char *name, or_
     }
     if (readable_in_place(a)) {
         OR_COUNT(ct, zero_copy_buffers, 1);
-        if (or_log_enabled("ORCHARD_TENSOR_PROFILE"))
+        if (or_env_flag("ORCHARD_TENSOR_PROFILE"))
             or_log("orchard: %s %s: zero-copy, %zd bytes in place", func, name, PyArray_NBYTES(a));
         return a;
     }
@@ -229,7 +229,7 @@ PyArrayObject *or_operand(PyObject *obj, const char *func, const char *name, or_
         return NULL;
     OR_COUNT(ct, staged_buffers, 1);
     OR_COUNT(ct, bytes_staged, PyArray_NBYTES(staged));
-    if (or_log_enabled("ORCHARD_TENSOR_PROFILE"))
+    if (or_env_flag("ORCHARD_TENSOR_PROFILE"))
         or_log("orchard: %s %s: staged, %zd bytes copied", func, name, PyArray_NBYTES(staged));
     return staged;
 }

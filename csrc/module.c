@@ -79,7 +79,7 @@ static PyObject *run(or_call *c, or_module_state *st, int backward)
     OR_COUNT(c->ct, decode_calls, !backward && or_is_decode(&c->p));
     OR_COUNT(c->ct, bwd_calls, backward);
 
-    if (or_log_enabled("ORCHARD_DEBUG_FLASH_ATN")) {
+    if (or_env_flag("ORCHARD_DEBUG_FLASH_ATN")) {
         PyObject *qs = or_shape_str(c->arr[OR_Q]), *ks = or_shape_str(c->arr[OR_K]);
         PyObject *id = or_device_id(c->device.index);
         if (qs == NULL || ks == NULL || id == NULL) {

@@ -124,8 +124,9 @@ int  or_cpu_count(void);
 /* cl_cache.c: the cache directory (made, 0700) in out; 0 when the cache is off or impossible */
 int or_cache_dir(char *out, size_t size);
 
-/* log.c: the optional diagnostic logs */
-int or_log_enabled(const char *env_name);
+/* log.c: an on/off variable (on: set to anything but empty, 0, false, no or off, in any
+ * case), and the optional diagnostic logs */
+int or_env_flag(const char *env_name);
 void or_log(const char *fmt, ...);
 
 #endif

@@ -215,7 +215,7 @@ static void pool_init(void)
     }
     atomic_store(&pool.nthreads, n);
     env = getenv("ORCHARD_OPENMP");
-    omp.allowed = env == NULL || strcmp(env, "0") != 0;
+    omp.allowed = env == NULL || env[0] == '\0' || or_env_flag("ORCHARD_OPENMP");
     pthread_atfork(NULL, NULL, after_fork_child);
 }
 

@@ -108,7 +108,15 @@ def test_cache_dir(ops, tmp_path, monkeypatch):
     assert ops.cache_dir() == str(tmp_path / "a" / "b")
     for made in (expected, str(tmp_path / "xdg" / "orchard"), str(tmp_path / "a" / "b")):
         assert os.path.isdir(made) and stat.S_IMODE(os.stat(made).st_mode) == 0o700, made
-    monkeypatch.setenv("ORCHARD_NO_CACHE", "1")
+    for off in ("1", "yes"):
+        monkeypatch.setenv("ORCHARD_NO_CACHE", off)
+        assert ops.cache_dir() is None
+    for on in ("", "0", "false", "Off", "no"):   # on/off variables read as everywhere
+        monkeypatch.setenv("ORCHARD_NO_CACHE", on)
+        assert ops.cache_dir() == str(tmp_path / "a" / "b")
+    # a file where the folder should be: no cache (it was returned as the cache folder)
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("ORCHARD_CACHE_DIR", str(tmp_path / "file"))
     assert ops.cache_dir() is None
 
 

@@ -89,8 +89,14 @@ def logs_held_until_checked(logger, debug=False):
             logger.handle(record)
 
 
+def env_flag(name):
+    """An on/off variable as orchard_ops reads its own: on when set to anything but empty, 0,
+    false, no or off (in any case)."""
+    return os.environ.get(name, "").lower() not in ("", "0", "false", "no", "off")
+
+
 def debug_requested(argv):
-    return os.environ.get("ORCHARD_DEBUG", "") not in ("", "0") or "--verbose" in argv
+    return env_flag("ORCHARD_DEBUG") or "--verbose" in argv
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):

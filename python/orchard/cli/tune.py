@@ -15,7 +15,7 @@ import orchard_ops
 
 from ..progress import Progress
 from ..tuning import default_candidates, tune
-from .args import Parser, UsageError, console_script, device, integer, shape
+from .args import Parser, UsageError, console_script, device, env_flag, integer, shape
 
 EXAMPLES = (
     "orchard-tune",
@@ -77,7 +77,7 @@ def main(argv=None):
     elif stored:
         print("chosen: %d x %d; stored for %s (ORCHARD_CL_BLOCK_Q/K override it)"
               % (best + (args.device,)))
-    elif os.environ.get("ORCHARD_NO_CACHE", "") not in ("", "0"):
+    elif env_flag("ORCHARD_NO_CACHE"):
         print("chosen: %d x %d; not stored: the OpenCL cache is off (ORCHARD_NO_CACHE)" % best)
     else:
         print("chosen: %d x %d; not stored: the cache folder %s cannot be made or written "
