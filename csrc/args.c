@@ -35,6 +35,20 @@ int or_as_integer(PyObject *obj, long long *out)
     return 0;
 }
 
+int or_int_arg(const char *func, const char *name, PyObject *obj, long long lo, long long hi,
+               long long *out)
+{
+    /* a bool is an int to Python, but True for a count is a mistake, not 1 */
+    const int bad = PyBool_Check(obj) || or_as_integer(obj, out) < 0;
+    if (!bad && *out >= lo && *out <= hi)
+        return 0;
+    if (!PyErr_Occurred())
+        PyErr_Format(bad && (!PyLong_Check(obj) || PyBool_Check(obj)) ? PyExc_TypeError
+                     : PyExc_ValueError, "%s(): '%s' must be an int in %lld..%lld, got %.100R",
+                     func, name, lo, hi, obj);
+    return -1;
+}
+
 /* ValueError "func(): 'name' what, got value". */
 static int number_error(or_call *c, const char *name, const char *what, double value)
 {

@@ -394,16 +394,8 @@ static PyObject *reset_stats(PyObject *module, PyObject *unused)
 static PyObject *set_num_threads(PyObject *module, PyObject *arg)
 {
     long long n;
-    /* a bool is an int to Python, but set_num_threads(True) is a mistake, not 1 */
-    const int bad = PyBool_Check(arg) || or_as_integer(arg, &n) < 0;
-    if (bad || n < 1 || n > OR_MAX_THREADS) {    /* not an int: TypeError, else ValueError */
-        if (!PyErr_Occurred())
-            PyErr_Format(bad && (!PyLong_Check(arg) || PyBool_Check(arg)) ? PyExc_TypeError
-                         : PyExc_ValueError,
-                         "set_num_threads(): 'n' must be an int in 1..%d, got %.100R",
-                         OR_MAX_THREADS, arg);
+    if (or_int_arg("set_num_threads", "n", arg, 1, OR_MAX_THREADS, &n) < 0)
         return NULL;
-    }
     or_set_num_threads((int)n);
     Py_RETURN_NONE;
 }
@@ -440,15 +432,12 @@ static PyObject *tuned_blocks(PyObject *module, PyObject *device)
 static PyObject *program_blocks(PyObject *module, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"device", "head_dim", NULL};
-    PyObject *device;
-    int d = 64;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|i:program_blocks", kwlist, &device, &d))
+    PyObject *device, *head_dim = NULL;
+    long long d = 64;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|O:program_blocks", kwlist, &device, &head_dim)
+        || (head_dim != NULL
+            && or_int_arg("program_blocks", "head_dim", head_dim, 1, OR_MAX_HEAD_DIM, &d) < 0))
         return NULL;
-    if (d < 1 || d > OR_MAX_HEAD_DIM) {
-        PyErr_Format(PyExc_ValueError, "program_blocks(): 'head_dim' must be in 1..%d, got %d",
-                     OR_MAX_HEAD_DIM, d);
-        return NULL;
-    }
     const int index = opencl_device("program_blocks", device);
     if (index < 0)
         return NULL;
@@ -456,7 +445,7 @@ static PyObject *program_blocks(PyObject *module, PyObject *args, PyObject *kw)
     const char *family = NULL;
     int bq = 0, bk = 0, rc;
     Py_BEGIN_ALLOW_THREADS      /* a first build takes seconds */
-    rc = or_device_program_blocks(index, d, &family, &bq, &bk, &err);
+    rc = or_device_program_blocks(index, (int)d, &family, &bq, &bk, &err);
     Py_END_ALLOW_THREADS
     if (rc != OR_OK)
         return or_device_error(PyModule_GetState(module), "program_blocks", index, &err);
@@ -466,20 +455,18 @@ static PyObject *program_blocks(PyObject *module, PyObject *args, PyObject *kw)
 static PyObject *save_tuned_blocks(PyObject *module, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"device", "block_q", "block_k", NULL};
-    PyObject *device;
-    int bq, bk;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "Oii:save_tuned_blocks", kwlist, &device, &bq, &bk))
+    PyObject *device, *given[2];
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO:save_tuned_blocks", kwlist, &device,
+                                     &given[0], &given[1]))
         return NULL;
-    if (bq < 1 || bq > OR_CL_MAX_BLOCK || bk < 1 || bk > OR_CL_MAX_BLOCK) {
-        const int q_bad = bq < 1 || bq > OR_CL_MAX_BLOCK;
-        PyErr_Format(PyExc_ValueError, "save_tuned_blocks(): '%s' must be in 1..%d, got %d",
-                     q_bad ? "block_q" : "block_k", OR_CL_MAX_BLOCK, q_bad ? bq : bk);
+    long long bq, bk;
+    if (or_int_arg("save_tuned_blocks", "block_q", given[0], 1, OR_CL_MAX_BLOCK, &bq) < 0
+        || or_int_arg("save_tuned_blocks", "block_k", given[1], 1, OR_CL_MAX_BLOCK, &bk) < 0)
         return NULL;
-    }
     int index = opencl_device("save_tuned_blocks", device);
     if (index < 0)
         return NULL;
-    return PyBool_FromLong(or_device_save_tuned_blocks(index, bq, bk));
+    return PyBool_FromLong(or_device_save_tuned_blocks(index, (int)bq, (int)bk));
 }
 
 PyDoc_STRVAR(set_native_isa_doc,

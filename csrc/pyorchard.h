@@ -104,6 +104,10 @@ typedef struct {
 
 /* args.c: each returns 0, or -1 with the exception set */
 int or_as_integer(PyObject *obj, long long *out);      /* -1: not an int (no exception), or another failure (its exception) */
+/* An int argument in lo..hi; -1 with TypeError (not an int, or a bool) or ValueError (out of
+ * range) naming func and name */
+int or_int_arg(const char *func, const char *name, PyObject *obj, long long lo, long long hi,
+               long long *out);
 int or_check_options(or_call *c, const or_opts *o);
 int or_call_device(or_call *c, PyObject *device, PyObject **objs, const int *slots, int n);
 int or_load_operands(or_call *c, PyObject **objs, const int *slots, int n);

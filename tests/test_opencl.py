@@ -562,11 +562,16 @@ def test_tuned_blocks_errors(ops, tmp_path):
         ops.save_tuned_blocks(OPENCL_IDS[0], 0, 64)
     with pytest.raises(ValueError, match="'block_k'"):
         ops.save_tuned_blocks(OPENCL_IDS[0], 64, 5000)
+    with pytest.raises(ValueError, match="'block_q' must be an int in 1..4096, got 2\\*\\*64|"
+                       "'block_q' must be an int in 1..4096, got 18446744073709551616"):
+        ops.save_tuned_blocks(OPENCL_IDS[0], 2**64, 64)     # was OverflowError
+    with pytest.raises(TypeError, match="'block_k' must be an int"):
+        ops.save_tuned_blocks(OPENCL_IDS[0], 64, True)      # was read as 1
     with pytest.raises(ValueError, match="'device'"):
         ops.save_tuned_blocks("opencl:99", 64, 64)
     with pytest.raises(ValueError, match="'device' must be an OpenCL device"):
         ops.program_blocks("cpu")
-    with pytest.raises(ValueError, match="'head_dim' must be in 1..256, got 0"):
+    with pytest.raises(ValueError, match="'head_dim' must be an int in 1..256, got 0"):
         ops.program_blocks(OPENCL_IDS[0], head_dim=0)
     assert child("""
         import json, orchard_ops as o
@@ -649,6 +654,16 @@ def test_logs(tmp_path):
     assert "flash_attn_fwd device=%s q=(1, 2, 8, 4)" % OPENCL_IDS[0] in text
     assert "flash_attn_bwd device=cpu" in text
     assert "zero-copy" in text and "staged" in text and "ms" in text
+    # a log file that cannot be opened: the lines come to stderr, saying why (they came
+    # silently, as if ORCHARD_LOG were unset)
+    r = run_python("""
+        import numpy as np, orchard_ops as o
+        q = np.ones((1, 2, 8, 4), np.float32)
+        o.flash_attn_fwd(q, q, q, device="cpu")
+    """, ORCHARD_DEBUG_FLASH_ATN=1, ORCHARD_LOG=tmp_path / "no" / "such.log")
+    assert r.returncode == 0
+    assert ("(ORCHARD_LOG='%s' cannot be opened: No such file or directory) orchard: "
+            "flash_attn_fwd device=cpu" % (tmp_path / "no" / "such.log")) in r.stderr
 
 
 @needs_opencl
