@@ -339,6 +339,32 @@ def test_an_encoder_falls_back_to_sdpa_with_or_without_padding(fresh_warnings):
         assert_close(got, ref(input_ids=ids, attention_mask=mask).last_hidden_state)
 
 
+@pytest.mark.parametrize("model_type, sizes, why", [
+    # computes its attention in its own code; its causal LM has no base model in MODEL_MAPPING
+    ("trocr", dict(d_model=64, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=128),
+     "TrOCRForCausalLM computes its attention in its own code"),
+    # decoder self-attention causal only through its mask: orchard ran it non-causally
+    ("bigbird_pegasus", dict(d_model=64, encoder_layers=1, decoder_layers=2,
+                             encoder_attention_heads=4, decoder_attention_heads=4,
+                             encoder_ffn_dim=128, decoder_ffn_dim=128),
+     "transformers marks BigBirdPegasusModel as not supporting FlashAttention-2"),
+    # a dynamic mask built on the causal one, which orchard's mask function leaves out
+    ("doge", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2),
+     "transformers marks DogeModel as not supporting FlashAttention-2"),
+])
+def test_models_flash_attention_2_does_not_serve_are_refused(model_type, sizes, why):
+    """Each of these ran on "orchard" with later tokens leaking into earlier positions, without
+    a word: orchard reads masks as transformers' FlashAttention-2 integration does, so it
+    refuses what that integration refuses."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, **sizes)
+    assert why in hf.unsupported_reason(config)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="orchard").eval()
+    with pytest.raises(ValueError, match="orchard.hf: " + why):
+        model(input_ids=tokens(2, 12))
+
+
 def test_a_model_outside_the_attention_interface_is_refused():
     """Bloom computes its attention in its own code: "orchard" would never reach it, and the
     mask function's None (causal) would leave it unmasked, so its forward is an error; BioGPT,
@@ -350,6 +376,7 @@ def test_a_model_outside_the_attention_interface_is_refused():
     with pytest.raises(ValueError, match="BloomModel computes its attention in its own code"):
         bloom(input_ids=tokens(1, 8))
     assert hf.computes_attention_itself(bloom.config) == "BloomModel"
+    assert hf.unsupported_reason(LlamaConfig()) is None
 
     config = BioGptConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
                           num_attention_heads=4, intermediate_size=128)

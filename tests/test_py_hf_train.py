@@ -232,8 +232,22 @@ def test_missing_hf_paths_are_one_error_line(tmp_path, flag, name, why):
      "not a valid llama config: "),
     ("--hf-model", "empty", None, "not a pretrained model folder (no config.json)"),
     ("--hf-config", "bloom.json", '{"model_type": "bloom", "hidden_size": 32, "n_head": 2}',
-     "model_type 'bloom' computes its attention in its own code (BloomModel), not through "
+     "model_type 'bloom': BloomModel computes its attention in its own code, not through "
      "transformers' attention interface"),
+    # TrOCR's causal LM has no base model in MODEL_MAPPING: it was trained unmasked
+    ("--hf-config", "trocr.json", '{"model_type": "trocr", "d_model": 32}',
+     "model_type 'trocr': TrOCRForCausalLM computes its attention in its own code"),
+    # Doge builds its mask on the causal one, which orchard's mask function leaves out
+    ("--hf-config", "doge.json", '{"model_type": "doge", "hidden_size": 32}',
+     "model_type 'doge': transformers marks DogeModel as not supporting FlashAttention-2"),
+    # transformers takes these; the first step, or the model's construction, failed with a
+    # traceback
+    ("--hf-config", "kv.json", '{"model_type": "qwen2", "hidden_size": 32, '
+     '"num_attention_heads": 4}', "num_key_value_heads 32 does not divide num_attention_heads "
+     "4 (it is qwen2's default: set it)"),
+    ("--hf-config", "negative.json", '{"model_type": "llama", "hidden_size": -64, '
+     '"num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 1}',
+     "transformers cannot build this model: "),
     ("--hf-config", "mamba.json", '{"model_type": "mamba", "hidden_size": 32}',
      "model_type 'mamba' has no attention heads"),
 ])

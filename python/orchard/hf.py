@@ -13,6 +13,7 @@ seqlen) of packed sequences. Any other mask (a caller's own 4-D mask, a mask fun
 orchard does not know) is materialised for transformers' sdpa attention, which then computes
 those calls, with one warning per reason.
 """
+import functools
 import sys
 import warnings
 
@@ -34,26 +35,77 @@ if int(transformers.__version__.split(".")[0]) != 5:
 from orchard.flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from orchard.torch import _MAX_HEAD_DIM, _ROUTABLE_DTYPES
 
-__all__ = ["register", "attention_forward", "attention_mask", "computes_attention_itself"]
+__all__ = ["register", "attention_forward", "attention_mask", "computes_attention_itself",
+           "unsupported_reason"]
 
 NAME = "orchard"
 
 # ----------------------------------------------------------------------------- the model
 
 
+def _model_class(config_type):
+    """transformers' model class for a config class: the base model, else (a decoder-only
+    model such as TrOCR's) the causal LM; None for one it does not map (custom code)."""
+    for mapping in (transformers.MODEL_MAPPING, transformers.MODEL_FOR_CAUSAL_LM_MAPPING):
+        if config_type in mapping:
+            return mapping[config_type]
+    return None
+
+
 def computes_attention_itself(config):
     """The name of the transformers model class of `config` where that class computes its
     attention in its own code rather than through transformers' attention interface (Bloom,
-    XGLM, Falcon, GPT-J, ...): attn_implementation="orchard" never reaches its attention, and
-    the masks orchard's mask function describes (None for causal) would leave it unmasked.
-    None for any other model, or one transformers does not map (custom code)."""
-    cls = transformers.MODEL_MAPPING.get(type(config), None)
+    XGLM, TrOCR, Falcon, GPT-J, ...): attn_implementation="orchard" never reaches its
+    attention, and the masks orchard's mask function describes (None for causal) would leave
+    it unmasked. None for any other model, or one transformers does not map (custom code)."""
+    return _computes_itself(type(config))
+
+
+# What a model class does depends on its config's class alone; reading it (its source, for
+# _can_set_attn_implementation) is too slow to repeat at every attention call: cached.
+@functools.lru_cache(maxsize=None)
+def _computes_itself(config_type):
+    cls = _model_class(config_type)
     if cls is None or cls.is_backend_compatible():
         return None
     # Some models use the interface without the flag that says so (BioGPT): transformers'
     # own test for whether a model's attention can be switched reads its source for the call.
     can_switch = getattr(cls, "_can_set_attn_implementation", None)
     return None if can_switch is not None and can_switch() else cls.__name__
+
+
+def unsupported_reason(config):
+    """Why attn_implementation="orchard" cannot run the model of `config`, or None. orchard
+    reads masks as transformers' FlashAttention-2 integration does (None for causal, a padding
+    mask, sequence ids), so it serves the models that integration serves: not those computing
+    attention in their own code, nor those whose class says _supports_flash_attn = False
+    (their attention needs more than that description: a decoder self-attention causal only
+    through its mask (BigBirdPegasus), a mask built on the causal one (Doge), a position bias
+    (T5), a mask tensor read by the model (DeepSeek V3.2's indexer), chunked layers (Llama 4))."""
+    return _unsupported(type(config))
+
+
+@functools.lru_cache(maxsize=None)
+def _unsupported(config_type):
+    own = _computes_itself(config_type)
+    if own is not None:
+        return ("%s computes its attention in its own code, not through transformers' "
+                "attention interface" % own)
+    cls = _model_class(config_type)
+    if cls is not None and not getattr(cls, "_supports_flash_attn", True):
+        return ("transformers marks %s as not supporting FlashAttention-2 "
+                "(_supports_flash_attn = False), whose description of the mask orchard reads"
+                % cls.__name__)
+    return None
+
+
+def _refuse_unsupported(config):
+    why = unsupported_reason(config)
+    if why is not None:
+        cls = _model_class(type(config))
+        others = "'sdpa' or 'eager'" if getattr(cls, "_supports_sdpa", False) else "'eager'"
+        raise ValueError("orchard.hf: %s, so attn_implementation=%r cannot run it: use %s"
+                         % (why, NAME, others))
 
 
 # ----------------------------------------------------------------------------- the mask
@@ -114,11 +166,8 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     the real tokens. Returns None, a (batch, keys) bool padding mask over the keys up to the
     last query, packed-sequence ids marked orchard_packed, or for a mask orchard cannot
     compute transformers' 4-D sdpa mask marked orchard_fallback (the reason)."""
-    own = computes_attention_itself(kwargs["config"]) if "config" in kwargs else None
-    if own is not None:
-        raise ValueError("orchard.hf: %s computes its attention in its own code, not through "
-                         "transformers' attention interface, so attn_implementation=%r cannot "
-                         "run it: use 'sdpa' or 'eager'" % (own, NAME))
+    if "config" in kwargs:
+        _refuse_unsupported(kwargs["config"])
     q_offset, kv_offset = int(q_offset), int(kv_offset)
     # Keys past the last query are a static cache's unwritten rows: the attention drops them.
     n_keys = q_offset + q_length - kv_offset
@@ -284,6 +333,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     D), key and value (B, Hkv, Nk, D) with Hkv dividing H, attention_mask from
     attention_mask() or the caller. Returns (out (B, Nq, H, Dv), None). Causal masks are
     bottom-right aligned (a decode step's queries are the last positions)."""
+    if getattr(module, "config", None) is not None:
+        _refuse_unsupported(module.config)  # a model that makes no mask reaches orchard here
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     # transformers' sliding window counts the query itself: kv > q - sliding_window.
     window = (-1, -1) if sliding_window is None else (sliding_window - 1, sliding_window - 1)

@@ -79,11 +79,17 @@ def _config_from_dict(values, path):
     if not getattr(config, "num_attention_heads", None):
         raise HFModelError("%s: model_type %r has no attention heads (num_attention_heads): "
                            "orchard trains attention models" % (path, model_type))
-    own = hf.computes_attention_itself(config)
-    if own is not None:
-        raise HFModelError("%s: model_type %r computes its attention in its own code (%s), "
-                           "not through transformers' attention interface, so orchard cannot "
-                           "run it" % (path, model_type, own))
+    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
+    if isinstance(kv_heads, int) and (kv_heads < 1 or heads % kv_heads):
+        # transformers takes it, and the first step fails; a left-out num_key_value_heads is
+        # the model's default, 32 for Qwen2, more than a small model's heads
+        raise HFModelError("%s: num_key_value_heads %d does not divide num_attention_heads %d"
+                           "%s" % (path, kv_heads, heads, "" if "num_key_value_heads" in values
+                                   else " (it is %s's default: set it)" % model_type))
+    why = hf.unsupported_reason(config)
+    if why is not None:
+        raise HFModelError("%s: model_type %r: %s, so orchard cannot run it"
+                           % (path, model_type, why))
     # An encoder (BERT without is_decoder) has a language-model head over attention that sees
     # later tokens: next-token training would teach it to copy them. Its modules say so; built
     # on the meta device, they cost no memory.
@@ -190,15 +196,22 @@ def build_model(model_cfg, hf_config=None, pretrained=None, checkpoint="the chec
     describes: randomly initialised, or with the weights of the local folder `pretrained`."""
     if hf_config is None:
         return GPT(GPTConfig.from_dict(model_cfg))
-    source = pretrained or "%s: its hf_config" % checkpoint
-    config = _config_from_dict(json.loads(hf_config), source)
+    # what the messages name: the folder, the checkpoint, or (a new run of --hf-config,
+    # whose caller names the file) nothing
+    source = pretrained or (checkpoint and "%s: its hf_config" % checkpoint)
+    config = _config_from_dict(json.loads(hf_config), source or "the config")
     transformers = _transformers(source)
     # float32 master weights, whatever dtype the config or files name: the trainer casts
     # with autocast.
     with _quiet(transformers):
         if pretrained is None:
-            model = transformers.AutoModelForCausalLM.from_config(
-                config, attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.float32)
+            try:
+                model = transformers.AutoModelForCausalLM.from_config(
+                    config, attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.float32)
+            except Exception as exc:   # a config transformers takes but cannot build
+                raise HFModelError("%stransformers cannot build this model: %s"
+                                   % (source + ": " if source else "", first_line(exc))) \
+                    from None
         else:
             model = _pretrained(transformers, pretrained, config)
     return HFCausalLM(model, (model_cfg or {}).get("context"))

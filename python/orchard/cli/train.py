@@ -275,7 +275,9 @@ def build_trainer(args):
     except HFModelError as exc:
         if hf_path is None:     # the checkpoint's hf_config: the message names the file
             raise
-        raise UsageError("argument %s: %s" % (hf_flag, exc)) from None
+        # a pretrained folder's messages name it; a config file's are named here
+        raise UsageError("argument %s: %s%s" % (hf_flag, "" if args.hf_model else
+                                                 hf_path + ": ", exc)) from None
 
 
 @console_script("orchard-train")
