@@ -81,8 +81,8 @@ def auto_choice_reason(listing=None):
         why = ("it is the OpenCL GPU with the most compute units (%d), and a GPU is faster "
                "for attention than the CPU" % chosen["compute_units"])
     elif others:
-        why = ("there is no OpenCL GPU, and on the same cores the native path is faster than "
-               "the OpenCL CPU device(s) %s, which are never picked automatically"
+        why = ("there is no OpenCL GPU, and on the same cores the native path is no slower "
+               "than the OpenCL CPU device(s) %s, which are never picked automatically"
                % ", ".join(others))
     elif orchard_ops.opencl_unavailable():
         why = ("there is no OpenCL device (%s), so attention runs on the native C path"

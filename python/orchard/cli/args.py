@@ -120,10 +120,11 @@ class Parser(argparse.ArgumentParser):
         epilog = "examples:\n" + "\n".join("  " + e for e in examples) if examples else None
         super().__init__(prog=prog, description=description, epilog=epilog,
                          formatter_class=_HelpFormatter)
-        # values that start with a minus and a digit, lists included ("-1,8,64,64"), are values
-        # (argparse takes only plain negative numbers for them, and "--shape -1,..." was
-        # "expected one argument", without the value): their own check then names it
-        self._negative_number_matcher = re.compile(r"^-\d[\d,.eE+-]*$")
+        # values that start with a minus and a digit, lists and block pairs included
+        # ("-1,8,64,64", "-64x64"), are values (argparse takes only plain negative numbers for
+        # them, and "--shape -1,..." was "expected one argument", without the value): their
+        # own check then names it
+        self._negative_number_matcher = re.compile(r"^-\d[\d,.eExX+-]*$")
         chatter = self.add_mutually_exclusive_group()
         chatter.add_argument("--verbose", action="store_true",
                              help="Show the full traceback of an error (as ORCHARD_DEBUG=1 "
@@ -242,15 +243,18 @@ def folder_problem(folder):
 
 
 def integer_list(minimum, maximum):
-    """An argparse type: a comma-separated list of integers, each in minimum..maximum."""
+    """An argparse type: a comma-separated list of integers, each in minimum..maximum, each
+    once."""
     def parse(text):
         try:
             items = [int(item) for item in text.split(",")]
         except ValueError:
             items = []
-        if not items or min(items) < minimum or max(items) > maximum:
+        if (not items or min(items) < minimum or max(items) > maximum
+                or len(set(items)) < len(items)):
             raise argparse.ArgumentTypeError("must be a comma-separated list of integers in "
-                                             "%d..%d (got %r)" % (minimum, maximum, text))
+                                             "%d..%d, each once (got %r)"
+                                             % (minimum, maximum, text))
         return items
     return _typed("list", parse)
 

@@ -53,8 +53,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     device_id = orchard_ops.resolve_device(None if args.device == "auto" else args.device)
     if not args.quiet and not args.json:
-        print(f"orchard {orchard_ops.__version__} on {device_id} "
-              f"({orchard_ops.get_num_threads()} threads)", file=sys.stderr)
+        info = next(d for d in orchard_ops.devices() if d["id"] == device_id)
+        where = (f"{orchard_ops.get_num_threads()} threads" if info["backend"] == "native"
+                 else f"{info['name']}, {info['compute_units']} compute units")
+        print(f"orchard {orchard_ops.__version__} on {device_id} ({where})", file=sys.stderr)
     rng = np.random.default_rng(0)
     failures = 0
     for name, (b, h, hkv, n, d), dtype, causal in CASES:
