@@ -72,17 +72,26 @@ def test_evaluation_windows_are_spread_over_the_held_out_ones():
     assert evaluation_windows(val, 1)[:, 0].tolist() == [0]
 
 
-def test_validation_loss_is_measured_periodically(run_files, tmp_path, caplog):
+def train_with(run_files, tmp_path, caplog, training, *extra):
+    """orchard-train on the tiny config with these training keys changed, logging at INFO
+    into caplog; returns the output folder."""
     import yaml
 
     cfg = json.loads(json.dumps(TINY_CONFIG))
-    cfg["training"].update(eval_interval=4, val_fraction=0.1, eval_sequences=3)
-    config = tmp_path / "val.yaml"
+    cfg["training"].update(training)
+    config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(cfg))
     out = tmp_path / "run"
     with caplog.at_level(logging.INFO, logger="orchard"):
         assert train.main(["--config", str(config), "--sequences", run_files[1], "--output",
-                           str(out), "--device", "cpu", "--max-steps", "10"]) == 0
+                           str(out), "--device", "cpu"] + list(extra)) == 0
+    return out
+
+
+def test_validation_loss_is_measured_periodically(run_files, tmp_path, caplog):
+    out = train_with(run_files, tmp_path, caplog,
+                     dict(eval_interval=4, val_fraction=0.1, eval_sequences=3),
+                     "--max-steps", "10")
     metrics = read_metrics(out)
     val = {m["step"]: m["val_loss"] for m in metrics if "val_loss" in m}
     assert sorted(val) == [4, 8, 10]         # every eval_interval steps and at the end
@@ -93,17 +102,9 @@ def test_validation_loss_is_measured_periodically(run_files, tmp_path, caplog):
 
 def test_a_diverged_run_writes_strict_json_and_uneven_micro_batches_are_named(
         run_files, tmp_path, caplog):
-    import yaml
-
-    cfg = json.loads(json.dumps(TINY_CONFIG))
-    cfg["training"].update(learning_rate=1e30, min_lr=1e29, warmup_steps=0)
-    config = tmp_path / "wild.yaml"
-    config.write_text(yaml.safe_dump(cfg))
-    out = tmp_path / "run"
-    with caplog.at_level(logging.INFO, logger="orchard"):
-        assert train.main(["--config", str(config), "--sequences", run_files[1], "--output",
-                           str(out), "--device", "cpu", "--max-steps", "4",
-                           "--micro-batch", "3"]) == 0
+    out = train_with(run_files, tmp_path, caplog,
+                     dict(learning_rate=1e30, min_lr=1e29, warmup_steps=0),
+                     "--max-steps", "4", "--micro-batch", "3")
     assert "the run has diverged" in caplog.text
     # batch 8 as 3 + 3 + 2: "micro-batch 3 x 3" alone would read as 9
     assert "batch 8 = 1 process(es) x micro-batch 3 x 3 accumulation (the last of 2)" \
