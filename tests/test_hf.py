@@ -339,6 +339,30 @@ def test_an_encoder_falls_back_to_sdpa_with_or_without_padding(fresh_warnings):
         assert_close(got, ref(input_ids=ids, attention_mask=mask).last_hidden_state)
 
 
+@pytest.mark.parametrize("model_type, extra", [
+    # keeps its window on the layer and does not pass it on
+    ("qwen2_moe", dict(moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                       num_experts=4, num_experts_per_tok=2, use_sliding_window=True,
+                       layer_types=["sliding_attention"] * 2)),
+    # neither passes nor keeps it: only its mask has it
+    ("phimoe", dict(num_local_experts=4, num_experts_per_tok=2)),
+])
+def test_a_window_the_layer_does_not_pass_is_applied(model_type, extra):
+    """Such layers ran full causal attention on orchard (their masks, which orchard's mask
+    function leaves out, held the window), 0.4 off sdpa, without a word."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.for_model(model_type, sliding_window=4, num_key_value_heads=2, **SMALL,
+                                  **extra)
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model = copy.deepcopy(ref)
+    model.set_attn_implementation("orchard")
+    orchard_ops.reset_stats()
+    ids = tokens(2, 16)
+    assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+    assert orchard_ops.stats()["fwd_calls"] == 2
+
+
 @pytest.mark.parametrize("model_type, sizes, why", [
     # computes its attention in its own code; its causal LM has no base model in MODEL_MAPPING
     ("trocr", dict(d_model=64, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=128),

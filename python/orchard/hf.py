@@ -16,6 +16,7 @@ those calls, with one warning per reason.
 import functools
 import sys
 import warnings
+import weakref
 
 try:
     import torch
@@ -133,6 +134,44 @@ _PACKED = _code(masking_utils.packed_sequence_mask_function(None))
 _REMAP = _code(masking_utils.remap_positions_for_packed_sequence(None, None))
 
 
+def _window_of(mask_function):
+    """The window of a sliding-window causal mask function, None for any other."""
+    if _code(mask_function) is _AND:
+        parts = _free_vars(mask_function)["mask_functions"]
+        if (len(parts) == 2 and parts[1] is masking_utils.causal_mask_function
+                and _code(parts[0]) is _WINDOW):
+            return _free_vars(parts[0])["sliding_window"]
+    return None
+
+
+# The windows of the causal masks each model config's forwards made (None: no window), so
+# that a layer that neither passes its window nor keeps it (PhiMoE) gets the one its mask
+# had: id(config) -> (a weak reference to it, that set).
+_windows_made = {}
+
+
+def _record_window(config, window):
+    key = id(config)
+    ref, windows = _windows_made.get(key, (None, set()))
+    if ref is None or ref() is not config:     # new, or another config at a reused id
+        # the entry goes with its config
+        ref, windows = weakref.ref(config, lambda _: _windows_made.pop(key, None)), set()
+        _windows_made[key] = (ref, windows)
+    windows.add(window)
+
+
+def _window_for(module):
+    """The window of a layer that passed none: its own attribute (Qwen2-MoE keeps it), else
+    the one every causal mask made for its model had, else None."""
+    if getattr(module, "sliding_window", None) is not None:
+        return module.sliding_window
+    config = getattr(module, "config", None)
+    ref, windows = _windows_made.get(id(config), (None, set()))
+    if ref is not None and ref() is config and len(windows) == 1:
+        return next(iter(windows))
+    return None
+
+
 def _packed_ids(mask_function):
     """None for a causal or sliding-window causal mask function, the sequence ids (batch,
     seqlen) for one over packed sequences; _Unsupported for any other."""
@@ -187,6 +226,8 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
             allow_is_causal_skip=False, allow_is_bidirectional_skip=False, **kwargs)
         mask.orchard_fallback = str(e)
         return mask
+    if ids is None and "config" in kwargs:
+        _record_window(kwargs["config"], _window_of(mask_function))
     if ids is not None:
         ids = ids.to(torch.int64, copy=True)
         ids.orchard_packed = True
@@ -336,6 +377,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if getattr(module, "config", None) is not None:
         _refuse_unsupported(module.config)  # a model that makes no mask reaches orchard here
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+    if sliding_window is None:
+        # a layer with a window that does not pass it on (Qwen2-MoE, PhiMoE): its mask, which
+        # orchard's mask function left out, applied it
+        sliding_window = _window_for(module)
     # transformers' sliding window counts the query itself: kv > q - sliding_window.
     window = (-1, -1) if sliding_window is None else (sliding_window - 1, sliding_window - 1)
     if len({query.dtype, key.dtype, value.dtype}) > 1:
