@@ -415,6 +415,17 @@ def test_a_model_outside_the_attention_interface_is_refused():
     assert orchard_ops.stats()["fwd_calls"] > 0
 
 
+def test_output_attentions_says_no_weights_come(fresh_warnings):
+    """output_attentions=True returned no weights without a word (sdpa and flash_attention_2
+    say so once); the outputs are orchard's all the same."""
+    ref, model = pair("llama-gqa")
+    ids = tokens(2, 8)
+    with pytest.warns(UserWarning, match="output_attentions=True: orchard never forms"):
+        got = model(input_ids=ids, output_attentions=True)
+    assert not any(a is not None for a in got.attentions)
+    assert_close(got.logits, ref(input_ids=ids).logits)
+
+
 def test_softcap_falls_back_to_eager(fresh_warnings):
     ref, model = pair("gemma2-softcap")
     mask = torch.ones(12, 12, dtype=torch.bool).tril()

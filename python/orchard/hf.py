@@ -376,6 +376,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     bottom-right aligned (a decode step's queries are the last positions)."""
     if getattr(module, "config", None) is not None:
         _refuse_unsupported(module.config)  # a model that makes no mask reaches orchard here
+    if kwargs.get("output_attentions") and "output_attentions" not in _warned:
+        _warned.add("output_attentions")     # as sdpa and flash_attention_2 say, once
+        warnings.warn("orchard.hf: output_attentions=True: orchard never forms the attention "
+                      "weights, so none are returned (attn_implementation='eager' returns "
+                      "them)", stacklevel=3)
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     if sliding_window is None:
         # a layer with a window that does not pass it on (Qwen2-MoE, PhiMoE): its mask, which
