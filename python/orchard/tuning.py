@@ -36,16 +36,15 @@ print(json.dumps([best] + list(orchard_ops.program_blocks(device, d)[1:])))
 """
 
 
-def time_candidate(device, shape, block_q, block_k, repeats, report=print):
+def time_candidate(device, shape, block_q, block_k, repeats):
     """(seconds of a forward plus backward with these blocks, (bq, bk) they ran as: rounded
-    and fitted by the family's rules), or None if they do not run."""
+    and fitted by the family's rules), or (None, why) if they do not run."""
     env = dict(os.environ, ORCHARD_CL_BLOCK_Q=str(block_q), ORCHARD_CL_BLOCK_K=str(block_k))
     r = subprocess.run([sys.executable, "-c", TIMING_SCRIPT, device, json.dumps(shape),
                         str(repeats)], env=env, capture_output=True, text=True)
     if r.returncode != 0:
-        report("  %d x %d: failed (%s)" % (block_q, block_k,
-                                           (r.stderr.strip().splitlines() or ["?"])[-1]))
-        return None
+        lines = r.stderr.strip().splitlines()
+        return None, lines[-1] if lines else "exit status %d" % r.returncode
     seconds, bq, bk = json.loads(r.stdout.splitlines()[-1])
     return seconds, (bq, bk)
 
@@ -69,18 +68,23 @@ def tune(device, shape=(1, 8, 1024, 64), candidates=None, repeats=3, report=prin
     len(candidates)) is updated after each."""
     default = default_candidates(device)
     candidates = default if candidates is None else candidates
-    times = {}
+    times, why = {}, None
     for n, (bq, bk) in enumerate(candidates, 1):
-        timed = time_candidate(device, list(shape), bq, bk, repeats, report)
-        if timed is not None:
-            seconds, ran = timed
+        seconds, ran = time_candidate(device, list(shape), bq, bk, repeats)
+        if seconds is None:
+            why = ran
+            report("  %d x %d: failed (%s)" % (bq, bk, why))
+        else:
             times[ran] = min(seconds, times.get(ran, seconds))
             report("  %d x %d: %.2f ms%s" % (bq, bk, seconds * 1e3, "" if ran == (bq, bk)
                                               else " (runs as %d x %d)" % ran))
         if progress is not None:
             progress.update(n, "%dx%d" % (bq, bk))
     if not times:
-        raise RuntimeError("tune(): no candidate block size ran on %s" % device)
+        options = os.environ.get("ORCHARD_CL_OPTIONS")
+        raise RuntimeError("tune(): no candidate block size ran on %s, the last: %s%s"
+                           % (device, why, " (ORCHARD_CL_OPTIONS=%r is set)" % options
+                              if options else ""))
     best = min(times, key=times.get)
     if not orchard_ops.save_tuned_blocks(device, *best):
         report("the OpenCL cache is off (ORCHARD_NO_CACHE) or not writable: nothing stored")
