@@ -66,6 +66,21 @@ bf16_gemm(float *c, int ldc, const uint32_t *a, int ars, int acs, const uint32_t
     }
 }
 
+#ifdef OR_AMX_TILES
+#include "attn_amx_impl.h"
+#else
+/* Without AMX tiles, products of a row-major A are dot products as the others. */
+static inline __attribute__((always_inline)) void
+bf16_rows_gemm(float *c, int ldc, const uint32_t *a, int lda, const uint32_t *b, or_ssize ldb,
+               int m, int n, int k2, float mul, int accumulate)
+{
+    bf16_gemm(c, ldc, a, lda, 1, b, ldb, m, n, k2, mul, accumulate);
+}
+
+static inline void bf16_tiles_begin(void) {}
+static inline void bf16_tiles_end(void) {}
+#endif
+
 /* Query rows [0, rows) of a block as words (q above), rows [rows, pad_rows) zero. */
 static inline void bf16_load_q(uint32_t *q, int ld, const char *src, or_ssize stride, int rows,
                                int pad_rows, int d)
@@ -117,8 +132,8 @@ bf16_values_product(float *o, int dvp, float *s, int m, int n, int skip, int kco
 {
     bf16_pairs_along((uint32_t *)s, BC, s, BC, m, n);
     if (kcols > skip)
-        bf16_gemm(o, dvp, (const uint32_t *)s + skip / 2, BC, 1, vb + (or_ssize)(skip / 2) * dvp,
-                  dvp, m, dvp, (kcols + 1) / 2 - skip / 2, 1, 1);
+        bf16_rows_gemm(o, dvp, (const uint32_t *)s + skip / 2, BC, vb + (or_ssize)(skip / 2) * dvp,
+                       dvp, m, dvp, (kcols + 1) / 2 - skip / 2, 1, 1);
 }
 
 /* K or V (slot) of kv unit kvu, rows [0, nk) of n columns, as blocks of BC keys of pairs along

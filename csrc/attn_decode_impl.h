@@ -37,8 +37,10 @@
 /* accumulators of a value tile (decode_pv_tile): with two value vectors and the rows'
  * weights they must fit the register file */
 #define PV_ACC (VBYTES == 64 ? 16 : 8)
-/* bfloat16 steps' products on AVX512-BF16 dot products, where the set has them */
-#if defined(OR_BF16_DOTS) && REAL_SIZE == 4
+/* bfloat16 steps' products on AVX512-BF16 dot products, where the set has them; the AMX set
+ * (Intel's CPUs, VDPBF16PS at half rate) widens: a 32 / 8-head step 0.85x the time of its dot
+ * products (Sapphire Rapids, benchmarks/decode.py) */
+#if defined(OR_BF16_DOTS) && REAL_SIZE == 4 && !defined(OR_AMX_TILES)
 #define DECODE_DOTS 1
 #else
 #define DECODE_DOTS 0

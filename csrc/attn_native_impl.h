@@ -459,9 +459,9 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
             const int kcols = ncols < cols ? ncols : cols;      /* keys read and transformed */
 #if DOTS
             if (dots)
-                bf16_gemm(s, BC, (const uint32_t *)q + (or_ssize)r0 * dp, dp, 1,
-                          (const uint32_t *)kt + j0 / BC * KLD * ((d + 1) / 2), KLD, sr, ncols,
-                          (d + 1) / 2, (REAL)p->prm.scale, 0);
+                bf16_rows_gemm(s, BC, (const uint32_t *)q + (or_ssize)r0 * dp, dp,
+                               (const uint32_t *)kt + j0 / BC * KLD * ((d + 1) / 2), KLD, sr,
+                               ncols, (d + 1) / 2, (REAL)p->prm.scale, 0);
             else
 #endif
             FN(gemm)(s, BC, q + (or_ssize)r0 * dp, dp, 1, kt + j0 / BC * KLD * d, KLD, sr, ncols,
@@ -573,7 +573,9 @@ static void FN(fwd_item)(void *vjob, or_ssize item, int worker)
 #if DOTS
 static void bf16_fwd_item(void *vjob, or_ssize item, int worker)
 {
+    bf16_tiles_begin();
     FN(fwd_item_as)(vjob, item, worker, 1);
+    bf16_tiles_end();
 }
 #endif
 
@@ -694,9 +696,9 @@ FN(bwd_unit)(void *vjob, or_ssize item, int worker, const int dots)
                     if (ncols > 0) {
 #if DOTS
                         if (dots)
-                            bf16_gemm(sb, BC, qw + (or_ssize)r0 * dp, dp, 1,
-                                      (const uint32_t *)kt + j0 / BC * KLD * d2, KLD, m, ncols,
-                                      d2, (REAL)p->prm.scale, 0);
+                            bf16_rows_gemm(sb, BC, qw + (or_ssize)r0 * dp, dp,
+                                           (const uint32_t *)kt + j0 / BC * KLD * d2, KLD, m,
+                                           ncols, d2, (REAL)p->prm.scale, 0);
                         else
 #endif
                         FN(gemm)(sb, BC, q + (or_ssize)r0 * dp, dp, 1, kt + j0 / BC * KLD * d,
@@ -705,9 +707,9 @@ FN(bwd_unit)(void *vjob, or_ssize item, int worker, const int dots)
                                              nq, nk, slope, sb, dcap + (or_ssize)r0 * BC);
 #if DOTS
                         if (dots)
-                            bf16_gemm(db, BC, dow + (or_ssize)r0 * dvp, dvp, 1,
-                                      (const uint32_t *)vt + j0 / BC * KLD * dv2, KLD, m, ncols,
-                                      dv2, 1, 0);
+                            bf16_rows_gemm(db, BC, dow + (or_ssize)r0 * dvp, dvp,
+                                           (const uint32_t *)vt + j0 / BC * KLD * dv2, KLD, m,
+                                           ncols, dv2, 1, 0);
                         else
 #endif
                         FN(gemm)(db, BC, dout + (or_ssize)r0 * dvp, dvp, 1,
@@ -753,9 +755,10 @@ FN(bwd_unit)(void *vjob, or_ssize item, int worker, const int dots)
                         bf16_pairs_of_rows(dsr, BC, dpm, BC, r0 / 2, (r0 + m) / 2, BC);
                         bf16_pairs_along((uint32_t *)db, BC, db, BC, m, ncols);
                         if (kcols > skip)
-                            bf16_gemm(dq + (or_ssize)r0 * dp, dp, (const uint32_t *)db + skip / 2,
-                                      BC, 1, (const uint32_t *)k + (j0 + skip) / 2 * dp, dp, m,
-                                      dp, (kcols + 1) / 2 - skip / 2, 1, 1);
+                            bf16_rows_gemm(dq + (or_ssize)r0 * dp, dp,
+                                           (const uint32_t *)db + skip / 2, BC,
+                                           (const uint32_t *)k + (j0 + skip) / 2 * dp, dp, m,
+                                           dp, (kcols + 1) / 2 - skip / 2, 1, 1);
                         continue;
                     }
 #endif
@@ -810,7 +813,9 @@ static void FN(bwd_item)(void *vjob, or_ssize item, int worker)
 #if DOTS
 static void bf16_bwd_item(void *vjob, or_ssize item, int worker)
 {
+    bf16_tiles_begin();
     FN(bwd_unit)(vjob, item, worker, 1);
+    bf16_tiles_end();
 }
 #endif
 

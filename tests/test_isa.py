@@ -98,13 +98,15 @@ BF16_CASES = {     # (h, hkv, nq, nk, d, dv), features
     "alibi": ((2, 2, 100, 100, 64, 64), dict(alibi_slopes=np.array([0.5, 0.25]), causal=True)),
     "dropout": ((2, 2, 100, 129, 64, 64), dict(dropout_p=0.3, seed=5)),
     "three query rows": ((2, 2, 3, 200, 64, 64), dict(causal=True)),   # a pair padded
+    "head dim 256": ((2, 1, 100, 260, 256, 256), dict(causal=True)),   # amx: 8 tiles along d
 }
 
 
 @pytest.mark.parametrize("case", sorted(BF16_CASES))
 def test_bfloat16(ops, isa, rng, case):
     """bfloat16 q, k, v and dO (avx512bf16: the matrix products on bfloat16 dot products, P and
-    dS rounded to bfloat16, attn_bf16_impl.h). out is the float64 result on the stored inputs to
+    dS rounded to bfloat16, attn_bf16_impl.h; amx: those of a row-major left operand on AMX
+    tiles, attn_amx_impl.h, with rows and words past whole tiles on the dot products). out is the float64 result on the stored inputs to
     the rounding of out and of P (2^-9 of |out| and of max|v| at most), lse as a float32 call's;
     the gradients within 2^-6 of their magnitude (the widening path's, here: up to 3.4e-3; the
     dot products': up to 4.9e-3; a key or a pair lost is an error of order 1)."""
@@ -145,8 +147,8 @@ def test_sets_agree(ops, rng):
 
 
 def test_widest_set_is_chosen_at_import(ops):
-    """bfloat16 dot products only where they are as fast as float FMAs: AMD's CPUs
-    (native_isa.c)."""
+    """bfloat16 dot products only where they are as fast as float FMAs (AMD's CPUs) or where
+    AMX tiles take the products (native_isa.c): the widest set otherwise."""
     info = run_python("import orchard_ops; print(orchard_ops.devices()[0]['kernel_isa'])",
                       ORCHARD_ISA=None)
     amd = ops.devices()[0]["vendor"] == "AuthenticAMD"

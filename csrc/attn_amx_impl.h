@@ -1,0 +1,114 @@
+/* attn_amx_impl.h - the bfloat16 matrix products whose left operand is row-major (A's words
+ * (i, x) at a[i lda + x]) on AMX tiles: S = q K^T and P V in the forward, S, dP and dQ in the
+ * backward. attn_bf16_impl.h includes it in sets compiled with AMX-BF16 (isa_amx.c).
+ *
+ * TDPBF16PS multiplies a tile of 16 rows x 16 words of A by one of 16 words x 16 columns of B
+ * (word (x, j): the pair of column j at 2x, 2x + 1 along the sum: the layout of kt, vc and the
+ * other right operands already) into 16 x 16 floats: 8,192 products per instruction, 16x a
+ * float FMA's per cycle on Sapphire Rapids. Tile registers, configured once per work item
+ * (bf16_tiles_begin, bf16_tiles_end):
+ *   0-3  C: 16 rows x 16 floats, four column tiles of a 16-row strip of C
+ *   4    A: 16 rows x 16 words
+ *   5, 6 B: 16 words x 16 columns, alternated so that one loads while the other multiplies
+ * Rows past the last multiple of 16 and words past the last multiple of 16 go to the bfloat16
+ * dot products (bf16_gemm): a tile's shape is fixed by the configuration, and reading past
+ * an operand's words would read past its buffer.
+ */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];     /* bytes per row of each tile register */
+    uint8_t rows[16];
+} amx_config;
+
+static inline void bf16_tiles_begin(void)
+{
+    amx_config cfg = {.palette = 1};
+    for (int t = 0; t < 7; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+static inline void bf16_tiles_end(void)
+{
+    _tile_release();
+}
+
+/* C (16 x 16 nt floats, ldc) = or += A (16 x k2 words) B (k2 x 16 nt words); nt 2 or 4, k2 a
+ * multiple of 16. Strides in bytes. */
+static inline __attribute__((always_inline)) void
+amx_strip(float *c, int ldc, const uint32_t *a, int lda, const uint32_t *b, or_ssize ldb, int k2,
+          const int nt, int accumulate)
+{
+    const long sc = 4L * ldc, sa = 4L * lda, sb = 4L * ldb;
+    if (accumulate) {
+        _tile_loadd(0, c, sc);
+        _tile_loadd(1, c + 16, sc);
+        if (nt == 4) {
+            _tile_loadd(2, c + 32, sc);
+            _tile_loadd(3, c + 48, sc);
+        }
+    } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        if (nt == 4) {
+            _tile_zero(2);
+            _tile_zero(3);
+        }
+    }
+    for (int x = 0; x < k2; x += 16) {
+        const uint32_t *bx = b + (or_ssize)x * ldb;
+        _tile_loadd(4, a + x, sa);
+        _tile_loadd(5, bx, sb);
+        _tile_loadd(6, bx + 16, sb);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_dpbf16ps(1, 4, 6);
+        if (nt == 4) {
+            _tile_loadd(5, bx + 32, sb);
+            _tile_loadd(6, bx + 48, sb);
+            _tile_dpbf16ps(2, 4, 5);
+            _tile_dpbf16ps(3, 4, 6);
+        }
+    }
+    _tile_stored(0, c, sc);
+    _tile_stored(1, c + 16, sc);
+    if (nt == 4) {
+        _tile_stored(2, c + 32, sc);
+        _tile_stored(3, c + 48, sc);
+    }
+}
+
+/* bf16_gemm's C = mul A B or C += A B for a row-major A (acs 1): whole tiles on AMX, the rest
+ * on dot products, then the scale. m a multiple of MR, n of W (32 floats: 2 or 4 tiles). */
+static inline __attribute__((always_inline)) void
+bf16_rows_gemm(float *c, int ldc, const uint32_t *a, int lda, const uint32_t *b, or_ssize ldb,
+               int m, int n, int k2, float mul, int accumulate)
+{
+    const int m16 = m / 16 * 16, k16 = k2 / 16 * 16;
+    if (k16 == 0) {
+        bf16_gemm(c, ldc, a, lda, 1, b, ldb, m, n, k2, mul, accumulate);
+        return;
+    }
+    for (int i0 = 0; i0 < m16; i0 += 16) {
+        float *ci = c + (or_ssize)i0 * ldc;
+        const uint32_t *ai = a + (or_ssize)i0 * lda;
+        int j0 = 0;
+        for (; j0 + 64 <= n; j0 += 64)
+            amx_strip(ci + j0, ldc, ai, lda, b + j0, ldb, k16, 4, accumulate);
+        if (j0 < n)
+            amx_strip(ci + j0, ldc, ai, lda, b + j0, ldb, k16, 2, accumulate);
+    }
+    if (k16 < k2)
+        bf16_gemm(c, ldc, a + k16, lda, 1, b + (or_ssize)k16 * ldb, ldb, m16, n, k2 - k16, 1, 1);
+    if (!accumulate && mul != 1)
+        for (int i = 0; i < m16; i++)
+            for (int j = 0; j < n; j += 16) {
+                float *cij = c + (or_ssize)i * ldc + j;
+                _mm512_storeu_ps(cij, _mm512_mul_ps(_mm512_loadu_ps(cij), _mm512_set1_ps(mul)));
+            }
+    if (m16 < m)
+        bf16_gemm(c + (or_ssize)m16 * ldc, ldc, a + (or_ssize)m16 * lda, lda, 1, b, ldb, m - m16,
+                  n, k2, mul, accumulate);
+}
