@@ -112,3 +112,17 @@ bf16_rows_gemm(float *c, int ldc, const uint32_t *a, int lda, const uint32_t *b,
         bf16_gemm(c + (or_ssize)m16 * ldc, ldc, a + (or_ssize)m16 * lda, lda, 1, b, ldb, m - m16,
                   n, k2, mul, accumulate);
 }
+
+/* Words (c, x) of dst (rows BR / 2 words apart) = elements (2x, c), (2x + 1, c) of src, for
+ * pairs of rows [0, pairs) and columns [0, n): q^T and dO^T, the left operands of the
+ * backward's dK^T += q^T dS and dV^T += dO^T P. Exact: src holds bfloat16 values, whose bits
+ * are a float's upper half. */
+static void bf16_column_pairs(uint32_t *dst, const float *src, int lds, int pairs, int n)
+{
+    for (int x = 0; x < pairs; x++) {
+        const uint32_t *lo = (const uint32_t *)(src + (or_ssize)2 * x * lds);
+        const uint32_t *hi = lo + lds;
+        for (int c = 0; c < n; c++)
+            dst[(or_ssize)c * (BR / 2) + x] = lo[c] >> 16 | (hi[c] & 0xFFFF0000u);
+    }
+}

@@ -165,6 +165,13 @@ FN(ask_next_tile)(const REAL *c, int ldc, int i0, int j0, int m, int n)
 #else
 #define DOTS 0
 #endif
+/* The AMX set's backward keeps dK and dV transposed, so that all five products have a
+ * row-major left operand (attn_amx_impl.h). */
+#if DOTS && defined(OR_AMX_TILES)
+#define TILES 1
+#else
+#define TILES 0
+#endif
 
 /* C (m x n, ldc) = or += A (m x k) B (k x n, ldb). A's element (i, x) is a[i * ars + x * acs],
  * so A may be read transposed (P^T, dS^T) at no cost. m is a multiple of MR and n of W.
@@ -590,11 +597,13 @@ static size_t FN(bwd_scratch)(const or_problem *p, or_ssize nk_max)
 }
 
 #if DOTS
-/* bf16_bwd_item's: bwd_item's, then its tiles of pairs of bfloat16 (qw, dow, qr, dor, prr, dsr) */
+/* bf16_bwd_item's: bwd_item's, then its tiles of pairs of bfloat16 (qw, dow, qr, dor, prr, dsr)
+ * and with AMX tiles the transposed dK and dV (dkt, dvt) */
 static size_t bf16_bwd_scratch(const or_problem *p, or_ssize nk_max)
 {
     const size_t dp = (size_t)FN(pad)(p->d), dvp = (size_t)FN(pad)(p->dv);
-    return FN(bwd_scratch)(p, nk_max) + BR * (dp + dvp) / 2 * 3 + (size_t)BR * BC;
+    return FN(bwd_scratch)(p, nk_max) + BR * (dp + dvp) / 2 * 3 + (size_t)BR * BC
+           + TILES * (dp + dvp) * (size_t)(nk_max / BC + 1) * BC;      /* dkt, dvt */
 }
 #endif
 
@@ -606,7 +615,11 @@ static size_t bf16_bwd_scratch(const or_problem *p, or_ssize nk_max)
  *   qr, dor   q and dO, pairs of rows                 (dK += dS^T q, dV += P^T dO)
  *   prr, dsr  P and dS, pairs of rows, BC words wide  (the A operands of those two)
  *   kt, vt    blocks of pairs along d / dv; k: pairs of rows (dQ += dS K, dS pairs along keys
- *             in place) */
+ *             in place)
+ * With AMX tiles dK and dV accumulate transposed, dK^T += q^T dS and dV^T += dO^T P, their
+ * left operands q^T and dO^T in qr and dor as rows of BR / 2 words (pairs of query rows):
+ *   dkt, dvt  dp x ldt and dvp x ldt floats, ldt = nk rounded up past a multiple of BC,
+ *             transposed into dk and dvacc at the end of the unit */
 static inline __attribute__((always_inline)) void
 FN(bwd_unit)(void *vjob, or_ssize item, int worker, const int dots)
 {
@@ -631,8 +644,17 @@ FN(bwd_unit)(void *vjob, or_ssize item, int worker, const int dots)
     const int d2 = (d + 1) / 2, dv2 = (dv + 1) / 2;
     uint32_t *qw = (uint32_t *)(di + BR), *dow = qw + BR * dp, *qr = dow + BR * dvp;
     uint32_t *dor = qr + BR / 2 * dp, *prr = dor + BR / 2 * dvp, *dsr = prr + BR / 2 * BC;
+#if TILES
+    const int ldt = (int)(nk / BC + 1) * BC;
+    float *dkt = (float *)(dsr + BR / 2 * BC), *dvt = dkt + (job->nk_max / BC + 1) * BC * dp;
     if (dots) {
-        keep = (unsigned char *)(dsr + BR / 2 * BC);
+        memset(dkt, 0, sizeof(float) * (size_t)ldt * (size_t)dp);
+        memset(dvt, 0, sizeof(float) * (size_t)ldt * (size_t)dvp);
+    }
+#endif
+    if (dots) {
+        keep = (unsigned char *)(dsr + BR / 2 * BC)
+               + TILES * sizeof(float) * (size_t)(job->nk_max / BC + 1) * BC * (dp + dvp);
         bf16_pack_row_pairs((uint32_t *)k, dp, p, OR_K, kvu, nk, d);
         bf16_pack_blocks((uint32_t *)kt, p, OR_K, kvu, nk, d);
         bf16_pack_blocks((uint32_t *)vt, p, OR_V, kvu, nk, dv);
@@ -661,8 +683,13 @@ FN(bwd_unit)(void *vjob, or_ssize item, int worker, const int dots)
             if (dots) {     /* exact: the values are bfloat16 */
                 bf16_pairs_along(qw, dp, q, dp, rows_mr, dp);
                 bf16_pairs_along(dow, dvp, dout, dvp, rows_mr, dvp);
+#if TILES
+                bf16_column_pairs(qr, q, dp, rows_mr / 2, dp);
+                bf16_column_pairs(dor, dout, dvp, rows_mr / 2, dvp);
+#else
                 bf16_pairs_of_rows(qr, dp, q, dp, 0, rows_mr / 2, dp);
                 bf16_pairs_of_rows(dor, dvp, dout, dvp, 0, rows_mr / 2, dvp);
+#endif
             }
 #endif
             FN(load_rows)(o, dvp, FN(row_ptr)(p, OR_O, u, i0), w[OR_O].row_stride, rows, dv, rows,
@@ -769,7 +796,23 @@ FN(bwd_unit)(void *vjob, or_ssize item, int worker, const int dots)
                 /* dV += P^T dO, dK += dS^T q; in a cut block SR keys at a time, from the first
                  * row that sees them (P and dS are 0 above it) */
                 const int sk = cut ? SR : cols_mr;
+#if TILES
+                /* dK^T and dV^T: keys are the columns, in whole tiles */
+                for (int c0 = 0; dots && c0 < cols; c0 += cut ? W : BC) {
+                    const int n = cut ? W : FN(pad)(cols);
+                    const int rlo = cut && c0 - reach > 0 ? (int)(c0 - reach) : 0;
+                    if (rlo >= rows)
+                        break;
+                    const int x0 = rlo / 2, pairs = (rows + 1) / 2 - x0;
+                    bf16_rows_gemm(dvt + j0 + c0, ldt, dor + x0, BR / 2, prr + (or_ssize)x0 * BC + c0,
+                                   BC, dvp, n, pairs, 1, 1);
+                    bf16_rows_gemm(dkt + j0 + c0, ldt, qr + x0, BR / 2, dsr + (or_ssize)x0 * BC + c0,
+                                   BC, dp, n, pairs, 1, 1);
+                }
+                for (int c0 = 0; !dots && c0 < cols_mr; c0 += sk) {
+#else
                 for (int c0 = 0; c0 < cols_mr; c0 += sk) {
+#endif
                     const int n = cols_mr - c0 < sk ? cols_mr - c0 : sk;
                     const int rlo = cut && c0 - reach > 0 ? (int)(c0 - reach) : 0;
                     if (rlo >= rows)
@@ -797,6 +840,14 @@ FN(bwd_unit)(void *vjob, or_ssize item, int worker, const int dots)
                            w[OR_DQ].dtype);
         }
     }
+#if TILES
+    for (or_ssize j = 0; dots && j < nk; j++) {
+        for (int c = 0; c < dp; c++)
+            dk[j * dp + c] = dkt[(or_ssize)c * ldt + j];
+        for (int c = 0; c < dvp; c++)
+            dvacc[j * dvp + c] = dvt[(or_ssize)c * ldt + j];
+    }
+#endif
     if (dots)       /* dK = scale dS^T q: q was not pre-multiplied */
         for (or_ssize x = 0; x < nk * dp; x++)
             dk[x] *= (REAL)p->prm.scale;
@@ -822,3 +873,4 @@ static void bf16_bwd_item(void *vjob, or_ssize item, int worker)
 #undef W
 #undef KLD
 #undef DOTS
+#undef TILES
