@@ -239,15 +239,16 @@ static inline __attribute__((always_inline)) FN(vec) FN(row_max_lanes)(const REA
     return m0;
 }
 
-/* x[c] = exp(x[c] - shift) over the first n elements of a row (n a multiple of W), in W
+/* x[c] = exp(mul x[c] - shift) over the first n elements of a row (n a multiple of W), in W
  * independent lanes so that the loop vectorises; lane t of the result is the sum of lanes t
- * and t + VL. */
-static inline __attribute__((always_inline)) FN(vec) FN(exp_row_lanes)(REAL *x, REAL shift, int n)
+ * and t + VL. mul x - shift is one FMA: with mul 1 exactly x - shift. */
+static inline __attribute__((always_inline)) FN(vec)
+FN(exp_row_lanes)(REAL *x, REAL mul, REAL shift, int n)
 {
     REAL lane[W] = {0};
     for (int c0 = 0; c0 < n; c0 += W)
         for (int t = 0; t < W; t++) {
-            const REAL e = EXP(x[c0 + t] - shift);
+            const REAL e = EXP(x[c0 + t] * mul - shift);
             x[c0 + t] = e;
             lane[t] += e;
         }
@@ -328,17 +329,18 @@ static inline __attribute__((always_inline)) REAL FN(row_max)(const REAL *x, int
 /* exp_row_lanes, and the sum of the row's results. */
 static inline __attribute__((always_inline)) REAL FN(exp_row)(REAL *x, REAL shift, int n)
 {
-    return FN(lanes_total)(FN(exp_row_lanes)(x, shift, n), 0);
+    return FN(lanes_total)(FN(exp_row_lanes)(x, 1, shift, n), 0);
 }
 
 /* The online softmax step of rows [0, live) of s (rows BC apart, n columns computed, a multiple
  * of W) against their running maxima m and sums l and their output rows o (dvp apart): new
- * maxima, s to exp(s - max), l and o rescaled by exp(old max - new max). VL rows at a time, so
+ * maxima, s to exp(s - max), l and o rescaled by exp(old max - new max). The scores are s
+ * times mul (> 0: the maxima of s are theirs, times mul). VL rows at a time, so
  * that their maxima and sums are folded together (fold_vectors) and their factors are one vector
  * of exps: reduced one row at a time, with a scalar exp each, they took a sixth of the float
  * forward. A row that has seen only masked scores keeps the maximum -inf and weights 0. */
 static inline __attribute__((always_inline)) void
-FN(softmax_rows)(REAL *s, int live, int n, REAL *m, REAL *l, REAL *o, int dvp)
+FN(softmax_rows)(REAL *s, int live, int n, REAL *m, REAL *l, REAL *o, int dvp, REAL mul)
 {
     for (int g = 0; g < live; g += VL) {
         const int rows = live - g < VL ? live - g : VL;
@@ -352,12 +354,13 @@ FN(softmax_rows)(REAL *s, int live, int n, REAL *m, REAL *l, REAL *o, int dvp)
         FN(fold_vectors)(x, VL, 1);
         memcpy(mx, &x[0], sizeof(mx));
         for (int t = 0; t < VL; t++) {
+            mx[t] *= mul;
             mx[t] = mx[t] > mold[t] ? mx[t] : mold[t];      /* the new maximum */
             shift[t] = mx[t] == -INFINITY ? 0 : mx[t];      /* -inf - -inf would be NaN */
             alpha[t] = EXP(mold[t] - shift[t]);
         }
         for (int r = 0; r < VL; r++)
-            x[r] = r < rows ? FN(exp_row_lanes)(s + (or_ssize)(g + r) * BC, shift[r], n)
+            x[r] = r < rows ? FN(exp_row_lanes)(s + (or_ssize)(g + r) * BC, mul, shift[r], n)
                             : (FN(vec)){0};
         FN(fold_vectors)(x, VL, 0);
         memcpy(sum, &x[0], sizeof(sum));
@@ -421,6 +424,10 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
     const int rows = (int)(nq - i0 < BR ? nq - i0 : BR), rows_mr = (rows + MR - 1) / MR * MR;
     const REAL slope = p->slopes ? (REAL)p->slopes[u] : 0;
     const REAL drop_scale = (REAL)p->prm.drop_scale;
+    /* With dots the products are unscaled; where the scores' transform only masks (softcap
+     * and ALiBi need them scaled) the softmax's exp takes the scale, not a pass over them */
+    const REAL folded = dots && p->prm.softcap == 0 && p->slopes == NULL && p->prm.scale > 0
+                        ? (REAL)p->prm.scale : 1;
 
     REAL *q = (REAL *)(job->scratch + (size_t)worker * job->per_worker);
     REAL *s = q + BR * dp, *o = s + BR * BC, *m = o + BR * dvp, *l = m + BR;
@@ -468,13 +475,13 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
             if (dots)
                 bf16_rows_gemm(s, BC, (const uint32_t *)q + (or_ssize)r0 * dp, dp,
                                (const uint32_t *)kt + j0 / BC * KLD * ((d + 1) / 2), KLD, sr,
-                               ncols, (d + 1) / 2, (REAL)p->prm.scale, 0);
+                               ncols, (d + 1) / 2, (REAL)p->prm.scale / folded, 0);
             else
 #endif
             FN(gemm)(s, BC, q + (or_ssize)r0 * dp, dp, 1, kt + j0 / BC * KLD * d, KLD, sr, ncols,
                      d, 0);
             FN(transform_scores)(p, live, kcols, i0 + r0, j0, nq, nk, slope, s, NULL);
-            FN(softmax_rows)(s, live, ncols, m + r0, l + r0, o + (or_ssize)r0 * dvp, dvp);
+            FN(softmax_rows)(s, live, ncols, m + r0, l + r0, o + (or_ssize)r0 * dvp, dvp, folded);
             for (int r = 0; p->prm.dropout && r < live; r++) {
                 REAL *srow = s + (or_ssize)r * BC;
                 or_dropout_row(p->prm.seed, (uint64_t)u, (uint32_t)(i0 + r0 + r), (uint32_t)j0,

@@ -202,3 +202,35 @@ def test_bad_isa_in_console_scripts(ops, script):
     assert info.stderr.strip() == ("orchard-%s: error: environment variable ORCHARD_ISA='sse9': "
                                    "not a kernel set this CPU runs; expected one of %r"
                                    % (script, tuple(ISAS)))
+
+
+@pytest.mark.skipif("amx" not in ISAS, reason="no AMX on this CPU (or Linux did not grant it)")
+def test_amx_between_torch_calls_on_the_same_threads(ops):
+    """Tiles are configured per work item and released after it, on threads that torch's
+    oneDNN kernels (bfloat16 SDPA, matmul) also configure for AMX: calls interleaved on torch's
+    OpenMP threads (orchard's default once torch is loaded) give each library its own results,
+    bit for bit, and no illegal instruction (a fresh process: a crash is a failure, not the
+    suite's end)."""
+    pytest.importorskip("torch")
+    info = run_python("""
+import numpy as np, torch, torch.nn.functional as F, orchard_ops
+assert orchard_ops.devices()[0]["kernel_isa"] == "amx"
+g = torch.Generator().manual_seed(0)
+q, k, v, do = (torch.randn(2, 4, 300, 64, generator=g).to(torch.bfloat16) for _ in range(4))
+a = torch.randn(512, 512, generator=g).to(torch.bfloat16)
+def torch_calls():
+    tq = q.clone().requires_grad_(True)
+    out = F.scaled_dot_product_attention(tq, k, v, is_causal=True)
+    return [out, torch.autograd.grad(out, tq, do)[0], a @ a]
+def orchard_calls():
+    out, lse = orchard_ops.flash_attn_fwd(q, k, v, causal=True)
+    return [out, lse] + list(orchard_ops.flash_attn_bwd(do, q, k, v, out, lse, causal=True))
+first = (torch_calls(), orchard_calls())
+for _ in range(3):
+    again = (torch_calls(), orchard_calls())
+    for mine, ref in zip(again, first):
+        assert all(torch.equal(torch.as_tensor(x), torch.as_tensor(y)) for x, y in zip(mine, ref))
+print("ok", torch.get_num_threads())
+""", ORCHARD_ISA=None)
+    assert info.returncode == 0, info.stderr
+    assert info.stdout.startswith("ok"), info.stdout
