@@ -25,6 +25,7 @@ import torch  # noqa: E402
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import orchard.hf  # noqa: E402, F401  (registers attn_implementation="orchard")
+from orchard.hf_causal_lm import cache_keyword  # noqa: E402
 
 
 def main(argv=None):
@@ -51,13 +52,13 @@ def main(argv=None):
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             cache = DynamicCache(config=config)
-            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            model(input_ids=ids, use_cache=True, **{cache_keyword(model): cache})
 
         def step(model=model, cache=cache):
             c = copy.deepcopy(cache)
             with torch.no_grad():
                 start = time.perf_counter()
-                model(input_ids=step_ids, past_key_values=c, use_cache=True)
+                model(input_ids=step_ids, use_cache=True, **{cache_keyword(model): c})
                 return time.perf_counter() - start
         steps[impl] = step
     times = {impl: [] for impl in steps}

@@ -185,9 +185,11 @@ def _packed_ids(mask_function):
                 return None     # the layer passes its sliding_window to the attention function
             if _code(parts[0]) is _CHUNKED:
                 raise _Unsupported("chunked attention (attention_chunk_size)")
-        if len(parts) == 2 and _code(parts[0]) is _PACKED and _code(parts[1]) is _REMAP:
-            if _packed_ids(_free_vars(parts[1])["mask_function"]) is None:
-                return _free_vars(parts[0])["packed_sequence_mask"]
+        # packed sequences: transformers up to 5.23 puts the ids' part first, 5.24 last
+        if len(parts) == 2 and {_code(f) for f in parts} == {_PACKED, _REMAP}:
+            packed, remap = parts if _code(parts[0]) is _PACKED else parts[::-1]
+            if _packed_ids(_free_vars(remap)["mask_function"]) is None:
+                return _free_vars(packed)["packed_sequence_mask"]
     if _code(fn) is _OR:
         raise _Unsupported("a causal mask widened by an or_mask_function (for example "
                            "bidirectional attention within image tokens)")

@@ -12,6 +12,7 @@ transformers is an optional extra (pip install '.[hf]'); it is imported only her
 when an HF model is asked for.
 """
 import contextlib
+import inspect
 import json
 import os
 
@@ -23,6 +24,13 @@ from .data import read_json
 from .model import GPT, GPTConfig
 
 ATTN_IMPLEMENTATION = "orchard"
+
+
+def cache_keyword(hf_model):
+    """The keyword a transformers model's forward takes its KV cache by: transformers 5.24
+    renamed past_key_values to cache (the old name warns, and goes in 5.40)."""
+    params = inspect.signature(hf_model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 class HFModelError(ConfigError):
@@ -153,6 +161,7 @@ class HFCausalLM(torch.nn.Module):
         super().__init__()
         self.hf = hf_model
         self.trained_context = context
+        self.cache_keyword = cache_keyword(hf_model)
 
     @property
     def context(self):
@@ -182,7 +191,7 @@ class HFCausalLM(torch.nn.Module):
         return StaticCache(config=self.hf.config, max_cache_len=size)
 
     def forward(self, idx, targets=None, cache=None):
-        out = self.hf(input_ids=idx, past_key_values=cache, use_cache=cache is not None)
+        out = self.hf(input_ids=idx, use_cache=cache is not None, **{self.cache_keyword: cache})
         logits = out.logits
         if targets is None:
             return logits, None
