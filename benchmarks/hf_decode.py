@@ -51,14 +51,14 @@ def main(argv=None):
         model.load_state_dict(weights)
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            cache = DynamicCache(config=config)
-            model(input_ids=ids, use_cache=True, **{cache_keyword(model): cache})
+            cache, keyword = DynamicCache(config=config), cache_keyword(model)
+            model(input_ids=ids, use_cache=True, **{keyword: cache})
 
-        def step(model=model, cache=cache):
+        def step(model=model, cache=cache, keyword=keyword):
             c = copy.deepcopy(cache)
             with torch.no_grad():
                 start = time.perf_counter()
-                model(input_ids=step_ids, use_cache=True, **{cache_keyword(model): c})
+                model(input_ids=step_ids, use_cache=True, **{keyword: c})
                 return time.perf_counter() - start
         steps[impl] = step
     times = {impl: [] for impl in steps}
