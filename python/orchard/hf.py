@@ -131,7 +131,9 @@ _OR = _code(masking_utils.or_masks(masking_utils.causal_mask_function))
 _WINDOW = _code(masking_utils.sliding_window_overlay(1))
 _CHUNKED = _code(masking_utils.chunked_overlay(1, None))
 _PACKED = _code(masking_utils.packed_sequence_mask_function(None))
-_REMAP = _code(masking_utils.remap_positions_for_packed_sequence(None, None))
+# from transformers 5.2x on (absent before): the causal part of a packed mask, positions remapped
+_REMAP = (_code(masking_utils.remap_positions_for_packed_sequence(None, None))
+          if hasattr(masking_utils, "remap_positions_for_packed_sequence") else None)
 
 
 def _window_of(mask_function):
@@ -185,10 +187,13 @@ def _packed_ids(mask_function):
                 return None     # the layer passes its sliding_window to the attention function
             if _code(parts[0]) is _CHUNKED:
                 raise _Unsupported("chunked attention (attention_chunk_size)")
-        # packed sequences: transformers up to 5.23 puts the ids' part first, 5.24 last
-        if len(parts) == 2 and {_code(f) for f in parts} == {_PACKED, _REMAP}:
-            packed, remap = parts if _code(parts[0]) is _PACKED else parts[::-1]
-            if _packed_ids(_free_vars(remap)["mask_function"]) is None:
+        # packed sequences: the ids' part and a causal part, in either order (5.24 swapped
+        # them); the causal part is plain up to transformers 5.17, wrapped by _REMAP later
+        if len(parts) == 2 and _PACKED in {_code(f) for f in parts}:
+            packed, causal = parts if _code(parts[0]) is _PACKED else parts[::-1]
+            if _REMAP is not None and _code(causal) is _REMAP:
+                causal = _free_vars(causal)["mask_function"]
+            if _code(causal) is not _PACKED and _packed_ids(causal) is None:
                 return _free_vars(packed)["packed_sequence_mask"]
     if _code(fn) is _OR:
         raise _Unsupported("a causal mask widened by an or_mask_function (for example "

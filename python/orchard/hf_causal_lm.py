@@ -169,16 +169,23 @@ class HFCausalLM(torch.nn.Module):
         the model's max_position_embeddings, else the context it was trained on."""
         return getattr(self.hf.config, "max_position_embeddings", None) or self.trained_context
 
+    # transformers 5.2x renamed gradient_checkpointing_* to activation_checkpointing_* (the old
+    # names warn, to go in 6); before, only the old names exist
+    @property
+    def _checkpointing(self):
+        return ("activation" if hasattr(self.hf, "activation_checkpointing_enable")
+                else "gradient") + "_checkpointing"
+
     @property
     def grad_checkpointing(self):
-        return self.hf.is_activation_checkpointing
+        return getattr(self.hf, "is_" + self._checkpointing)
 
     @grad_checkpointing.setter
     def grad_checkpointing(self, on):
         if on:
-            self.hf.activation_checkpointing_enable({"use_reentrant": False})
+            getattr(self.hf, self._checkpointing + "_enable")({"use_reentrant": False})
         else:
-            self.hf.activation_checkpointing_disable()
+            getattr(self.hf, self._checkpointing + "_disable")()
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
