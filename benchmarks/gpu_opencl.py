@@ -3,17 +3,19 @@
     python3 benchmarks/gpu_opencl.py [--device opencl:0] [--out gpu_opencl.json] [--quick]
 
 Prints the device, its driver and platform; measures the device's float32 FMA peak with an
-FMA-chain kernel of its own (below); then times orchard's forward and backward with the wg
-kernel family and, for comparison, the rows family, each family in a child process of its own
-(ORCHARD_CL_FAMILY is read when a process builds its programs), at the shapes of the CPU
+FMA-chain kernel of its own (below); then, for the wg kernel family (the GPUs' family), checks
+one small problem against the native path (the largest difference is printed: a wrong result
+shows before any timing) and times orchard's forward and backward at the shapes of the CPU
 tables (benchmarks/kernel_targets.py: B,H = 4,8 at N 1024 and 2,16 at N 4096), D 64 and 128,
 causal and not, float32 and float16: GFLOP/s with FlashAttention-2's accounting
 (orchard.benchmark: forward 4*B*H*N*N*D, halved when causal; backward 2.5x) and the fraction
-of the measured peak. Times are medians of --repeats calls after a warm-up call that also builds
-the program, wall clock of whole calls with host arrays, so they include the copies over the
-host bus. Last, at N 1024, float32: the forward and forward+backward on DeviceArrays
-(orchard_ops.to_device) against host arrays, the issue's 10x goal for resident calls. Writes
-everything to a JSON file.
+of the measured peak. The operands are DeviceArrays (orchard_ops.to_device), so the times are
+the kernels' and not the host bus's; each is the median of --repeats calls after a warm-up call
+that also builds the program. Then, at N 1024, float32: the forward and forward+backward on
+DeviceArrays against host arrays, the issue's 10x goal for resident calls. Last the rows
+family, for comparison, as the wg family was measured. Each family runs in a child process of
+its own (ORCHARD_CL_FAMILY is read when a process builds its programs) that prints each row as
+it is measured; the JSON file is rewritten after each, so a run cut short keeps what it got.
 
 --quick runs small shapes and a short peak kernel, so that the script can be checked on any
 OpenCL device (PoCL's CPU device too: slowly, and its figures mean nothing for a GPU).
@@ -39,7 +41,6 @@ from orchard import benchmark
 
 SHAPES = [(4, 8, 1024, 64), (4, 8, 1024, 128), (2, 16, 4096, 64), (2, 16, 4096, 128)]
 QUICK_SHAPES = [(1, 2, 128, 64), (1, 2, 256, 128)]
-FAMILIES = ("wg", "rows")
 DTYPES = ("float32", "float16")
 
 CHAINS = 16
@@ -157,22 +158,48 @@ class OpenCL:
         return 2.0 * CHAINS * iters * items / best / 1e9
 
 
+def check_against_native(device, shape):
+    """Largest |difference| from the native path's float32 forward and backward on one small
+    problem, causal and not: a wrong result on this device shows before any timing."""
+    rng = np.random.default_rng(1)
+    arrays, ops = benchmark.operands(shape, "float32", rng)
+    q, k, v, dout = ops
+    worst = {}
+    for causal in (False, True):
+        results = []
+        for dev in ("cpu", device):
+            out, lse = orchard_ops.flash_attn_fwd(q, k, v, causal=causal, device=dev)
+            grads = orchard_ops.flash_attn_bwd(dout, q, k, v, out, lse, causal=causal,
+                                               device=dev)
+            results.append([np.asarray(out), *(np.asarray(g) for g in grads)])
+        for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
+            key = name + (" causal" if causal else "")
+            worst[key] = float(np.max(np.abs(a - b)))
+    return worst
+
+
 def measure_family(device, shapes, repeats):
-    """The child process: forward and backward rows of the family ORCHARD_CL_FAMILY names."""
+    """The child process: the result of check_against_native, then one forward and backward
+    row per problem of the family ORCHARD_CL_FAMILY names, each printed as a JSON line as soon
+    as it is measured (a run cut short keeps what it measured). The operands are DeviceArrays,
+    so the times are the kernels' and not the host bus's."""
+    info = next(d for d in orchard_ops.devices() if d["id"] == device)
+    print(json.dumps({"family": info["kernel_family"],
+                      "max_abs_diff_vs_native": check_against_native(device, (1, 2, 128, 64))}),
+          flush=True)
     rng = np.random.default_rng(0)
-    rows = []
     for shape in shapes:
         for dtype in DTYPES:
             arrays, ops = benchmark.operands(shape, dtype, rng)
+            resident = [orchard_ops.to_device(a, device) for a in ops]
             for causal in (False, True):
-                fwd, bwd = benchmark.orchard_calls(*ops, causal, device)
+                fwd, bwd = benchmark.orchard_calls(*resident, causal, device)
                 flops = benchmark.attention_flops(*shape, causal)
                 fwd_s, bwd_s = (benchmark.median_time(fn, repeats) for fn in (fwd, bwd))
-                rows.append({"B,H,N,D": list(shape), "dtype": dtype, "causal": causal,
-                             "fwd_ms": fwd_s * 1e3, "fwd_gflops": flops / fwd_s / 1e9,
-                             "bwd_ms": bwd_s * 1e3, "bwd_gflops": 2.5 * flops / bwd_s / 1e9})
-    info = next(d for d in orchard_ops.devices() if d["id"] == device)
-    return {"family": info["kernel_family"], "rows": rows}
+                print(json.dumps({"B,H,N,D": list(shape), "dtype": dtype, "causal": causal,
+                                  "fwd_ms": fwd_s * 1e3, "fwd_gflops": flops / fwd_s / 1e9,
+                                  "bwd_ms": bwd_s * 1e3,
+                                  "bwd_gflops": 2.5 * flops / bwd_s / 1e9}), flush=True)
 
 
 def device_resident_vs_host(device, shapes, repeats):
@@ -183,16 +210,45 @@ def device_resident_vs_host(device, shapes, repeats):
     return [benchmark.resident_vs_host(s, device, False, repeats, rng) for s in at_1024]
 
 
-def run_family(family, device, shapes, repeats):
-    """measure_family in a child process with ORCHARD_CL_FAMILY=family."""
+def run_family(family, device, shapes, repeats, peak, result, out):
+    """measure_family in a child process with ORCHARD_CL_FAMILY=family: its rows printed as a
+    table and written to `out` as they come."""
     env = dict(os.environ, ORCHARD_CL_FAMILY=family)
-    r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--device", device,
-                        "--repeats", str(repeats), "--shapes",
-                        *(",".join(map(str, s)) for s in shapes)],
-                       env=env, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError("the %s family's run failed:\n%s" % (family, r.stderr[-3000:]))
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", "--device",
+                              device, "--repeats", str(repeats), "--shapes",
+                              *(",".join(map(str, s)) for s in shapes)],
+                             env=env, stdout=subprocess.PIPE, text=True)
+    got = result["families"][family] = {"rows": []}
+    for line in child.stdout:
+        r = json.loads(line)
+        if "family" in r:
+            got.update(r)
+            print("%s family: largest |difference| from the native path (float32, 1,2,128,64): "
+                  "%s" % (r["family"], ", ".join("%s %.1e" % kv for kv in
+                                                 r["max_abs_diff_vs_native"].items())),
+                  flush=True)
+            print(TABLE_HEAD, flush=True)
+            continue
+        r["fwd_of_peak"], r["bwd_of_peak"] = r["fwd_gflops"] / peak, r["bwd_gflops"] / peak
+        got["rows"].append(r)
+        print("| %s | %s | %s | %s | %.2f | %.0f | %.1f %% | %.2f | %.0f | %.1f %% |"
+              % (got["family"], ",".join(map(str, r["B,H,N,D"])), r["dtype"],
+                 "yes" if r["causal"] else "no", r["fwd_ms"], r["fwd_gflops"],
+                 100 * r["fwd_of_peak"], r["bwd_ms"], r["bwd_gflops"], 100 * r["bwd_of_peak"]),
+              flush=True)
+        write(result, out)
+    if child.wait() != 0:
+        raise RuntimeError("the %s family's run failed (its error is above)" % family)
+
+
+TABLE_HEAD = ("\n| family | B,H,N,D | dtype | causal | fwd ms | fwd GFLOP/s | of peak | bwd ms "
+              "| bwd GFLOP/s | of peak |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- "
+              "| --- |")
+
+
+def write(result, out):
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
 
 
 def main(argv=None):
@@ -220,7 +276,7 @@ def main(argv=None):
     shapes = ([tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes
               else QUICK_SHAPES if args.quick else SHAPES)
     if args.child:
-        print(json.dumps(measure_family(args.device, shapes, args.repeats)))
+        measure_family(args.device, shapes, args.repeats)
         return 0
 
     print("device: %s (%s, %d compute units, %.1f GiB, %d KiB local memory)"
@@ -233,23 +289,13 @@ def main(argv=None):
     print("float32 FMA peak (measured): %.0f GFLOP/s" % peak, flush=True)
     result = {"device": {k: info[k] for k in ("id", "name", "vendor", "kind", "platform",
                                               "driver_version", "compute_units",
-                                              "local_mem_bytes", "fp16", "fp64")},
+                                              "local_mem_bytes", "fp16", "fp64", "subgroups")},
               "fma_peak_gflops": peak, "peak_method": __doc__.split("Peak method: ")[1].strip(),
               "repeats": args.repeats, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "families": {}}
-    print("\n| family | B,H,N,D | dtype | causal | fwd ms | fwd GFLOP/s | of peak | bwd ms "
-          "| bwd GFLOP/s | of peak |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- "
-          "| --- |")
-    for family in FAMILIES:
-        got = run_family(family, args.device, shapes, args.repeats)
-        result["families"][family] = got
-        for r in got["rows"]:
-            r["fwd_of_peak"], r["bwd_of_peak"] = r["fwd_gflops"] / peak, r["bwd_gflops"] / peak
-            print("| %s | %s | %s | %s | %.2f | %.1f | %.1f %% | %.2f | %.1f | %.1f %% |"
-                  % (got["family"], ",".join(map(str, r["B,H,N,D"])), r["dtype"],
-                     "yes" if r["causal"] else "no", r["fwd_ms"], r["fwd_gflops"],
-                     100 * r["fwd_of_peak"], r["bwd_ms"], r["bwd_gflops"],
-                     100 * r["bwd_of_peak"]), flush=True)
+    write(result, args.out)
+    # the wg family first, the goals' family; the rows family, for comparison, last
+    run_family("wg", args.device, shapes, args.repeats, peak, result, args.out)
     result["device_resident"] = device_resident_vs_host(args.device, shapes, args.repeats)
     print("\n| B,H,N,D | call | host arrays ms | DeviceArrays ms | host / resident (goal >= 10) |"
           "\n| --- | --- | --- | --- | --- |")
@@ -257,9 +303,9 @@ def main(argv=None):
         for what, name in (("fwd", "forward"), ("step", "forward+backward")):
             print("| %s | %s | %.2f | %.2f | %.2f |" % (",".join(map(str, r["shape"])), name,
                                                        r[what]["host_ms"], r[what]["resident_ms"],
-                                                       r[what]["ratio"]))
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+                                                       r[what]["ratio"]), flush=True)
+    write(result, args.out)
+    run_family("rows", args.device, shapes, args.repeats, peak, result, args.out)
     print("\nwrote %s" % args.out)
     return 0
 

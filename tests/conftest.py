@@ -47,6 +47,9 @@ def _device_ids():
 
 DEVICE_IDS = _device_ids()
 OPENCL_IDS = [d for d in DEVICE_IDS if isinstance(d, str) and d.startswith("opencl:")]
+# OpenCL devices on the CPU (PoCL): where a work-group's private memory is a thread's stack
+CPU_OPENCL_IDS = [d["id"] for d in (_ops.devices() if OPENCL_IDS else ())
+                  if d["id"] in OPENCL_IDS and d["kind"] == "cpu"]
 
 # ORCHARD_FAULT, ORCHARD_AUTO_ANY_OPENCL and ORCHARD_CL_TRANSFERS take effect only in a build
 # made with ORCHARD_TEST_HOOKS=1 (setup.py); the tests that set them skip elsewhere.

@@ -32,6 +32,7 @@ def test_devices_entries(ops):
         assert d["compute_units"] >= 1 and d["global_mem_bytes"] > 0, d
         if d["backend"] == "opencl":
             assert d["id"].startswith("opencl:"), d
+            assert isinstance(d["subgroups"], bool), d
     cpu = devs[ids.index("cpu")]
     assert cpu["backend"] == "native" and cpu["kind"] == "cpu"
     assert "simd" in cpu and isinstance(cpu["simd"], str)
