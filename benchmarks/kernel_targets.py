@@ -1,11 +1,13 @@
 """The native kernels' targets (README Performance, "Kernel targets"), measured in one run.
 
     python3 benchmarks/kernel_targets.py [--shapes 4,8,1024,64 2,16,4096,128] [--rounds 3]
+                                         [--dtypes float32 float16 bfloat16]
 
 At every shape: float32 forward and backward against torch SDPA, and the forward's GFLOP/s
 against torch's float32 matrix product (2048^3); float16 and bfloat16, causal and not, forward
 and forward+backward against torch SDPA at the same dtype; the first OpenCL device (PoCL here)
-against the native path, forward and backward. Calls alternate in rounds (benchmark.round_robin,
+against the native path, forward and backward (with float32). --dtypes picks some of the three
+(a whole run takes about 16 minutes on 2 cores). Calls alternate in rounds (benchmark.round_robin,
 one warm-up round), every torch call followed by a pause (TORCH_CALLS: torch's OpenMP threads
 spin for 5-10 ms after a call, and would share the cores with the next call, orchard's); a ratio
 is the median of its ratios in each round. Prints a Markdown table, then the float32 calls'
@@ -21,6 +23,7 @@ import torch
 import orchard_ops
 from orchard import benchmark
 
+DTYPES = ("float32", "float16", "bfloat16")
 TORCH_CALLS = ("torch_fwd", "torch_bwd", "sgemm")
 # A backward's matrix products against a forward's: S = q K^T again, dP, dV, dK, dQ
 BACKWARD_PRODUCTS = 2.5
@@ -74,6 +77,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["4,8,1024,64", "2,16,4096,128"])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtypes", nargs="+", default=DTYPES, choices=DTYPES)
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     cpu = orchard_ops.devices()[0]
@@ -84,17 +88,20 @@ def main(argv=None):
     rates = []
     for text in args.shapes:
         shape = tuple(int(x) for x in text.split(","))
-        rows, shape_rates = float32_figures(shape, args.rounds, rng)
-        rates.append(shape_rates)
-        for dtype in ("float16", "bfloat16"):
+        rows = []
+        if "float32" in args.dtypes:
+            rows, shape_rates = float32_figures(shape, args.rounds, rng)
+            rates.append(shape_rates)
+        for dtype in [d for d in args.dtypes if d != "float32"]:
             for causal in (False, True):
                 rows += half_figures(shape, dtype, causal, args.rounds, rng)
         for what, bound, value in rows:
             print("| %s | %s | >= %.1f | %.2f | %s |" % (text, what, bound, value,
                                                        "met" if value >= bound else "missed"),
                   flush=True)
-    print("\nfloat32 GFLOP/s (medians; a backward counted as %.1f forwards' products):"
-          % BACKWARD_PRODUCTS)
+    if rates:
+        print("\nfloat32 GFLOP/s (medians; a backward counted as %.1f forwards' products):"
+              % BACKWARD_PRODUCTS)
     for line in rates:
         print("- " + line)
     return 0
