@@ -12,8 +12,10 @@ causal and not, float32 and float16: GFLOP/s with FlashAttention-2's accounting
 of the measured peak. The operands are DeviceArrays (orchard_ops.to_device), so the times are
 the kernels' and not the host bus's; each is the median of --repeats calls after a warm-up call
 that also builds the program. Then, at N 1024, float32: the forward and forward+backward on
-DeviceArrays against host arrays, the issue's 10x goal for resident calls. Last the rows
-family, for comparison, as the wg family was measured. Each family runs in a child process of
+DeviceArrays against host arrays, the issue's 10x goal for resident calls. Then a sweep of
+block sizes: the wg family's float32 forward and backward (not causal) at the longest shapes
+with each of the device's block_candidates (devices(); the wg family's on a GPU) set through
+ORCHARD_CL_BLOCK_Q/K. Last the rows family, for comparison, as the wg family was measured. Each family runs in a child process of
 its own (ORCHARD_CL_FAMILY is read when a process builds its programs) that prints each row as
 it is measured; the JSON file is rewritten after each, so a run cut short keeps what it got.
 
@@ -178,21 +180,23 @@ def check_against_native(device, shape):
     return worst
 
 
-def measure_family(device, shapes, repeats):
-    """The child process: the result of check_against_native, then one forward and backward
-    row per problem of the family ORCHARD_CL_FAMILY names, each printed as a JSON line as soon
-    as it is measured (a run cut short keeps what it measured). The operands are DeviceArrays,
-    so the times are the kernels' and not the host bus's."""
-    info = next(d for d in orchard_ops.devices() if d["id"] == device)
-    print(json.dumps({"family": info["kernel_family"],
-                      "max_abs_diff_vs_native": check_against_native(device, (1, 2, 128, 64))}),
-          flush=True)
+def measure_family(device, shapes, repeats, dtypes, causal_flags, check):
+    """The child process: with `check` the result of check_against_native, then one forward
+    and backward row per problem of the family ORCHARD_CL_FAMILY names, each printed as a JSON
+    line as soon as it is measured (a run cut short keeps what it measured). The operands are
+    DeviceArrays, so the times are the kernels' and not the host bus's."""
+    if check:
+        info = next(d for d in orchard_ops.devices() if d["id"] == device)
+        print(json.dumps({"family": info["kernel_family"],
+                          "max_abs_diff_vs_native": check_against_native(device,
+                                                                         (1, 2, 128, 64))}),
+              flush=True)
     rng = np.random.default_rng(0)
     for shape in shapes:
-        for dtype in DTYPES:
+        for dtype in dtypes:
             arrays, ops = benchmark.operands(shape, dtype, rng)
             resident = [orchard_ops.to_device(a, device) for a in ops]
-            for causal in (False, True):
+            for causal in causal_flags:
                 fwd, bwd = benchmark.orchard_calls(*resident, causal, device)
                 flops = benchmark.attention_flops(*shape, causal)
                 fwd_s, bwd_s = (benchmark.median_time(fn, repeats) for fn in (fwd, bwd))
@@ -210,26 +214,35 @@ def device_resident_vs_host(device, shapes, repeats):
     return [benchmark.resident_vs_host(s, device, False, repeats, rng) for s in at_1024]
 
 
-def run_family(family, device, shapes, repeats, peak, result, out):
-    """measure_family in a child process with ORCHARD_CL_FAMILY=family: its rows printed as a
-    table and written to `out` as they come."""
-    env = dict(os.environ, ORCHARD_CL_FAMILY=family)
+def child_rows(env, device, shapes, repeats, peak, dtypes=DTYPES, sweep=False):
+    """measure_family in a child process with these environment variables (the family, the
+    blocks: read when the child builds its programs): its JSON lines as they come, the rows
+    with their fractions of the peak."""
     child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", "--device",
-                              device, "--repeats", str(repeats), "--shapes",
-                              *(",".join(map(str, s)) for s in shapes)],
-                             env=env, stdout=subprocess.PIPE, text=True)
-    got = result["families"][family] = {"rows": []}
+                              device, "--repeats", str(repeats), "--dtypes", *dtypes, "--shapes",
+                              *(",".join(map(str, s)) for s in shapes)]
+                             + (["--sweep"] if sweep else []),
+                             env=dict(os.environ, **env), stdout=subprocess.PIPE, text=True)
     for line in child.stdout:
         r = json.loads(line)
-        if "family" in r:
+        if "fwd_gflops" in r:
+            r["fwd_of_peak"], r["bwd_of_peak"] = r["fwd_gflops"] / peak, r["bwd_gflops"] / peak
+        yield r
+    if child.wait() != 0:
+        raise RuntimeError("a child run (%s) failed: its error is above" % env)
+
+
+def run_family(family, device, shapes, repeats, peak, result, out):
+    """The family's rows, printed as a table and written to `out` as they come."""
+    got = result["families"][family] = {"rows": []}
+    for r in child_rows({"ORCHARD_CL_FAMILY": family}, device, shapes, repeats, peak):
+        if "max_abs_diff_vs_native" in r:
             got.update(r)
             print("%s family: largest |difference| from the native path (float32, 1,2,128,64): "
-                  "%s" % (r["family"], ", ".join("%s %.1e" % kv for kv in
-                                                 r["max_abs_diff_vs_native"].items())),
-                  flush=True)
+                  "%s" % (got["family"], ", ".join("%s %.1e" % kv for kv in
+                                            r["max_abs_diff_vs_native"].items())), flush=True)
             print(TABLE_HEAD, flush=True)
             continue
-        r["fwd_of_peak"], r["bwd_of_peak"] = r["fwd_gflops"] / peak, r["bwd_gflops"] / peak
         got["rows"].append(r)
         print("| %s | %s | %s | %s | %.2f | %.0f | %.1f %% | %.2f | %.0f | %.1f %% |"
               % (got["family"], ",".join(map(str, r["B,H,N,D"])), r["dtype"],
@@ -237,8 +250,26 @@ def run_family(family, device, shapes, repeats, peak, result, out):
                  100 * r["fwd_of_peak"], r["bwd_ms"], r["bwd_gflops"], 100 * r["bwd_of_peak"]),
               flush=True)
         write(result, out)
-    if child.wait() != 0:
-        raise RuntimeError("the %s family's run failed (its error is above)" % family)
+
+
+def sweep_blocks(candidates, device, shapes, repeats, peak, result, out):
+    """The wg family's float32 forward and backward (not causal) at the run's longest shapes
+    with each of the device's block candidates set through ORCHARD_CL_BLOCK_Q/K (blocks that do
+    not fit shrink as the family's rules say: the row names what was asked for)."""
+    longest = [s for s in shapes if s[2] == max(t[2] for t in shapes)]
+    rows = result["block_sweep"] = []
+    print("\n| wg blocks asked | B,H,N,D | fwd GFLOP/s | of peak | bwd GFLOP/s | of peak |"
+          "\n| --- | --- | --- | --- | --- | --- |", flush=True)
+    for bq, bk in candidates:
+        env = {"ORCHARD_CL_FAMILY": "wg", "ORCHARD_CL_BLOCK_Q": str(bq),
+               "ORCHARD_CL_BLOCK_K": str(bk)}
+        for r in child_rows(env, device, longest, repeats, peak, ("float32",), sweep=True):
+            r["blocks"] = [bq, bk]
+            rows.append(r)
+            print("| %d x %d | %s | %.0f | %.1f %% | %.0f | %.1f %% |"
+                  % (bq, bk, ",".join(map(str, r["B,H,N,D"])), r["fwd_gflops"],
+                     100 * r["fwd_of_peak"], r["bwd_gflops"], 100 * r["bwd_of_peak"]), flush=True)
+            write(result, out)
 
 
 TABLE_HEAD = ("\n| family | B,H,N,D | dtype | causal | fwd ms | fwd GFLOP/s | of peak | bwd ms "
@@ -260,6 +291,8 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--shapes", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--dtypes", nargs="+", default=DTYPES, help=argparse.SUPPRESS)
+    parser.add_argument("--sweep", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     opencl = [d for d in orchard_ops.devices() if d["backend"] == "opencl"]
     if not opencl:
@@ -276,7 +309,8 @@ def main(argv=None):
     shapes = ([tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes
               else QUICK_SHAPES if args.quick else SHAPES)
     if args.child:
-        measure_family(args.device, shapes, args.repeats)
+        measure_family(args.device, shapes, args.repeats, args.dtypes,
+                       (False,) if args.sweep else (False, True), check=not args.sweep)
         return 0
 
     print("device: %s (%s, %d compute units, %.1f GiB, %d KiB local memory)"
@@ -305,6 +339,8 @@ def main(argv=None):
                                                        r[what]["host_ms"], r[what]["resident_ms"],
                                                        r[what]["ratio"]), flush=True)
     write(result, args.out)
+    sweep_blocks(info["block_candidates"], args.device, shapes, args.repeats, peak, result,
+                 args.out)
     run_family("rows", args.device, shapes, args.repeats, peak, result, args.out)
     print("\nwrote %s" % args.out)
     return 0
