@@ -11,7 +11,9 @@ per token, each token printed as it is sampled (Ctrl-C keeps what was printed). 
 sample, a line on stderr says how far the checkpoint was trained and what that means for the
 sample.
 """
+import signal
 import sys
+import threading
 
 from .args import SEED_MAX, Parser, UsageError, console_script, device, integer, number, path
 
@@ -67,13 +69,31 @@ def main(argv=None):
     # the text is written as it is sampled, so that what came before an interrupt stays
     text = Detokenizer(byte_level)
     sys.stdout.write(text(ids))
+    # Ctrl-C ends the sample after the token in flight. A KeyboardInterrupt raised wherever
+    # the signal lands could land inside torch (a function mode's __exit__), leave its state
+    # broken and end in a RuntimeError, or be lost there while sampling went on.
+    stop = []
+
+    def request_stop(signum, frame):
+        stop.append(signum)
+        signal.signal(signal.SIGINT, signal.default_int_handler)    # a second one: at once
+
+    # Python allows signal handlers in the main thread only
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, request_stop) if main_thread else None
     try:
         for token in stream(model, ids, args.max_new_tokens, args.temperature, args.top_k,
                             args.seed):
             sys.stdout.write(text([token]))
             sys.stdout.flush()
+            if stop:
+                break
     finally:
+        if main_thread:
+            signal.signal(signal.SIGINT, previous)
         print(text([], final=True))
+    if stop:
+        raise KeyboardInterrupt     # console_script: "interrupted", status 130
     return 0
 
 
