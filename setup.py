@@ -98,13 +98,14 @@ class ParallelBuildExt(build_ext):
 
         def compile(sources, output_dir=None, macros=None, include_dirs=None, debug=False,
                     extra_preargs=None, extra_postargs=None, depends=None):
-            macros, objects, postargs, pp_opts, build = compiler._setup_compile(
+            _, objects, postargs, pp_opts, build = compiler._setup_compile(
                 output_dir, macros, include_dirs, sources, depends, extra_postargs)
             cc_args = compiler._get_cc_args(pp_opts, debug, extra_preargs)
             todo = [(obj, *build[obj]) for obj in objects if obj in build]
             with ThreadPoolExecutor(len(os.sched_getaffinity(0))) as pool:
-                list(pool.map(lambda job: compiler._compile(job[0], job[1], job[2], cc_args,
-                                                            postargs, pp_opts), todo))
+                # list(): an object that failed to compile raises here
+                list(pool.map(lambda job: compiler._compile(*job, cc_args, postargs, pp_opts),
+                              todo))
             return objects
 
         compiler.compile = compile
