@@ -232,12 +232,16 @@ int or_native_fwd(const or_problem *p)
     const or_ssize bc = kern->block_keys;
     const size_t lanes = (size_t)kern->width / real, dp = (p->d + lanes - 1) / lanes * lanes,
                  dvp = (p->dv + lanes - 1) / lanes * lanes;
-    /* values already REAL, in rows of whole vectors and not paged, are read in place; others
-     * (float16, bfloat16) are converted once per call, not once per query block */
+    /* values already REAL, in rows of whole vectors, not paged and not a multiple of 512 bytes
+     * apart (or_rows_ld) are read in place; others (float16, bfloat16, and float32 rows at d
+     * 128 in the usual layouts) are converted once per call, not once per query block */
     const or_view *v = &p->view[OR_V];
     const int v_in_place = v->dtype == (dbl ? OR_F64 : OR_F32) && (size_t)p->dv == dvp
-                           && v->row_stride % (or_ssize)real == 0 && p->pages.rows == 0;
-    or_job job = {.p = p, .blocks = 0};
+                           && v->row_stride % (or_ssize)real == 0 && p->pages.rows == 0
+                           && or_rows_ld(v->row_stride / (or_ssize)real, real)
+                              == v->row_stride / (or_ssize)real;
+    or_job job = {.p = p, .blocks = 0,
+                  .ldvc = in == OR_IN_BF16_DOTS ? (or_ssize)dvp : or_rows_ld((or_ssize)dvp, real)};
     job.kt_off = malloc(sizeof(or_ssize) * (size_t)(n_kv + 1) * 2);
     if (job.kt_off == NULL)
         return OR_ENOMEM;
@@ -246,7 +250,7 @@ int or_native_fwd(const or_problem *p)
     for (or_ssize w = 0; w < n_kv; w++) {
         job.kt_off[w + 1] = job.kt_off[w] + or_blocks_size(p->nk[w * p->prm.group], (int)bc,
                                                            real, p->d);
-        job.vc_off[w + 1] = job.vc_off[w] + p->nk[w * p->prm.group] * (or_ssize)dvp;
+        job.vc_off[w + 1] = job.vc_off[w] + p->nk[w * p->prm.group] * job.ldvc;
     }
     job.kt = malloc(real * (size_t)job.kt_off[n_kv] + 64);
     job.vc = v_in_place ? NULL : aligned_alloc(64, round_up(real * (size_t)job.vc_off[n_kv] + 1));

@@ -457,9 +457,9 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
         /* values in place, or converted by the pre-pass; rows before lo (the block starts on
          * a multiple of BC) are never read */
         const REAL *vb = job->vc ? (const REAL *)job->vc + job->vc_off[kvu]
-                                       + (dots ? j0 / 2 : j0) * dvp     /* dots: pairs of rows */
+                                       + (dots ? j0 / 2 : j0) * job->ldvc   /* dots: pairs of rows */
                                  : (const REAL *)FN(row_ptr)(p, OR_V, kvu, j0);
-        const or_ssize ldv = job->vc ? dvp : w[OR_V].row_stride / (or_ssize)sizeof(REAL);
+        const or_ssize ldv = job->vc ? job->ldvc : w[OR_V].row_stride / (or_ssize)sizeof(REAL);
         /* SR rows at a time, each over the key columns some row of the strip may see: on the
          * diagonal of a causal mask that is about half the block */
         for (int r0 = 0; r0 < rows_mr; r0 += SR) {
@@ -539,12 +539,11 @@ FN(paged_keys_item)(const or_job *job, or_ssize kvu, or_ssize nk)
             }
         }
     }
-    const int dvp = FN(pad)(p->dv);
     for (or_ssize j = 0; j < nk; j += run) {   /* paged values are never read in place */
         const char *src = or_kv_row(p, OR_V, kvu, j, &run);
         run = run < nk - j ? run : nk - j;
-        FN(load_rows)((REAL *)job->vc + job->vc_off[kvu] + j * dvp, dvp, src, v->row_stride, run,
-                      p->dv, run, v->dtype, 1);
+        FN(load_rows)((REAL *)job->vc + job->vc_off[kvu] + j * job->ldvc, (int)job->ldvc, src,
+                      v->row_stride, run, p->dv, run, v->dtype, 1);
     }
 }
 
@@ -564,7 +563,7 @@ static void FN(transpose_keys_item)(void *vjob, or_ssize kvu, int worker)
     FN(load_cols_blocked)((REAL *)job->kt + job->kt_off[kvu], FN(row_ptr)(p, OR_K, kvu, 0),
                           p->view[OR_K].row_stride, nk, p->d, p->view[OR_K].dtype);
     if (job->vc)
-        FN(load_rows)((REAL *)job->vc + job->vc_off[kvu], FN(pad)(p->dv),
+        FN(load_rows)((REAL *)job->vc + job->vc_off[kvu], (int)job->ldvc,
                       FN(row_ptr)(p, OR_V, kvu, 0), p->view[OR_V].row_stride, nk, p->dv, nk,
                       p->view[OR_V].dtype, 1);
 }
