@@ -346,6 +346,7 @@ def test_damaged_checkpoint_contents_are_one_line_errors(run_files, tmp_path, ca
             assert script.main(argv) == 2, (name, script)
             err = capsys.readouterr().err.strip().splitlines()
             assert err[-1].startswith("orchard-") and path in err[-1], (name, err)
+            assert "argument %s: " % argv[0] in err[-1], (name, err)
             assert "Traceback" not in "\n".join(err)
 
 
@@ -363,6 +364,7 @@ def test_diverged_checkpoint_is_a_one_line_error_for_generate(run_files, tmp_pat
     assert generate.main(["--checkpoint", path, "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not finite" in err[0] and path in err[0], err
+    assert "argument --checkpoint: " in err[0], err
 
 
 def test_generate_prompts_that_cannot_be_encoded(run_files, tmp_path, capsys):

@@ -47,11 +47,14 @@ def main(argv=None):
                         help="The sampling seed.")
     args = parser.parse_args(argv)
 
-    from ..checkpoint import checkpoint_path, load_checkpoint
+    from ..checkpoint import CheckpointError, checkpoint_path, load_checkpoint
     from ..generation import Detokenizer, describe_training, encode, load_model, stream
 
-    state = load_checkpoint(args.checkpoint)
-    model, byte_level = load_model(state, args.device, checkpoint_path(args.checkpoint))
+    try:
+        state = load_checkpoint(args.checkpoint)
+        model, byte_level = load_model(state, args.device, checkpoint_path(args.checkpoint))
+    except CheckpointError as exc:
+        raise UsageError("argument --checkpoint: %s" % exc) from None
     if args.prompt is None and not byte_level:
         raise UsageError("argument --prompt: needed for a model of token ids (not byte-level), "
                          "e.g. --prompt '17 4 99' (got none)")

@@ -165,8 +165,8 @@ def build_trainer(args):
     """The device, data, config and model of this run, each checked, as a Trainer."""
     import orchard_ops
 
-    from ..checkpoint import checkpoint_path, load_checkpoint
-    from ..config import load_config, validate
+    from ..checkpoint import CheckpointError, checkpoint_path, load_checkpoint
+    from ..config import ConfigError, load_config, validate
     from ..data import (DataError, evaluation_windows, load_training_data, split_validation,
                         token_chunks)
     from ..device_backend import auto_choice_reason, get_device_backend
@@ -176,7 +176,10 @@ def build_trainer(args):
     backend = get_device_backend(args.device, verbose=args.verbose)
     if args.device in (None, "auto"):
         log.info("device %s chosen automatically: %s", *auto_choice_reason())
-    state = load_checkpoint(args.resume) if args.resume else None
+    try:
+        state = load_checkpoint(args.resume) if args.resume else None
+    except CheckpointError as exc:
+        raise UsageError("argument --resume: %s" % exc) from None
     hf_flag = "--hf-config" if args.hf_config is not None else "--hf-model"
     hf_path = args.hf_config if args.hf_config is not None else args.hf_model
     if hf_path is not None and state is not None:
@@ -191,7 +194,10 @@ def build_trainer(args):
     if state is not None:
         # The checkpoint fixes the model; the rest is re-adapted to this device.
         requested = dict(state["config"], model=state["model_config"])
-        requested = validate(requested, "checkpoint %s" % checkpoint_path(args.resume))
+        try:
+            requested = validate(requested, "checkpoint %s" % checkpoint_path(args.resume))
+        except ConfigError as exc:
+            raise UsageError("argument --resume: %s" % exc) from None
         seed = state["seed"]
         ignored = [flag for flag, given in (
             ("--config", args.config), ("--seed", args.seed is not None), ("--fp16", args.fp16),
@@ -272,6 +278,8 @@ def build_trainer(args):
                        resume_from=args.resume and checkpoint_path(args.resume))
     except DataError as exc:
         raise DataError("%s: %s" % (data_info["source"], exc)) from None
+    except CheckpointError as exc:      # contents that do not make the model (checkpoint_contents)
+        raise UsageError("argument --resume: %s" % exc) from None
     except HFModelError as exc:
         if hf_path is None:     # the checkpoint's hf_config: the message names the file
             raise
