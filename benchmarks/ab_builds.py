@@ -1,95 +1,113 @@
-"""A/B timing of two builds of orchard_ops, for changes that must not move speed.
+"""A/B timing of two builds of orchard_ops, for changes that must not move speed (or should).
 
-    python3 benchmarks/ab_builds.py BEFORE_DIR AFTER_DIR [--rounds 10] [--devices cpu,opencl:0]
-                                    [--decode]
+    python3 benchmarks/ab_builds.py BEFORE_DIR AFTER_DIR [--pairs 20] [--calls d64|d128|decode]
+                                    [--devices cpu,opencl:0] [--threads N]
 
 Each DIR holds an orchard_ops extension (e.g. a checkout's python/ after
-`python3 setup.py build_ext --inplace`, or a copy of the .so). Every round times both builds,
-in alternating fresh processes, on the same calls (best of 3 each); the table gives the median
-over rounds of the per-round ratio after / before, so that the machine's drift cancels.
---decode times decode steps (benchmarks/decode.py's shapes) instead.
+`python3 setup.py build_ext --inplace`, or a copy of the .so). Both are loaded into one process
+(each from its own file, so each keeps its own state), and every call is timed on both builds
+back to back, in alternating order, `--pairs` times; the table gives the best time of each and
+the median over pairs of after / before. A shared VM's speed drifts by 10-20 % within seconds
+(the twenty-fourth session's: consecutive calls 15 % apart); a ratio of two calls made next to
+each other drifts far less than one of two processes seconds apart (this script's earlier
+method: a call whose code had not changed read 0.84 and 0.97 in two runs, 0.96-1.00 this way).
+--calls picks the shapes: d64 (B4 H8 N1024), d128 (B2 H8 N2048, float32 and bfloat16), decode
+(benchmarks/decode.py's decode steps, one query row against a cache).
 """
 import argparse
-import json
+import glob
+import importlib.util
 import os
 import statistics
-import subprocess
-import sys
+import time
 
-CALLS = [  # (name, B, H, N, D, causal, dtype)
-    ("fwd", 4, 8, 1024, 64, False, "float32"),
-    ("fwd causal", 4, 8, 1024, 64, True, "float32"),
-    ("bwd", 4, 8, 1024, 64, False, "float32"),
-    ("fwd f16", 4, 8, 1024, 64, True, "float16"),
-]
+import numpy as np
 
-DECODE_CALLS = [  # (name, query heads, kv heads, cache length, D, causal, dtype): one query row
-    ("decode gqa 4k", 32, 8, 4096, 128, True, "float32"),
-    ("decode gqa 4k bf16", 32, 8, 4096, 128, True, "bfloat16"),
-    ("decode mha 4k", 32, 32, 4096, 128, True, "float32"),
-    ("decode mha 4k bf16", 32, 32, 4096, 128, True, "bfloat16"),
-]
+CALLS = {  # (name, B or query heads, H or kv heads, N or cache length, D, causal, dtype)
+    "d64": [("fwd", 4, 8, 1024, 64, False, "float32"),
+            ("fwd causal", 4, 8, 1024, 64, True, "float32"),
+            ("bwd", 4, 8, 1024, 64, False, "float32"),
+            ("fwd f16", 4, 8, 1024, 64, True, "float16")],
+    "d128": [("fwd", 2, 8, 2048, 128, False, "float32"),
+             ("fwd causal", 2, 8, 2048, 128, True, "float32"),
+             ("fwd bf16", 2, 8, 2048, 128, False, "bfloat16"),
+             ("bwd", 1, 8, 2048, 128, False, "float32")],
+    "decode": [("decode gqa 4k", 32, 8, 4096, 128, True, "float32"),
+               ("decode gqa 4k bf16", 32, 8, 4096, 128, True, "bfloat16"),
+               ("decode mha 4k", 32, 32, 4096, 128, True, "float32"),
+               ("decode mha 4k bf16", 32, 32, 4096, 128, True, "bfloat16")],
+}
 
-TIMER = r"""
-import json, sys, time, numpy as np, orchard_ops as ops
-device, calls = sys.argv[1], json.loads(sys.argv[2])
-rng = np.random.default_rng(0)
-result = {}
-for name, b, h, n, d, causal, dtype in calls:
-    if name.startswith("decode"):   # (name, H, Hkv, Nk, D, ...); bfloat16 needs torch
+
+def load_build(folder):
+    """The orchard_ops extension in folder, loaded apart from any other copy."""
+    found = glob.glob(os.path.join(folder, "orchard_ops*.so"))
+    if not found:
+        raise SystemExit("ab_builds.py: error: no orchard_ops*.so in %r" % folder)
+    spec = importlib.util.spec_from_file_location("orchard_ops", found[0])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def operands(name, b, h, n, d, dtype, rng):
+    """q, k, v, dO of a call; bfloat16 (which NumPy lacks) as torch tensors."""
+    if name.startswith("decode"):   # b query heads, h kv heads, one query row
+        shapes = [(1, b, 1, d), (1, h, n, d), (1, h, n, d), (1, b, 1, d)]
+    else:
+        shapes = [(b, h, n, d)] * 4
+    arrays = [rng.standard_normal(s).astype("float32" if dtype == "bfloat16" else dtype)
+              for s in shapes]
+    if dtype == "bfloat16":
         import torch
-        q, k, v = (torch.randn(shape).to(getattr(torch, dtype))
-                   for shape in ((1, b, 1, d), (1, h, n, d), (1, h, n, d)))
-    else:
-        q, k, v, do = (rng.standard_normal((b, h, n, d)).astype(dtype) for _ in range(4))
-    out, lse = ops.flash_attn_fwd(q, k, v, causal=causal, device=device)
+        arrays = [torch.from_numpy(a).bfloat16() for a in arrays]
+    return arrays
+
+
+def call(ops, name, q, k, v, do, causal, device):
+    """A function running the call on build ops."""
     if name.startswith("bwd"):
-        run = lambda: ops.flash_attn_bwd(do, q, k, v, out, lse, causal=causal, device=device)
-    else:
-        run = lambda: ops.flash_attn_fwd(q, k, v, causal=causal, device=device)
-    run()
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - t0)
-    result[name] = best
-print(json.dumps(result))
-"""
-
-
-def time_build(folder, device, calls):
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(folder))
-    r = subprocess.run([sys.executable, "-c", TIMER, device, json.dumps(calls)], env=env,
-                       capture_output=True, text=True, check=True)
-    return json.loads(r.stdout.splitlines()[-1])
+        out, lse = ops.flash_attn_fwd(q, k, v, causal=causal, device=device)
+        return lambda: ops.flash_attn_bwd(do, q, k, v, out, lse, causal=causal, device=device)
+    return lambda: ops.flash_attn_fwd(q, k, v, causal=causal, device=device)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("before")
     parser.add_argument("after")
-    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--pairs", type=int, default=20)
+    parser.add_argument("--calls", choices=sorted(CALLS), default="d64")
     parser.add_argument("--devices", default="cpu")
-    parser.add_argument("--decode", action="store_true", help="time decode steps")
+    parser.add_argument("--threads", type=int, help="native threads (default: orchard's)")
     args = parser.parse_args()
-    calls = DECODE_CALLS if args.decode else CALLS
-    print("| device | call | before (ms) | after (ms) | after / before, median of %d rounds |"
-          % args.rounds)
+    builds = [load_build(args.before), load_build(args.after)]
+    if args.threads:
+        for ops in builds:
+            ops.set_num_threads(args.threads)
+    rng = np.random.default_rng(0)
+    print("| device | call | before (ms) | after (ms) | after / before, median of %d pairs |"
+          % args.pairs)
     print("| --- | --- | --- | --- | --- |")
     for device in args.devices.split(","):
-        ratios = {name: [] for name, *_ in calls}
-        best = {"before": {}, "after": {}}
-        for _ in range(args.rounds):
-            a, b = time_build(args.before, device, calls), time_build(args.after, device, calls)
-            for name in ratios:
-                ratios[name].append(b[name] / a[name])
-                best["before"][name] = min(best["before"].get(name, 1e9), a[name])
-                best["after"][name] = min(best["after"].get(name, 1e9), b[name])
-        for name, r in ratios.items():
-            print("| %s | %s | %.1f | %.1f | %.3f |" % (device, name, best["before"][name] * 1e3,
-                                                       best["after"][name] * 1e3,
-                                                       statistics.median(r)))
+        for name, b, h, n, d, causal, dtype in CALLS[args.calls]:
+            q, k, v, do = operands(name, b, h, n, d, dtype, rng)
+            runs = [call(ops, name, q, k, v, do, causal, device) for ops in builds]
+            for run in runs:    # warm-up: OpenCL programs, pages
+                run()
+            times, ratios = ([], []), []
+            for i in range(args.pairs):
+                pair = [0.0, 0.0]
+                for which in ((0, 1) if i % 2 == 0 else (1, 0)):
+                    t0 = time.perf_counter()
+                    runs[which]()
+                    pair[which] = time.perf_counter() - t0
+                for which in (0, 1):
+                    times[which].append(pair[which])
+                ratios.append(pair[1] / pair[0])
+            print("| %s | %s | %.1f | %.1f | %.3f |" % (device, name, min(times[0]) * 1e3,
+                                                       min(times[1]) * 1e3,
+                                                       statistics.median(ratios)), flush=True)
 
 
 if __name__ == "__main__":
