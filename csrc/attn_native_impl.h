@@ -150,12 +150,16 @@ static inline char *FN(row_ptr)(const or_problem *p, int slot, or_ssize unit, or
 }
 
 /* Asks for the MR x W tile of C (m x n, ldc) that a matrix product over tiles in the order of
- * gemm's takes after tile (i0, j0), if any. */
+ * gemm's (by_columns: down each column of tiles in turn) takes after tile (i0, j0), if any. */
 static inline __attribute__((always_inline)) void
-FN(ask_next_tile)(const REAL *c, int ldc, int i0, int j0, int m, int n)
+FN(ask_next_tile)(const REAL *c, int ldc, int i0, int j0, int m, int n, const int by_columns)
 {
-    const int in = j0 + W < n ? i0 : i0 + MR, jn = j0 + W < n ? j0 + W : 0;
-    for (int i = 0; in < m && i < MR; i++) {
+    int in = j0 + W < n ? i0 : i0 + MR, jn = j0 + W < n ? j0 + W : 0;
+    if (by_columns) {
+        in = i0 + MR < m ? i0 + MR : 0;
+        jn = i0 + MR < m ? j0 : j0 + W;
+    }
+    for (int i = 0; in < m && jn < n && i < MR; i++) {
         __builtin_prefetch(c + (or_ssize)(in + i) * ldc + jn, 1, 3);
         __builtin_prefetch(c + (or_ssize)(in + i) * ldc + jn + W / 2, 1, 3);
     }
@@ -183,36 +187,44 @@ FN(ask_next_tile)(const REAL *c, int ldc, int i0, int j0, int m, int n)
  * while k streams through. The order of the sums depends only on the shapes, never on threads.
  * Accumulating, it asks for the next tile of C meanwhile: the backward's dK and dV (whole-unit
  * accumulators, megabytes at N 4,096) missed in L2 at every tile's first load, 9 % of its time
- * (with the requests, AMD EPYC: backward at D 128 0.93x the time, D 64 0.98x). */
+ * (with the requests, AMD EPYC: backward at D 128 0.93x the time, D 64 0.98x).
+ * Tiles go row by row of tiles, or by_columns: then a column panel of B (k x W) is read from L1
+ * by every row of tiles after the first. The forward's B, a key block transposed or a block of
+ * values, outgrows L1 at d 128 (48 KB or more): by columns, the forward took 0.97-0.99x the
+ * time there, causal 0.95-0.97x (AMD EPYC, avx2, three runs); the backward 1.02x, so its
+ * products go by rows. */
 
 static inline __attribute__((always_inline)) void
 FN(gemm)(REAL *c, int ldc, const REAL *a, int ars, int acs, const REAL *b, or_ssize ldb, int m,
-         int n, int k, int accumulate)
+         int n, int k, int accumulate, const int by_columns)
 {
-    for (int i0 = 0; i0 < m; i0 += MR) {
-        for (int j0 = 0; j0 < n; j0 += W) {
-            FN(vec) acc[MR][2];
-            for (int i = 0; i < MR; i++)
-                for (int h = 0; h < 2; h++)
-                    acc[i][h] = accumulate ? *(const FN(uvec) *)(c + (or_ssize)(i0 + i) * ldc + j0 + h * VL)
-                                           : (FN(vec)){0};
-            if (accumulate)
-                FN(ask_next_tile)(c, ldc, i0, j0, m, n);
-            for (int x = 0; x < k; x++) {
-                const REAL *brow = b + (or_ssize)x * ldb + j0;
-                FN(vec) b0, b1;
-                memcpy(&b0, brow, sizeof(b0));
-                memcpy(&b1, brow + VL, sizeof(b1));
-                for (int i = 0; i < MR; i++) {
-                    const REAL av = a[(or_ssize)(i0 + i) * ars + (or_ssize)x * acs];
-                    acc[i][0] += av * b0;
-                    acc[i][1] += av * b1;
-                }
+    /* the outer loop over rows of tiles, or by_columns over columns */
+    const int outer = by_columns ? n : m, outer_step = by_columns ? W : MR;
+    const int inner = by_columns ? m : n, inner_step = by_columns ? MR : W;
+    for (int u = 0; u < outer; u += outer_step)
+    for (int v = 0; v < inner; v += inner_step) {
+        const int i0 = by_columns ? v : u, j0 = by_columns ? u : v;
+        FN(vec) acc[MR][2];
+        for (int i = 0; i < MR; i++)
+            for (int h = 0; h < 2; h++)
+                acc[i][h] = accumulate ? *(const FN(uvec) *)(c + (or_ssize)(i0 + i) * ldc + j0 + h * VL)
+                                       : (FN(vec)){0};
+        if (accumulate)
+            FN(ask_next_tile)(c, ldc, i0, j0, m, n, by_columns);
+        for (int x = 0; x < k; x++) {
+            const REAL *brow = b + (or_ssize)x * ldb + j0;
+            FN(vec) b0, b1;
+            memcpy(&b0, brow, sizeof(b0));
+            memcpy(&b1, brow + VL, sizeof(b1));
+            for (int i = 0; i < MR; i++) {
+                const REAL av = a[(or_ssize)(i0 + i) * ars + (or_ssize)x * acs];
+                acc[i][0] += av * b0;
+                acc[i][1] += av * b1;
             }
-            for (int i = 0; i < MR; i++)
-                for (int h = 0; h < 2; h++)
-                    *(FN(uvec) *)(c + (or_ssize)(i0 + i) * ldc + j0 + h * VL) = acc[i][h];
         }
+        for (int i = 0; i < MR; i++)
+            for (int h = 0; h < 2; h++)
+                *(FN(uvec) *)(c + (or_ssize)(i0 + i) * ldc + j0 + h * VL) = acc[i][h];
     }
 }
 
@@ -480,7 +492,7 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
             else
 #endif
             FN(gemm)(s, BC, q + (or_ssize)r0 * dp, dp, 1, kt + j0 / BC * KLD * d, KLD, sr, ncols,
-                     d, 0);
+                     d, 0, 1);
             FN(transform_scores)(p, live, kcols, i0 + r0, j0, nq, nk, slope, s, NULL);
             FN(softmax_rows)(s, live, ncols, m + r0, l + r0, o + (or_ssize)r0 * dvp, dvp, folded);
             for (int r = 0; p->prm.dropout && r < live; r++) {
@@ -498,7 +510,7 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
 #endif
             if (kcols > skip)       /* P is 0 before lo: those value rows are not read */
                 FN(gemm)(o + (or_ssize)r0 * dvp, dvp, s + skip, BC, 1, vb + (or_ssize)skip * ldv,
-                         ldv, sr, dvp, kcols - skip, 1);
+                         ldv, sr, dvp, kcols - skip, 1, 1);
         }
     }
 
@@ -736,7 +748,7 @@ FN(bwd_unit)(void *vjob, or_ssize item, int worker, const int dots)
                         else
 #endif
                         FN(gemm)(sb, BC, q + (or_ssize)r0 * dp, dp, 1, kt + j0 / BC * KLD * d,
-                                 KLD, m, ncols, d, 0);                           /* S = q K^T */
+                                 KLD, m, ncols, d, 0, 0);                        /* S = q K^T */
                         FN(transform_scores)(p, rows - r0 < m ? rows - r0 : m, kcols, i0 + r0, j0,
                                              nq, nk, slope, sb, dcap + (or_ssize)r0 * BC);
 #if DOTS
@@ -747,7 +759,7 @@ FN(bwd_unit)(void *vjob, or_ssize item, int worker, const int dots)
                         else
 #endif
                         FN(gemm)(db, BC, dout + (or_ssize)r0 * dvp, dvp, 1,
-                                 vt + j0 / BC * KLD * dv, KLD, m, ncols, dv, 0); /* dP = dO V^T */
+                                 vt + j0 / BC * KLD * dv, KLD, m, ncols, dv, 0, 0); /* dP = dO V^T */
                     }
                     /* prow becomes the kept P (for dV), dprow becomes dS (for dQ, dK); both
                      * are 0 past the columns computed */
@@ -798,7 +810,7 @@ FN(bwd_unit)(void *vjob, or_ssize item, int worker, const int dots)
 #endif
                     if (kcols > skip)                                   /* dQ += dS K */
                         FN(gemm)(dq + (or_ssize)r0 * dp, dp, db + skip, BC, 1, k + (j0 + skip) * dp,
-                                 dp, m, dp, kcols - skip, 1);
+                                 dp, m, dp, kcols - skip, 1, 0);
                 }
                 /* dV += P^T dO, dK += dS^T q; in a cut block SR keys at a time, from the first
                  * row that sees them (P and dS are 0 above it) */
@@ -835,9 +847,9 @@ FN(bwd_unit)(void *vjob, or_ssize item, int worker, const int dots)
                     }
 #endif
                     FN(gemm)(dvacc + (j0 + c0) * dvp, dvp, s + (or_ssize)rlo * BC + c0, 1, BC,
-                             dout + (or_ssize)rlo * dvp, dvp, n, dvp, rows - rlo, 1);
+                             dout + (or_ssize)rlo * dvp, dvp, n, dvp, rows - rlo, 1, 0);
                     FN(gemm)(dk + (j0 + c0) * dp, dp, dpm + (or_ssize)rlo * BC + c0, 1, BC,
-                             q + (or_ssize)rlo * dp, dp, n, dp, rows - rlo, 1);
+                             q + (or_ssize)rlo * dp, dp, n, dp, rows - rlo, 1, 0);
                 }
             }
             const REAL scale = (REAL)p->prm.scale;          /* s = scale * q.k */
