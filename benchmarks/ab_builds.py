@@ -11,17 +11,22 @@ the median over pairs of after / before. A shared VM's speed drifts by 10-20 % w
 (the twenty-fourth session's: consecutive calls 15 % apart); a ratio of two calls made next to
 each other drifts far less than one of two processes seconds apart (this script's earlier
 method: a call whose code had not changed read 0.84 and 0.97 in two runs, 0.96-1.00 this way).
---calls picks the shapes: d64 (B4 H8 N1024), d128 (B2 H8 N2048, float32 and bfloat16), decode
+--calls picks the shapes: d64 (B4 H8 N1024), d128 (B2 H8 N2048, float32 and bfloat16; the
+backward B1), decode
 (benchmarks/decode.py's decode steps, one query row against a cache).
 """
 import argparse
 import glob
+import importlib.machinery
 import importlib.util
 import os
 import statistics
 import time
 
 import numpy as np
+# torch before the first call: orchard moves its threads onto OpenMP's once torch's runtime is
+# loaded (threadpool.c), and every call here must run on the same threads
+import torch
 
 CALLS = {  # (name, B or query heads, H or kv heads, N or cache length, D, causal, dtype)
     "d64": [("fwd", 4, 8, 1024, 64, False, "float32"),
@@ -41,7 +46,8 @@ CALLS = {  # (name, B or query heads, H or kv heads, N or cache length, D, causa
 
 def load_build(folder):
     """The orchard_ops extension in folder, loaded apart from any other copy."""
-    found = glob.glob(os.path.join(folder, "orchard_ops*.so"))
+    found = [f for f in glob.glob(os.path.join(folder, "orchard_ops*"))
+             if f.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))]
     if not found:
         raise SystemExit("ab_builds.py: error: no orchard_ops*.so in %r" % folder)
     spec = importlib.util.spec_from_file_location("orchard_ops", found[0])
@@ -59,7 +65,6 @@ def operands(name, b, h, n, d, dtype, rng):
     arrays = [rng.standard_normal(s).astype("float32" if dtype == "bfloat16" else dtype)
               for s in shapes]
     if dtype == "bfloat16":
-        import torch
         arrays = [torch.from_numpy(a).bfloat16() for a in arrays]
     return arrays
 
@@ -72,11 +77,17 @@ def call(ops, name, q, k, v, do, causal, device):
     return lambda: ops.flash_attn_fwd(q, k, v, causal=causal, device=device)
 
 
+def at_least_one(text):
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError("must be a whole number of 1 or more (got %r)" % text)
+    return int(text)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("before")
     parser.add_argument("after")
-    parser.add_argument("--pairs", type=int, default=20)
+    parser.add_argument("--pairs", type=at_least_one, default=20, metavar="N")
     parser.add_argument("--calls", choices=sorted(CALLS), default="d64")
     parser.add_argument("--devices", default="cpu")
     parser.add_argument("--threads", type=int, help="native threads (default: orchard's)")

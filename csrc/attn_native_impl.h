@@ -12,7 +12,8 @@
  *   kt   d  x KLD    key block transposed (stored so for every block: load_cols_blocked;
  *                    KLD = BC and a cache line, native.h)
  *   k    BC x dp     key block                                           (backward)
- *   v    BC x dvp    value block                                         (dvp = dv rounded up to W)
+ *   v    BC x dvp    value block, rows ldvc apart (converted: or_rows_ld) or the operand's
+ *                    row stride (read in place)                          (dvp = dv rounded up to W)
  *   vt   dv x BC     value block transposed                              (backward)
  *   s    BR x BC     scores, then probabilities; padded columns are -inf, then 0
  *   o    BR x dvp    output accumulator
@@ -154,11 +155,8 @@ static inline char *FN(row_ptr)(const or_problem *p, int slot, or_ssize unit, or
 static inline __attribute__((always_inline)) void
 FN(ask_next_tile)(const REAL *c, int ldc, int i0, int j0, int m, int n, const int by_columns)
 {
-    int in = j0 + W < n ? i0 : i0 + MR, jn = j0 + W < n ? j0 + W : 0;
-    if (by_columns) {
-        in = i0 + MR < m ? i0 + MR : 0;
-        jn = i0 + MR < m ? j0 : j0 + W;
-    }
+    const int in = by_columns ? (i0 + MR < m ? i0 + MR : 0) : j0 + W < n ? i0 : i0 + MR;
+    const int jn = by_columns ? (i0 + MR < m ? j0 : j0 + W) : j0 + W < n ? j0 + W : 0;
     for (int i = 0; in < m && jn < n && i < MR; i++) {
         __builtin_prefetch(c + (or_ssize)(in + i) * ldc + jn, 1, 3);
         __builtin_prefetch(c + (or_ssize)(in + i) * ldc + jn + W / 2, 1, 3);
@@ -198,7 +196,6 @@ static inline __attribute__((always_inline)) void
 FN(gemm)(REAL *c, int ldc, const REAL *a, int ars, int acs, const REAL *b, or_ssize ldb, int m,
          int n, int k, int accumulate, const int by_columns)
 {
-    /* the outer loop over rows of tiles, or by_columns over columns */
     const int outer = by_columns ? n : m, outer_step = by_columns ? W : MR;
     const int inner = by_columns ? m : n, inner_step = by_columns ? MR : W;
     for (int u = 0; u < outer; u += outer_step)

@@ -324,7 +324,8 @@ def test_every_command_is_a_console_script():
 def test_damaged_checkpoint_contents_are_one_line_errors(run_files, tmp_path, capsys):
     """A checkpoint whose keys are all there but whose contents do not make its model
     (weights of another shape, a model config of another type or with no heads, an hf_config
-    that is not JSON) is one error line naming the file, for orchard-generate and --resume alike."""
+    that is not JSON or names no transformers model) is one error line naming the file and the
+    flag, for orchard-generate and --resume alike."""
     from orchard.cli import generate
 
     out = tmp_path / "run"
@@ -334,6 +335,7 @@ def test_damaged_checkpoint_contents_are_one_line_errors(run_files, tmp_path, ca
     damaged = {"shape": dict(state, model=dict(state["model"], **{first: torch.zeros(3)})),
                "type": dict(state, model_config=dict(state["model_config"], n_layer="x")),
                "json": dict(state, hf_config="{bad"),
+               "hf_type": dict(state, hf_config='{"model_type": "no-such-model"}'),
                "heads": dict(state, model_config=dict(state["model_config"], n_head=0))}
     capsys.readouterr()
     for name, bad in damaged.items():

@@ -48,12 +48,13 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     from ..checkpoint import CheckpointError, checkpoint_path, load_checkpoint
+    from ..config import ConfigError
     from ..generation import Detokenizer, describe_training, encode, load_model, stream
 
     try:
         state = load_checkpoint(args.checkpoint)
         model, byte_level = load_model(state, args.device, checkpoint_path(args.checkpoint))
-    except CheckpointError as exc:
+    except (CheckpointError, ConfigError) as exc:  # ConfigError: its hf_config (HFModelError)
         raise UsageError("argument --checkpoint: %s" % exc) from None
     if args.prompt is None and not byte_level:
         raise UsageError("argument --prompt: needed for a model of token ids (not byte-level), "

@@ -281,7 +281,9 @@ def build_trainer(args):
     except CheckpointError as exc:      # contents that do not make the model (checkpoint_contents)
         raise UsageError("argument --resume: %s" % exc) from None
     except HFModelError as exc:
-        if hf_path is None:     # the checkpoint's hf_config: the message names the file
+        if state is not None:   # the checkpoint's hf_config: the message names the file
+            raise UsageError("argument --resume: %s" % exc) from None
+        if hf_path is None:
             raise
         # a pretrained folder's messages name it; a config file's are named here
         raise UsageError("argument %s: %s%s" % (hf_flag, "" if args.hf_model else
