@@ -224,12 +224,13 @@ static int enqueue(launch_t *L, cl_kernel k, or_ssize rows, or_ssize units, int 
 }
 
 /* Enqueues a kernel of the wg family over ceil(rows / bq) blocks per unit, a work-group of
- * (OR_WG_LANES, bq / OR_WG_TM) work-items each (kernels/wg.cl). */
-static int enqueue_wg(launch_t *L, cl_kernel k, or_ssize rows, or_ssize units)
+ * (OR_WG_LANES, bq / OR_WG_TM) work-items each (kernels/wg.cl): bq is the program's fq in the
+ * forward, its bq in the backward. */
+static int enqueue_wg(launch_t *L, cl_kernel k, or_ssize rows, or_ssize units, int block_rows)
 {
     if (rows <= 0 || units <= 0)
         return OR_OK;
-    const size_t bq = (size_t)L->prog.bq, groups = ((size_t)rows + bq - 1) / bq,
+    const size_t bq = (size_t)block_rows, groups = ((size_t)rows + bq - 1) / bq,
                  global[3] = {groups * OR_WG_LANES, bq / OR_WG_TM, (size_t)units},
                  local[3] = {OR_WG_LANES, bq / OR_WG_TM, 1};
     return enqueue_nd(L, k, global, local);
@@ -337,7 +338,7 @@ static int fwd_kernel(launch_t *L)
     if (rc == OR_OK)
         rc = set_params(L, L->kernel[0], &idx);
     if (rc == OR_OK && L->prog.family == OR_FAMILY_WG)
-        return enqueue_wg(L, L->kernel[0], longest(p->nq, p->n_units), p->n_units);
+        return enqueue_wg(L, L->kernel[0], longest(p->nq, p->n_units), p->n_units, L->prog.fq);
     if (rc == OR_OK)
         rc = enqueue(L, L->kernel[0], longest(p->nq, p->n_units), p->n_units, L->prog.bq,
                      L->prog.family == OR_FAMILY_TILED ? 1 : L->prog.bq);
@@ -505,10 +506,10 @@ int or_cl_bwd(int i, const or_problem *p, or_counters *ct, or_error *err)
         rc = enqueue(&L, L.kernel[0], nq_max, p->n_units, L.prog.prep_rows, L.prog.prep_rows);
     if (rc == OR_OK)        /* tiled: one work-item per kv unit */
         rc = tiled ? enqueue(&L, L.kernel[1], 1, n_kv, 1, 1)
-             : wg  ? enqueue_wg(&L, L.kernel[1], nq_max, p->n_units)
+             : wg  ? enqueue_wg(&L, L.kernel[1], nq_max, p->n_units, L.prog.bq)
                    : enqueue(&L, L.kernel[1], nq_max, p->n_units, L.prog.bq, L.prog.bq);
     if (rc == OR_OK && !tiled)
-        rc = wg ? enqueue_wg(&L, L.kernel[2], nk_max, n_kv)
+        rc = wg ? enqueue_wg(&L, L.kernel[2], nk_max, n_kv, L.prog.bq)
                 : enqueue(&L, L.kernel[2], nk_max, n_kv, L.prog.bq, L.prog.bq);
     if (rc == OR_OK)
         rc = finish_outputs(&L);

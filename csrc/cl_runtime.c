@@ -546,16 +546,14 @@ static int fit_tiles(const or_cl_info *in, size_t real, int d, int dv, int vw, i
     return tiled_bytes(real, d, dv, vw, tq, tk) <= in->local_mem;
 }
 
-/* Local bytes of the wg family's kernels: the largest of its forward's and backward's tiles
- * (params.h's lists) and those of the rows family's decode kernel, which it runs. */
+/* Local bytes of the wg family's backward tiles (params.h's list; its forward's, smaller, are
+ * fitted apart by fit_wg_fwd) and those of the rows family's decode kernel, which it runs. */
 static unsigned long long wg_bytes(size_t real, int d, int dv, int vw, int bq, int bk)
 {
-    const unsigned long long fwd = 0 OR_WG_FWD_TILES(OR_ADD_TILE, d, dv, bq, bk),
-                             bwd = 0 OR_WG_BWD_TILES(OR_ADD_TILE, d, dv, bq, bk),
+    const unsigned long long bwd = 0 OR_WG_BWD_TILES(OR_ADD_TILE, d, dv, bq, bk),
                              decode = (unsigned long long)bk * (round_up_to(d, vw)
                                                                 + round_up_to(dv, vw));
-    const unsigned long long most = fwd > bwd ? fwd : bwd;
-    return real * (most > decode ? most : decode);
+    return real * (bwd > decode ? bwd : decode);
 }
 
 /* The wg family's rule: blocks of whole micro-tiles (bq rows a multiple of OR_WG_TM, bk keys
@@ -580,6 +578,27 @@ static int fit_wg(const or_cl_info *in, size_t real, int d, int dv, int vw, int 
            && (size_t)OR_WG_THREADS(tq) <= in->max_work_group;
 }
 
+/* The wg forward's rule, on its own tiles (qs, kvs, ps: a third of the backward's at the same
+ * blocks: in 48 KiB at D 128, 48 x 32 where the backward gets 24 x 16): bk shrinks first,
+ * to 32 keys, then bq, then bk; it fits whenever the backward's blocks do, which are smaller. */
+static void fit_wg_fwd(const or_cl_info *in, size_t real, int d, int dv, int *bq, int *bk)
+{
+    int tq = round_up_to(*bq, OR_WG_TM), tk = round_up_to(*bk, OR_WG_LANES);
+    while ((size_t)OR_WG_THREADS(tq) > in->max_work_group && tq > OR_WG_TM)
+        tq -= OR_WG_TM;
+    while (real * (0 OR_WG_FWD_TILES(OR_ADD_TILE, d, dv, tq, tk)) > in->local_mem
+           && (tq > OR_WG_TM || tk > OR_WG_LANES)) {
+        if (tk > 2 * OR_WG_LANES || (tk > OR_WG_LANES && tq == OR_WG_TM))
+            tk -= OR_WG_LANES;
+        else if (tq > OR_WG_TM)
+            tq -= OR_WG_TM;
+        else
+            tk -= OR_WG_LANES;
+    }
+    *bq = tq;
+    *bk = tk;
+}
+
 /* The kernel families. Rows: a query (or key) row per work-item, K/V tiles shared through
  * local memory by the work-group (every device kind but CPUs and GPUs). Tiled: a single
  * work-item per group forms every product in register tiles, on 96 x 96 blocks as the native
@@ -589,13 +608,13 @@ static int fit_wg(const or_cl_info *in, size_t real, int d, int dv, int vw, int 
 const or_cl_family or_cl_families[OR_NFAMILIES] = {
     [OR_FAMILY_ROWS] = {"rows", NULL, "flash_fwd_rows", "flash_bwd_rows_dq",
                         "flash_bwd_rows_dkdv", "flash_decode_split", 64, 64,
-                        {{32, 32}, {64, 32}, {64, 64}, {128, 32}, {128, 64}}, fit_rows},
+                        {{32, 32}, {64, 32}, {64, 64}, {128, 32}, {128, 64}}, fit_rows, NULL},
     [OR_FAMILY_TILED] = {"tiled", "cpu", "flash_fwd_tiled", "flash_bwd_tiled", NULL,
                          "flash_decode_split", 96, 96,
-                         {{48, 48}, {48, 96}, {96, 48}, {96, 96}, {144, 96}}, fit_tiles},
+                         {{48, 48}, {48, 96}, {96, 48}, {96, 96}, {144, 96}}, fit_tiles, NULL},
     [OR_FAMILY_WG] = {"wg", "gpu", "flash_fwd_wg", "flash_bwd_wg_dq", "flash_bwd_wg_dkdv",
                       "flash_decode_split", 64, 64,
-                      {{16, 32}, {32, 32}, {32, 64}, {64, 32}, {64, 64}}, fit_wg},
+                      {{16, 32}, {32, 32}, {32, 64}, {64, 32}, {64, 64}}, fit_wg, fit_wg_fwd},
 };
 
 /* Lanes of the kernels' vectors (VW): a CPU work-item is one SIMD thread, so the tiled family
@@ -615,7 +634,7 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
     static const int storage[] = {OR_DTYPES(OR_DTYPE_CL_STORAGE)};
     const size_t real = (size_t)or_dtypes[dt].compute_size;
     const int overridden = getenv("ORCHARD_CL_BLOCK_Q") || getenv("ORCHARD_CL_BLOCK_K");
-    int family = family_of(dev), vw, bq, bk, tuned;
+    int family = family_of(dev), vw, bq, bk, fq, fk, tuned;
     or_cl_info facts = dev->info;       /* what the blocks are fitted to */
 #ifdef ORCHARD_TEST_HOOKS
     /* ORCHARD_CL_LOCAL_MEM=bytes: a device with that much local memory, to test the rules */
@@ -629,10 +648,15 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
         bq = f->bq;
         bk = f->bk;
         tuned = load_tuned(dev, family, &bq, &bk);
-        bq = env_int("ORCHARD_CL_BLOCK_Q", bq);
-        bk = env_int("ORCHARD_CL_BLOCK_K", bk);
-        if (f->fit(&facts, real, d, dv, vw, &bq, &bk))
+        bq = fq = env_int("ORCHARD_CL_BLOCK_Q", bq);
+        bk = fk = env_int("ORCHARD_CL_BLOCK_K", bk);
+        if (f->fit(&facts, real, d, dv, vw, &bq, &bk)) {
+            if (f->fit_fwd != NULL)
+                f->fit_fwd(&facts, real, d, dv, &fq, &fk);
+            else
+                fq = bq, fk = bk;
             break;
+        }
         family = OR_FAMILY_ROWS;        /* tiles that cannot fit: the rows family */
     }
     for (;;) {
@@ -641,8 +665,8 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
         const char *extra = getenv("ORCHARD_CL_OPTIONS");
         snprintf(options, sizeof(options),
                  "-cl-std=CL1.2 -DOR_STORAGE=%d -DHEAD_D=%d -DHEAD_DV=%d -DVW=%d -DOR_FAMILY=%d "
-                 "-DBQ=%d -DBK=%d -DOR_PARAMS_SIZE=%d%s %s",
-                 storage[dt], d, dv, vw, family, bq, bk,
+                 "-DBQ=%d -DBK=%d -DFQ=%d -DFK=%d -DOR_PARAMS_SIZE=%d%s %s",
+                 storage[dt], d, dv, vw, family, bq, bk, fq, fk,
                  (int)(real == 8 ? sizeof(or_params) : sizeof(or_params_f)),
                  dev->info.subgroups ? " -DOR_WG_SUBGROUPS" : "", extra ? extra : "");
         cl_program prog;
@@ -656,20 +680,24 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
         }
         /* flash_bwd_prep runs bq-row groups in the rows family, up to 64 in the others */
         const int prep = family == OR_FAMILY_ROWS ? bq : (limit < 64 ? (int)limit : 64);
-        const int wg = family == OR_FAMILY_WG, width = wg ? OR_WG_THREADS(bq) : bq;
-        if (family == OR_FAMILY_TILED || (size_t)width <= limit || bq == (wg ? OR_WG_TM : 1)) {
-            *out = (or_cl_program){api, dev->ctx, dev->queue, prog, family, bq, bk,
+        const int wg = family == OR_FAMILY_WG, rows = bq > fq ? bq : fq,
+                  width = wg ? OR_WG_THREADS(rows) : rows;
+        if (family == OR_FAMILY_TILED || (size_t)width <= limit || rows == (wg ? OR_WG_TM : 1)) {
+            *out = (or_cl_program){api, dev->ctx, dev->queue, prog, family, bq, bk, fq, fk,
                                    prep > 1 ? prep : 1, round_up_to(d, OR_TN(vw))};
             if (or_env_flag("ORCHARD_DEBUG_FLASH_ATN"))
                 or_log("orchard: OpenCL program for %s D=%d Dv=%d on %s: %s kernels, "
-                       "blocks %d x %d%s, %d lanes", or_dtypes[dt].name, d, dv, dev->info.name,
-                       or_cl_families[family].name, bq, bk, tuned && !overridden ? " (tuned)" : "",
-                       vw);
+                       "blocks %d x %d (forward %d x %d)%s, %d lanes", or_dtypes[dt].name, d, dv,
+                       dev->info.name, or_cl_families[family].name, bq, bk, fq, fk,
+                       tuned && !overridden ? " (tuned)" : "", vw);
             return OR_OK;
         }
         api->clReleaseProgram(prog);    /* the kernels cannot run so wide here: narrower */
-        bq = wg ? ((int)limit / OR_WG_LANES > 1 ? (int)limit / OR_WG_LANES * OR_WG_TM : OR_WG_TM)
-                : (limit > 1 ? (int)limit : 1);
+        const int most = wg ? ((int)limit / OR_WG_LANES > 1 ? (int)limit / OR_WG_LANES * OR_WG_TM
+                                                            : OR_WG_TM)
+                            : (limit > 1 ? (int)limit : 1);
+        bq = bq < most ? bq : most;
+        fq = fq < most ? fq : most;
     }
 }
 int or_cl_get_program(int i, or_dtype dt, int d, int dv, or_counters *ct, or_cl_program *out,

@@ -33,6 +33,9 @@ typedef struct {
     int candidates[5][2];           /* the blocks orchard-tune times */
     /* its local-memory rule: fits (bq, bk) to the device; 0 when nothing fits */
     int (*fit)(const or_cl_info *in, size_t real, int d, int dv, int vw, int *bq, int *bk);
+    /* the forward's own rule, where its tiles are smaller than the others' (NULL: the forward
+     * runs on the fitted (bq, bk)); it starts from the same requested blocks */
+    void (*fit_fwd)(const or_cl_info *in, size_t real, int d, int dv, int *bq, int *bk);
 } or_cl_family;
 
 extern const or_cl_family or_cl_families[OR_NFAMILIES];
@@ -45,6 +48,7 @@ typedef struct {
     cl_program program;
     int family;                     /* OR_FAMILY_ROWS, OR_FAMILY_TILED or OR_FAMILY_WG */
     int bq, bk;                     /* the family's blocks, as in or_cl_family */
+    int fq, fk;                     /* the forward's (fit_fwd), else bq, bk */
     int prep_rows;                  /* work-group rows of flash_bwd_prep */
     int tile_d;                     /* head dim padded to whole register tiles (tiles.cl DT) */
 } or_cl_program;

@@ -14,7 +14,10 @@
  *   BQ, BK       the family's blocks. Rows: rows per work-group (one per work-item) and rows
  *                per local-memory tile. Tiled: query rows per single-work-item group and keys
  *                per block, multiples of the register tile (tiles.cl). Wg: rows of a
- *                work-group's block and of each tile it streams, whole micro-tiles (wg.cl).
+ *                work-group's block and of each tile it streams, whole micro-tiles (wg.cl),
+ *                in the backward and decoding.
+ *   FQ, FK       the forward's blocks: the wg family's own (its tiles are smaller), BQ and BK
+ *                in the others.
  *
  * Operands are addressed like the native path's views, through the meta table of params.h
  * (embedded ahead of this file, with the parameter struct, the mask rule and Philox). The last

@@ -12,31 +12,35 @@
  * output element is summed by one work-item in a fixed order, so results are deterministic.
  * Shapes as in flash_fwd_wg.cl; dq/dk/dv have the shapes of q/k/v.
  *
- * Local tiles (OR_WG_BWD_TILES in params.h), in dQ / in dK, dV:
- *   rs   BQ x LDQ   queries times scale / keys     (the block's rows)
- *   rvs  BQ x LDV   dO / values
- *   cs   BK x LDQ   keys / queries times scale     (the tile's rows, zero past its end)
- *   cvs  BK x LDV   values / dO
- *   ps   BQ x LDP   - / P~ transposed
- *   ds   BQ x LDP   dS / dS transposed
+ * Local tiles (OR_WG_BWD_TILES in params.h; rows OR_WG_LD long), in dQ / in dK, dV:
+ *   rs   BQ x LDQ    queries times scale / keys     (the block's rows)
+ *   rvs  BQ x LDV    dO / values
+ *   cs   BK x LDQ    keys / queries times scale     (the tile's rows, zero past its end)
+ *   cvs  BK x LDV    values / dO
+ *   ps   BQ x BLDP   - / P~ transposed
+ *   ds   BQ x BLDP   dS / dS transposed
  *   lse_t, di_t     - / lse and D of the tile's query rows (-inf and 0 past its end)
  */
 #if OR_FAMILY == OR_FAMILY_WG
+#define BWN (BK / LANES)                            /* score columns per work-item */
+#define BLDP OR_WG_LD(BK)                           /* row length of ps and ds */
+#define BWG_THREADS OR_WG_THREADS(BQ)
+
 /* A tile of both backward kernels: rows [r0, r0 + n) of x (HEAD_D wide, times x_scale) and of
  * y (HEAD_DV wide) into cs and cvs (zero past n), then this work-item's micro-tiles of
  * S = rs cs^T and dP = rvs cvs^T (or their transposes, in dK/dV). */
 inline void wg_bwd_tile(__global const storage_t *x, long x_base, long x_rs, real x_scale,
                         __global const storage_t *y, long y_base, long y_rs, long r0, int n,
                         __local const real *rs, __local const real *rvs, __local real *cs,
-                        __local real *cvs, real s[WTM][WN], real dp[WTM][WN], int tx, int ty)
+                        __local real *cvs, real *s, real *dp, int tx, int ty)
 {
     const int lid = ty * LANES + tx;
     barrier(CLK_LOCAL_MEM_FENCE);       /* every product with the last tile is done */
-    wg_load(cs, LDQ, x, x_base, x_rs, r0, n, BK, HEAD_D, x_scale, lid);
-    wg_load(cvs, LDV, y, y_base, y_rs, r0, n, BK, HEAD_DV, 1, lid);
+    wg_load(cs, LDQ, x, x_base, x_rs, r0, n, BK, HEAD_D, x_scale, lid, BWG_THREADS);
+    wg_load(cvs, LDV, y, y_base, y_rs, r0, n, BK, HEAD_DV, 1, lid, BWG_THREADS);
     barrier(CLK_LOCAL_MEM_FENCE);
-    wg_dot_tile(s, rs, LDQ, cs, LDQ, HEAD_D, tx, ty);
-    wg_dot_tile(dp, rvs, LDV, cvs, LDV, HEAD_DV, tx, ty);
+    wg_dot_tile(s, BWN, rs, LDQ, cs, LDQ, HEAD_D, tx, ty);
+    wg_dot_tile(dp, BWN, rvs, LDV, cvs, LDV, HEAD_DV, tx, ty);
 }
 
 __kernel void flash_bwd_wg_dq(__global const storage_t *q, __global const storage_t *k,
@@ -49,55 +53,58 @@ __kernel void flash_bwd_wg_dq(__global const storage_t *q, __global const storag
     OR_WG_BWD_TILES(WG_TILE, HEAD_D, HEAD_DV, BQ, BK)
     const int tx = get_local_id(0), ty = get_local_id(1), lid = ty * LANES + tx;
     wg_block b;
-    if (!wg_query_block(meta, slopes, &p, &b))
+    if (!wg_query_block(meta, slopes, &p, BQ, &b))
         return;
 
-    real acc[WTM * WD], lse_a[WTM], di_a[WTM];
+    real4 acc[WTM * WD4];
+    real lse_a[WTM], di_a[WTM];
     for (int a = 0; a < WTM; a++) {
         const long i = b.i0 + ty * WTM + a;
         lse_a[a] = i < b.nq ? lse[b.unit[OR_LSE] + i * meta[OR_LSE]] : -INFINITY;
         di_a[a] = i < b.nq ? di[b.u * di_stride + i] : 0;
-        for (int x = 0; x < WD; x++)
-            acc[a * WD + x] = 0;
+        for (int g = 0; g < WD4; g++)
+            acc[a * WD4 + g] = 0;
     }
-    wg_load(rs, LDQ, q, b.unit[OR_Q], meta[OR_Q], b.i0, b.rows, BQ, HEAD_D, p.scale, lid);
-    wg_load(rvs, LDV, dout, b.unit[OR_DO], meta[OR_DO], b.i0, b.rows, BQ, HEAD_DV, 1, lid);
+    wg_load(rs, LDQ, q, b.unit[OR_Q], meta[OR_Q], b.i0, b.rows, BQ, HEAD_D, p.scale, lid,
+            BWG_THREADS);
+    wg_load(rvs, LDV, dout, b.unit[OR_DO], meta[OR_DO], b.i0, b.rows, BQ, HEAD_DV, 1, lid,
+            BWG_THREADS);
 
     for (long j0 = b.lo; j0 < b.hi; j0 += BK) {
         const int cols = (int)min((long)BK, b.hi - j0);
-        real s[WTM][WN], dp[WTM][WN];
+        real s[WTM * BWN], dp[WTM * BWN];
         wg_bwd_tile(k, b.kvunit[OR_K], meta[OR_K], 1, v, b.kvunit[OR_V], meta[OR_V], j0, cols,
                     rs, rvs, cs, cvs, s, dp, tx, ty);
         for (int a = 0; a < WTM; a++) {
             const long i = b.i0 + ty * WTM + a;
-            for (int c = 0; c < WN; c++) {
+            for (int c = 0; c < BWN; c++) {
                 const int col = tx + LANES * c;
                 real d = 0;     /* padding, a row that sees no key, a masked score: 0 */
                 if (col < cols && lse_a[a] != -INFINITY) {
                     real dcap;
-                    const real sc = transform_score(s[a][c], i, j0 + col, b.off, b.slope, &p,
-                                                    &dcap);
+                    const real sc = transform_score(s[a * BWN + c], i, j0 + col, b.off, b.slope,
+                                                    &p, &dcap);
                     const real pr = exp(sc - lse_a[a]);
-                    real dpk = dp[a][c];
+                    real dpk = dp[a * BWN + c];
                     if (p.dropout && pr > 0)
                         dpk = or_dropout_keep(p.seed, (ulong)b.u, (uint)i, (uint)(j0 + col),
                                               p.threshold) ? dpk * p.drop_scale : 0;
                     d = pr > 0 ? pr * (dpk - di_a[a]) * dcap : 0;
                 }
-                ds[(ty * WTM + a) * LDP + col] = d;
+                ds[(ty * WTM + a) * BLDP + col] = d;
             }
         }
         barrier(CLK_LOCAL_MEM_FENCE);
-        wg_acc_tile(acc, WD, ds, cs, LDQ, cols, HEAD_D, tx, ty);
+        wg_acc_tile(acc, WD4, ds, BLDP, cs, LDQ, cols, HEAD_D, tx, ty);
     }
 
     for (int a = 0; a < WTM; a++) {
         const long i = b.i0 + ty * WTM + a;
         if (i >= b.nq)
             break;
-        for (int x = 0; x < WD && tx + LANES * x < HEAD_D; x++)
-            STORE(dq, b.unit[OR_DQ] + i * meta[OR_DQ] + tx + LANES * x,
-                  acc[a * WD + x] * p.scale);
+        for (int g = 0; g < WD4 && wg_col(tx, g) < HEAD_D; g++)
+            wg_store4(dq, b.unit[OR_DQ] + i * meta[OR_DQ], wg_col(tx, g), HEAD_D,
+                      acc[a * WD4 + g] * p.scale);
     }
 }
 
@@ -118,15 +125,15 @@ __kernel void flash_bwd_wg_dkdv(__global const storage_t *q, __global const stor
         return;
     const int keys = (int)min((long)BQ, nk - j0);
 
-    real dka[WTM * WD], dva[WTM * WDV];
+    real4 dka[WTM * WD4], dva[WTM * WDV4];
     for (int a = 0; a < WTM; a++) {
-        for (int x = 0; x < WD; x++)
-            dka[a * WD + x] = 0;
-        for (int x = 0; x < WDV; x++)
-            dva[a * WDV + x] = 0;
+        for (int g = 0; g < WD4; g++)
+            dka[a * WD4 + g] = 0;
+        for (int g = 0; g < WDV4; g++)
+            dva[a * WDV4 + g] = 0;
     }
-    wg_load(rs, LDQ, k, kvunit[OR_K], meta[OR_K], j0, keys, BQ, HEAD_D, 1, lid);
-    wg_load(rvs, LDV, v, kvunit[OR_V], meta[OR_V], j0, keys, BQ, HEAD_DV, 1, lid);
+    wg_load(rs, LDQ, k, kvunit[OR_K], meta[OR_K], j0, keys, BQ, HEAD_D, 1, lid, BWG_THREADS);
+    wg_load(rvs, LDV, v, kvunit[OR_V], meta[OR_V], j0, keys, BQ, HEAD_DV, 1, lid, BWG_THREADS);
 
     for (int g = 0; g < p.group; g++) {
         const long u = w * p.group + g;
@@ -138,37 +145,37 @@ __kernel void flash_bwd_wg_dkdv(__global const storage_t *q, __global const stor
         for (long i0 = ilo; i0 < ihi; i0 += BK) {
             const int rows = (int)min((long)BK, ihi - i0);
             /* the last tile's lse_t and di_t were read before the barrier ending its products */
-            for (int e = lid; e < BK; e += WG_THREADS) {
+            for (int e = lid; e < BK; e += BWG_THREADS) {
                 lse_t[e] = e < rows ? lse[unit[OR_LSE] + (i0 + e) * meta[OR_LSE]] : -INFINITY;
                 di_t[e] = e < rows ? di[u * di_stride + i0 + e] : 0;
             }
-            real s[WTM][WN], dp[WTM][WN];
+            real s[WTM * BWN], dp[WTM * BWN];
             wg_bwd_tile(q, unit[OR_Q], meta[OR_Q], p.scale, dout, unit[OR_DO], meta[OR_DO], i0, rows,
                         rs, rvs, cs, cvs, s, dp, tx, ty);
             for (int a = 0; a < WTM; a++) {
                 const long j = j0 + ty * WTM + a;
-                for (int c = 0; c < WN; c++) {
+                for (int c = 0; c < BWN; c++) {
                     const int col = tx + LANES * c;
                     real pt = 0, d = 0;     /* padding, a masked score: 0 */
                     if (j < nk && lse_t[col] != -INFINITY) {
                         real dcap;
-                        const real sc = transform_score(s[a][c], i0 + col, j, off, slope, &p,
-                                                        &dcap);
+                        const real sc = transform_score(s[a * BWN + c], i0 + col, j, off, slope,
+                                                        &p, &dcap);
                         const real pr = exp(sc - lse_t[col]);
                         real kept = 1;
                         if (p.dropout && pr > 0)
                             kept = or_dropout_keep(p.seed, (ulong)u, (uint)(i0 + col), (uint)j,
                                                    p.threshold) ? p.drop_scale : 0;
                         pt = pr * kept;
-                        d = pr > 0 ? pr * (dp[a][c] * kept - di_t[col]) * dcap : 0;
+                        d = pr > 0 ? pr * (dp[a * BWN + c] * kept - di_t[col]) * dcap : 0;
                     }
-                    ps[(ty * WTM + a) * LDP + col] = pt;
-                    ds[(ty * WTM + a) * LDP + col] = d;
+                    ps[(ty * WTM + a) * BLDP + col] = pt;
+                    ds[(ty * WTM + a) * BLDP + col] = d;
                 }
             }
             barrier(CLK_LOCAL_MEM_FENCE);
-            wg_acc_tile(dva, WDV, ps, cvs, LDV, rows, HEAD_DV, tx, ty);
-            wg_acc_tile(dka, WD, ds, cs, LDQ, rows, HEAD_D, tx, ty);
+            wg_acc_tile(dva, WDV4, ps, BLDP, cvs, LDV, rows, HEAD_DV, tx, ty);
+            wg_acc_tile(dka, WD4, ds, BLDP, cs, LDQ, rows, HEAD_D, tx, ty);
         }
     }
 
@@ -176,10 +183,11 @@ __kernel void flash_bwd_wg_dkdv(__global const storage_t *q, __global const stor
         const long j = j0 + ty * WTM + a;
         if (j >= nk)
             break;
-        for (int x = 0; x < WD && tx + LANES * x < HEAD_D; x++)
-            STORE(dk, kvunit[OR_DK] + j * meta[OR_DK] + tx + LANES * x, dka[a * WD + x]);
-        for (int x = 0; x < WDV && tx + LANES * x < HEAD_DV; x++)
-            STORE(dv, kvunit[OR_DV] + j * meta[OR_DV] + tx + LANES * x, dva[a * WDV + x]);
+        for (int g = 0; g < WD4 && wg_col(tx, g) < HEAD_D; g++)
+            wg_store4(dk, kvunit[OR_DK] + j * meta[OR_DK], wg_col(tx, g), HEAD_D, dka[a * WD4 + g]);
+        for (int g = 0; g < WDV4 && wg_col(tx, g) < HEAD_DV; g++)
+            wg_store4(dv, kvunit[OR_DV] + j * meta[OR_DV], wg_col(tx, g), HEAD_DV,
+                      dva[a * WDV4 + g]);
     }
 }
 #endif

@@ -266,16 +266,18 @@ OR_FN int or_tiled_step(int vw)
 #define OR_WG_THREADS(bq) ((bq) / OR_WG_TM * OR_WG_LANES)
 
 /* Its local tiles, X(name, reals), from the head dims d, dv and the blocks bq (rows of the
- * micro-tiles: query rows, or key rows in dK/dV) and bk (their columns). Tile rows are one
- * real longer than the head dim (or bk), so that lanes reading one column of different rows
- * meet different local-memory banks. red: the row reductions without subgroups. */
+ * micro-tiles: query rows, or key rows in dK/dV) and bk (their columns). A tile row of n reals
+ * is OR_WG_LD(n) long: whole vectors of 4 (wg.cl reads vectors), one vector more so that
+ * lanes reading vectors of different rows meet different local-memory banks. The forward's row
+ * reductions without subgroups (bq x OR_WG_LANES) use ps's memory. */
+#define OR_WG_LD(n) (((n) + 3) / 4 * 4 + 4)
 #define OR_WG_MAX(a, b) ((a) > (b) ? (a) : (b))
 #define OR_WG_FWD_TILES(X, d, dv, bq, bk)                                                    \
-    X(qs, (bq) * ((d) + 1)) X(kvs, (bk) * (OR_WG_MAX(d, dv) + 1))                             \
-    X(ps, (bq) * ((bk) + 1)) X(red, (bq) * OR_WG_LANES)
+    X(qs, (bq) * OR_WG_LD(d)) X(kvs, (bk) * OR_WG_LD(OR_WG_MAX(d, dv)))                       \
+    X(ps, (bq) * OR_WG_LD(bk))
 #define OR_WG_BWD_TILES(X, d, dv, bq, bk)                                                    \
-    X(rs, (bq) * ((d) + 1)) X(rvs, (bq) * ((dv) + 1)) X(cs, (bk) * ((d) + 1))                 \
-    X(cvs, (bk) * ((dv) + 1)) X(ps, (bq) * ((bk) + 1)) X(ds, (bq) * ((bk) + 1))              \
+    X(rs, (bq) * OR_WG_LD(d)) X(rvs, (bq) * OR_WG_LD(dv)) X(cs, (bk) * OR_WG_LD(d))           \
+    X(cvs, (bk) * OR_WG_LD(dv)) X(ps, (bq) * OR_WG_LD(bk)) X(ds, (bq) * OR_WG_LD(bk))         \
     X(lse_t, (bk)) X(di_t, (bk))
 
 #endif

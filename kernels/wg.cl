@@ -1,14 +1,18 @@
 /* wg.cl - the work-group layout, tile loads, micro-tile products and row reductions of the wg
  * family (flash_fwd_wg.cl, flash_bwd_wg.cl), in the manner of FlashAttention-2.
  *
- * A work-group of (LANES, BQ / WTM) work-items computes a BQ x BK block of scores at a time.
- * Work-item (tx, ty) owns a register micro-tile of it: rows ty * WTM .. ty * WTM + WTM - 1
- * and columns tx + LANES * c (c < WN = BK / LANES), and the same rows of the output
- * accumulator at columns tx + LANES * x (x < WD or WDV). Its operands come from local tiles
- * the whole work-group loads (row-major, rows one real longer than they hold, see params.h):
- * lanes of one row read the same row element (a broadcast) and one element of different rows
- * (different banks), so every product is register-tiled: WTM + WN local reads per WTM x WN
- * multiply-adds.
+ * A work-group of (LANES, bq / WTM) work-items computes a bq x bk block of scores at a time
+ * (the forward's blocks FQ x FK, the backward's BQ x BK). Work-item (tx, ty) owns a register
+ * micro-tile of it: rows ty * WTM .. ty * WTM + WTM - 1 and columns tx + LANES * c
+ * (c < bk / LANES), and the same rows of the output accumulator in vectors of 4 columns,
+ * columns 4 * (tx + LANES * g) .. + 3 (wg_col). Its operands come from local tiles the whole
+ * work-group loads, row-major, rows of whole vectors of 4 (zero past the data) and one vector
+ * more (params.h's OR_WG_LD), and every read of them is a vector of 4 along the products'
+ * inner dimension: lanes of one row read the same vector (a broadcast), lanes of different
+ * columns vectors of different rows, whose starts the extra vector spreads over the banks.
+ * So a product costs WTM + bk / LANES vector reads per 4 * WTM * bk / LANES multiply-adds
+ * (measured on an H200: scalar reads, one per multiply-add pair, held the forward at 13-17 %
+ * of the FMA peak).
  *
  * Softmax row reductions run over the LANES work-items that share a row: with subgroup
  * operations when the device has them (cl_khr_subgroups or cl_intel_subgroups) and its
@@ -18,15 +22,21 @@
 #if OR_FAMILY == OR_FAMILY_WG
 #define LANES OR_WG_LANES
 #define WTM OR_WG_TM
-#define WG_THREADS OR_WG_THREADS(BQ)
-#define WN (BK / LANES)                             /* score columns per work-item */
-#define WD ((HEAD_D + LANES - 1) / LANES)           /* dq / dk columns per work-item */
-#define WDV ((HEAD_DV + LANES - 1) / LANES)         /* out / dv columns per work-item */
-#define LDQ (HEAD_D + 1)                            /* row lengths of the local tiles */
-#define LDV (HEAD_DV + 1)
-#define LDKV (OR_WG_MAX(HEAD_D, HEAD_DV) + 1)
-#define LDP (BK + 1)
-#define WG_TILE(name, reals) __local real name[reals];   /* params.h's tile lists */
+#define WD4 ((HEAD_D + 4 * LANES - 1) / (4 * LANES))    /* dq / dk vectors per work-item row */
+#define WDV4 ((HEAD_DV + 4 * LANES - 1) / (4 * LANES))  /* out / dv vectors per work-item row */
+#define LDQ OR_WG_LD(HEAD_D)                            /* row lengths of the local tiles */
+#define LDV OR_WG_LD(HEAD_DV)
+#define LDKV OR_WG_LD(OR_WG_MAX(HEAD_D, HEAD_DV))
+typedef CAT(REAL_T, 4) real4;
+/* a vector of a local tile: rows and reads start at whole vectors, so it is aligned */
+#define LOCAL4(p) (*(__local const real4 *)(p))
+#define WG_TILE(name, reals) __local real name[reals] __attribute__((aligned(4 * sizeof(real))));
+
+/* The first output column of a work-item's vector g (of WD4 or WDV4). */
+inline int wg_col(int tx, int g)
+{
+    return 4 * (tx + LANES * g);
+}
 
 /* The host defines OR_WG_SUBGROUPS when the device lists cl_khr_subgroups or
  * cl_intel_subgroups: a compiler may declare the built-ins for a device that lacks them
@@ -42,8 +52,8 @@
 #endif
 
 /* The block of query rows of this work-group, where the forward and dQ kernels start: rows
- * [i0, i0 + rows) of unit u (block get_group_id(0) of unit get_group_id(2)), its meta words and
- * those of its kv unit, its ALiBi slope and the keys [lo, hi) its rows may see. */
+ * [i0, i0 + rows) of unit u (block get_group_id(0), of bq rows, of unit get_group_id(2)), its
+ * meta words and those of its kv unit, its ALiBi slope and the keys [lo, hi) its rows may see. */
 typedef struct {
     long u, i0, nq, nk, off, lo, hi;
     int rows;
@@ -54,10 +64,10 @@ typedef struct {
 /* Fills *b; 0 when the block starts past its unit's rows: the whole work-group then returns,
  * so no barrier is skipped by only some. */
 inline int wg_query_block(__global const long *meta, __global const real *slopes,
-                          const or_params *p, wg_block *b)
+                          const or_params *p, int bq, wg_block *b)
 {
     b->u = get_group_id(2);
-    b->i0 = (long)get_group_id(0) * BQ;
+    b->i0 = (long)get_group_id(0) * bq;
     b->unit = UNIT(meta, b->u);
     b->kvunit = UNIT(meta, b->u / p->group * p->group);
     b->nq = b->unit[OR_UNIT_NQ];
@@ -65,70 +75,79 @@ inline int wg_query_block(__global const long *meta, __global const real *slopes
     b->off = b->nk - b->nq;
     if (b->i0 >= b->nq)
         return 0;
-    b->rows = (int)min((long)BQ, b->nq - b->i0);
+    b->rows = (int)min((long)bq, b->nq - b->i0);
     b->slope = p->has_alibi ? slopes[b->u] : 0;
     or_key_range(p->left, p->right, b->nq, b->nk, b->i0, b->i0 + b->rows, &b->lo, &b->hi);
     return 1;
 }
 
 /* Rows [r0, r0 + rows) of an operand (row stride `stride`, from element `base`), n elements
- * each, times mul, into a local tile of row length ld, VW elements per global read; rows
- * [rows, pad_rows) are zero. Every work-item of the group takes part. */
+ * each, times mul, into a local tile of row length ld (OR_WG_LD(n): whole vectors of VW fit),
+ * VW elements per global read and local write, zero past n; rows [rows, pad_rows) are zero.
+ * Every one of the group's `threads` work-items takes part. */
 inline void wg_load(__local real *dst, int ld, __global const storage_t *src, long base,
-                    long stride, long r0, int rows, int pad_rows, int n, real mul, int lid)
+                    long stride, long r0, int rows, int pad_rows, int n, real mul, int lid,
+                    int threads)
 {
     const int nv = (n + VW - 1) / VW;
-    for (int e = lid; e < pad_rows * nv; e += WG_THREADS) {
+    for (int e = lid; e < pad_rows * nv; e += threads) {
         const int r = e / nv, x0 = e % nv * VW;
         const realv t = r < rows ? load_vec(src, base + (r0 + r) * stride, x0, n, mul) : 0;
-        if (x0 + VW <= n) {
-            CAT(vstore, VW)(t, 0, dst + r * ld + x0);
-        } else {
-            real s[VW];
-            CAT(vstore, VW)(t, 0, s);
-            for (int l = 0; x0 + l < n; l++)
-                dst[r * ld + x0 + l] = s[l];
-        }
+        CAT(vstore, VW)(t, 0, dst + r * ld + x0);
     }
 }
 
-/* acc[a][c] = row ty * WTM + a of tile a_t . row tx + LANES * c of tile b_t, over n
- * elements: a block of S = A B^T. */
-inline void wg_dot_tile(real acc[WTM][WN], __local const real *a_t, int lda,
+/* acc[a * wn + c] = row ty * WTM + a of tile a_t . row tx + LANES * c of tile b_t, over n
+ * elements (the tiles zero from n to a whole vector): a block of S = A B^T. */
+inline void wg_dot_tile(real *acc, int wn, __local const real *a_t, int lda,
                         __local const real *b_t, int ldb, int n, int tx, int ty)
 {
-    for (int a = 0; a < WTM; a++)
-        for (int c = 0; c < WN; c++)
-            acc[a][c] = 0;
-    for (int x = 0; x < n; x++) {
-        real av[WTM], bv[WN];
+    for (int e = 0; e < WTM * wn; e++)
+        acc[e] = 0;
+    for (int x = 0; x < n; x += 4) {
+        real4 av[WTM];
         for (int a = 0; a < WTM; a++)
-            av[a] = a_t[(ty * WTM + a) * lda + x];
-        for (int c = 0; c < WN; c++)
-            bv[c] = b_t[(tx + LANES * c) * ldb + x];
-        for (int a = 0; a < WTM; a++)
-            for (int c = 0; c < WN; c++)
-                acc[a][c] = fma(av[a], bv[c], acc[a][c]);
+            av[a] = LOCAL4(a_t + (ty * WTM + a) * lda + x);
+        for (int c = 0; c < wn; c++) {
+            const real4 bv = LOCAL4(b_t + (tx + LANES * c) * ldb + x);
+            for (int a = 0; a < WTM; a++) {
+                real t = acc[a * wn + c];
+                t = fma(av[a].x, bv.x, t);
+                t = fma(av[a].y, bv.y, t);
+                t = fma(av[a].z, bv.z, t);
+                acc[a * wn + c] = fma(av[a].w, bv.w, t);
+            }
+        }
     }
 }
 
-/* acc[a * w + x] += sum over k < kdim of p_t[row ty * WTM + a][k] * v_t[k][tx + LANES * x],
- * for the columns below n: a block of O += P V. */
-inline void wg_acc_tile(real *acc, int w, __local const real *p_t, __local const real *v_t,
-                        int ldv, int kdim, int n, int tx, int ty)
+/* acc[a * w4 + g] += sum over k < kdim of p_t[row ty * WTM + a][k] * v_t[k][wg_col(tx, g) ..
+ * + 3], for the vectors that start below n: a block of O += P V. p_t (row length ldp) is zero,
+ * and v_t's rows finite, from kdim to a whole vector. */
+inline void wg_acc_tile(real4 *acc, int w4, __local const real *p_t, int ldp,
+                        __local const real *v_t, int ldv, int kdim, int n, int tx, int ty)
 {
-    for (int k = 0; k < kdim; k++) {
-        real pv[WTM];
+    for (int k = 0; k < kdim; k += 4) {
+        real4 pv[WTM];
         for (int a = 0; a < WTM; a++)
-            pv[a] = p_t[(ty * WTM + a) * LDP + k];
-        for (int x = 0; x < w; x++) {
-            if (tx + LANES * x >= n)
-                break;
-            const real vv = v_t[k * ldv + tx + LANES * x];
+            pv[a] = LOCAL4(p_t + (ty * WTM + a) * ldp + k);
+        for (int g = 0; g < w4 && wg_col(tx, g) < n; g++) {
+            __local const real *vk = v_t + k * ldv + wg_col(tx, g);
+            const real4 v0 = LOCAL4(vk), v1 = LOCAL4(vk + ldv), v2 = LOCAL4(vk + 2 * ldv),
+                        v3 = LOCAL4(vk + 3 * ldv);
             for (int a = 0; a < WTM; a++)
-                acc[a * w + x] = fma(pv[a], vv, acc[a * w + x]);
+                acc[a * w4 + g] = fma(pv[a].w, v3, fma(pv[a].z, v2,
+                                      fma(pv[a].y, v1, fma(pv[a].x, v0, acc[a * w4 + g]))));
         }
     }
+}
+
+/* Vector acc (the columns from col) of a row to memory, those below n. */
+inline void wg_store4(__global storage_t *dst, long row, int col, int n, real4 acc)
+{
+    const real t[4] = {acc.x, acc.y, acc.z, acc.w};
+    for (int e = 0; e < 4 && col + e < n; e++)
+        STORE(dst, row + col + e, t[e]);
 }
 
 /* x[a] = the maximum (is_max) or sum of x[a] over the LANES work-items of row ty * WTM + a,
@@ -137,7 +156,7 @@ inline void wg_reduce_rows(real x[WTM], int is_max, __local real *red, int tx, i
 {
 #ifdef WG_SUBGROUPS
     /* the same for the whole group: a subgroup is one row of LANES work-items, or none is */
-    if (get_max_sub_group_size() == LANES && get_num_sub_groups() == WG_THREADS / LANES) {
+    if (get_max_sub_group_size() == LANES && get_num_sub_groups() == get_local_size(1)) {
         for (int a = 0; a < WTM; a++)
             x[a] = is_max ? sub_group_reduce_max(x[a]) : sub_group_reduce_add(x[a]);
         return;

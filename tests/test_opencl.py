@@ -425,6 +425,7 @@ def test_wg_subgroup_path_compiles(tmp_path, dtype):
         r = subprocess.run([CLANG, "-x", "cl", *options.split(), "-target", "spir64", "-Xclang",
                             "-finclude-default-header", "-DOR_FAMILY=2", "-DOR_STORAGE=%d" % storage,
                             "-DHEAD_D=72", "-DHEAD_DV=40", "-DVW=4", "-DBQ=32", "-DBK=32",
+                            "-DFQ=32", "-DFK=48",
                             "-DOR_PARAMS_SIZE=%d" % params_size, "-Dinline=", "-O0", "-emit-llvm",
                             "-S", "-o", str(ir), str(src)], capture_output=True, text=True)
         assert r.returncode == 0, (options, r.stderr[-3000:])
