@@ -165,12 +165,13 @@ inline void wg_reduce_rows(real x[WTM], int is_max, __local real *red, int tx, i
     for (int a = 0; a < WTM; a++)
         red[(ty * WTM + a) * LANES + tx] = x[a];
     barrier(CLK_LOCAL_MEM_FENCE);
-    for (int a = 0; a < WTM; a++) {
+    for (int a = 0; a < WTM; a++) {    /* vectors of 4 partials (LANES is a multiple of 4) */
         __local const real *r = red + (ty * WTM + a) * LANES;
-        real acc = r[0];
-        for (int t = 1; t < LANES; t++)
-            acc = is_max ? fmax(acc, r[t]) : acc + r[t];
-        x[a] = acc;
+        real4 acc = LOCAL4(r);
+        for (int t = 4; t < LANES; t += 4)
+            acc = is_max ? fmax(acc, LOCAL4(r + t)) : acc + LOCAL4(r + t);
+        x[a] = is_max ? fmax(fmax(acc.x, acc.y), fmax(acc.z, acc.w))
+                      : (acc.x + acc.y) + (acc.z + acc.w);
     }
     barrier(CLK_LOCAL_MEM_FENCE);
 }

@@ -357,13 +357,14 @@ FIT_RUN = """
 @needs_opencl
 @needs_test_hooks
 @pytest.mark.parametrize("dtype, d, logged", [
-    ("float32", 128, "wg kernels, blocks 24 x 16"),
+    ("float32", 128, "wg kernels, blocks 16 x 16 (forward 32 x 32)"),
     ("float64", 256, "rows kernels")])
 def test_wg_blocks_fit_local_memory(tmp_path, dtype, d, logged):
     """With 48 KiB of local memory, as GPUs commonly offer (ORCHARD_CL_LOCAL_MEM, a test
-    hook): float32 D 128 runs the wg family on blocks shrunk until the tiles of its forward,
-    backward and decode kernels fit (24 x 16, from 64 x 64); float64 D 256, whose smallest wg
-    tiles (4 x 16) need 82 KiB, runs the rows family. Results stay those of the reference."""
+    hook): float32 D 128 runs the wg family on blocks halved until the tiles of its backward
+    and decode kernels fit (16 x 16, from 64 x 64), and its forward on its own (32 x 32);
+    float64 D 256, whose smallest wg tiles (4 x 16) need 83 KiB, runs the rows family. Results
+    stay those of the reference."""
     dev, log = OPENCL_IDS[0], tmp_path / "orchard.log"
     err = child(FIT_RUN % (d, dtype, dev, dev), ORCHARD_CL_FAMILY="wg", ORCHARD_NO_CACHE=1,
                 ORCHARD_CL_LOCAL_MEM=48 * 1024, ORCHARD_DEBUG_FLASH_ATN=1, ORCHARD_LOG=log)
