@@ -32,23 +32,7 @@ QUICK=()
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 
-ls "$GPU_DIR"/*.deb >/dev/null 2>&1 || { echo "gpu_check: no .deb files in .gpu/: run --fetch where apt works and carry .gpu" >&2; exit 2; }
-rm -rf "$GPU_DIR/root" && mkdir -p "$GPU_DIR/root"
-for deb in "$GPU_DIR"/*.deb; do dpkg -x "$deb" "$GPU_DIR/root"; done
-export ORCHARD_OPENCL_INCLUDE=$GPU_DIR/root/usr/include
-export ORCHARD_OPENCL_LIBRARY
-ORCHARD_OPENCL_LIBRARY=$(find "$GPU_DIR/root" -name 'libOpenCL.so.1' | head -1)
-
-# the driver's OpenCL library, registered for the loader unless the image already does
-if ! grep -qs nvidia /etc/OpenCL/vendors/*.icd; then
-    driver=$(find /usr/local/nvidia /usr/lib/x86_64-linux-gnu /usr/lib64 /usr/lib \
-                  -maxdepth 3 -name 'libnvidia-opencl.so.1' 2>/dev/null | head -1 || true)
-    if [ -n "$driver" ]; then
-        mkdir -p "$GPU_DIR/vendors"
-        echo "$driver" >"$GPU_DIR/vendors/nvidia.icd"
-        export OCL_ICD_VENDORS=$GPU_DIR/vendors
-    fi
-fi
+source tools/gpu_env.sh
 
 {
     nvidia-smi 2>&1 || true
