@@ -586,9 +586,10 @@ static int fit_wg(const or_cl_info *in, size_t real, int d, int dv, int vw, int 
            && (size_t)OR_WG_THREADS(tq) <= in->max_work_group;
 }
 
-/* The wg forward's rule, on its own tiles (qs, kvs, ps: a third of the backward's at the same
+/* The wg forward's rule, on its own tiles (qs, kvs, ps: about half the backward's at the same
  * blocks: in 48 KiB at D 128, 32 x 32 where the backward gets 16 x 16): bk halves first, to 32
- * keys, then bq, then bk; it fits whenever the backward's blocks do, which are smaller. */
+ * keys, then bq, then bk. It fits wherever the backward's blocks do: its tiles at the smallest
+ * blocks are no larger than the backward's at any. */
 static void fit_wg_fwd(const or_cl_info *in, size_t real, int d, int dv, int *bq, int *bk)
 {
     int tq = round_up_to(*bq, OR_WG_TM), tk = round_up_to(*bk, OR_WG_LANES);
@@ -656,8 +657,12 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
         bq = f->bq;
         bk = f->bk;
         tuned = load_tuned(dev, family, &bq, &bk);
-        bq = fq = env_int("ORCHARD_CL_BLOCK_Q", bq);
-        bk = fk = env_int("ORCHARD_CL_BLOCK_K", bk);
+        bq = env_int("ORCHARD_CL_BLOCK_Q", bq);
+        bk = env_int("ORCHARD_CL_BLOCK_K", bk);
+        /* a tuned record holds the blocks the backward ran as (tuning.py), smaller than what
+         * the forward fits from them: the forward starts from the defaults or the environment */
+        fq = env_int("ORCHARD_CL_BLOCK_Q", f->bq);
+        fk = env_int("ORCHARD_CL_BLOCK_K", f->bk);
         if (f->fit(&facts, real, d, dv, vw, &bq, &bk)) {
             if (f->fit_fwd != NULL)
                 f->fit_fwd(&facts, real, d, dv, &fq, &fk);
@@ -701,11 +706,14 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
             return OR_OK;
         }
         api->clReleaseProgram(prog);    /* the kernels cannot run so wide here: narrower */
-        const int most = wg ? ((int)limit / OR_WG_LANES > 1 ? (int)limit / OR_WG_LANES * OR_WG_TM
-                                                            : OR_WG_TM)
-                            : (limit > 1 ? (int)limit : 1);
-        bq = bq < most ? bq : most;
-        fq = fq < most ? fq : most;
+        if (wg) {
+            while (bq > OR_WG_TM && (size_t)OR_WG_THREADS(bq) > limit)
+                bq = halve(bq, OR_WG_TM);
+            while (fq > OR_WG_TM && (size_t)OR_WG_THREADS(fq) > limit)
+                fq = halve(fq, OR_WG_TM);
+        } else {
+            bq = fq = limit > 1 ? (int)limit : 1;
+        }
     }
 }
 int or_cl_get_program(int i, or_dtype dt, int d, int dv, or_counters *ct, or_cl_program *out,

@@ -16,8 +16,8 @@
  *                per block, multiples of the register tile (tiles.cl). Wg: rows of a
  *                work-group's block and of each tile it streams, whole micro-tiles (wg.cl),
  *                in the backward and decoding.
- *   FQ, FK       the forward's blocks: the wg family's own (its tiles are smaller), BQ and BK
- *                in the others.
+ *   FQ, FK       the forward's blocks: the wg family's own (its tiles are about half the
+ *                backward's at the same blocks), BQ and BK in the others.
  *
  * Operands are addressed like the native path's views, through the meta table of params.h
  * (embedded ahead of this file, with the parameter struct, the mask rule and Philox). The last

@@ -1,6 +1,7 @@
 /* flash_fwd_wg.cl - attention forward of the wg family (GPUs), as FlashAttention-2: a
  * work-group of (LANES, FQ / WTM) work-items per (FQ query rows, unit), the micro-tile layout
- * of wg.cl. Its blocks FQ x FK are its own (the backward's tiles are larger: cl_runtime.c).
+ * of wg.cl. Its blocks FQ x FK are its own (the backward's tiles are about twice as large at
+ * the same blocks: cl_runtime.c's fit_wg_fwd).
  *
  *   q   (unit, Nq, HEAD_D)   k (kv unit, Nk, HEAD_D)   v (kv unit, Nk, HEAD_DV)
  *   out (unit, Nq, HEAD_DV)  lse (unit, Nq), natural log, -inf for a row that sees no key
@@ -9,8 +10,8 @@
  *   qs   FQ x LDQ    the block's queries, times scale; rows past Nq zero
  *   kvs  FK x LDKV   the key tile, then the value tile in the same memory (so that larger
  *                    blocks fit the 48 KiB that GPUs commonly offer); rows past the keys zero
- *   ps   FQ x FLDP   the tile's probabilities, dropout applied; the row maxima's reduction
- *                    without subgroups before them
+ *   ps   FQ x FLDP   the tile's probabilities, dropout applied; before them, the row maxima's
+ *                    reduction without subgroups, and after the last tile the row sums'
  * Per key tile: S = Q K^T in micro-tiles, the spec's transforms, the online softmax (running
  * max m per row, held alike by the LANES work-items of the row), P to ps, then O += P V in
  * micro-tiles. Each work-item keeps its own part of the row sums, rescaled with the row's max

@@ -372,6 +372,23 @@ def test_wg_blocks_fit_local_memory(tmp_path, dtype, d, logged):
     assert logged in log.read_text()
 
 
+@needs_opencl
+@needs_test_hooks
+def test_wg_forward_blocks_not_taken_from_a_tuned_record(tmp_path):
+    """A tuned record holds the blocks the backward ran as (orchard-tune), smaller than what
+    the forward fits to its own tiles: the wg forward fits from the defaults instead (48 KiB
+    at D 64: backward 16 x 16 as tuned, forward 64 x 32), results those of the reference."""
+    dev, log = OPENCL_IDS[0], tmp_path / "orchard.log"
+    err = child("""
+    import orchard_ops
+    assert orchard_ops.save_tuned_blocks("%s", 16, 16)
+""" % dev + FIT_RUN % (64, "float32", dev, dev), ORCHARD_CL_FAMILY="wg",
+                ORCHARD_CACHE_DIR=tmp_path, ORCHARD_CL_LOCAL_MEM=48 * 1024,
+                ORCHARD_DEBUG_FLASH_ATN=1, ORCHARD_LOG=log)
+    assert err < 1e-4
+    assert "wg kernels, blocks 16 x 16 (tuned) (forward 64 x 32)" in log.read_text()
+
+
 @pytest.mark.skipif(not CPU_OPENCL_IDS, reason="no OpenCL CPU device listed")
 def test_rows_blocks_fit_a_cpu_threads_stack(tmp_path):
     """On a CPU device the rows family's work-group keeps its private rows on one thread's

@@ -9,7 +9,8 @@ override it. A candidate the device cannot run (too much local memory, a build f
 reported and skipped. The candidates are those of the kernel family the device runs, as
 devices() lists them from orchard_ops' family table: for the tiled family a block is (query
 rows, keys); for the rows family (work-group rows, keys per local tile); for the wg family
-(block rows, tile rows), which its forward and its backward each fit to their own tiles.
+(block rows, tile rows) of its backward, whose tiles are the larger: its forward fits blocks
+of its own to its tiles from the family's defaults (or ORCHARD_CL_BLOCK_Q/K).
 """
 import json
 import os
