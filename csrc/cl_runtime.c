@@ -564,15 +564,23 @@ static int halve(int n, int step)
     return round_up_to(n / 2, step);
 }
 
+/* Block rows of the wg family, halved until OR_WG_THREADS of them fit a work-group of `limit`
+ * work-items (or one micro-tile row remains). */
+static int wg_rows_within(int rows, size_t limit)
+{
+    while (rows > OR_WG_TM && (size_t)OR_WG_THREADS(rows) > limit)
+        rows = halve(rows, OR_WG_TM);
+    return rows;
+}
+
 /* The wg family's rule: blocks of whole micro-tiles (bq rows a multiple of OR_WG_TM, bk keys
  * of OR_WG_LANES), work-groups of OR_WG_THREADS(bq) the device allows, tiles in local memory:
  * bk halves first, to no less than bq, then bq; 0 when even the smallest do not fit (the rows
  * family runs instead). */
 static int fit_wg(const or_cl_info *in, size_t real, int d, int dv, int vw, int *bq, int *bk)
 {
-    int tq = round_up_to(*bq, OR_WG_TM), tk = round_up_to(*bk, OR_WG_LANES);
-    while ((size_t)OR_WG_THREADS(tq) > in->max_work_group && tq > OR_WG_TM)
-        tq = halve(tq, OR_WG_TM);
+    int tq = wg_rows_within(round_up_to(*bq, OR_WG_TM), in->max_work_group),
+        tk = round_up_to(*bk, OR_WG_LANES);
     while (wg_bytes(real, d, dv, vw, tq, tk) > in->local_mem
            && (tq > OR_WG_TM || tk > OR_WG_LANES)) {
         if (tk > OR_WG_LANES && (tk > tq || tq == OR_WG_TM))
@@ -592,17 +600,14 @@ static int fit_wg(const or_cl_info *in, size_t real, int d, int dv, int vw, int 
  * blocks are no larger than the backward's at any. */
 static void fit_wg_fwd(const or_cl_info *in, size_t real, int d, int dv, int *bq, int *bk)
 {
-    int tq = round_up_to(*bq, OR_WG_TM), tk = round_up_to(*bk, OR_WG_LANES);
-    while ((size_t)OR_WG_THREADS(tq) > in->max_work_group && tq > OR_WG_TM)
-        tq = halve(tq, OR_WG_TM);
+    int tq = wg_rows_within(round_up_to(*bq, OR_WG_TM), in->max_work_group),
+        tk = round_up_to(*bk, OR_WG_LANES);
     while (real * (0 OR_WG_FWD_TILES(OR_ADD_TILE, d, dv, tq, tk)) > in->local_mem
            && (tq > OR_WG_TM || tk > OR_WG_LANES)) {
-        if (tk > 32 || (tk > OR_WG_LANES && tq == OR_WG_TM))
+        if (tk > 32 || tq == OR_WG_TM)     /* the loop's test: then tk > OR_WG_LANES */
             tk = halve(tk, OR_WG_LANES);
-        else if (tq > OR_WG_TM)
-            tq = halve(tq, OR_WG_TM);
         else
-            tk = halve(tk, OR_WG_LANES);
+            tq = halve(tq, OR_WG_TM);
     }
     *bq = tq;
     *bk = tk;
@@ -707,10 +712,8 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
         }
         api->clReleaseProgram(prog);    /* the kernels cannot run so wide here: narrower */
         if (wg) {
-            while (bq > OR_WG_TM && (size_t)OR_WG_THREADS(bq) > limit)
-                bq = halve(bq, OR_WG_TM);
-            while (fq > OR_WG_TM && (size_t)OR_WG_THREADS(fq) > limit)
-                fq = halve(fq, OR_WG_TM);
+            bq = wg_rows_within(bq, limit);
+            fq = wg_rows_within(fq, limit);
         } else {
             bq = fq = limit > 1 ? (int)limit : 1;
         }
