@@ -150,13 +150,12 @@ static inline char *FN(row_ptr)(const or_problem *p, int slot, or_ssize unit, or
     return w->base + w->offs[unit] + row * w->row_stride;
 }
 
-/* Asks for the MR x W tile of C (m x n, ldc) that a matrix product over tiles in the order of
- * gemm's (by_columns: down each column of tiles in turn) takes after tile (i0, j0), if any. */
+/* Asks for the MR x W tile of C (m x n, ldc) that a matrix product going row by row of tiles
+ * takes after tile (i0, j0), if any. */
 static inline __attribute__((always_inline)) void
-FN(ask_next_tile)(const REAL *c, int ldc, int i0, int j0, int m, int n, const int by_columns)
+FN(ask_next_tile)(const REAL *c, int ldc, int i0, int j0, int m, int n)
 {
-    const int in = by_columns ? (i0 + MR < m ? i0 + MR : 0) : j0 + W < n ? i0 : i0 + MR;
-    const int jn = by_columns ? (i0 + MR < m ? j0 : j0 + W) : j0 + W < n ? j0 + W : 0;
+    const int in = j0 + W < n ? i0 : i0 + MR, jn = j0 + W < n ? j0 + W : 0;
     for (int i = 0; in < m && jn < n && i < MR; i++) {
         __builtin_prefetch(c + (or_ssize)(in + i) * ldc + jn, 1, 3);
         __builtin_prefetch(c + (or_ssize)(in + i) * ldc + jn + W / 2, 1, 3);
@@ -183,9 +182,11 @@ FN(ask_next_tile)(const REAL *c, int ldc, int i0, int j0, int m, int n, const in
  * so A may be read transposed (P^T, dS^T) at no cost. m is a multiple of MR and n of W.
  * An MR x W block of C stays in registers (GCC vector extensions: MR x 2 vectors of VBYTES)
  * while k streams through. The order of the sums depends only on the shapes, never on threads.
- * Accumulating, it asks for the next tile of C meanwhile: the backward's dK and dV (whole-unit
- * accumulators, megabytes at N 4,096) missed in L2 at every tile's first load, 9 % of its time
- * (with the requests, AMD EPYC: backward at D 128 0.93x the time, D 64 0.98x).
+ * Accumulating by rows, it asks for the next tile of C meanwhile: the backward's dK and dV
+ * (whole-unit accumulators, megabytes at N 4,096) missed in L2 at every tile's first load, 9 %
+ * of its time (with the requests, AMD EPYC: backward at D 128 0.93x the time, D 64 0.98x). The
+ * forward's output strip, accumulated by columns, stays in L1: the requests were 1 % of its
+ * samples there.
  * Tiles go row by row of tiles, or by_columns: then a column panel of B (k x W) is read from L1
  * by every row of tiles after the first. The forward's B, a key block transposed or a block of
  * values, outgrows L1 at d 128 (48 KB or more): by columns, the forward took 0.97-0.99x the
@@ -206,8 +207,8 @@ FN(gemm)(REAL *c, int ldc, const REAL *a, int ars, int acs, const REAL *b, or_ss
             for (int h = 0; h < 2; h++)
                 acc[i][h] = accumulate ? *(const FN(uvec) *)(c + (or_ssize)(i0 + i) * ldc + j0 + h * VL)
                                        : (FN(vec)){0};
-        if (accumulate)
-            FN(ask_next_tile)(c, ldc, i0, j0, m, n, by_columns);
+        if (accumulate && !by_columns)
+            FN(ask_next_tile)(c, ldc, i0, j0, m, n);
         for (int x = 0; x < k; x++) {
             const REAL *brow = b + (or_ssize)x * ldb + j0;
             FN(vec) b0, b1;
