@@ -190,8 +190,9 @@ FN(ask_next_tile)(const REAL *c, int ldc, int i0, int j0, int m, int n)
  * Tiles go row by row of tiles, or by_columns: then a column panel of B (k x W) is read from L1
  * by every row of tiles after the first. The forward's B, a key block transposed or a block of
  * values, outgrows L1 at d 128 (48 KB or more): by columns, the forward took 0.97-0.99x the
- * time there, causal 0.95-0.97x (AMD EPYC, avx2, three runs); the backward 1.02x, so its
- * products go by rows. */
+ * time there, causal 0.95-0.97x (AMD EPYC, avx2, three runs). The backward's dQ += dS K goes
+ * by columns too (backward 0.98-1.00x the time, four runs), its other products by rows (all
+ * five by columns: 1.02x). */
 
 static inline __attribute__((always_inline)) void
 FN(gemm)(REAL *c, int ldc, const REAL *a, int ars, int acs, const REAL *b, or_ssize ldb, int m,
@@ -808,7 +809,7 @@ FN(bwd_unit)(void *vjob, or_ssize item, int worker, const int dots)
 #endif
                     if (kcols > skip)                                   /* dQ += dS K */
                         FN(gemm)(dq + (or_ssize)r0 * dp, dp, db + skip, BC, 1, k + (j0 + skip) * dp,
-                                 dp, m, dp, kcols - skip, 1, 0);
+                                 dp, m, dp, kcols - skip, 1, 1);
                 }
                 /* dV += P^T dO, dK += dS^T q; in a cut block SR keys at a time, from the first
                  * row that sees them (P and dS are 0 above it) */
