@@ -21,7 +21,8 @@ from setuptools.command.build_ext import build_ext
 
 VERSION = "0.1.0"
 # params.h first: the contract every kernel (and csrc/) reads
-KERNELS = ["kernels/params.h", "kernels/common.cl", "kernels/tiles.cl", "kernels/wg.cl",
+KERNELS = ["kernels/params.h", "kernels/common.cl", "kernels/expf.h", "kernels/tiles.cl",
+           "kernels/wg.cl",
            "kernels/flash_fwd_rows.cl", "kernels/flash_bwd_rows.cl",
            "kernels/flash_fwd_tiled.cl", "kernels/flash_bwd_tiled.cl",
            "kernels/flash_fwd_wg.cl", "kernels/flash_bwd_wg.cl",

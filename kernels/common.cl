@@ -51,6 +51,18 @@ typedef REAL_T storage_t;
 #define DP ((HEAD_D + VW - 1) / VW)     /* vectors per q or k row, zero-padded */
 #define DVP ((HEAD_DV + VW - 1) / VW)   /* vectors per v row */
 
+/* e^x of a whole vector: in float, expf.h (which setup.py embeds after this file), the native
+ * path's exp; the tiled family (CPUs) calls it, where the built-in exp cost 3-5 % of a call */
+#if OR_STORAGE == OR_STORAGE_F64
+#define or_expv exp
+#else
+#define OR_EXPF or_expv
+#define OR_EXPF_T realv
+#define OR_EXPF_U CAT(uint, VW)
+#define OR_EXPF_BITS CAT(as_uint, VW)
+#define OR_EXPF_FLOAT CAT(as_float, VW)
+#endif
+
 #define UNIT(meta, u) ((meta) + OR_NSLOTS + (long)(u) * OR_UNIT_WORDS)  /* a unit's meta words */
 
 /* The score of (row i, key j) after softcap, ALiBi and masks (the spec's order); *dcap is

@@ -85,7 +85,7 @@ void flash_bwd_tiled(__global const storage_t *q, __global const storage_t *k,
                     for (int c = cols; c < BK; c++)
                         srow[c] = -INFINITY;
                     for (int c = 0; c < BK; c += VW)
-                        TILE_VEC(srow + c) = exp(TILE_VEC(srow + c) - lse_t[r]);
+                        TILE_VEC(srow + c) = or_expv(TILE_VEC(srow + c) - lse_t[r]);
                     /* where P is 0 (masked), dS is 0 whatever dP is: V may hold inf there */
                     if (p.dropout) {
                         for (int c = 0; c < cols; c++) {

@@ -122,7 +122,7 @@ inline void softmax_row(__local real *srow, __local real *orow, __local real *m,
     }
     realv sum = 0;
     for (int c = 0; c < nc; c += VW) {
-        const realv e = exp(CAT(vload, VW)(0, srow + c) - mnew);
+        const realv e = or_expv(CAT(vload, VW)(0, srow + c) - mnew);
         sum += e;
         CAT(vstore, VW)(e, 0, srow + c);
     }

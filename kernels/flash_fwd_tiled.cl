@@ -54,11 +54,11 @@ inline void softmax_cols(__local real *st, __local real *o, __local real *m, __l
     const realv base = select(mnew, (realv)0, mnew == (realv)(-INFINITY));
     realv sum = 0;
     for (int c = 0; c < nc; c++) {
-        const realv e = exp(TILE_VEC(st + c * BQ) - base);
+        const realv e = or_expv(TILE_VEC(st + c * BQ) - base);
         sum += e;
         TILE_VEC(st + c * BQ) = e;
     }
-    const realv alpha = exp(mold - base);
+    const realv alpha = or_expv(mold - base);
     TILE_VEC(m) = mnew;
     TILE_VEC(l) = TILE_VEC(l) * alpha + sum;
     real a[VW];
