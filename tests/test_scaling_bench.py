@@ -96,6 +96,36 @@ def test_quick_scaling_table_and_plot(tmp_path):
         assert line.endswith("| %.2fx | %.2f |" % (row["vs_torch"]["cpu"],
                                                  row["vs_roofline"]["cpu"]))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report["complete"] is True
+
+
+STOP_AT_SECOND_PROBLEM = """
+from orchard import scaling_bench
+measure_problem, calls = scaling_bench.measure_problem, []
+def stop_at_second(*args):
+    calls.append(args)
+    if len(calls) == 2:
+        raise KeyboardInterrupt     # what Ctrl-C raises there
+    return measure_problem(*args)
+scaling_bench.measure_problem = stop_at_second
+"""
+
+
+def test_a_stopped_scaling_run_keeps_its_measured_problems(tmp_path):
+    """--json FILE is rewritten after each problem: a run stopped in its second problem leaves
+    the first one's rows, consistent and marked incomplete, and prints one line."""
+    out = tmp_path / "scaling.json"
+    r = run_python(RUN % (STOP_AT_SECOND_PROBLEM, [
+        "--scaling", "--quick", "--dtypes", "float32", "--causal", "no", "--quiet",
+        "--json", str(out)]), timeout=600)
+    assert r.returncode == 130 and r.stderr == "orchard-bench: interrupted\n"
+    report = json.loads(out.read_text())
+    assert report["complete"] is False and report["indicative_only"] is True
+    rows = report["scaling"]["rows"]
+    assert [(row["N"], row["direction"]) for row in rows] == [(256, "fwd"), (256, "bwd")]
+    for row in rows:
+        check_row(row, report)
+    assert [p.name for p in tmp_path.iterdir()] == ["scaling.json"]    # no temporary left
 
 
 def test_restriction_flags():

@@ -135,10 +135,11 @@ def measure_problem(dtype, d, causal, n, devices, rounds, tokens, roofs, torch):
     return rows
 
 
-def measure(ns, head_dims, dtypes, causal_flags, devices, rounds, tokens=TOKENS, progress=None):
+def measure(ns, head_dims, dtypes, causal_flags, devices, rounds, tokens=TOKENS, after=None):
     """The scaling report: the rooflines, the work and naive rules, notes on what was left
-    out, and one row per (dtype, D, causal, direction, N). progress (orchard.progress.Progress
-    of len(problems(...))) is updated after each problem."""
+    out, and one row per (dtype, D, causal, direction, N). after(done, label, report), if
+    given, is called after each problem with the report so far (the full grid takes the
+    better part of an hour: orchard-bench shows its progress and saves what it has there)."""
     try:
         import torch
     except ImportError:
@@ -153,8 +154,8 @@ def measure(ns, head_dims, dtypes, causal_flags, devices, rounds, tokens=TOKENS,
     for done, (dtype, d, causal, n) in enumerate(todo, 1):
         report["rows"] += measure_problem(dtype, d, causal, n, devices, rounds, tokens,
                                           report["rooflines"], torch)
-        if progress is not None:
-            progress.update(done, "%s D=%d%s N=%d" % (dtype, d, " causal" if causal else "", n))
+        if after is not None:
+            after(done, "%s D=%d%s N=%d" % (dtype, d, " causal" if causal else "", n), report)
     return report
 
 

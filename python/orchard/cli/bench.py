@@ -24,6 +24,7 @@ import sys
 import orchard_ops
 
 from .. import benchmark, scaling_bench
+from ..atomic import write_atomically
 from ..progress import Progress
 from .args import (Parser, UsageError, choices_list, console_script, devices, integer,
                    integer_list, output_file, shape, writing)
@@ -94,11 +95,25 @@ def scaling(args, quick, repeats, causal_flags):
     progress = Progress(len(scaling_bench.problems(ns, head_dims, args.dtypes, causal_flags)),
                         "scaling", unit="problems", enabled=not args.quiet)
     report = {"machine": benchmark.machine_facts(), "repeats": repeats,
-              "scaling": scaling_bench.measure(ns, head_dims, args.dtypes, causal_flags,
-                                               args.devices or ["cpu"], repeats, tokens,
-                                               progress)}
+              "indicative_only": quick, "complete": False}
+
+    def after(done, label, scaling):
+        progress.update(done, label)
+        if args.json not in (None, "-"):    # a run stopped midway keeps what it measured
+            report["scaling"] = scaling
+            save_json(args.json, report)
+
+    report["scaling"] = scaling_bench.measure(ns, head_dims, args.dtypes, causal_flags,
+                                              args.devices or ["cpu"], repeats, tokens, after)
+    report["complete"] = True
     progress.close()
     return report
+
+
+def save_json(path, report):
+    """The report in path, replaced atomically: never half written, whenever the run stops."""
+    with writing("--json", path):
+        write_atomically(path, lambda f: f.write(json.dumps(report, indent=1).encode() + b"\n"))
 
 
 def check_plot_file(path):
@@ -139,7 +154,8 @@ def main(argv=None):
                              % benchmark.MIN_REPEATS)
     parser.add_argument("--json", type=output_file, nargs="?", const="-", metavar="FILE",
                         help="Write the report as JSON to FILE, or without FILE print it to "
-                             "stdout instead of the table.")
+                             "stdout instead of the table. With --scaling FILE is rewritten "
+                             "after each problem, with \"complete\": false until the last.")
     parser.add_argument("--plot", type=output_file, metavar="FILE",
                         help="Write a plot of forward GFLOP/s against N to FILE, in the "
                              "format its suffix names (.png added to a name without one; with "
@@ -205,8 +221,7 @@ def main(argv=None):
             print(INDICATIVE % repeats)
         print_report(report, sys.stdout)
         if args.json:
-            with writing("--json", args.json), open(args.json, "w") as f:
-                json.dump(report, f, indent=1)
+            save_json(args.json, report)
     if args.plot:
         with writing("--plot", args.plot):
             if args.scaling:
