@@ -475,12 +475,15 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
          * diagonal of a causal mask that is about half the block */
         for (int r0 = 0; r0 < rows_mr; r0 += SR) {
             const int sr = rows_mr - r0 < SR ? rows_mr - r0 : SR, live = rows - r0 < sr ? rows - r0 : sr;
-            int ncols = BC;     /* columns computed: whole W-wide tiles */
+            /* columns computed: whole W-wide tiles over the block's keys. A unit's last block
+             * had all BC computed and masked: N 100 forward and backward took 0.80x the time
+             * without that, N 256 0.93-0.95x, N 1024 0.95x (AMD EPYC, avx2, 2 threads) */
+            int ncols = FN(pad)(cols);
             if (p->prm.right >= 0) {
                 const or_ssize end = i0 + r0 + live + off + p->prm.right - j0;   /* past the last */
                 if (end <= 0)
                     continue;   /* no row of the strip sees this block */
-                ncols = end < BC ? FN(pad)((int)end) : BC;
+                ncols = end < cols ? FN(pad)((int)end) : ncols;
             }
             const int kcols = ncols < cols ? ncols : cols;      /* keys read and transformed */
 #if DOTS
@@ -734,8 +737,8 @@ FN(bwd_unit)(void *vjob, or_ssize item, int worker, const int dots)
                 const int cut = p->prm.right >= 0 && reach + 1 < cols, sr = cut ? SR : rows_mr;
                 for (int r0 = 0; r0 < rows_mr; r0 += sr) {
                     const int m = rows_mr - r0 < sr ? rows_mr - r0 : sr;
-                    const or_ssize end = cut ? r0 + m + reach : BC;   /* past the last column */
-                    const int ncols = end <= 0 ? 0 : end < BC ? FN(pad)((int)end) : BC;
+                    const or_ssize end = cut ? r0 + m + reach : cols;   /* past the last column */
+                    const int ncols = end <= 0 ? 0 : FN(pad)((int)(end < cols ? end : cols));
                     const int kcols = ncols < cols ? ncols : cols;    /* keys read, transformed */
                     REAL *sb = s + (or_ssize)r0 * BC, *db = dpm + (or_ssize)r0 * BC;
                     if (ncols > 0) {
