@@ -71,6 +71,7 @@ def grid(args, quick, repeats, causal_flags):
     report = benchmark.run(shapes, device_ids, args.dtypes, causal_flags, repeats,
                            train_steps=(benchmark.MIN_REPEATS if quick else 12)
                            if args.train else 0, progress=progress)
+    report["indicative_only"] = quick
     progress.close()
     if args.decode:
         from .. import decode_bench
@@ -212,7 +213,6 @@ def main(argv=None):
     repeats = args.repeats or (benchmark.MIN_REPEATS if quick else 5)
     causal_flags = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     report = (scaling if args.scaling else grid)(args, quick, repeats, causal_flags)
-    report["indicative_only"] = quick
     if args.json == "-":
         json.dump(report, sys.stdout, indent=1)
         print()
