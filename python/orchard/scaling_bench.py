@@ -16,9 +16,10 @@ such arrays at once.
 Timing: in each row the calls (naive, orchard on every device, torch; forward and backward)
 alternate in one loop of `rounds` rounds after a warm-up round (benchmark.round_robin); ms
 is the median of a call's times, and "vs torch" the median of the ratio torch / orchard of
-each round (above 1: orchard is faster). The rooflines are measured once, before the tables:
-NumPy's float32 matrix product, and torch.matmul on bfloat16, which is the roofline of the
-bfloat16 tables (the float32 product that of the others). FLOPs as in orchard.benchmark.
+each round (above 1: orchard is faster). The rooflines are measured once, before the tables
+(rooflines(): the fastest round of each): NumPy's float32 matrix product, and torch.matmul on
+bfloat16, which is the roofline of the bfloat16 tables (the float32 product that of the
+others). FLOPs as in orchard.benchmark.
 """
 import math
 
@@ -31,6 +32,7 @@ HEAD_DIMS = (64, 128, 256)
 TOKENS = 32768
 QUICK_NS, QUICK_HEAD_DIMS, QUICK_TOKENS = (256, 512), (32,), 1024
 NAIVE_BYTES = 256 << 20
+ROOF_ROUNDS = 10
 NAIVE_DTYPES = ("float32", "float64")
 DIRECTIONS = ("fwd", "bwd")
 
@@ -78,14 +80,21 @@ def roofline_of(dtype):
 
 def rooflines(rounds, torch=None, n=1024):
     """GFLOP/s of NumPy's float32 matrix product and (with torch) of torch.matmul on
-    bfloat16, of (n, n) matrices: the medians of `rounds` rounds of the two in turn."""
+    bfloat16, of (n, n) matrices: each the fastest of its rounds, since a shared VM's noise
+    only ever slows a product down (the median of three read 88 GFLOP/s in one run, 120 in
+    the next, 143 alone minutes later: AMD EPYC, 2 cores). The float32 product, about 15 ms,
+    runs at least ROOF_ROUNDS rounds; each is followed by a pause (benchmark.round_robin), so
+    that neither runs beside the other's spinning threads."""
     a = np.random.default_rng(0).standard_normal((n, n)).astype(np.float32)
-    calls = {"sgemm_gflops": lambda: a @ a}
+    calls = {"sgemm_gflops": (lambda: a @ a, max(rounds, ROOF_ROUNDS))}
     if torch is not None:
         b = torch.from_numpy(a).to(torch.bfloat16)
-        calls["bf16_gemm_gflops"] = lambda: torch.matmul(b, b)
-    times = benchmark.round_robin(calls, rounds, settle=("sgemm_gflops",))
-    return {name: 2.0 * n ** 3 / float(np.median(t)) / 1e9 for name, t in times.items()}
+        calls["bf16_gemm_gflops"] = (lambda: torch.matmul(b, b), rounds)
+    roofs = {}
+    for name, (fn, runs) in calls.items():
+        times = benchmark.round_robin({name: fn}, runs, settle=(name,))[name]
+        roofs[name] = 2.0 * n ** 3 / float(times.min()) / 1e9
+    return roofs
 
 
 def problems(ns, head_dims, dtypes, causal_flags):
