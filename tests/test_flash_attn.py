@@ -565,7 +565,10 @@ def test_bad_dense_input_names_the_argument():
         (TypeError, "'q'", lambda: flash_attn_func(q.int(), k, v)),
         (TypeError, "'k'", lambda: flash_attn_func(q, k.half(), v)),
         (ValueError, "'q'", lambda: flash_attn_func(q[0], k, v)),
-        (ValueError, "'k'", lambda: flash_attn_func(*dense_qkv(k=(1, 5, 2, 4)))),
+        (ValueError, "'k' .*: dimension 3 is 4, the other arguments make it 8",
+         lambda: flash_attn_func(*dense_qkv(k=(1, 5, 2, 4)))),
+        (ValueError, "'k' .*: dimension 0 is 2, the other arguments make it 1",
+         lambda: flash_attn_func(*dense_qkv(k=(2, 5, 2, 8), v=(2, 5, 2, 8)))),
         (ValueError, "'v'", lambda: flash_attn_func(*dense_qkv(v=(1, 6, 2, 8)))),
         (ValueError, "'k'", lambda: flash_attn_func(*dense_qkv(q=(1, 4, 3, 8)))),
         (ValueError, "'q' has 0 heads", lambda: flash_attn_func(*dense_qkv(

@@ -35,9 +35,14 @@ def _get_block_size_n(device=None, head_dim=None, is_dropout=False, is_causal=Fa
 
 
 def _check_shape(fn, name, t, shape, layout):
-    """shape: the expected sizes, None where any size goes."""
-    if t.dim() != len(shape) or any(s is not None and s != n for s, n in zip(shape, t.shape)):
+    """shape: the expected sizes, None where any size goes (the others follow from the
+    arguments checked before: the error says which dimension differs)."""
+    if t.dim() != len(shape):
         _fail(fn, name, "must be %s, got shape %s" % (layout, tuple(t.shape)))
+    for i, (s, n) in enumerate(zip(shape, t.shape)):
+        if s is not None and s != n:
+            _fail(fn, name, "must be %s, got shape %s: dimension %d is %d, the other arguments "
+                  "make it %d" % (layout, tuple(t.shape), i, n, s))
 
 
 def _check_heads(fn, q, k, v, head_axis):
