@@ -577,6 +577,11 @@ def test_bad_dense_input_names_the_argument():
                                                                k=(1, 5, 2, 300),
                                                                v=(1, 5, 2, 8)))),
         (ValueError, "'q'", lambda: flash_attn_func(q.to("meta"), k, v)),
+        # past 2**32 - 1 rows (a stride-0 view costs one row): named as the caller's seqlen
+        (ValueError, "'q' has seqlen 4294967296",
+         lambda: flash_attn_func(q[:, :1].expand(1, 2**32, 2, 8), k, v)),
+        (ValueError, "'k' has seqlen 4294967296", lambda: flash_attn_func(
+            q, k[:, :1].expand(1, 2**32, 2, 8), v[:, :1].expand(1, 2**32, 2, 8))),
         (ValueError, "'v'", lambda: flash_attn_func(q, k, v.to_sparse())),
         (ValueError, "'window_size'", lambda: flash_attn_func(q, k, v, window_size=(-2, 0))),
         (TypeError, "'window_size'", lambda: flash_attn_func(q, k, v, window_size=3)),
@@ -679,6 +684,18 @@ def test_bad_kvcache_input_names_the_argument_and_writes_nothing():
         (TypeError, "'device'", dict(kw, device=0)),
         (TypeError, "'num_splits'", dict(kw, num_splits="x")),
     ]
+    huge = lambda t: t[:1, :1].expand(t.shape[0], 2**32, *t.shape[2:])
+    for error, name, call in [
+            (ValueError, "'k_cache' has seqlen_cache 4294967296", lambda: flash_attn_with_kvcache(
+                q, huge(k_cache), huge(v_cache), cache_seqlens=1)),
+            (ValueError, r"'block_table' gives a sequence room for \d+ keys",    # pages of 2**31
+             lambda: flash_attn_with_kvcache(
+                 pq, huge(pk_cache)[:, :2**31], huge(pv_cache)[:, :2**31],
+                 **drop(pkw, "k", "v", "rotary_cos", "rotary_sin"))),
+            (ValueError, "'q' has seqlen 4294967296", lambda: flash_attn_with_kvcache(
+                huge(q), k_cache, v_cache, cache_seqlens=1))]:
+        with pytest.raises(error, match=name):
+            call()
     for error, name, args in bad:
         before = k_cache.clone(), v_cache.clone()
         with pytest.raises(error, match=name):

@@ -23,6 +23,7 @@ __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_
            "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache"]
 
 _INT32 = torch.int32
+_MAX_SEQLEN = 2**32 - 1     # orchard's dropout stream numbers rows and keys with 32 bits
 
 
 def _get_block_size_n(device=None, head_dim=None, is_dropout=False, is_causal=False):
@@ -54,6 +55,13 @@ def _check_heads(fn, q, k, v, head_axis):
     for name, d in (("q", q.shape[-1]), ("v", v.shape[-1])):
         if not 1 <= d <= _MAX_HEAD_DIM:
             _fail(fn, name, "has headdim %d; orchard takes 1 to %d" % (d, _MAX_HEAD_DIM))
+
+
+def _check_seqlens(fn, **tensors):
+    """Each (batch, seqlen, ...) tensor's seqlen within orchard's limit."""
+    for name, t in tensors.items():
+        if t.shape[1] > _MAX_SEQLEN:
+            _fail(fn, name, "has seqlen %d; orchard takes at most %d" % (t.shape[1], _MAX_SEQLEN))
 
 
 def _int32(fn, name, t, shape, layout):
@@ -207,12 +215,14 @@ def _dense(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     # argument only when they fail.
     if not (len(qs) == len(ks) == len(vs) == 4 and ks[0] == qs[0] and ks[3] == qs[3]
             and vs[:3] == ks[:3] and ks[2] and qs[2] % ks[2] == 0
-            and 0 < qs[3] <= _MAX_HEAD_DIM and 0 < vs[3] <= _MAX_HEAD_DIM):
+            and 0 < qs[3] <= _MAX_HEAD_DIM and 0 < vs[3] <= _MAX_HEAD_DIM
+            and qs[1] <= _MAX_SEQLEN and ks[1] <= _MAX_SEQLEN):
         layout = "(batch_size, seqlen, nheads, headdim)"
         _check_shape(fn, "q", q, (None,) * 4, layout)
         _check_shape(fn, "k", k, (qs[0], None, None, qs[3]), layout)
         _check_shape(fn, "v", v, tuple(ks[:3]) + (None,), layout)
         _check_heads(fn, q, k, v, 2)
+        _check_seqlens(fn, q=q, k=k)
     opts = _options(fn, q, k.shape[1], dropout_p, softmax_scale, causal, window_size, softcap,
                     alibi_slopes, q.shape[0], device)
     # orchard reads the (batch, nheads, seqlen, headdim) views in place.
@@ -482,6 +492,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if any(not 0 <= r < k_cache.shape[0] for r in rows):
             _fail(fn, "cache_batch_idx", "has entries outside [0, %d) (batch_size_cache): %s"
                   % (k_cache.shape[0], rows))
+    if capacity > _MAX_SEQLEN:
+        _fail(fn, "block_table" if paged else "k_cache", "%s %d keys; orchard takes at most %d"
+              % ("gives a sequence room for" if paged else "has seqlen_cache", capacity,
+                 _MAX_SEQLEN))
+    _check_seqlens(fn, q=q)
     if cache_seqlens is None:
         if k is not None:
             _fail(fn, "cache_seqlens", "must be given with new keys 'k' and values 'v'")
