@@ -274,6 +274,13 @@ def test_bad_input_to_every_script_gives_one_line_and_status_2(files):
     assert not os.path.exists(os.path.join(str(files["dir"]), "x.json"))
 
 
+def test_prepare_of_binary_files_alone_prints_the_error_alone(tmp_path):
+    (tmp_path / "blob.bin").write_bytes(b"\0\1\2")
+    r = run_python(["-m", "orchard.cli.prepare", str(tmp_path), "-o", str(tmp_path / "t.json")])
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("orchard-prepare: error: no text")
+
+
 @pytest.mark.parametrize("script, argv", [
     ("train", ["--micro-batch", "0"]),
     ("generate", ["--checkpoint", "x", "--top-k", "0"]),

@@ -35,3 +35,19 @@ def test_elsewhere_plain_lines_and_one_at_the_end():
         silent.update(3)
         silent.close()
         assert stream.getvalue() == ""
+
+
+def test_work_that_ends_in_an_error_leaves_no_line():
+    """close(report=False): the error that follows is the only line (orchard-prepare of
+    binary files alone)."""
+    plain = io.StringIO()
+    bar = Progress(3, "reading", unit="files", stream=plain)
+    bar.update(3)
+    bar.close(report=False)
+    assert plain.getvalue() == ""
+    terminal = Terminal()
+    bar = Progress(3, "reading", unit="files", stream=terminal)
+    bar.update(3)
+    bar.close(report=False)
+    text = terminal.getvalue()
+    assert "reading" in text and "\n" not in text and text.endswith(" \r")   # drawn, cleared

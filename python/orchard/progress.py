@@ -32,10 +32,13 @@ class Progress:
                 self.bar.set_postfix_str(text, refresh=False)
         elif self.enabled and self.every is not None:
             now = time.perf_counter()
-            if now - self.last_line >= self.every or done == self.total:
+            if now - self.last_line >= self.every and done < self.total:   # close() ends
                 self.last_line = now
-                self.stream.write(self.line(now) + (" " + text if text else "") + "\n")
-                self.stream.flush()
+                self.write(self.line(now) + (" " + text if text else ""))
+
+    def write(self, text):
+        self.stream.write(text + "\n")
+        self.stream.flush()
 
     def line(self, now):
         elapsed = now - self.t0
@@ -45,6 +48,12 @@ class Progress:
             self.desc, self.done, self.total, self.unit, 100 * self.done / max(1, self.total),
             rate, self.unit, eta // 60, eta % 60)
 
-    def close(self):
+    def close(self, report=True):
+        """The bar left on the terminal, or the final plain line written; report=False, for
+        work that ends in an error, clears the bar and writes nothing, so that the error is the
+        only line left."""
         if self.bar is not None:
+            self.bar.leave = report
             self.bar.close()
+        elif report and self.enabled and self.every is not None:
+            self.write(self.line(time.perf_counter()))

@@ -62,7 +62,7 @@ def main(argv=None):
     paths = folder_files(args.src_dir, args.ext, exclude=args.output)   # not a past output
     progress = Progress(len(paths), "reading", unit="files", enabled=not args.quiet)
     sequences = text_file_sequences(counted(paths, progress), args.max_bytes)
-    progress.close()
+    progress.close(report=bool(sequences))
     if not sequences:
         raise UsageError("no text files under SRC_DIR (%r)%s" % (
             args.src_dir, " ending in %s" % ", ".join(args.ext) if args.ext else ""))
