@@ -21,11 +21,11 @@ class Progress:
             self.bar = tqdm(total=total, initial=start, desc=desc, unit=unit, file=self.stream,
                             dynamic_ncols=True)
         self.t0 = self.last_line = time.perf_counter()
-        self.done = start
+        self.done, self.note = start, ""
 
     def update(self, done, text=""):
         """`done` of `total` finished; text is a short note (a loss, the item at hand)."""
-        self.done = done
+        self.done, self.note = done, text
         if self.bar is not None:
             self.bar.update(done - self.bar.n)
             if text:
@@ -34,19 +34,20 @@ class Progress:
             now = time.perf_counter()
             if now - self.last_line >= self.every and done < self.total:   # close() ends
                 self.last_line = now
-                self.write(self.line(now) + (" " + text if text else ""))
+                self.write(self.line(now))
 
     def write(self, text):
         self.stream.write(text + "\n")
         self.stream.flush()
 
     def line(self, now):
+        """The plain progress line, with the latest note."""
         elapsed = now - self.t0
         rate = (self.done - self.start) / elapsed if elapsed > 0 else 0.0
         eta = (self.total - self.done) / rate if rate > 0 else 0.0
         return "%s: %d/%d %s (%.0f%%), %.2f %s/s, eta %d:%02d" % (
             self.desc, self.done, self.total, self.unit, 100 * self.done / max(1, self.total),
-            rate, self.unit, eta // 60, eta % 60)
+            rate, self.unit, eta // 60, eta % 60) + (" " + self.note if self.note else "")
 
     def close(self, report=True):
         """The bar left on the terminal, or the final plain line written; report=False, for
