@@ -36,16 +36,17 @@ static inline void bf16_tiles_end(void)
     _tile_release();
 }
 
-/* C (16 rt x 32 floats, ldc) = or += A (16 rt x k2 words) B (k2 x 32 words), rt (row tiles)
- * 1 or 2, k2 a multiple of 16. With two row tiles each B tile loaded serves
- * both (forward 0.90-0.96x the time of one row tile by four column tiles). */
+/* C (16 rt x 32 floats, ldc) = or += the sum over terms of A_t (16 rt x k2 words) B_t (k2 x 32
+ * words), rt (row tiles) 1 or 2, k2 a multiple of 16. One term is A B; three are float16's
+ * split into two bfloat16 (attn_f16_split_impl.h): A B + A (B + boff) + (A + aoff) B. With
+ * two row tiles each B tile loaded serves both (forward 0.90-0.96x the time of one row tile
+ * by four column tiles). */
 static inline __attribute__((always_inline)) void
-amx_block(float *c, int ldc, const uint32_t *a, int lda, const uint32_t *b, or_ssize ldb, int k2,
-          const int rt, int accumulate)
+amx_block(float *c, int ldc, const uint32_t *a, int lda, or_ssize aoff, const uint32_t *b,
+          or_ssize ldb, or_ssize boff, const int terms, int k2, const int rt, int accumulate)
 {
     const long sc = 4L * ldc, sa = 4L * lda, sb = 4L * ldb;
     float *c1 = c + (or_ssize)16 * ldc;
-    const uint32_t *a1 = a + (or_ssize)16 * lda;
     if (accumulate) {
         _tile_loadd(0, c, sc);
         _tile_loadd(1, c + 16, sc);
@@ -61,17 +62,21 @@ amx_block(float *c, int ldc, const uint32_t *a, int lda, const uint32_t *b, or_s
             _tile_zero(3);
         }
     }
-    for (int x = 0; x < k2; x += 16) {
-        const uint32_t *bx = b + (or_ssize)x * ldb;
-        _tile_loadd(4, a + x, sa);
-        _tile_loadd(5, bx, sb);
-        _tile_loadd(6, bx + 16, sb);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_dpbf16ps(1, 4, 6);
-        if (rt == 2) {
-            _tile_loadd(7, a1 + x, sa);
-            _tile_dpbf16ps(2, 7, 5);
-            _tile_dpbf16ps(3, 7, 6);
+    for (int t = 0; t < terms; t++) {
+        const uint32_t *at = t == 2 ? a + aoff : a, *bt = t == 1 ? b + boff : b;
+        const uint32_t *at1 = at + (or_ssize)16 * lda;
+        for (int x = 0; x < k2; x += 16) {
+            const uint32_t *bx = bt + (or_ssize)x * ldb;
+            _tile_loadd(4, at + x, sa);
+            _tile_loadd(5, bx, sb);
+            _tile_loadd(6, bx + 16, sb);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_dpbf16ps(1, 4, 6);
+            if (rt == 2) {
+                _tile_loadd(7, at1 + x, sa);
+                _tile_dpbf16ps(2, 7, 5);
+                _tile_dpbf16ps(3, 7, 6);
+            }
         }
     }
     _tile_stored(0, c, sc);
@@ -82,37 +87,47 @@ amx_block(float *c, int ldc, const uint32_t *a, int lda, const uint32_t *b, or_s
     }
 }
 
-/* bf16_gemm's C = mul A B or C += A B for a row-major A (acs 1): whole tiles on AMX, the rest
- * on dot products, then the scale. m a multiple of MR, n of W (32 floats: two column tiles). */
+/* C = mul (sum of terms as amx_block's) or C += it, for a row-major A: whole tiles on AMX, the
+ * rest on dot products (bf16_gemm, unscaled), then the scale. m a multiple of MR, n of W (32
+ * floats: two column tiles). */
 static inline __attribute__((always_inline)) void
-bf16_rows_gemm(float *c, int ldc, const uint32_t *a, int lda, const uint32_t *b, or_ssize ldb,
-               int m, int n, int k2, float mul, int accumulate)
+tiles_gemm(float *c, int ldc, const uint32_t *a, int lda, or_ssize aoff, const uint32_t *b,
+           or_ssize ldb, or_ssize boff, const int terms, int m, int n, int k2, float mul,
+           int accumulate)
 {
     const int m16 = m / 16 * 16, k16 = k2 / 16 * 16;
-    if (k16 == 0) {
-        bf16_gemm(c, ldc, a, lda, 1, b, ldb, m, n, k2, mul, accumulate);
-        return;
-    }
-    for (int i0 = 0; i0 < m16; i0 += 32)
+    for (int i0 = 0; k16 > 0 && i0 < m16; i0 += 32)
         for (int j0 = 0; j0 < n; j0 += 32) {
             float *cij = c + (or_ssize)i0 * ldc + j0;
             const uint32_t *ai = a + (or_ssize)i0 * lda;
             if (i0 + 32 <= m16)
-                amx_block(cij, ldc, ai, lda, b + j0, ldb, k16, 2, accumulate);
+                amx_block(cij, ldc, ai, lda, aoff, b + j0, ldb, boff, terms, k16, 2, accumulate);
             else
-                amx_block(cij, ldc, ai, lda, b + j0, ldb, k16, 1, accumulate);
+                amx_block(cij, ldc, ai, lda, aoff, b + j0, ldb, boff, terms, k16, 1, accumulate);
         }
-    if (k16 < k2)
-        bf16_gemm(c, ldc, a + k16, lda, 1, b + (or_ssize)k16 * ldb, ldb, m16, n, k2 - k16, 1, 1);
+    for (int t = 0; t < terms; t++) {
+        const uint32_t *at = t == 2 ? a + aoff : a, *bt = t == 1 ? b + boff : b;
+        if (k16 < k2)
+            bf16_gemm(c, ldc, at + k16, lda, 1, bt + (or_ssize)k16 * ldb, ldb, m16, n, k2 - k16,
+                      1, accumulate || k16 > 0 || t > 0);
+        if (m16 < m)
+            bf16_gemm(c + (or_ssize)m16 * ldc, ldc, at + (or_ssize)m16 * lda, lda, 1, bt, ldb,
+                      m - m16, n, k2, 1, accumulate || t > 0);
+    }
     if (!accumulate && mul != 1)
-        for (int i = 0; i < m16; i++)
+        for (int i = 0; i < m; i++)
             for (int j = 0; j < n; j += 16) {
                 float *cij = c + (or_ssize)i * ldc + j;
                 _mm512_storeu_ps(cij, _mm512_mul_ps(_mm512_loadu_ps(cij), _mm512_set1_ps(mul)));
             }
-    if (m16 < m)
-        bf16_gemm(c + (or_ssize)m16 * ldc, ldc, a + (or_ssize)m16 * lda, lda, 1, b, ldb, m - m16,
-                  n, k2, mul, accumulate);
+}
+
+/* bf16_gemm's C = mul A B or C += A B for a row-major A (acs 1), on tiles. */
+static inline __attribute__((always_inline)) void
+bf16_rows_gemm(float *c, int ldc, const uint32_t *a, int lda, const uint32_t *b, or_ssize ldb,
+               int m, int n, int k2, float mul, int accumulate)
+{
+    tiles_gemm(c, ldc, a, lda, 0, b, ldb, 0, 1, m, n, k2, mul, accumulate);
 }
 
 /* Words (c, x) of dst (rows BR / 2 words apart) = elements (2x, c), (2x + 1, c) of src, for

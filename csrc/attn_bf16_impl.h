@@ -216,3 +216,7 @@ static void bf16_pack_item(void *vjob, or_ssize kvu, int worker)
     bf16_pack_row_pairs((uint32_t *)job->vc + job->vc_off[kvu], (p->dv + W - 1) / W * W, p, OR_V,
                         kvu, nk, p->dv);
 }
+
+#ifdef OR_AMX_TILES
+#include "attn_f16_split_impl.h"
+#endif

@@ -210,14 +210,18 @@ static int decode_fwd(const or_problem *p, const or_kernels *kern, int dbl)
 }
 
 /* Which instance of a set's items (native.h OR_IN_*) computes p: bfloat16 dot products where the
- * set has them and every operand they multiply is bfloat16 (q, k, v, and dO in a backward). */
+ * set has them and every operand they multiply is bfloat16 (q, k, v, and dO in a backward),
+ * float16 on tiles where the set has them (a forward) and q, k and v are float16. */
 static int instance(const or_problem *p, const or_task *items, int dbl, int backward)
 {
     const or_view *w = p->view;
     const int bf16 = w[OR_Q].dtype == OR_BF16 && w[OR_K].dtype == OR_BF16
                      && w[OR_V].dtype == OR_BF16 && (!backward || w[OR_DO].dtype == OR_BF16);
-    return dbl ? OR_IN_DOUBLE
-               : bf16 && items[OR_IN_BF16_DOTS] ? OR_IN_BF16_DOTS : OR_IN_FLOAT;
+    const int f16 = w[OR_Q].dtype == OR_F16 && w[OR_K].dtype == OR_F16 && w[OR_V].dtype == OR_F16;
+    return dbl                                  ? OR_IN_DOUBLE
+           : bf16 && items[OR_IN_BF16_DOTS]     ? OR_IN_BF16_DOTS
+           : f16 && items[OR_IN_F16_TILES]      ? OR_IN_F16_TILES
+                                                : OR_IN_FLOAT;
 }
 
 int or_native_fwd(const or_problem *p)
@@ -243,17 +247,24 @@ int or_native_fwd(const or_problem *p)
                            && v->row_stride % (or_ssize)real == 0 && p->pages.rows == 0
                            && or_rows_ld(v->row_stride / (or_ssize)real, real)
                               == v->row_stride / (or_ssize)real;
+    /* bfloat16 pairs of rows (attn_bf16_impl.h), float16 split into two of them (hi and lo
+     * side by side: attn_f16_split_impl.h), or REAL rows */
+    const int pairs = in == OR_IN_BF16_DOTS || in == OR_IN_F16_TILES;
     or_job job = {.p = p, .blocks = 0,
-                  .ldvc = in == OR_IN_BF16_DOTS ? (or_ssize)dvp : or_rows_ld((or_ssize)dvp, real)};
+                  .ldvc = in == OR_IN_BF16_DOTS   ? (or_ssize)dvp
+                          : in == OR_IN_F16_TILES ? 2 * (or_ssize)dvp
+                                                  : or_rows_ld((or_ssize)dvp, real)};
     job.kt_off = malloc(sizeof(or_ssize) * (size_t)(n_kv + 1) * 2);
     if (job.kt_off == NULL)
         return OR_ENOMEM;
     job.vc_off = job.kt_off + n_kv + 1;
     job.kt_off[0] = job.vc_off[0] = 0;
     for (or_ssize w = 0; w < n_kv; w++) {
-        job.kt_off[w + 1] = job.kt_off[w] + or_blocks_size(p->nk[w * p->prm.group], (int)bc,
-                                                           real, p->d);
-        job.vc_off[w + 1] = job.vc_off[w] + p->nk[w * p->prm.group] * job.ldvc;
+        const or_ssize nk = p->nk[w * p->prm.group];
+        /* split float16 keys: d rounded up to pairs of bfloat16, twice (hi, lo) */
+        job.kt_off[w + 1] = job.kt_off[w] + or_blocks_size(nk, (int)bc, real,
+                                                           p->d + (in == OR_IN_F16_TILES) * (p->d % 2));
+        job.vc_off[w + 1] = job.vc_off[w] + (pairs ? (nk + 1) / 2 : nk) * job.ldvc;
     }
     job.kt = malloc(real * (size_t)job.kt_off[n_kv] + 64);
     job.vc = v_in_place ? NULL : aligned_alloc(64, round_up(real * (size_t)job.vc_off[n_kv] + 1));

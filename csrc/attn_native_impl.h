@@ -426,7 +426,8 @@ FN(transform_scores)(const or_problem *p, int rows, int cols, or_ssize i0, or_ss
 }
 
 /* Forward of BR query rows starting at i0 of unit u; its matrix products on bfloat16 dot
- * products where dots (attn_bf16_impl.h: q, kt, vc and P are pairs of bfloat16 then). */
+ * products where dots (attn_bf16_impl.h: q, kt, vc and P are pairs of bfloat16 then), dots 2
+ * on float16 split into two bfloat16 (attn_f16_split_impl.h). */
 static inline __attribute__((always_inline)) void
 FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, int worker,
               const int dots)
@@ -447,6 +448,12 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
     unsigned char *keep = (unsigned char *)(l + BR);
 
     const or_view *w = p->view;
+#if TILES
+    if (dots == 2)
+        f16_split_load_q((uint32_t *)q, dp, FN(row_ptr)(p, OR_Q, u, i0), w[OR_Q].row_stride,
+                         rows, rows_mr, d, w[OR_Q].dtype);
+    else
+#endif
 #if DOTS
     if (dots)
         bf16_load_q((uint32_t *)q, dp, FN(row_ptr)(p, OR_Q, u, i0), w[OR_Q].row_stride, rows,
@@ -486,6 +493,13 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
                 ncols = end < cols ? FN(pad)((int)end) : ncols;
             }
             const int kcols = ncols < cols ? ncols : cols;      /* keys read and transformed */
+#if TILES
+            if (dots == 2)
+                f16_split_scores(s, (const uint32_t *)q + (or_ssize)r0 * dp, dp,
+                                 (const uint32_t *)kt + j0 / BC * KLD * 2 * ((d + 1) / 2),
+                                 (d + 1) / 2, sr, ncols, (REAL)p->prm.scale / folded);
+            else
+#endif
 #if DOTS
             if (dots)
                 bf16_rows_gemm(s, BC, (const uint32_t *)q + (or_ssize)r0 * dp, dp,
@@ -504,6 +518,12 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
                 for (int c = 0; c < kcols; c++)
                     srow[c] = keep[c] ? srow[c] * drop_scale : 0;
             }
+#if TILES
+            if (dots == 2)
+                f16_split_values_product(o + (or_ssize)r0 * dvp, dvp, s, sr, ncols, skip, kcols,
+                                         (const uint32_t *)vb);
+            else
+#endif
 #if DOTS
             if (dots)
                 bf16_values_product(o + (or_ssize)r0 * dvp, dvp, s, sr, ncols, skip, kcols,
@@ -603,6 +623,14 @@ static void bf16_fwd_item(void *vjob, or_ssize item, int worker)
 {
     bf16_tiles_begin();
     FN(fwd_item_as)(vjob, item, worker, 1);
+    bf16_tiles_end();
+}
+#endif
+#if TILES
+static void f16_split_fwd_item(void *vjob, or_ssize item, int worker)
+{
+    bf16_tiles_begin();
+    FN(fwd_item_as)(vjob, item, worker, 2);
     bf16_tiles_end();
 }
 #endif

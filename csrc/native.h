@@ -76,16 +76,20 @@ typedef struct {
 
 /* The instances of a set's kernels, by what they compute in: the indexes of or_kernels' arrays.
  * OR_IN_BF16_DOTS: the forward and backward for bfloat16 q, k, v (and dO) with their matrix
- * products on bfloat16 dot products (attn_bf16_impl.h); NULL in sets without them. */
-enum { OR_IN_FLOAT, OR_IN_DOUBLE, OR_IN_BF16_DOTS };
+ * products on bfloat16 dot products (attn_bf16_impl.h); OR_IN_F16_TILES: the forward for
+ * float16 q, k, v on AMX tiles, each value split into two bfloat16 (attn_f16_split_impl.h; its
+ * backward is the float one). NULL in sets without them. */
+enum { OR_IN_FLOAT, OR_IN_DOUBLE, OR_IN_BF16_DOTS, OR_IN_F16_TILES, OR_N_INSTANCES };
 
 /* The work-item functions of one instruction set, by instance (OR_IN_*). */
 typedef struct {
     const char *name;           /* ORCHARD_ISA's value for this set */
     int width;                  /* bytes: tile rows (d, dv) are padded to a multiple of it */
     int block_keys;             /* BC: keys per block */
-    or_task transpose_keys_item[3], fwd_item[3], bwd_item[3], decode_item[2];
-    size_t (*bwd_scratch[3])(const or_problem *p, or_ssize nk_max);   /* REALs per worker */
+    or_task transpose_keys_item[OR_N_INSTANCES], fwd_item[OR_N_INSTANCES],
+        bwd_item[OR_N_INSTANCES], decode_item[2];
+    size_t (*bwd_scratch[OR_N_INSTANCES])(const or_problem *p, or_ssize nk_max);   /* REALs
+                                                                                     per worker */
 } or_kernels;
 
 /* Keys per step of the decode's score and value loops (attn_decode_impl.h): a block of keys is

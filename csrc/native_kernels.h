@@ -6,7 +6,9 @@
  *           and a broadcast must fit the register file (16 or 32 vectors)
  *   BC      keys per block: the key and value blocks and a strip's tiles stay in L1
  *   SR      forward rows per strip
- * and, where the target has AVX512-BF16, OR_BF16_DOTS (attn_bf16_impl.h), and the compiler target for the functions below. The kernels themselves are written once,
+ * and, where the target has AVX512-BF16, OR_BF16_DOTS (attn_bf16_impl.h), where it has AMX
+ * OR_AMX_TILES too (attn_amx_impl.h, attn_f16_split_impl.h), and the compiler target for the
+ * functions below. The kernels themselves are written once,
  * over REAL, in attn_native_impl.h (forward, backward) and attn_decode_impl.h (decoding).
  */
 #include <math.h>
@@ -74,7 +76,13 @@ const or_kernels CAT(or_kernels_, ISA) = {
     .name = OR_STR(ISA),
     .width = 2 * VBYTES,
     .block_keys = BC,
-#ifdef OR_BF16_DOTS
+#if defined(OR_AMX_TILES)
+    .transpose_keys_item = {transpose_keys_item_f, transpose_keys_item_d, bf16_pack_item,
+                            f16_split_pack_item},
+    .fwd_item = {fwd_item_f, fwd_item_d, bf16_fwd_item, f16_split_fwd_item},
+    .bwd_item = {bwd_item_f, bwd_item_d, bf16_bwd_item},
+    .bwd_scratch = {bwd_scratch_f, bwd_scratch_d, bf16_bwd_scratch},
+#elif defined(OR_BF16_DOTS)
     .transpose_keys_item = {transpose_keys_item_f, transpose_keys_item_d, bf16_pack_item},
     .fwd_item = {fwd_item_f, fwd_item_d, bf16_fwd_item},
     .bwd_item = {bwd_item_f, bwd_item_d, bf16_bwd_item},

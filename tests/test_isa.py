@@ -131,6 +131,22 @@ def test_bfloat16(ops, isa, rng, case):
                      "%s %s" % (isa, name), t=2.0 ** -6, floor=floor)
 
 
+@pytest.mark.parametrize("case", sorted(BF16_CASES))
+def test_float16_forward(ops, isa, rng, case):
+    """float16 q, k, v through the same edges (amx: each value split into two bfloat16 for the
+    tiles, three products of the four, P split too: attn_f16_split_impl.h; the others widen),
+    against the float64 reference at float16's tolerances, and within a float16 rounding of
+    out and 2^-14 of lse of the widening set's result."""
+    (h, hkv, nq, nk, d, dv), kw = BF16_CASES[case]
+    q, k, v = qkv(rng, np.float16, h=h, hkv=hkv, nq=nq, nk=nk, d=d, dv=dv)
+    out, lse = check_forward(ops, "cpu", q, k, v, what=isa, **kw)
+    ops.set_native_isa("baseline")
+    wide_out, wide_lse = (np.asarray(x) for x in ops.flash_attn_fwd(q, k, v, **kw))
+    np.testing.assert_allclose(out.astype(np.float64), wide_out.astype(np.float64),
+                               rtol=2.0 ** -10, atol=2.0 ** -14, err_msg=isa)
+    np.testing.assert_allclose(lse, wide_lse, rtol=2.0 ** -14, atol=2.0 ** -14, err_msg=isa)
+
+
 def test_sets_agree(ops, rng):
     """The sets sum in different orders, so they agree to rounding, not bit for bit."""
     q, k, v = qkv(rng, np.float32)
