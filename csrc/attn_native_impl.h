@@ -602,15 +602,25 @@ static void FN(transpose_keys_item)(void *vjob, or_ssize kvu, int worker)
                       p->view[OR_V].dtype, 1);
 }
 
-/* One work item: a block of BR query rows of one unit. */
+/* One work item: a block of BR query rows of one unit; with dots, between the tiles'
+ * configuration and their release (no-ops without AMX). */
 static inline __attribute__((always_inline)) void
 FN(fwd_item_as)(void *vjob, or_ssize item, int worker, const int dots)
 {
     const or_job *job = vjob;
     item = job->order[item];
     const or_ssize u = item / job->blocks, i0 = (item % job->blocks) * BR;
-    if (i0 < job->p->nq[u])
-        FN(fwd_block)(job->p, job, u, i0, worker, dots);
+    if (i0 >= job->p->nq[u])
+        return;
+#if DOTS
+    if (dots)
+        bf16_tiles_begin();
+#endif
+    FN(fwd_block)(job->p, job, u, i0, worker, dots);
+#if DOTS
+    if (dots)
+        bf16_tiles_end();
+#endif
 }
 
 static void FN(fwd_item)(void *vjob, or_ssize item, int worker)
@@ -621,17 +631,13 @@ static void FN(fwd_item)(void *vjob, or_ssize item, int worker)
 #if DOTS
 static void bf16_fwd_item(void *vjob, or_ssize item, int worker)
 {
-    bf16_tiles_begin();
     FN(fwd_item_as)(vjob, item, worker, 1);
-    bf16_tiles_end();
 }
 #endif
 #if TILES
 static void f16_split_fwd_item(void *vjob, or_ssize item, int worker)
 {
-    bf16_tiles_begin();
     FN(fwd_item_as)(vjob, item, worker, 2);
-    bf16_tiles_end();
 }
 #endif
 
