@@ -14,7 +14,7 @@ each other drifts far less than one of two processes seconds apart (this script'
 method: a call whose code had not changed read 0.84 and 0.97 in two runs, 0.96-1.00 this way).
 --calls picks the shapes: d64 (B4 H8 N1024), d128 (B2 H8 N2048, float32 and bfloat16; the
 backward B1), d256 (float32, N 2048 and 256), short (N 256 and 100, many heads), half
-(bfloat16 and float16 forwards, D 64 and 128), decode
+(bfloat16 and float16 forwards, D 64 and 128, float16 at N 256), decode
 (benchmarks/decode.py's decode steps, one query row against a cache).
 """
 import argparse
@@ -53,7 +53,8 @@ CALLS = {  # (name, B or query heads, H or kv heads, N or cache length, D, causa
     "half": [("fwd bf16", 4, 8, 1024, 64, False, "bfloat16"),
              ("fwd f16", 4, 8, 1024, 64, False, "float16"),
              ("fwd bf16 d128", 2, 8, 2048, 128, False, "bfloat16"),
-             ("fwd f16 d128", 2, 8, 2048, 128, False, "float16")],
+             ("fwd f16 d128", 2, 8, 2048, 128, False, "float16"),
+             ("fwd f16 N256", 1, 128, 256, 64, False, "float16")],
     "decode": [("decode gqa 4k", 32, 8, 4096, 128, True, "float32"),
                ("decode gqa 4k bf16", 32, 8, 4096, 128, True, "bfloat16"),
                ("decode mha 4k", 32, 32, 4096, 128, True, "float32"),

@@ -128,15 +128,25 @@ FN(load_cols_blocked)(REAL *dst, const char *src, or_ssize stride, or_ssize rows
                       rows - j0 < BC ? rows - j0 : BC, cols, dt);
 }
 
+/* Rows of a tile (leading dimension ld) into a strided operand, converted to its dtype. float
+ * to float16 goes 8 at a time through F16C's VCVTPS2PH where the set has it: GCC leaves the
+ * element loop (and a vector conversion) one element per instruction, 10 % of a float16
+ * forward at N 256, D 64 (amx). */
 static inline __attribute__((always_inline)) void
 FN(store_rows)(char *dst, or_ssize stride, const REAL *src, int ld, or_ssize rows, int cols,
                or_dtype dt)
 {
     for (or_ssize r = 0; r < rows; r++, dst += stride) {
         const REAL *in = src + r * ld;
+        int c0 = 0;
+#if REAL_SIZE == 4 && defined(__F16C__)
+        for (; dt == OR_F16 && c0 + 8 <= cols; c0 += 8)     /* to nearest even, as the cast */
+            _mm_storeu_si128((__m128i *)(dst + sizeof(or_half) * (size_t)c0),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(in + c0), _MM_FROUND_TO_NEAREST_INT));
+#endif
         switch (dt) {
 #define OR_STORE(id, tag, ...) \
-        case id: for (int c = 0; c < cols; c++) or_store_##tag(dst, c, in[c]); break;
+        case id: for (int c = c0; c < cols; c++) or_store_##tag(dst, c, in[c]); break;
         OR_DTYPES(OR_STORE)
 #undef OR_STORE
         }

@@ -16,6 +16,9 @@
 #include <string.h>
 
 #include "native.h"
+#ifdef __F16C__
+#include <immintrin.h>      /* store_rows' float16 conversions (attn_native_impl.h) */
+#endif
 
 /* tiles are padded to whole micro-kernels: rows to MR, columns to two vectors */
 _Static_assert(BR % MR == 0 && BC % MR == 0 && SR % MR == 0 && BC % (2 * VBYTES / 4) == 0,
