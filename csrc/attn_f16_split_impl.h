@@ -40,20 +40,23 @@ static inline __attribute__((always_inline)) void f16_split_along(uint32_t *hi, 
     }
 }
 
-/* One row of n values (float16, or any dtype) as floats, zero to the padded width. */
-static inline __attribute__((always_inline)) void f16_row(float *x, const char *src, int n,
-                                                          or_dtype dt)
+/* One row of n float16 as floats, zero to the padded width (a multiple of 16). */
+static inline __attribute__((always_inline)) void f16_row(float *x, const char *src, int n)
 {
-    FN(load_rows)(x, FN(pad)(n), src, 0, 1, n, 1, dt, 1);
+    for (int c = 0; c < FN(pad)(n); c += 16) {
+        const int m = n - c >= 16 ? 16 : n - c > 0 ? n - c : 0;
+        const __m256i h = _mm256_maskz_loadu_epi16((__mmask16)((1u << m) - 1), src + 2 * c);
+        _mm512_storeu_ps(x + c, _mm512_cvtph_ps(h));
+    }
 }
 
 /* Query rows [0, rows) of a block (q above), rows [rows, pad_rows) zero. */
 static void f16_split_load_q(uint32_t *q, int ld, const char *src, or_ssize stride, int rows,
-                             int pad_rows, int d, or_dtype dt)
+                             int pad_rows, int d)
 {
     float x[OR_MAX_HEAD_DIM];
     for (int r = 0; r < rows; r++, src += stride) {
-        f16_row(x, src, d, dt);
+        f16_row(x, src, d);
         f16_split_along(q + (or_ssize)r * ld, q + (or_ssize)r * ld + ld / 2, x, FN(pad)(d));
     }
     memset(q + (or_ssize)rows * ld, 0, sizeof(uint32_t) * (size_t)(pad_rows - rows) * (size_t)ld);
@@ -65,7 +68,6 @@ static void f16_split_load_q(uint32_t *q, int ld, const char *src, or_ssize stri
 static void f16_split_pack_keys(uint32_t *dst, const or_problem *p, or_ssize kvu, or_ssize nk)
 {
     const int d = p->d, d2 = (d + 1) / 2, half = FN(pad)(d) / 2;
-    const or_view *k = &p->view[OR_K];
     uint32_t *last = dst + nk / BC * KLD * 2 * d2;      /* its rows past nk are zero */
     for (int x = 0; nk % BC && x < 2 * d2; x++)
         memset(last + x * KLD + nk % BC, 0, sizeof(uint32_t) * (size_t)(BC - nk % BC));
@@ -75,7 +77,7 @@ static void f16_split_pack_keys(uint32_t *dst, const or_problem *p, or_ssize kvu
         for (int i = 0; i < 16; i++) {
             or_ssize run;
             if (r0 + i < nk)
-                f16_row(row, or_kv_row(p, OR_K, kvu, r0 + i, &run), d, k->dtype);
+                f16_row(row, or_kv_row(p, OR_K, kvu, r0 + i, &run), d);
             else
                 memset(row, 0, sizeof(float) * (size_t)(2 * half));
             f16_split_along(w[i], w[i] + half, row, 2 * half);
@@ -103,10 +105,10 @@ static void f16_split_pack_values(uint32_t *dst, int ld, const or_problem *p, or
     for (or_ssize x = 0; x < (nk + 1) / 2; x++) {
         or_ssize run;
         const char *src = or_kv_row(p, OR_V, kvu, 2 * x, &run);
-        f16_row(a, src, p->dv, v->dtype);
+        f16_row(a, src, p->dv);
         if (2 * x + 1 < nk)
             f16_row(b, run > 1 ? src + v->row_stride : or_kv_row(p, OR_V, kvu, 2 * x + 1, &run),
-                    p->dv, v->dtype);
+                    p->dv);
         else
             memset(b, 0, sizeof(float) * (size_t)dvp);
         uint32_t *out = dst + x * ld;

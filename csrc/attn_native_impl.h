@@ -461,7 +461,7 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
 #if TILES
     if (dots == 2)
         f16_split_load_q((uint32_t *)q, dp, FN(row_ptr)(p, OR_Q, u, i0), w[OR_Q].row_stride,
-                         rows, rows_mr, d, w[OR_Q].dtype);
+                         rows, rows_mr, d);
     else
 #endif
 #if DOTS
