@@ -259,11 +259,11 @@ int or_native_fwd(const or_problem *p)
         return OR_ENOMEM;
     job.vc_off = job.kt_off + n_kv + 1;
     job.kt_off[0] = job.vc_off[0] = 0;
+    /* split float16 keys: d rounded up to pairs of bfloat16, twice (hi, lo) */
+    const int kd = in == OR_IN_F16_TILES ? p->d + p->d % 2 : p->d;
     for (or_ssize w = 0; w < n_kv; w++) {
         const or_ssize nk = p->nk[w * p->prm.group];
-        /* split float16 keys: d rounded up to pairs of bfloat16, twice (hi, lo) */
-        job.kt_off[w + 1] = job.kt_off[w] + or_blocks_size(nk, (int)bc, real,
-                                                           p->d + (in == OR_IN_F16_TILES) * (p->d % 2));
+        job.kt_off[w + 1] = job.kt_off[w] + or_blocks_size(nk, (int)bc, real, kd);
         job.vc_off[w + 1] = job.vc_off[w] + (pairs ? (nk + 1) / 2 : nk) * job.ldvc;
     }
     job.kt = malloc(real * (size_t)job.kt_off[n_kv] + 64);
