@@ -75,19 +75,21 @@ static inline __attribute__((always_inline)) float or_bits_float(uint32_t u)
 #include "attn_native_impl.h"
 #include "attn_decode_impl.h"
 
+/* The float16 forward on tiles (OR_IN_F16_TILES) is only in sets with AMX. */
+#ifdef OR_AMX_TILES
+#define F16_TILES(item) , item
+#else
+#define F16_TILES(item)
+#endif
+
 const or_kernels CAT(or_kernels_, ISA) = {
     .name = OR_STR(ISA),
     .width = 2 * VBYTES,
     .block_keys = BC,
-#if defined(OR_AMX_TILES)
-    .transpose_keys_item = {transpose_keys_item_f, transpose_keys_item_d, bf16_pack_item,
-                            f16_split_pack_item},
-    .fwd_item = {fwd_item_f, fwd_item_d, bf16_fwd_item, f16_split_fwd_item},
-    .bwd_item = {bwd_item_f, bwd_item_d, bf16_bwd_item},
-    .bwd_scratch = {bwd_scratch_f, bwd_scratch_d, bf16_bwd_scratch},
-#elif defined(OR_BF16_DOTS)
-    .transpose_keys_item = {transpose_keys_item_f, transpose_keys_item_d, bf16_pack_item},
-    .fwd_item = {fwd_item_f, fwd_item_d, bf16_fwd_item},
+#ifdef OR_BF16_DOTS
+    .transpose_keys_item = {transpose_keys_item_f, transpose_keys_item_d, bf16_pack_item
+                            F16_TILES(f16_split_pack_item)},
+    .fwd_item = {fwd_item_f, fwd_item_d, bf16_fwd_item F16_TILES(f16_split_fwd_item)},
     .bwd_item = {bwd_item_f, bwd_item_d, bf16_bwd_item},
     .bwd_scratch = {bwd_scratch_f, bwd_scratch_d, bf16_bwd_scratch},
 #else
