@@ -87,11 +87,12 @@ amx_block(float *c, int ldc, const uint32_t *a, int lda, or_ssize aoff, const ui
     }
 }
 
+_Static_assert(16 % MR == 0, "rows past the tiles' (m % 16) must be whole micro-kernels: with "
+               "MR 12 bf16_gemm wrote 4 rows past a strip's 24");
+
 /* C = mul (sum of terms as amx_block's) or C += it, for a row-major A: whole tiles on AMX, the
  * rest on dot products (bf16_gemm, unscaled), then the scale. m a multiple of MR, n of W (32
  * floats: two column tiles). */
-_Static_assert(16 % MR == 0, "rows past the tiles' (m % 16) must be whole micro-kernels: with "
-               "MR 12 bf16_gemm wrote 4 rows past a strip's 24");
 static inline __attribute__((always_inline)) void
 tiles_gemm(float *c, int ldc, const uint32_t *a, int lda, or_ssize aoff, const uint32_t *b,
            or_ssize ldb, or_ssize boff, const int terms, int m, int n, int k2, float mul,
