@@ -81,14 +81,18 @@ static inline void bf16_tiles_begin(void) {}
 static inline void bf16_tiles_end(void) {}
 #endif
 
-/* Query rows [0, rows) of a block as words (q above), rows [rows, pad_rows) zero. */
+/* Query rows [0, rows) of a block as words (q above), rows [rows, pad_rows) zero. A row's
+ * words are its bytes (x86 is little-endian: element 2x is a word's low half), so it is
+ * copied whole; a word a pair at a time was 4 % of a bfloat16 forward at D 64 (AMX). */
 static inline void bf16_load_q(uint32_t *q, int ld, const char *src, or_ssize stride, int rows,
                                int pad_rows, int d)
 {
     const int d2 = (d + 1) / 2;
-    for (int r = 0; r < rows; r++, src += stride)
-        for (int x = 0; x < d2; x++)
-            q[(or_ssize)r * ld + x] = bf16_pair(src, x, d);
+    for (int r = 0; r < rows; r++, src += stride) {
+        char *row = (char *)(q + (or_ssize)r * ld);
+        memcpy(row, src, sizeof(uint16_t) * (size_t)d);
+        memset(row + sizeof(uint16_t) * (size_t)d, 0, sizeof(uint16_t) * (size_t)(2 * d2 - d));
+    }
     memset(q + (or_ssize)rows * ld, 0, sizeof(uint32_t) * (size_t)(pad_rows - rows) * (size_t)ld);
 }
 

@@ -274,11 +274,12 @@ FN(exp_row_lanes)(REAL *x, REAL mul, REAL shift, int n)
             x[c0 + t] = e;
             lane[t] += e;
         }
-    for (int t = 0; t < VL; t++)
-        lane[t] += lane[t + VL];
-    FN(vec) sum;
-    memcpy(&sum, lane, sizeof(sum));
-    return sum;
+    /* two whole vectors: a scalar loop over the lanes became a load across the two halves'
+     * stores, which stalled on store forwarding (3 % of a float forward, AMX set) */
+    FN(vec) lo, hi;
+    memcpy(&lo, lane, sizeof(lo));
+    memcpy(&hi, lane + VL, sizeof(hi));
+    return lo + hi;
 }
 
 /* One fold of x and y over blocks of b lanes (lane_folds.h): their sums, or maxima where max. */
