@@ -177,8 +177,10 @@ FN(ask_next_tile)(const REAL *c, int ldc, int i0, int j0, int m, int n)
 #if defined(OR_BF16_DOTS) && REAL_SIZE == 4
 #define DOTS 1
 #include "attn_bf16_impl.h"
+#define EXP_COARSE or_expf_coarse     /* kernels/expf.h: P rounded to bfloat16 next */
 #else
 #define DOTS 0
+#define EXP_COARSE EXP
 #endif
 /* The AMX set's backward keeps dK and dV transposed, so that all five products have a
  * row-major left operand (attn_amx_impl.h). */
@@ -263,14 +265,15 @@ static inline __attribute__((always_inline)) FN(vec) FN(row_max_lanes)(const REA
 
 /* x[c] = exp(mul x[c] - shift) over the first n elements of a row (n a multiple of W), in W
  * independent lanes so that the loop vectorises; lane t of the result is the sum of lanes t
- * and t + VL. mul x - shift is one FMA: with mul 1 exactly x - shift. */
+ * and t + VL. mul x - shift is one FMA: with mul 1 exactly x - shift. coarse: the exp for
+ * probabilities rounded to bfloat16 next (EXP_COARSE). */
 static inline __attribute__((always_inline)) FN(vec)
-FN(exp_row_lanes)(REAL *x, REAL mul, REAL shift, int n)
+FN(exp_row_lanes)(REAL *x, REAL mul, REAL shift, int n, const int coarse)
 {
     REAL lane[W] = {0};
     for (int c0 = 0; c0 < n; c0 += W)
         for (int t = 0; t < W; t++) {
-            const REAL e = EXP(x[c0 + t] * mul - shift);
+            const REAL y = x[c0 + t] * mul - shift, e = coarse ? EXP_COARSE(y) : EXP(y);
             x[c0 + t] = e;
             lane[t] += e;
         }
@@ -352,7 +355,7 @@ static inline __attribute__((always_inline)) REAL FN(row_max)(const REAL *x, int
 /* exp_row_lanes, and the sum of the row's results. */
 static inline __attribute__((always_inline)) REAL FN(exp_row)(REAL *x, REAL shift, int n)
 {
-    return FN(lanes_total)(FN(exp_row_lanes)(x, 1, shift, n), 0);
+    return FN(lanes_total)(FN(exp_row_lanes)(x, 1, shift, n, 0), 0);
 }
 
 /* The online softmax step of rows [0, live) of s (rows BC apart, n columns computed, a multiple
@@ -361,9 +364,11 @@ static inline __attribute__((always_inline)) REAL FN(exp_row)(REAL *x, REAL shif
  * times mul (> 0: the maxima of s are theirs, times mul). VL rows at a time, so
  * that their maxima and sums are folded together (fold_vectors) and their factors are one vector
  * of exps: reduced one row at a time, with a scalar exp each, they took a sixth of the float
- * forward. A row that has seen only masked scores keeps the maximum -inf and weights 0. */
+ * forward. A row that has seen only masked scores keeps the maximum -inf and weights 0.
+ * coarse: exp_row_lanes' (the bfloat16 forward's). */
 static inline __attribute__((always_inline)) void
-FN(softmax_rows)(REAL *s, int live, int n, REAL *m, REAL *l, REAL *o, int dvp, REAL mul)
+FN(softmax_rows)(REAL *s, int live, int n, REAL *m, REAL *l, REAL *o, int dvp, REAL mul,
+                 const int coarse)
 {
     for (int g = 0; g < live; g += VL) {
         const int rows = live - g < VL ? live - g : VL;
@@ -383,7 +388,7 @@ FN(softmax_rows)(REAL *s, int live, int n, REAL *m, REAL *l, REAL *o, int dvp, R
             alpha[t] = EXP(mold[t] - shift[t]);
         }
         for (int r = 0; r < VL; r++)
-            x[r] = r < rows ? FN(exp_row_lanes)(s + (or_ssize)(g + r) * BC, mul, shift[r], n)
+            x[r] = r < rows ? FN(exp_row_lanes)(s + (or_ssize)(g + r) * BC, mul, shift[r], n, coarse)
                             : (FN(vec)){0};
         FN(fold_vectors)(x, VL, 0);
         memcpy(sum, &x[0], sizeof(sum));
@@ -521,7 +526,8 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
             FN(gemm)(s, BC, q + (or_ssize)r0 * dp, dp, 1, kt + j0 / BC * KLD * d, KLD, sr, ncols,
                      d, 0, 1);
             FN(transform_scores)(p, live, kcols, i0 + r0, j0, nq, nk, slope, s, NULL);
-            FN(softmax_rows)(s, live, ncols, m + r0, l + r0, o + (or_ssize)r0 * dvp, dvp, folded);
+            FN(softmax_rows)(s, live, ncols, m + r0, l + r0, o + (or_ssize)r0 * dvp, dvp, folded,
+                             dots == 1);
             for (int r = 0; p->prm.dropout && r < live; r++) {
                 REAL *srow = s + (or_ssize)r * BC;
                 or_dropout_row(p->prm.seed, (uint64_t)u, (uint32_t)(i0 + r0 + r), (uint32_t)j0,
@@ -940,3 +946,4 @@ static void bf16_bwd_item(void *vjob, or_ssize item, int worker)
 #undef KLD
 #undef DOTS
 #undef TILES
+#undef EXP_COARSE

@@ -50,6 +50,13 @@ static inline __attribute__((always_inline)) float or_bits_float(uint32_t u)
 #define OR_EXPF_BITS or_float_bits
 #define OR_EXPF_FLOAT or_bits_float
 #include "expf.h"
+#ifdef OR_BF16_DOTS     /* the bfloat16 forward's probabilities (attn_native_impl.h softmax_rows) */
+#undef OR_EXPF
+#define OR_EXPF or_expf_coarse
+#define OR_EXPF_COARSE
+#include "expf.h"
+#undef OR_EXPF_COARSE
+#endif
 
 #define REAL float
 #define REAL_SIZE 4     /* sizeof(REAL), for the preprocessor */
