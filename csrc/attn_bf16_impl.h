@@ -96,6 +96,15 @@ static inline void bf16_load_q(uint32_t *q, int ld, const char *src, or_ssize st
     memset(q + (or_ssize)rows * ld, 0, sizeof(uint32_t) * (size_t)(pad_rows - rows) * (size_t)ld);
 }
 
+/* W / 2 words at dst = the W floats at src as pairs, rounded to bfloat16 (to nearest even).
+ * dst may be src: all W are read before any word is written. */
+static inline __attribute__((always_inline)) void bf16_store_pairs(uint32_t *dst,
+                                                                   const float *src)
+{
+    const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + W / 2), _mm512_loadu_ps(src));
+    _mm512_storeu_si512(dst, (__m512i)h);
+}
+
 /* Words (r, x) of dst = elements 2x, 2x + 1 of src's row r, rounded to bfloat16, for rows
  * [0, m) and columns [0, n) (a multiple of W). dst may be src (P in place): a row's columns c..
  * are read before its words c / 2.. are written. */
@@ -103,12 +112,8 @@ static inline void bf16_pairs_along(uint32_t *dst, int ldd, const float *src, in
                                     int n)
 {
     for (int r = 0; r < m; r++)
-        for (int c = 0; c < n; c += W) {
-            const float *in = src + (or_ssize)r * lds + c;
-            const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(in + W / 2),
-                                                   _mm512_loadu_ps(in));
-            _mm512_storeu_si512(dst + (or_ssize)r * ldd + c / 2, (__m512i)h);
-        }
+        for (int c = 0; c < n; c += W)
+            bf16_store_pairs(dst + (or_ssize)r * ldd + c / 2, src + (or_ssize)r * lds + c);
 }
 
 /* Words (x, c) of dst = elements (2x, c), (2x + 1, c) of src, rounded to bfloat16, for pairs of
@@ -128,13 +133,15 @@ static inline void bf16_pairs_of_rows(uint32_t *dst, int ldd, const float *src, 
 }
 
 /* o (m x dvp) += P V over keys [skip, kcols) of a block: s's rows (n columns computed, P) to
- * bfloat16, then the product from the pair that holds key skip (P is 0 before it; its partner
- * row of vb is a real key's, or the zero that pads the unit). vb: the block's vc rows. */
+ * bfloat16 unless the softmax wrote them so (packed), then the product from the pair that holds
+ * key skip (P is 0 before it; its partner row of vb is a real key's, or the zero that pads the
+ * unit). vb: the block's vc rows. */
 static inline __attribute__((always_inline)) void
 bf16_values_product(float *o, int dvp, float *s, int m, int n, int skip, int kcols,
-                    const uint32_t *vb)
+                    const uint32_t *vb, int packed)
 {
-    bf16_pairs_along((uint32_t *)s, BC, s, BC, m, n);
+    if (!packed)
+        bf16_pairs_along((uint32_t *)s, BC, s, BC, m, n);
     if (kcols > skip)
         bf16_rows_gemm(o, dvp, (const uint32_t *)s + skip / 2, BC, vb + (or_ssize)(skip / 2) * dvp,
                        dvp, m, dvp, (kcols + 1) / 2 - skip / 2, 1, 1);

@@ -265,18 +265,30 @@ static inline __attribute__((always_inline)) FN(vec) FN(row_max_lanes)(const REA
 
 /* x[c] = exp(mul x[c] - shift) over the first n elements of a row (n a multiple of W), in W
  * independent lanes so that the loop vectorises; lane t of the result is the sum of lanes t
- * and t + VL. mul x - shift is one FMA: with mul 1 exactly x - shift. coarse: the exp for
- * probabilities rounded to bfloat16 next (EXP_COARSE). */
+ * and t + VL. mul x - shift is one FMA: with mul 1 exactly x - shift. to_bf16 (the bfloat16
+ * forward's P, where no dropout follows): the exp is EXP_COARSE and the row's results are
+ * written as pairs of bfloat16 in place, words c / 2 from x (attn_bf16_impl.h), not as REALs:
+ * a pass less over the scores (the separate conversion was 5 % of that forward). The sums are
+ * the REALs'. */
 static inline __attribute__((always_inline)) FN(vec)
-FN(exp_row_lanes)(REAL *x, REAL mul, REAL shift, int n, const int coarse)
+FN(exp_row_lanes)(REAL *x, REAL mul, REAL shift, int n, const int to_bf16)
 {
     REAL lane[W] = {0};
-    for (int c0 = 0; c0 < n; c0 += W)
+    for (int c0 = 0; c0 < n; c0 += W) {
+        REAL e[W];
         for (int t = 0; t < W; t++) {
-            const REAL y = x[c0 + t] * mul - shift, e = coarse ? EXP_COARSE(y) : EXP(y);
-            x[c0 + t] = e;
-            lane[t] += e;
+            const REAL y = x[c0 + t] * mul - shift;
+            e[t] = to_bf16 ? EXP_COARSE(y) : EXP(y);
+            lane[t] += e[t];
         }
+#if DOTS
+        if (to_bf16) {
+            bf16_store_pairs((uint32_t *)x + c0 / 2, e);
+            continue;
+        }
+#endif
+        memcpy(x + c0, e, sizeof(e));
+    }
     /* two whole vectors: a scalar loop over the lanes became a load across the two halves'
      * stores, which stalled on store forwarding (3 % of a float forward, AMX set) */
     FN(vec) lo, hi;
@@ -365,10 +377,10 @@ static inline __attribute__((always_inline)) REAL FN(exp_row)(REAL *x, REAL shif
  * that their maxima and sums are folded together (fold_vectors) and their factors are one vector
  * of exps: reduced one row at a time, with a scalar exp each, they took a sixth of the float
  * forward. A row that has seen only masked scores keeps the maximum -inf and weights 0.
- * coarse: exp_row_lanes' (the bfloat16 forward's). */
+ * to_bf16: exp_row_lanes'. */
 static inline __attribute__((always_inline)) void
 FN(softmax_rows)(REAL *s, int live, int n, REAL *m, REAL *l, REAL *o, int dvp, REAL mul,
-                 const int coarse)
+                 const int to_bf16)
 {
     for (int g = 0; g < live; g += VL) {
         const int rows = live - g < VL ? live - g : VL;
@@ -388,7 +400,7 @@ FN(softmax_rows)(REAL *s, int live, int n, REAL *m, REAL *l, REAL *o, int dvp, R
             alpha[t] = EXP(mold[t] - shift[t]);
         }
         for (int r = 0; r < VL; r++)
-            x[r] = r < rows ? FN(exp_row_lanes)(s + (or_ssize)(g + r) * BC, mul, shift[r], n, coarse)
+            x[r] = r < rows ? FN(exp_row_lanes)(s + (or_ssize)(g + r) * BC, mul, shift[r], n, to_bf16)
                             : (FN(vec)){0};
         FN(fold_vectors)(x, VL, 0);
         memcpy(sum, &x[0], sizeof(sum));
@@ -457,6 +469,10 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
      * and ALiBi need them scaled) the softmax's exp takes the scale, not a pass over them */
     const REAL folded = dots && p->prm.softcap == 0 && p->slopes == NULL && p->prm.scale > 0
                         ? (REAL)p->prm.scale : 1;
+    /* bfloat16 P straight from the softmax (exp_row_lanes), where dropout does not scale it
+     * first; the live rows' only: a strip's padded rows (past the block's queries, q zero)
+     * keep their scores, zeros, whose bits are bfloat16 zeros too */
+    const int p_bf16 = dots == 1 && !p->prm.dropout;
 
     REAL *q = (REAL *)(job->scratch + (size_t)worker * job->per_worker);
     REAL *s = q + BR * dp, *o = s + BR * BC, *m = o + BR * dvp, *l = m + BR;
@@ -526,8 +542,12 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
             FN(gemm)(s, BC, q + (or_ssize)r0 * dp, dp, 1, kt + j0 / BC * KLD * d, KLD, sr, ncols,
                      d, 0, 1);
             FN(transform_scores)(p, live, kcols, i0 + r0, j0, nq, nk, slope, s, NULL);
-            FN(softmax_rows)(s, live, ncols, m + r0, l + r0, o + (or_ssize)r0 * dvp, dvp, folded,
-                             dots == 1);
+            if (p_bf16)     /* a constant in each call: two loops, not both exps and a blend */
+                FN(softmax_rows)(s, live, ncols, m + r0, l + r0, o + (or_ssize)r0 * dvp, dvp,
+                                 folded, 1);
+            else
+                FN(softmax_rows)(s, live, ncols, m + r0, l + r0, o + (or_ssize)r0 * dvp, dvp,
+                                 folded, 0);
             for (int r = 0; p->prm.dropout && r < live; r++) {
                 REAL *srow = s + (or_ssize)r * BC;
                 or_dropout_row(p->prm.seed, (uint64_t)u, (uint32_t)(i0 + r0 + r), (uint32_t)j0,
@@ -544,7 +564,7 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
 #if DOTS
             if (dots)
                 bf16_values_product(o + (or_ssize)r0 * dvp, dvp, s, sr, ncols, skip, kcols,
-                                    (const uint32_t *)vb);
+                                    (const uint32_t *)vb, p_bf16);
             else
 #endif
             if (kcols > skip)       /* P is 0 before lo: those value rows are not read */
