@@ -30,8 +30,13 @@ def subprocess_env(**extra):
     # products (MKL) may round differently when a process lays out its memory differently, as
     # a resumed one does: MKL's strict reproducible mode rules that out. (Once, a killed and
     # resumed run's loss differed from the straight run's by 4e-5; orchard's own kernels give
-    # the same bits for any thread count or alignment.)
+    # the same bits for any thread count or alignment.) It did again once with that mode
+    # (4e-5 at step 4, thirty-third session, not reproduced in 6 runs since): MKL's
+    # reproducibility conditions also ask for a thread count that never adapts at run time,
+    # MKL_DYNAMIC and OMP_DYNAMIC false, and a child polled by a busy parent is where it would.
     env.setdefault("MKL_CBWR", "AUTO,STRICT")
+    env.setdefault("MKL_DYNAMIC", "FALSE")
+    env.setdefault("OMP_DYNAMIC", "FALSE")
     return env
 
 
