@@ -1,13 +1,15 @@
 """The native kernels' targets (README Performance, "Kernel targets"), measured in one run.
 
-    python3 benchmarks/kernel_targets.py [--shapes 4,8,1024,64 2,16,4096,128] [--rounds 3]
+    python3 benchmarks/kernel_targets.py [--shapes 4,8,1024,64 2,16,4096,128] [--rounds 7]
                                          [--dtypes float32 float16 bfloat16]
 
 At every shape: float32 forward and backward against torch SDPA, and the forward's GFLOP/s
 against torch's float32 matrix product (2048^3); float16 and bfloat16, causal and not, forward
 and forward+backward against torch SDPA at the same dtype; the first OpenCL device (PoCL here)
-against the native path, forward and backward (with float32). --dtypes picks some of the three
-(a whole run takes about 16 minutes on 2 cores). Calls alternate in rounds (benchmark.round_robin,
+against the native path, forward and backward (with float32). --dtypes picks some of the three.
+A whole run took 8 minutes on a Sapphire Rapids Xeon (2 cores, seven rounds), 16 on an AVX2
+EPYC (three rounds): seven by default since three-round runs of one build there moved by up to
+a quarter (README "Kernel targets", thirty-fourth session). Calls alternate in rounds (benchmark.round_robin,
 one warm-up round), every torch call followed by a pause (TORCH_CALLS: torch's OpenMP threads
 spin for 5-10 ms after a call, and would share the cores with the next call, orchard's); a ratio
 is the median of its ratios in each round. Prints a Markdown table, then the float32 calls'
@@ -76,7 +78,7 @@ def half_figures(shape, dtype, causal, rounds, rng):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["4,8,1024,64", "2,16,4096,128"])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--dtypes", nargs="+", default=DTYPES, choices=DTYPES)
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
