@@ -400,7 +400,8 @@ FN(softmax_rows)(REAL *s, int live, int n, REAL *m, REAL *l, REAL *o, int dvp, R
             alpha[t] = EXP(mold[t] - shift[t]);
         }
         for (int r = 0; r < VL; r++)
-            x[r] = r < rows ? FN(exp_row_lanes)(s + (or_ssize)(g + r) * BC, mul, shift[r], n, to_bf16)
+            x[r] = r < rows ? FN(exp_row_lanes)(s + (or_ssize)(g + r) * BC, mul, shift[r], n,
+                                                to_bf16)
                             : (FN(vec)){0};
         FN(fold_vectors)(x, VL, 0);
         memcpy(sum, &x[0], sizeof(sum));
