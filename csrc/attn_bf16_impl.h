@@ -222,9 +222,8 @@ static void bf16_pack_item(void *vjob, or_ssize kvu, int worker)
     const or_job *job = vjob;
     const or_problem *p = job->p;
     const or_ssize nk = p->nk[kvu * p->prm.group];
-    (void)worker;
-    bf16_pack_blocks((uint32_t *)job->kt + job->kt_off[kvu], p, OR_K, kvu, nk, p->d);
-    bf16_pack_row_pairs((uint32_t *)job->vc + job->vc_off[kvu], (p->dv + W - 1) / W * W, p, OR_V,
+    bf16_pack_blocks(or_unit_kt(job, kvu, worker), p, OR_K, kvu, nk, p->d);
+    bf16_pack_row_pairs(or_unit_vc(job, kvu, worker), (p->dv + W - 1) / W * W, p, OR_V,
                         kvu, nk, p->dv);
 }
 

@@ -130,9 +130,8 @@ static void f16_split_pack_item(void *vjob, or_ssize kvu, int worker)
     const or_job *job = vjob;
     const or_problem *p = job->p;
     const or_ssize nk = p->nk[kvu * p->prm.group];
-    (void)worker;
-    f16_split_pack_keys((uint32_t *)job->kt + job->kt_off[kvu], p, kvu, nk);
-    f16_split_pack_values((uint32_t *)job->vc + job->vc_off[kvu], (int)job->ldvc, p, kvu, nk);
+    f16_split_pack_keys(or_unit_kt(job, kvu, worker), p, kvu, nk);
+    f16_split_pack_values(or_unit_vc(job, kvu, worker), (int)job->ldvc, p, kvu, nk);
 }
 
 /* s (m x n floats, BC apart) = mul q K^T for a strip's q rows and a key block's kt. */

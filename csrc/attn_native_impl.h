@@ -477,7 +477,8 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
 
     REAL *q = (REAL *)(job->scratch + (size_t)worker * job->per_worker);
     REAL *s = q + BR * dp, *o = s + BR * BC, *m = o + BR * dvp, *l = m + BR;
-    const REAL *kt = (const REAL *)job->kt + job->kt_off[kvu];     /* blocked, d x KLD each */
+    const REAL *kt = or_unit_kt(job, kvu, worker);       /* blocked, d x KLD each */
+    const REAL *vc = job->v_in_place ? NULL : or_unit_vc(job, kvu, worker);
     unsigned char *keep = (unsigned char *)(l + BR);
 
     const or_view *w = p->view;
@@ -505,12 +506,11 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
     or_key_range(p->prm.left, p->prm.right, nq, nk, i0, i0 + rows, &lo, &hi);
     for (or_ssize j0 = lo - lo % BC; j0 < hi; j0 += BC) {
         const int cols = (int)(hi - j0 < BC ? hi - j0 : BC), skip = (int)(j0 < lo ? lo - j0 : 0);
-        /* values in place, or converted by the pre-pass; rows before lo (the block starts on
-         * a multiple of BC) are never read */
-        const REAL *vb = job->vc ? (const REAL *)job->vc + job->vc_off[kvu]
-                                       + (dots ? j0 / 2 : j0) * job->ldvc   /* dots: pairs of rows */
-                                 : (const REAL *)FN(row_ptr)(p, OR_V, kvu, j0);
-        const or_ssize ldv = job->vc ? job->ldvc : w[OR_V].row_stride / (or_ssize)sizeof(REAL);
+        /* values in place, or converted (transpose_keys_item); rows before lo (the block
+         * starts on a multiple of BC) are never read */
+        const REAL *vb = vc ? vc + (dots ? j0 / 2 : j0) * job->ldvc     /* dots: pairs of rows */
+                            : (const REAL *)FN(row_ptr)(p, OR_V, kvu, j0);
+        const or_ssize ldv = vc ? job->ldvc : w[OR_V].row_stride / (or_ssize)sizeof(REAL);
         /* SR rows at a time, each over the key columns some row of the strip may see: on the
          * diagonal of a causal mask that is about half the block */
         for (int r0 = 0; r0 < rows_mr; r0 += SR) {
@@ -590,12 +590,12 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
 /* transpose_keys_item of paged keys and values (orchard.h): the same tiles, filled a run of
  * rows (to the end of its page) at a time. */
 static inline __attribute__((always_inline)) void
-FN(paged_keys_item)(const or_job *job, or_ssize kvu, or_ssize nk)
+FN(paged_keys_item)(const or_job *job, or_ssize kvu, or_ssize nk, int worker)
 {
     const or_problem *p = job->p;
     const int d = p->d;
     const or_view *k = &p->view[OR_K], *v = &p->view[OR_V];
-    REAL *kt = (REAL *)job->kt + job->kt_off[kvu];
+    REAL *kt = or_unit_kt(job, kvu, worker), *vc = or_unit_vc(job, kvu, worker);
     memset(kt, 0, sizeof(REAL) * (size_t)((nk + BC - 1) / BC * KLD) * (size_t)d);
     or_ssize run;
     for (or_ssize j = 0; j < nk; j += run) {
@@ -614,39 +614,41 @@ FN(paged_keys_item)(const or_job *job, or_ssize kvu, or_ssize nk)
     for (or_ssize j = 0; j < nk; j += run) {   /* paged values are never read in place */
         const char *src = or_kv_row(p, OR_V, kvu, j, &run);
         run = run < nk - j ? run : nk - j;
-        FN(load_rows)((REAL *)job->vc + job->vc_off[kvu] + j * job->ldvc, (int)job->ldvc, src,
+        FN(load_rows)(vc + j * job->ldvc, (int)job->ldvc, src,
                       v->row_stride, run, p->dv, run, v->dtype, 1);
     }
 }
 
-/* Forward pre-pass, one item per kv unit: its keys transposed, in blocks (load_cols_blocked),
- * and its values converted when they are not read in place. Cloned (and the loads inlined) as
- * the kernels are, so that float16 converts with the CPU's F16C instructions rather than a
- * library call per element (that call was 20 % of a float16 forward). */
+/* A kv unit's keys transposed, in blocks (load_cols_blocked), and its values converted when
+ * they are not read in place (or_unit_kt, or_unit_vc): the forward's pre-pass item, or the
+ * start of its item of a whole unit (attn_native.c fwd_unit_item). Cloned (and the loads
+ * inlined) as the kernels are, so that float16 converts with the CPU's F16C instructions
+ * rather than a library call per element (that call was 20 % of a float16 forward). */
 static void FN(transpose_keys_item)(void *vjob, or_ssize kvu, int worker)
 {
     const or_job *job = vjob;
     const or_problem *p = job->p;
     const or_ssize nk = p->nk[kvu * p->prm.group];
     if (p->pages.rows) {
-        FN(paged_keys_item)(job, kvu, nk);
+        FN(paged_keys_item)(job, kvu, nk, worker);
         return;
     }
-    FN(load_cols_blocked)((REAL *)job->kt + job->kt_off[kvu], FN(row_ptr)(p, OR_K, kvu, 0),
+    FN(load_cols_blocked)(or_unit_kt(job, kvu, worker), FN(row_ptr)(p, OR_K, kvu, 0),
                           p->view[OR_K].row_stride, nk, p->d, p->view[OR_K].dtype);
-    if (job->vc)
-        FN(load_rows)((REAL *)job->vc + job->vc_off[kvu], (int)job->ldvc,
+    if (!job->v_in_place)
+        FN(load_rows)(or_unit_vc(job, kvu, worker), (int)job->ldvc,
                       FN(row_ptr)(p, OR_V, kvu, 0), p->view[OR_V].row_stride, nk, p->dv, nk,
                       p->view[OR_V].dtype, 1);
 }
 
-/* One work item: a block of BR query rows of one unit; with dots, between the tiles'
- * configuration and their release (no-ops without AMX). */
+/* One work item: a block of BR query rows of one unit (items in job->order, or in index order
+ * where a unit's item runs them); with dots, between the tiles' configuration and their
+ * release (no-ops without AMX). */
 static inline __attribute__((always_inline)) void
 FN(fwd_item_as)(void *vjob, or_ssize item, int worker, const int dots)
 {
     const or_job *job = vjob;
-    item = job->order[item];
+    item = job->order ? job->order[item] : item;
     const or_ssize u = item / job->blocks, i0 = (item % job->blocks) * BR;
     if (i0 >= job->p->nq[u])
         return;

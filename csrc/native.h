@@ -59,10 +59,18 @@ typedef struct {
     or_ssize blocks;        /* forward: query blocks per unit */
     char *kt;               /* forward: every kv unit's keys transposed (see transpose_keys) */
     or_ssize *kt_off;       /* forward: offset of each kv unit in kt, in REALs */
-    char *vc;               /* forward: values converted to REAL rows of dvp (ldvc apart), or
-                               NULL when they are read in place */
+    char *vc;               /* forward: values converted to REAL rows of dvp (ldvc apart) */
     or_ssize *vc_off;       /* forward: offset of each kv unit in vc, in REALs */
     or_ssize ldvc;          /* forward: REALs from one row of vc to the next */
+    int v_in_place;         /* forward: values read where they are, not from vc */
+    size_t real;            /* forward: bytes of the instance's REAL */
+    /* forward with an item per kv unit (attn_native.c fwd_unit_item): the units in the order
+     * they are handed out, each packed into its worker's scratch at these byte offsets by
+     * `pack` (the instance's transpose_keys_item), then its query blocks run by `fwd` (its
+     * fwd_item, order NULL); units NULL where a pre-pass packs every unit into kt and vc */
+    or_ssize *units;
+    size_t unit_kt, unit_vc;
+    or_task pack, fwd;
     or_ssize nk_max;        /* backward: longest key sequence */
     or_ssize splits;        /* decode: splits per kv unit, of split_keys keys each */
     or_ssize split_keys;
@@ -73,6 +81,20 @@ typedef struct {
     or_ssize heads;         /* decode: kv units per item (side by side in memory, else 1) */
     or_ssize step_keys;     /* decode: keys per chunk read (BC, or fewer for side-by-side units) */
 } or_job;
+
+/* Forward: where kv unit kvu's keys transposed and values converted lie for `worker`: in the
+ * call's kt and vc after a pre-pass, or in the worker's scratch where its item packed them. */
+static inline void *or_unit_kt(const or_job *job, or_ssize kvu, int worker)
+{
+    return job->units ? job->scratch + (size_t)worker * job->per_worker + job->unit_kt
+                      : job->kt + job->real * (size_t)job->kt_off[kvu];
+}
+
+static inline void *or_unit_vc(const or_job *job, or_ssize kvu, int worker)
+{
+    return job->units ? job->scratch + (size_t)worker * job->per_worker + job->unit_vc
+                      : job->vc + job->real * (size_t)job->vc_off[kvu];
+}
 
 /* The instances of a set's kernels, by what they compute in: the indexes of or_kernels' arrays.
  * OR_IN_BF16_DOTS: the forward and backward for bfloat16 q, k, v (and dO) with their matrix

@@ -138,6 +138,47 @@ def test_bit_identical_across_thread_counts(ops, device, rng, restore_threads, d
                         i, n, np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))))
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_forward_unit_items_match_query_block_items(ops, restore_threads, dtype, paged):
+    """The native forward hands out an item per kv unit, which packs that unit's keys and
+    values itself, where there are 4 units per thread or more (attn_native.c), else an item
+    per query block after a pre-pass that packs every unit: 4 kv units give the first with
+    one thread and the second with eight. Both are the same bits, in every kernel set and
+    instance (bfloat16 dot products, float16 on tiles, float, double), paged keys too."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(7)
+    kind = getattr(torch, dtype)
+    b, h, hk, n, d, page = 2, 4, 2, 200, 40, 16     # 4 kv units, GQA groups of 2
+    q = torch.randn(b * n, h, d, generator=g).to(kind)
+    k, v = (torch.randn(b, n, hk, d, generator=g).to(kind) for _ in range(2))
+    cu = torch.tensor([0, n, 2 * n], dtype=torch.int32)
+    if paged:   # each sequence's pages in reverse order
+        per_seq = -(-n // page)
+        table = torch.arange(b * per_seq - 1, -1, -1, dtype=torch.int32).reshape(b, per_seq)
+        kp, vp = (torch.zeros(b * per_seq, page, hk, d, dtype=kind) for _ in range(2))
+        for s in range(b):
+            for r in range(n):
+                kp[table[s, r // page], r % page] = k[s, r]
+                vp[table[s, r // page], r % page] = v[s, r]
+        kv = dict(k=kp, v=vp, block_table=table)
+    else:
+        kv = dict(k=k.reshape(b * n, hk, d), v=v.reshape(b * n, hk, d))
+    before = ops.devices()[0]["kernel_isa"]
+    try:
+        for isa in ops.devices()[0]["kernel_isas"]:
+            ops.set_native_isa(isa)
+            results = []
+            for threads in (1, 8):
+                ops.set_num_threads(threads)
+                results.append(ops.flash_attn_varlen_fwd(q=q, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                         causal=True, **kv))
+            for a, c in zip(*results):
+                assert torch.equal(a.view(torch.uint8), c.view(torch.uint8)), isa
+    finally:
+        ops.set_native_isa(before)
+
+
 @pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["f16", "f32"])
 @pytest.mark.parametrize("kw", KW, ids=["plain", "features"])
 def test_decode_bit_identical_across_thread_counts(ops, device, rng, restore_threads, dtype, kw):
