@@ -226,13 +226,16 @@ static int instance(const or_problem *p, const or_task *items, int dbl, int back
 }
 
 /* Forward work items of a whole kv unit each where there are at least this many units per
- * thread (equal units then end within a unit of each other), else one per query block after a
- * pre-pass over all units. A unit's item packs its keys and values into its worker's scratch
- * and runs its query blocks while they are in cache; the pre-pass wrote every unit's before
- * the query blocks read them back, from memory once they outgrow the caches, and the pool
- * started twice. Against that (A/B, Sapphire Rapids, 2 threads): N 1024 D 64 float32 0.96x
- * the time, causal 0.95x, bfloat16 0.91x, float16 0.88x; N 256 0.80-0.84x, N 100 0.70-0.76x. */
-#define FWD_UNITS_PER_THREAD 4
+ * thread, else one per query block after a pre-pass over all units. A unit's item packs its
+ * keys and values into its worker's scratch and runs its query blocks while they are in
+ * cache; the pre-pass wrote every unit's before the query blocks read them back, from memory
+ * once they outgrow the caches, and the pool started twice. Against that (A/B, Sapphire
+ * Rapids, 2 threads): N 1024 D 64 float32 0.93-0.96x the time, causal 0.95x, bfloat16 0.91x,
+ * float16 0.88x; N 256 0.80-0.84x, N 100 0.70-0.76x. At 4 units per thread, N 2048-4096 D 128
+ * took 1.05-1.11x the time (B 1 H 8): the threads then work on different units, each reading
+ * its own keys and values, and the last unit leaves a thread idle for longer than a query
+ * block does. */
+#define FWD_UNITS_PER_THREAD 8
 
 static void fwd_unit_item(void *vjob, or_ssize item, int worker)
 {

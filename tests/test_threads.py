@@ -142,14 +142,14 @@ def test_bit_identical_across_thread_counts(ops, device, rng, restore_threads, d
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_forward_unit_items_match_query_block_items(ops, restore_threads, dtype, paged):
     """The native forward hands out an item per kv unit, which packs that unit's keys and
-    values itself, where there are 4 units per thread or more (attn_native.c), else an item
-    per query block after a pre-pass that packs every unit: 4 kv units give the first with
+    values itself, where there are 8 units per thread or more (attn_native.c), else an item
+    per query block after a pre-pass that packs every unit: 8 kv units give the first with
     one thread and the second with eight. Both are the same bits, in every kernel set and
     instance (bfloat16 dot products, float16 on tiles, float, double), paged keys too."""
     torch = pytest.importorskip("torch")
     g = torch.Generator().manual_seed(7)
     kind = getattr(torch, dtype)
-    b, h, hk, n, d, page = 2, 4, 2, 200, 40, 16     # 4 kv units, GQA groups of 2
+    b, h, hk, n, d, page = 2, 8, 4, 200, 40, 16     # 8 kv units, GQA groups of 2
     q = torch.randn(b * n, h, d, generator=g).to(kind)
     k, v = (torch.randn(b, n, hk, d, generator=g).to(kind) for _ in range(2))
     cu = torch.tensor([0, n, 2 * n], dtype=torch.int32)
