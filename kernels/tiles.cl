@@ -50,7 +50,9 @@ inline int needs_transform(const or_params *p, long diag, long j0, int cols)
 
 /* c (rows x cols, row stride ldc) = or += a (rows x n) * b (n x cols, row stride ldb), where
  * a's element (i, x) is a[i * ars + x * acs], so that a may be read transposed; rows is a
- * multiple of TM, cols and ldc of TN, c whole vectors from its tile's start. */
+ * multiple of TM, cols and ldc of TN, c whole vectors from its tile's start. Always inlined:
+ * PoCL kept it a function whose strides and `accumulate` were run-time values, an address
+ * computation per row of a in the inner loop (forwards 4-5 % faster inlined). */
 inline __attribute__((always_inline)) void
 tile_product(__local real *c, int ldc, __local const real *a, int ars, int acs,
              __local const real *b, int ldb, int rows, int cols, int n, int accumulate)
