@@ -44,15 +44,21 @@ def ratio(times, slow, fast):
     return float(np.median(total(slow) / total(fast)))
 
 
+def c_library(name, *flags):
+    """benchmarks/<name>.c built for this machine (the machine's cc, -march=native, flags) and
+    loaded."""
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".c")
+    with tempfile.TemporaryDirectory() as build:     # a loaded library outlives its file
+        path = os.path.join(build, name + ".so")
+        subprocess.run([os.environ.get("CC", "cc"), *flags, "-march=native", "-shared", "-fPIC",
+                        source, "-o", path], check=True)
+        return ctypes.CDLL(path)
+
+
 def fma_peak_call(flops, threads):
     """(a call doing about `flops` float32 operations in FMAs on `threads` threads at the
     machine's peak, the operations it does): benchmarks/fma_peak.c, built for this machine."""
-    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fma_peak.c")
-    with tempfile.TemporaryDirectory() as build:     # a loaded library outlives its file
-        path = os.path.join(build, "fma_peak.so")
-        subprocess.run([os.environ.get("CC", "cc"), "-O2", "-march=native", "-shared", "-fPIC",
-                        "-pthread", source, "-o", path], check=True)
-        lib = ctypes.CDLL(path)
+    lib = c_library("fma_peak", "-O2", "-pthread")
     lib.fma_peak.restype = ctypes.c_double
     lib.fma_peak.argtypes = (ctypes.c_int, ctypes.c_long)
     per_iteration = lib.fma_peak(threads, 1)
