@@ -269,10 +269,25 @@ static inline __attribute__((always_inline)) FN(vec) FN(row_max_lanes)(const REA
  * forward's P, where no dropout follows): the exp is EXP_COARSE and the row's results are
  * written as pairs of bfloat16 in place, words c / 2 from x (attn_bf16_impl.h), not as REALs:
  * a pass less over the scores (the separate conversion was 5 % of that forward). The sums are
- * the REALs'. */
+ * the REALs'. Float rows in sets with AVX-512 go through or_exp16 instead (native_kernels.h). */
 static inline __attribute__((always_inline)) FN(vec)
 FN(exp_row_lanes)(REAL *x, REAL mul, REAL shift, int n, const int to_bf16)
 {
+#if REAL_SIZE == 4 && defined(OR_EXP16)
+    if (!to_bf16) {     /* a vector of 16 at a time through or_exp16 (native_kernels.h) */
+        const __m512 vm = _mm512_set1_ps(mul), vs = _mm512_set1_ps(shift);
+        __m512 lo = _mm512_setzero_ps(), hi = lo;
+        for (int c0 = 0; c0 < n; c0 += W) {
+            const __m512 e0 = or_exp16(_mm512_fmsub_ps(_mm512_loadu_ps(x + c0), vm, vs)),
+                         e1 = or_exp16(_mm512_fmsub_ps(_mm512_loadu_ps(x + c0 + VL), vm, vs));
+            lo = _mm512_add_ps(lo, e0);
+            hi = _mm512_add_ps(hi, e1);
+            _mm512_storeu_ps(x + c0, e0);
+            _mm512_storeu_ps(x + c0 + VL, e1);
+        }
+        return (FN(vec))_mm512_add_ps(lo, hi);
+    }
+#endif
     REAL lane[W] = {0};
     for (int c0 = 0; c0 < n; c0 += W) {
         REAL e[W];
@@ -847,8 +862,7 @@ FN(bwd_unit)(void *vjob, or_ssize item, int worker, const int dots)
                             memset(dprow, 0, sizeof(REAL) * BC);
                             continue;
                         }
-                        for (int c = 0; c < ncols; c++)
-                            prow[c] = EXP(prow[c] - lr);
+                        FN(exp_row_lanes)(prow, 1, lr, ncols, 0);   /* the forward's exps */
                         if (p->prm.dropout) {
                             or_dropout_row(p->prm.seed, (uint64_t)u, (uint32_t)(i0 + r), (uint32_t)j0,
                                            kcols, p->prm.threshold, keep);

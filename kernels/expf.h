@@ -1,6 +1,7 @@
 /* expf.h - e^x in float, to about 1 ulp, written once for the native kernels (C, one float at a
  * time, in loops GCC vectorises: libm's expf is a call) and the OpenCL tiled family (VW floats
- * at a time: on PoCL its forward takes 0.95-0.98x the time it took with the built-in exp).
+ * at a time: on PoCL its forward takes 0.95-0.98x the time it took with the built-in exp);
+ * the float probabilities of the native sets with AVX-512 take or_exp16 (native_kernels.h).
  * Whoever includes it defines first:
  *   OR_EXPF           the function's name
  *   OR_EXPF_T         float, or a vector of floats
