@@ -147,6 +147,29 @@ def test_float16_forward(ops, isa, rng, case):
     np.testing.assert_allclose(lse, wide_lse, rtol=2.0 ** -14, atol=2.0 ** -14, err_msg=isa)
 
 
+@pytest.mark.parametrize("top", [0.0, 60.0])
+def test_probabilities_across_the_exps_range(ops, isa, top):
+    """P read straight from the forward (one query of 1, keys of one score each, values the
+    identity: out = softmax of the scores) over score gaps from 0 to 90, below a maximum of 0
+    and of 60: every set's exp (csrc/native_kernels.h or_exp16 where there is AVX-512,
+    kernels/expf.h elsewhere) and the normalisation within 5e-7 (8 ulps; measured at most
+    2e-7) of float64 on the gaps as float32 rounds them, where e^-gap is a normal float, and 0
+    or below float's normal range past it. Dropping the highest term of or_exp16's polynomial
+    fails it."""
+    n = 256
+    scores = np.concatenate([[top], top - np.linspace(0, 90, n - 1)]).astype(np.float32)
+    q = np.ones((1, 1, 1, 1), np.float32)
+    k = scores.reshape(1, 1, n, 1)
+    v = np.eye(n, dtype=np.float32).reshape(1, 1, n, n)
+    got = ops.flash_attn_fwd(q, k, v, scale=1.0)[0].reshape(n).astype(np.float64)
+    gaps = -(scores - np.float32(top)).astype(np.float64)    # rounded to float32, as the kernels'
+    e = np.exp(-gaps)
+    ref = e / e.sum()
+    normal = gaps < 87
+    np.testing.assert_allclose(got[normal], ref[normal], rtol=5e-7, atol=0, err_msg=isa)
+    assert np.all((got[~normal] >= 0) & (got[~normal] < 1.2e-38)), (isa, got[~normal])
+
+
 def test_sets_agree(ops, rng):
     """The sets sum in different orders, so they agree to rounding, not bit for bit."""
     q, k, v = qkv(rng, np.float32)
