@@ -277,19 +277,24 @@ int or_native_fwd(const or_problem *p)
                           : in == OR_IN_F16_TILES ? 2 * (or_ssize)dvp
                                                   : or_rows_ld((or_ssize)dvp, real),
                   .pack = kern->transpose_keys_item[in], .fwd = kern->fwd_item[in]};
-    job.kt_off = malloc(sizeof(or_ssize) * (size_t)(n_kv + 1) * 2);
-    if (job.kt_off == NULL)
-        return OR_ENOMEM;
-    job.vc_off = job.kt_off + n_kv + 1;
-    job.kt_off[0] = job.vc_off[0] = 0;
+    const int unit_items = n_kv >= FWD_UNITS_PER_THREAD * (or_ssize)or_get_num_threads();
+    if (!unit_items) {      /* where each unit lies in the pre-pass's kt and vc */
+        job.kt_off = malloc(sizeof(or_ssize) * (size_t)(n_kv + 1) * 2);
+        if (job.kt_off == NULL)
+            return OR_ENOMEM;
+        job.vc_off = job.kt_off + n_kv + 1;
+        job.kt_off[0] = job.vc_off[0] = 0;
+    }
     /* split float16 keys: d rounded up to pairs of bfloat16, twice (hi, lo) */
     const int kd = in == OR_IN_F16_TILES ? p->d + p->d % 2 : p->d;
     or_ssize kt_most = 0, vc_most = 0;      /* one unit's, the largest */
     for (or_ssize w = 0; w < n_kv; w++) {
         const or_ssize nk = p->nk[w * p->prm.group], kt = or_blocks_size(nk, (int)bc, real, kd),
                        vc = (pairs ? (nk + 1) / 2 : nk) * job.ldvc;
-        job.kt_off[w + 1] = job.kt_off[w] + kt;
-        job.vc_off[w + 1] = job.vc_off[w] + vc;
+        if (!unit_items) {
+            job.kt_off[w + 1] = job.kt_off[w] + kt;
+            job.vc_off[w + 1] = job.vc_off[w] + vc;
+        }
         kt_most = kt > kt_most ? kt : kt_most;
         vc_most = vc > vc_most ? vc : vc_most;
     }
@@ -300,7 +305,7 @@ int or_native_fwd(const or_problem *p)
     /* q, s, o, m, l tiles (attn_native_impl.h) and the dropout keep row */
     job.per_worker = round_up(real * (BR * dp + BR * bc + BR * dvp + 2 * BR) + bc);
     int rc = OR_ENOMEM;
-    if (n_kv >= FWD_UNITS_PER_THREAD * (or_ssize)or_get_num_threads()) {
+    if (unit_items) {
         /* then the unit's keys and values, as the shared buffers would hold them */
         job.unit_kt = job.per_worker;
         job.unit_vc = job.unit_kt + round_up(real * (size_t)kt_most + 64);
