@@ -341,13 +341,16 @@ int or_native_bwd(const or_problem *p)
     const int dbl = or_dtypes[p->view[OR_Q].dtype].compute_size == sizeof(double);
     const size_t real = dbl ? sizeof(double) : sizeof(float);
     const or_kernels *kern = or_native_kernels();
-    or_job job = {.p = p, .nk_max = 0};
-    for (or_ssize u = 0; u < p->n_units; u++)
+    or_job job = {.p = p, .nk_max = 0, .nq_max = 0};
+    for (or_ssize u = 0; u < p->n_units; u++) {
         job.nk_max = p->nk[u] > job.nk_max ? p->nk[u] : job.nk_max;
-    if ((size_t)job.nk_max > (SIZE_MAX / 4) / (real * 2 * (OR_MAX_HEAD_DIM + 64)))
+        job.nq_max = p->nq[u] > job.nq_max ? p->nq[u] : job.nq_max;
+    }
+    const size_t most = (SIZE_MAX / 4) / (real * 2 * (OR_MAX_HEAD_DIM + 64));
+    if ((size_t)job.nk_max > most || (size_t)job.nq_max > most / (size_t)p->prm.group)
         return OR_ENOMEM;
     const int in = instance(p, kern->bwd_item, dbl, 1);
-    job.per_worker = round_up(real * kern->bwd_scratch[in](p, job.nk_max)
+    job.per_worker = round_up(real * kern->bwd_scratch[in](&job)
                               + (size_t)kern->block_keys);
     const or_ssize n_kv = p->n_units / p->prm.group;
     job.order = costly_first(&job, n_kv, 1, unit_cost);

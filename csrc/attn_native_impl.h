@@ -697,11 +697,33 @@ static void f16_split_fwd_item(void *vjob, or_ssize item, int worker)
 #endif
 
 /* Backward scratch sizes, in REALs: whole-unit dK and dV accumulators, then the tiles. */
-static size_t FN(bwd_scratch)(const or_problem *p, or_ssize nk_max)
+/* Keys per chunk of the backward (a multiple of BC): a unit's keys go in chunks, each through
+ * all of the unit's query blocks, so that what a query block reads of the chunk (dK and dV
+ * accumulators, keys and values packed: about 3 dp + 2 dvp REALs a key) stays in the core's L2
+ * cache, not in L3 (native.h OR_BWD_CHUNK_BYTES). One chunk where the unit's keys fit. */
+static or_ssize FN(bwd_chunk)(const or_job *job)
 {
-    const size_t dp = (size_t)FN(pad)(p->d), dvp = (size_t)FN(pad)(p->dv), n = (size_t)nk_max;
-    return (n + MR) * (dp + dvp)                    /* dk, dv accumulators */
-           + n * dp + (size_t)or_blocks_size(nk_max, BC, sizeof(REAL), p->d + p->dv)  /* k, kt, vt */
+    const or_problem *p = job->p;
+    const size_t per_key = sizeof(REAL) * (size_t)(3 * FN(pad)(p->d) + 2 * FN(pad)(p->dv));
+    const or_ssize keys = (or_ssize)(OR_BWD_CHUNK_BYTES / per_key) / BC * BC;
+    return keys < BC ? BC : keys;
+}
+
+/* The dQ accumulators of a chunked backward: the unit's query rows (each query head's rows
+ * padded by MR), kept between chunks; none with one chunk. */
+static size_t FN(bwd_dq_rows)(const or_job *job)
+{
+    return job->nk_max > FN(bwd_chunk)(job)
+               ? (size_t)job->p->prm.group * (size_t)(job->nq_max + MR) : 0;
+}
+
+static size_t FN(bwd_scratch)(const or_job *job)
+{
+    const or_problem *p = job->p;
+    const size_t dp = (size_t)FN(pad)(p->d), dvp = (size_t)FN(pad)(p->dv), n = (size_t)job->nk_max;
+    return FN(bwd_dq_rows)(job) * dp                /* dQ between chunks */
+           + (n + MR) * (dp + dvp)                  /* dk, dv accumulators */
+           + n * dp + (size_t)or_blocks_size(job->nk_max, BC, sizeof(REAL), p->d + p->dv)  /* k, kt, vt */
            + BR * dp * 2 + BR * dvp * 2             /* q, dq, dout, o */
            + 3 * (size_t)BR * BC + 2 * BR;          /* s, dp, dcap, lse, di */
 }
@@ -709,11 +731,11 @@ static size_t FN(bwd_scratch)(const or_problem *p, or_ssize nk_max)
 #if DOTS
 /* bf16_bwd_item's: bwd_item's, then its tiles of pairs of bfloat16 (qw, dow, qr, dor, prr, dsr)
  * and with AMX tiles the transposed dK and dV (dkt, dvt) */
-static size_t bf16_bwd_scratch(const or_problem *p, or_ssize nk_max)
+static size_t bf16_bwd_scratch(const or_job *job)
 {
-    const size_t dp = (size_t)FN(pad)(p->d), dvp = (size_t)FN(pad)(p->dv);
-    return FN(bwd_scratch)(p, nk_max) + BR * (dp + dvp) / 2 * 3 + (size_t)BR * BC
-           + TILES * (dp + dvp) * (size_t)(nk_max / BC + 1) * BC;      /* dkt, dvt */
+    const size_t dp = (size_t)FN(pad)(job->p->d), dvp = (size_t)FN(pad)(job->p->dv);
+    return FN(bwd_scratch)(job) + BR * (dp + dvp) / 2 * 3 + (size_t)BR * BC
+           + TILES * (dp + dvp) * (size_t)(job->nk_max / BC + 1) * BC;      /* dkt, dvt */
 }
 #endif
 
@@ -740,7 +762,10 @@ FN(bwd_unit)(void *vjob, or_ssize item, int worker, const int dots)
     const or_ssize nk = p->nk[kvu * p->prm.group];
     const REAL drop_scale = (REAL)p->prm.drop_scale;
 
-    REAL *dk = (REAL *)(job->scratch + (size_t)worker * job->per_worker);
+    const or_ssize chunk = FN(bwd_chunk)(job);
+    const size_t dq_rows = FN(bwd_dq_rows)(job);
+    REAL *dqall = (REAL *)(job->scratch + (size_t)worker * job->per_worker);
+    REAL *dk = dqall + dq_rows * (size_t)dp;
     REAL *dvacc = dk + (job->nk_max + MR) * dp;
     REAL *k = dvacc + (job->nk_max + MR) * dvp, *kt = k + job->nk_max * dp;
     REAL *vt = kt + or_blocks_size(job->nk_max, BC, sizeof(REAL), d);
@@ -780,173 +805,187 @@ FN(bwd_unit)(void *vjob, or_ssize item, int worker, const int dots)
     }
     memset(dk, 0, sizeof(REAL) * (size_t)(nk + MR) * dp);
     memset(dvacc, 0, sizeof(REAL) * (size_t)(nk + MR) * dvp);
-    for (or_ssize g = 0; g < p->prm.group; g++) {
-        const or_ssize u = kvu * p->prm.group + g, nq = p->nq[u], off = nk - nq;
-        const REAL slope = p->slopes ? (REAL)p->slopes[u] : 0;
-        for (or_ssize i0 = 0; i0 < nq; i0 += BR) {
-            const int rows = (int)(nq - i0 < BR ? nq - i0 : BR), rows_mr = (rows + MR - 1) / MR * MR;
-            FN(load_rows)(q, dp, FN(row_ptr)(p, OR_Q, u, i0), w[OR_Q].row_stride, rows, d, rows_mr,
-                          w[OR_Q].dtype, dots ? 1 : (REAL)p->prm.scale);
-            FN(load_rows)(dout, dvp, FN(row_ptr)(p, OR_DO, u, i0), w[OR_DO].row_stride, rows, dv,
-                          rows_mr, w[OR_DO].dtype, 1);
-#if DOTS
-            if (dots) {     /* exact: the values are bfloat16 */
-                bf16_pairs_along(qw, dp, q, dp, rows_mr, dp);
-                bf16_pairs_along(dow, dvp, dout, dvp, rows_mr, dvp);
-#if TILES
-                bf16_column_pairs(qr, q, dp, rows_mr / 2, dp);
-                bf16_column_pairs(dor, dout, dvp, rows_mr / 2, dvp);
-#else
-                bf16_pairs_of_rows(qr, dp, q, dp, 0, rows_mr / 2, dp);
-                bf16_pairs_of_rows(dor, dvp, dout, dvp, 0, rows_mr / 2, dvp);
-#endif
-            }
-#endif
-            FN(load_rows)(o, dvp, FN(row_ptr)(p, OR_O, u, i0), w[OR_O].row_stride, rows, dv, rows,
-                          w[OR_O].dtype, 1);
-            FN(load_rows)(lse, 1, FN(row_ptr)(p, OR_LSE, u, i0), w[OR_LSE].row_stride, rows, 1, rows,
-                          w[OR_LSE].dtype, 1);
-            for (int r = 0; r < rows; r++) {        /* D_i = rowsum(dO * O) */
-                REAL acc = 0;
-                for (int x = 0; x < dv; x++)
-                    acc += dout[(or_ssize)r * dvp + x] * o[(or_ssize)r * dvp + x];
-                di[r] = acc;
-            }
-            memset(dq, 0, sizeof(REAL) * (size_t)rows_mr * dp);
-
-            or_ssize lo, hi;
-            or_key_range(p->prm.left, p->prm.right, nq, nk, i0, i0 + rows, &lo, &hi);
-            for (or_ssize j0 = lo - lo % BC; j0 < hi; j0 += BC) {
-                const int cols = (int)(hi - j0 < BC ? hi - j0 : BC), cols_mr = (cols + MR - 1) / MR * MR;
-                const int skip = (int)(j0 < lo ? lo - j0 : 0);  /* keys before lo: dS is 0 */
-                /* A block that the right edge of the mask cuts (a causal diagonal) goes in
-                 * SR-row strips, each over the key columns it can see, as in the forward: row r
-                 * sees the columns c <= r + reach. */
-                const or_ssize reach = i0 + off + p->prm.right - j0;
-                const int cut = p->prm.right >= 0 && reach + 1 < cols, sr = cut ? SR : rows_mr;
-                for (int r0 = 0; r0 < rows_mr; r0 += sr) {
-                    const int m = rows_mr - r0 < sr ? rows_mr - r0 : sr;
-                    const or_ssize end = cut ? r0 + m + reach : cols;   /* past the last column */
-                    const int ncols = end <= 0 ? 0 : FN(pad)((int)(end < cols ? end : cols));
-                    const int kcols = ncols < cols ? ncols : cols;    /* keys read, transformed */
-                    REAL *sb = s + (or_ssize)r0 * BC, *db = dpm + (or_ssize)r0 * BC;
-                    if (ncols > 0) {
-#if DOTS
-                        if (dots)
-                            bf16_rows_gemm(sb, BC, qw + (or_ssize)r0 * dp, dp,
-                                           (const uint32_t *)kt + j0 / BC * KLD * d2, KLD, m,
-                                           ncols, d2, (REAL)p->prm.scale, 0);
-                        else
-#endif
-                        FN(gemm)(sb, BC, q + (or_ssize)r0 * dp, dp, 1, kt + j0 / BC * KLD * d,
-                                 KLD, m, ncols, d, 0, 0);                        /* S = q K^T */
-                        FN(transform_scores)(p, rows - r0 < m ? rows - r0 : m, kcols, i0 + r0, j0,
-                                             nq, nk, slope, sb, dcap + (or_ssize)r0 * BC);
-#if DOTS
-                        if (dots)
-                            bf16_rows_gemm(db, BC, dow + (or_ssize)r0 * dvp, dvp,
-                                           (const uint32_t *)vt + j0 / BC * KLD * dv2, KLD, m,
-                                           ncols, dv2, 1, 0);
-                        else
-#endif
-                        FN(gemm)(db, BC, dout + (or_ssize)r0 * dvp, dvp, 1,
-                                 vt + j0 / BC * KLD * dv, KLD, m, ncols, dv, 0, 0); /* dP = dO V^T */
+    memset(dqall, 0, sizeof(REAL) * dq_rows * (size_t)dp);
+    /* keys [k0, k0 + chunk) against every query block; once, empty, where nk is 0 */
+    for (or_ssize k0 = 0; k0 < nk || k0 == 0; k0 += chunk) {
+        const int last = k0 + chunk >= nk;
+        for (or_ssize g = 0; g < p->prm.group; g++) {
+            const or_ssize u = kvu * p->prm.group + g, nq = p->nq[u], off = nk - nq;
+            const REAL slope = p->slopes ? (REAL)p->slopes[u] : 0;
+            for (or_ssize i0 = 0; i0 < nq; i0 += BR) {
+                const int rows = (int)(nq - i0 < BR ? nq - i0 : BR), rows_mr = (rows + MR - 1) / MR * MR;
+                /* this block's dQ: a tile, or its rows of the accumulators kept between chunks */
+                REAL *dqb = dq_rows ? dqall + ((size_t)g * (size_t)(job->nq_max + MR) + (size_t)i0) * dp
+                                    : dq;
+                or_ssize lo, hi;
+                or_key_range(p->prm.left, p->prm.right, nq, nk, i0, i0 + rows, &lo, &hi);
+                lo = lo > k0 ? lo : k0;
+                hi = hi < k0 + chunk ? hi : k0 + chunk;
+                if (!dq_rows)
+                    memset(dq, 0, sizeof(REAL) * (size_t)rows_mr * dp);
+                if (lo < hi) {
+                    FN(load_rows)(q, dp, FN(row_ptr)(p, OR_Q, u, i0), w[OR_Q].row_stride, rows, d, rows_mr,
+                                  w[OR_Q].dtype, dots ? 1 : (REAL)p->prm.scale);
+                    FN(load_rows)(dout, dvp, FN(row_ptr)(p, OR_DO, u, i0), w[OR_DO].row_stride, rows, dv,
+                                  rows_mr, w[OR_DO].dtype, 1);
+        #if DOTS
+                    if (dots) {     /* exact: the values are bfloat16 */
+                        bf16_pairs_along(qw, dp, q, dp, rows_mr, dp);
+                        bf16_pairs_along(dow, dvp, dout, dvp, rows_mr, dvp);
+        #if TILES
+                        bf16_column_pairs(qr, q, dp, rows_mr / 2, dp);
+                        bf16_column_pairs(dor, dout, dvp, rows_mr / 2, dvp);
+        #else
+                        bf16_pairs_of_rows(qr, dp, q, dp, 0, rows_mr / 2, dp);
+                        bf16_pairs_of_rows(dor, dvp, dout, dvp, 0, rows_mr / 2, dvp);
+        #endif
                     }
-                    /* prow becomes the kept P (for dV), dprow becomes dS (for dQ, dK); both
-                     * are 0 past the columns computed */
-                    for (int r = r0; r < r0 + m; r++) {
-                        REAL *prow = s + (or_ssize)r * BC, *dprow = dpm + (or_ssize)r * BC;
-                        const REAL lr = r < rows && ncols > 0 ? lse[r] : -INFINITY;
-                        if (lr == -INFINITY) {      /* padding, or a row that sees nothing here */
-                            memset(prow, 0, sizeof(REAL) * BC);
-                            memset(dprow, 0, sizeof(REAL) * BC);
-                            continue;
-                        }
-                        FN(exp_row_lanes)(prow, 1, lr, ncols, 0);   /* the forward's exps */
-                        if (p->prm.dropout) {
-                            or_dropout_row(p->prm.seed, (uint64_t)u, (uint32_t)(i0 + r), (uint32_t)j0,
-                                           kcols, p->prm.threshold, keep);
-                            for (int c = 0; c < kcols; c++) {
-                                const REAL kept = keep[c] ? drop_scale : 0;
-                                dprow[c] = prow[c] * (dprow[c] * kept - di[r]);
-                                prow[c] *= kept;
+        #endif
+                    FN(load_rows)(o, dvp, FN(row_ptr)(p, OR_O, u, i0), w[OR_O].row_stride, rows, dv, rows,
+                                  w[OR_O].dtype, 1);
+                    FN(load_rows)(lse, 1, FN(row_ptr)(p, OR_LSE, u, i0), w[OR_LSE].row_stride, rows, 1, rows,
+                                  w[OR_LSE].dtype, 1);
+                    for (int r = 0; r < rows; r++) {        /* D_i = rowsum(dO * O) */
+                        REAL acc = 0;
+                        for (int x = 0; x < dv; x++)
+                            acc += dout[(or_ssize)r * dvp + x] * o[(or_ssize)r * dvp + x];
+                        di[r] = acc;
+                    }
+                    for (or_ssize j0 = lo - lo % BC; j0 < hi; j0 += BC) {
+                        const int cols = (int)(hi - j0 < BC ? hi - j0 : BC), cols_mr = (cols + MR - 1) / MR * MR;
+                        const int skip = (int)(j0 < lo ? lo - j0 : 0);  /* keys before lo: dS is 0 */
+                        /* A block that the right edge of the mask cuts (a causal diagonal) goes in
+                         * SR-row strips, each over the key columns it can see, as in the forward: row r
+                         * sees the columns c <= r + reach. */
+                        const or_ssize reach = i0 + off + p->prm.right - j0;
+                        const int cut = p->prm.right >= 0 && reach + 1 < cols, sr = cut ? SR : rows_mr;
+                        for (int r0 = 0; r0 < rows_mr; r0 += sr) {
+                            const int m = rows_mr - r0 < sr ? rows_mr - r0 : sr;
+                            const or_ssize end = cut ? r0 + m + reach : cols;   /* past the last column */
+                            const int ncols = end <= 0 ? 0 : FN(pad)((int)(end < cols ? end : cols));
+                            const int kcols = ncols < cols ? ncols : cols;    /* keys read, transformed */
+                            REAL *sb = s + (or_ssize)r0 * BC, *db = dpm + (or_ssize)r0 * BC;
+                            if (ncols > 0) {
+        #if DOTS
+                                if (dots)
+                                    bf16_rows_gemm(sb, BC, qw + (or_ssize)r0 * dp, dp,
+                                                   (const uint32_t *)kt + j0 / BC * KLD * d2, KLD, m,
+                                                   ncols, d2, (REAL)p->prm.scale, 0);
+                                else
+        #endif
+                                FN(gemm)(sb, BC, q + (or_ssize)r0 * dp, dp, 1, kt + j0 / BC * KLD * d,
+                                         KLD, m, ncols, d, 0, 0);                        /* S = q K^T */
+                                FN(transform_scores)(p, rows - r0 < m ? rows - r0 : m, kcols, i0 + r0, j0,
+                                                     nq, nk, slope, sb, dcap + (or_ssize)r0 * BC);
+        #if DOTS
+                                if (dots)
+                                    bf16_rows_gemm(db, BC, dow + (or_ssize)r0 * dvp, dvp,
+                                                   (const uint32_t *)vt + j0 / BC * KLD * dv2, KLD, m,
+                                                   ncols, dv2, 1, 0);
+                                else
+        #endif
+                                FN(gemm)(db, BC, dout + (or_ssize)r0 * dvp, dvp, 1,
+                                         vt + j0 / BC * KLD * dv, KLD, m, ncols, dv, 0, 0); /* dP = dO V^T */
                             }
-                            for (int c = kcols; c < ncols; c++)     /* dS^T q reads cols_mr */
-                                dprow[c] = 0;
-                        } else {
-                            for (int c = 0; c < ncols; c++)
-                                dprow[c] = prow[c] * (dprow[c] - di[r]);
+                            /* prow becomes the kept P (for dV), dprow becomes dS (for dQ, dK); both
+                             * are 0 past the columns computed */
+                            for (int r = r0; r < r0 + m; r++) {
+                                REAL *prow = s + (or_ssize)r * BC, *dprow = dpm + (or_ssize)r * BC;
+                                const REAL lr = r < rows && ncols > 0 ? lse[r] : -INFINITY;
+                                if (lr == -INFINITY) {      /* padding, or a row that sees nothing here */
+                                    memset(prow, 0, sizeof(REAL) * BC);
+                                    memset(dprow, 0, sizeof(REAL) * BC);
+                                    continue;
+                                }
+                                FN(exp_row_lanes)(prow, 1, lr, ncols, 0);   /* the forward's exps */
+                                if (p->prm.dropout) {
+                                    or_dropout_row(p->prm.seed, (uint64_t)u, (uint32_t)(i0 + r), (uint32_t)j0,
+                                                   kcols, p->prm.threshold, keep);
+                                    for (int c = 0; c < kcols; c++) {
+                                        const REAL kept = keep[c] ? drop_scale : 0;
+                                        dprow[c] = prow[c] * (dprow[c] * kept - di[r]);
+                                        prow[c] *= kept;
+                                    }
+                                    for (int c = kcols; c < ncols; c++)     /* dS^T q reads cols_mr */
+                                        dprow[c] = 0;
+                                } else {
+                                    for (int c = 0; c < ncols; c++)
+                                        dprow[c] = prow[c] * (dprow[c] - di[r]);
+                                }
+                                for (int c = ncols; c < BC; c++)
+                                    prow[c] = dprow[c] = 0;
+                                if (p->prm.softcap > 0)
+                                    for (int c = 0; c < kcols; c++)
+                                        dprow[c] *= dcap[(or_ssize)r * BC + c];
+                                for (int c = 0; c < skip; c++)  /* P = 0 there, but dP may be inf */
+                                    dprow[c] = 0;
+                            }
+        #if DOTS
+                            if (dots) {     /* P, dS as pairs of rows; dS pairs along keys in place */
+                                bf16_pairs_of_rows(prr, BC, s, BC, r0 / 2, (r0 + m) / 2, BC);
+                                bf16_pairs_of_rows(dsr, BC, dpm, BC, r0 / 2, (r0 + m) / 2, BC);
+                                bf16_pairs_along((uint32_t *)db, BC, db, BC, m, ncols);
+                                if (kcols > skip)
+                                    bf16_rows_gemm(dqb + (or_ssize)r0 * dp, dp,
+                                                   (const uint32_t *)db + skip / 2, BC,
+                                                   (const uint32_t *)k + (j0 + skip) / 2 * dp, dp, m,
+                                                   dp, (kcols + 1) / 2 - skip / 2, 1, 1);
+                                continue;
+                            }
+        #endif
+                            if (kcols > skip)                                   /* dQ += dS K */
+                                FN(gemm)(dqb + (or_ssize)r0 * dp, dp, db + skip, BC, 1, k + (j0 + skip) * dp,
+                                         dp, m, dp, kcols - skip, 1, 1);
                         }
-                        for (int c = ncols; c < BC; c++)
-                            prow[c] = dprow[c] = 0;
-                        if (p->prm.softcap > 0)
-                            for (int c = 0; c < kcols; c++)
-                                dprow[c] *= dcap[(or_ssize)r * BC + c];
-                        for (int c = 0; c < skip; c++)  /* P = 0 there, but dP may be inf */
-                            dprow[c] = 0;
+                        /* dV += P^T dO, dK += dS^T q; in a cut block SR keys at a time, from the first
+                         * row that sees them (P and dS are 0 above it) */
+                        const int sk = cut ? SR : cols_mr;
+        #if TILES
+                        /* dK^T and dV^T: keys are the columns, in whole tiles */
+                        for (int c0 = 0; dots && c0 < cols; c0 += cut ? W : BC) {
+                            const int n = cut ? W : FN(pad)(cols);
+                            const int rlo = cut && c0 - reach > 0 ? (int)(c0 - reach) : 0;
+                            if (rlo >= rows)
+                                break;
+                            const int x0 = rlo / 2, pairs = (rows + 1) / 2 - x0;
+                            bf16_rows_gemm(dvt + j0 + c0, ldt, dor + x0, BR / 2, prr + (or_ssize)x0 * BC + c0,
+                                           BC, dvp, n, pairs, 1, 1);
+                            bf16_rows_gemm(dkt + j0 + c0, ldt, qr + x0, BR / 2, dsr + (or_ssize)x0 * BC + c0,
+                                           BC, dp, n, pairs, 1, 1);
+                        }
+                        for (int c0 = 0; !dots && c0 < cols_mr; c0 += sk) {
+        #else
+                        for (int c0 = 0; c0 < cols_mr; c0 += sk) {
+        #endif
+                            const int n = cols_mr - c0 < sk ? cols_mr - c0 : sk;
+                            const int rlo = cut && c0 - reach > 0 ? (int)(c0 - reach) : 0;
+                            if (rlo >= rows)
+                                break;
+        #if DOTS
+                            if (dots) {     /* from the pair of rows that holds rlo */
+                                const int x0 = rlo / 2, pairs = (rows + 1) / 2 - x0;
+                                bf16_gemm(dvacc + (j0 + c0) * dvp, dvp, prr + (or_ssize)x0 * BC + c0, 1, BC,
+                                          dor + (or_ssize)x0 * dvp, dvp, n, dvp, pairs, 1, 1);
+                                bf16_gemm(dk + (j0 + c0) * dp, dp, dsr + (or_ssize)x0 * BC + c0, 1, BC,
+                                          qr + (or_ssize)x0 * dp, dp, n, dp, pairs, 1, 1);
+                                continue;
+                            }
+        #endif
+                            FN(gemm)(dvacc + (j0 + c0) * dvp, dvp, s + (or_ssize)rlo * BC + c0, 1, BC,
+                                     dout + (or_ssize)rlo * dvp, dvp, n, dvp, rows - rlo, 1, 0);
+                            FN(gemm)(dk + (j0 + c0) * dp, dp, dpm + (or_ssize)rlo * BC + c0, 1, BC,
+                                     q + (or_ssize)rlo * dp, dp, n, dp, rows - rlo, 1, 0);
+                        }
                     }
-#if DOTS
-                    if (dots) {     /* P, dS as pairs of rows; dS pairs along keys in place */
-                        bf16_pairs_of_rows(prr, BC, s, BC, r0 / 2, (r0 + m) / 2, BC);
-                        bf16_pairs_of_rows(dsr, BC, dpm, BC, r0 / 2, (r0 + m) / 2, BC);
-                        bf16_pairs_along((uint32_t *)db, BC, db, BC, m, ncols);
-                        if (kcols > skip)
-                            bf16_rows_gemm(dq + (or_ssize)r0 * dp, dp,
-                                           (const uint32_t *)db + skip / 2, BC,
-                                           (const uint32_t *)k + (j0 + skip) / 2 * dp, dp, m,
-                                           dp, (kcols + 1) / 2 - skip / 2, 1, 1);
-                        continue;
-                    }
-#endif
-                    if (kcols > skip)                                   /* dQ += dS K */
-                        FN(gemm)(dq + (or_ssize)r0 * dp, dp, db + skip, BC, 1, k + (j0 + skip) * dp,
-                                 dp, m, dp, kcols - skip, 1, 1);
                 }
-                /* dV += P^T dO, dK += dS^T q; in a cut block SR keys at a time, from the first
-                 * row that sees them (P and dS are 0 above it) */
-                const int sk = cut ? SR : cols_mr;
-#if TILES
-                /* dK^T and dV^T: keys are the columns, in whole tiles */
-                for (int c0 = 0; dots && c0 < cols; c0 += cut ? W : BC) {
-                    const int n = cut ? W : FN(pad)(cols);
-                    const int rlo = cut && c0 - reach > 0 ? (int)(c0 - reach) : 0;
-                    if (rlo >= rows)
-                        break;
-                    const int x0 = rlo / 2, pairs = (rows + 1) / 2 - x0;
-                    bf16_rows_gemm(dvt + j0 + c0, ldt, dor + x0, BR / 2, prr + (or_ssize)x0 * BC + c0,
-                                   BC, dvp, n, pairs, 1, 1);
-                    bf16_rows_gemm(dkt + j0 + c0, ldt, qr + x0, BR / 2, dsr + (or_ssize)x0 * BC + c0,
-                                   BC, dp, n, pairs, 1, 1);
-                }
-                for (int c0 = 0; !dots && c0 < cols_mr; c0 += sk) {
-#else
-                for (int c0 = 0; c0 < cols_mr; c0 += sk) {
-#endif
-                    const int n = cols_mr - c0 < sk ? cols_mr - c0 : sk;
-                    const int rlo = cut && c0 - reach > 0 ? (int)(c0 - reach) : 0;
-                    if (rlo >= rows)
-                        break;
-#if DOTS
-                    if (dots) {     /* from the pair of rows that holds rlo */
-                        const int x0 = rlo / 2, pairs = (rows + 1) / 2 - x0;
-                        bf16_gemm(dvacc + (j0 + c0) * dvp, dvp, prr + (or_ssize)x0 * BC + c0, 1, BC,
-                                  dor + (or_ssize)x0 * dvp, dvp, n, dvp, pairs, 1, 1);
-                        bf16_gemm(dk + (j0 + c0) * dp, dp, dsr + (or_ssize)x0 * BC + c0, 1, BC,
-                                  qr + (or_ssize)x0 * dp, dp, n, dp, pairs, 1, 1);
-                        continue;
-                    }
-#endif
-                    FN(gemm)(dvacc + (j0 + c0) * dvp, dvp, s + (or_ssize)rlo * BC + c0, 1, BC,
-                             dout + (or_ssize)rlo * dvp, dvp, n, dvp, rows - rlo, 1, 0);
-                    FN(gemm)(dk + (j0 + c0) * dp, dp, dpm + (or_ssize)rlo * BC + c0, 1, BC,
-                             q + (or_ssize)rlo * dp, dp, n, dp, rows - rlo, 1, 0);
-                }
+                if (!last)
+                    continue;
+                const REAL scale = (REAL)p->prm.scale;          /* s = scale * q.k */
+                for (or_ssize x = 0; x < (or_ssize)rows * dp; x++)
+                    dqb[x] *= scale;
+                FN(store_rows)(FN(row_ptr)(p, OR_DQ, u, i0), w[OR_DQ].row_stride, dqb, dp, rows, d,
+                               w[OR_DQ].dtype);
             }
-            const REAL scale = (REAL)p->prm.scale;          /* s = scale * q.k */
-            for (or_ssize x = 0; x < (or_ssize)rows * dp; x++)
-                dq[x] *= scale;
-            FN(store_rows)(FN(row_ptr)(p, OR_DQ, u, i0), w[OR_DQ].row_stride, dq, dp, rows, d,
-                           w[OR_DQ].dtype);
         }
     }
 #if TILES

@@ -12,6 +12,12 @@
 #include "orchard.h"
 
 #define BR 96   /* query rows per block; key rows per block (BC) are the kernel set's */
+/* Bytes of a backward's chunk of keys (attn_native_impl.h bwd_chunk). A unit's whole key
+ * range per query block fell off a cliff on two threads of a Sapphire Rapids Xeon: D 128 ran at
+ * 0.78x the GFLOP/s at N 4096 that it had at N 2048. In chunks of 4 MiB, A/B against whole
+ * units: N 8192 D 128 0.935x the time, N 4096 D 256 0.93x; 1 MiB left D 256 one block of keys
+ * a chunk, its query blocks loaded for each, 1.04-1.06x. */
+#define OR_BWD_CHUNK_BYTES ((size_t)4 << 20)
 
 /* Leading dimension of a transposed block of bc keys (load_cols_blocked) of REALs of `real`
  * bytes: a cache line more than bc. Rows 512 bytes apart (bc 128 floats) fall in 8 of the 64
@@ -72,6 +78,7 @@ typedef struct {
     size_t unit_kt, unit_vc;
     or_task pack, fwd;
     or_ssize nk_max;        /* backward: longest key sequence */
+    or_ssize nq_max;        /* backward: longest query sequence */
     or_ssize splits;        /* decode: splits per kv unit, of split_keys keys each */
     or_ssize split_keys;
     char *part;             /* decode: every item's partial results (attn_decode_impl.h) */
@@ -110,8 +117,7 @@ typedef struct {
     int block_keys;             /* BC: keys per block */
     or_task transpose_keys_item[OR_N_INSTANCES], fwd_item[OR_N_INSTANCES],
         bwd_item[OR_N_INSTANCES], decode_item[2];
-    size_t (*bwd_scratch[OR_N_INSTANCES])(const or_problem *p, or_ssize nk_max);   /* REALs
-                                                                                     per worker */
+    size_t (*bwd_scratch[OR_N_INSTANCES])(const or_job *job);   /* REALs per worker */
 } or_kernels;
 
 /* Keys per step of the decode's score and value loops (attn_decode_impl.h): a block of keys is

@@ -56,6 +56,27 @@ def test_backward(ops, isa, rng, dtype, causal):
     check_backward(ops, "cpu", q, k, v, randn(rng, q.shape, dtype), what=isa, causal=causal)
 
 
+CHUNKED = {    # (h, hkv, nq, nk), features: at D 256 a chunk is 768 keys of float (384 of
+    # double: native.h OR_BWD_CHUNK_BYTES), so 1700 keys take 3 (5)
+    "causal gqa": ((2, 1, 200, 1700), dict(causal=True)),
+    "window": ((1, 1, 400, 1700), dict(window=(500, 20))),     # the first chunk seen by no row
+    "more queries": ((1, 1, 1000, 800), dict(causal=True)),    # rows that see no key
+    "dropout softcap alibi": ((2, 2, 150, 1700), dict(dropout_p=0.2, seed=3, softcap=4.0,
+                                                      alibi_slopes=np.array([0.5, 0.25]))),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=str)
+@pytest.mark.parametrize("case", sorted(CHUNKED))
+def test_backward_in_chunks_of_keys(ops, isa, rng, dtype, case):
+    """The backward goes through a unit's keys in chunks (native.h OR_BWD_CHUNK_BYTES), dQ kept
+    between them: keys split across chunks, query blocks that a chunk's keys are masked from."""
+    (h, hkv, nq, nk), kw = CHUNKED[case]
+    q, k, v = qkv(rng, dtype, h=h, hkv=hkv, nq=nq, nk=nk, d=256)
+    check_backward(ops, "cpu", q, k, v, randn(rng, q.shape, dtype), what="%s %s" % (isa, case),
+                   **kw)
+
+
 @pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=str)
 def test_decode(ops, isa, rng, dtype):
     calls = lambda: ops.stats()["per_device"].get("cpu", {}).get("decode_calls", 0)  # noqa: E731
@@ -99,6 +120,7 @@ BF16_CASES = {     # (h, hkv, nq, nk, d, dv), features
     "dropout": ((2, 2, 100, 129, 64, 64), dict(dropout_p=0.3, seed=5)),
     "three query rows": ((2, 2, 3, 200, 64, 64), dict(causal=True)),   # a pair padded
     "head dim 256": ((2, 1, 100, 260, 256, 256), dict(causal=True)),   # amx: 8 tiles along d
+    "keys in chunks": ((1, 1, 200, 1700, 256, 256), dict(window=(900, 0))),  # 3 in the backward
 }
 
 
