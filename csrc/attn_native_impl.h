@@ -699,11 +699,16 @@ static void f16_split_fwd_item(void *vjob, or_ssize item, int worker)
 /* Backward scratch sizes, in REALs: whole-unit dK and dV accumulators, then the tiles. */
 /* Keys per chunk of the backward (a multiple of BC): a unit's keys go in chunks, each through
  * all of the unit's query blocks, so that what a query block reads of the chunk (dK and dV
- * accumulators, keys and values packed: about 3 dp + 2 dvp REALs a key) stays in the core's L2
- * cache, not in L3 (native.h OR_BWD_CHUNK_BYTES). One chunk where the unit's keys fit. */
-static or_ssize FN(bwd_chunk)(const or_job *job)
+ * accumulators, keys and values packed: about 3 dp + 2 dvp REALs a key) is still in cache
+ * from the block before, not streamed in again for each (native.h OR_BWD_CHUNK_BYTES). One
+ * chunk where the unit's keys fit, and
+ * on dot products (dots): their products run 3-4x faster, and packing each query block's q and
+ * dO for every chunk cost more than the cache saved (AMX, N 4096 D 256: 1.16x the time). */
+static or_ssize FN(bwd_chunk)(const or_job *job, const int dots)
 {
     const or_problem *p = job->p;
+    if (dots)
+        return job->nk_max > BC ? job->nk_max : BC;
     const size_t per_key = sizeof(REAL) * (size_t)(3 * FN(pad)(p->d) + 2 * FN(pad)(p->dv));
     const or_ssize keys = (or_ssize)(OR_BWD_CHUNK_BYTES / per_key) / BC * BC;
     return keys < BC ? BC : keys;
@@ -711,21 +716,26 @@ static or_ssize FN(bwd_chunk)(const or_job *job)
 
 /* The dQ accumulators of a chunked backward: the unit's query rows (each query head's rows
  * padded by MR), kept between chunks; none with one chunk. */
-static size_t FN(bwd_dq_rows)(const or_job *job)
+static size_t FN(bwd_dq_rows)(const or_job *job, const int dots)
 {
-    return job->nk_max > FN(bwd_chunk)(job)
+    return job->nk_max > FN(bwd_chunk)(job, dots)
                ? (size_t)job->p->prm.group * (size_t)(job->nq_max + MR) : 0;
 }
 
-static size_t FN(bwd_scratch)(const or_job *job)
+static size_t FN(bwd_scratch_of)(const or_job *job, const int dots)
 {
     const or_problem *p = job->p;
     const size_t dp = (size_t)FN(pad)(p->d), dvp = (size_t)FN(pad)(p->dv), n = (size_t)job->nk_max;
-    return FN(bwd_dq_rows)(job) * dp                /* dQ between chunks */
+    return FN(bwd_dq_rows)(job, dots) * dp          /* dQ between chunks */
            + (n + MR) * (dp + dvp)                  /* dk, dv accumulators */
            + n * dp + (size_t)or_blocks_size(job->nk_max, BC, sizeof(REAL), p->d + p->dv)  /* k, kt, vt */
            + BR * dp * 2 + BR * dvp * 2             /* q, dq, dout, o */
            + 3 * (size_t)BR * BC + 2 * BR;          /* s, dp, dcap, lse, di */
+}
+
+static size_t FN(bwd_scratch)(const or_job *job)
+{
+    return FN(bwd_scratch_of)(job, 0);
 }
 
 #if DOTS
@@ -734,7 +744,7 @@ static size_t FN(bwd_scratch)(const or_job *job)
 static size_t bf16_bwd_scratch(const or_job *job)
 {
     const size_t dp = (size_t)FN(pad)(job->p->d), dvp = (size_t)FN(pad)(job->p->dv);
-    return FN(bwd_scratch)(job) + BR * (dp + dvp) / 2 * 3 + (size_t)BR * BC
+    return FN(bwd_scratch_of)(job, 1) + BR * (dp + dvp) / 2 * 3 + (size_t)BR * BC
            + TILES * (dp + dvp) * (size_t)(job->nk_max / BC + 1) * BC;      /* dkt, dvt */
 }
 #endif
@@ -762,8 +772,8 @@ FN(bwd_unit)(void *vjob, or_ssize item, int worker, const int dots)
     const or_ssize nk = p->nk[kvu * p->prm.group];
     const REAL drop_scale = (REAL)p->prm.drop_scale;
 
-    const or_ssize chunk = FN(bwd_chunk)(job);
-    const size_t dq_rows = FN(bwd_dq_rows)(job);
+    const or_ssize chunk = FN(bwd_chunk)(job, dots);
+    const size_t dq_rows = FN(bwd_dq_rows)(job, dots);
     REAL *dqall = (REAL *)(job->scratch + (size_t)worker * job->per_worker);
     REAL *dk = dqall + dq_rows * (size_t)dp;
     REAL *dvacc = dk + (job->nk_max + MR) * dp;

@@ -120,7 +120,7 @@ BF16_CASES = {     # (h, hkv, nq, nk, d, dv), features
     "dropout": ((2, 2, 100, 129, 64, 64), dict(dropout_p=0.3, seed=5)),
     "three query rows": ((2, 2, 3, 200, 64, 64), dict(causal=True)),   # a pair padded
     "head dim 256": ((2, 1, 100, 260, 256, 256), dict(causal=True)),   # amx: 8 tiles along d
-    "keys in chunks": ((1, 1, 200, 1700, 256, 256), dict(window=(900, 0))),  # 3 in the backward
+    "keys in chunks": ((1, 1, 200, 1700, 256, 256), dict(window=(900, 0))),  # widened: 3 chunks
 }
 
 
