@@ -15,8 +15,8 @@
 /* Bytes of a backward's chunk of keys (attn_native_impl.h bwd_chunk). A unit's whole key
  * range per query block fell off a cliff on two threads of a Sapphire Rapids Xeon: D 128 ran at
  * 0.78x the GFLOP/s at N 4096 that it had at N 2048. In chunks of 4 MiB, A/B against whole
- * units: N 8192 D 128 0.935x the time, N 4096 D 256 0.93x; 1 MiB left D 256 one block of keys
- * a chunk, its query blocks loaded for each, 1.04-1.06x. */
+ * units: N 8192-16384 D 128 0.90x the time, N 4096 D 256 0.87x; 1 MiB left D 256 one block of
+ * keys a chunk, its query blocks loaded for each, 1.04-1.06x. */
 #define OR_BWD_CHUNK_BYTES ((size_t)4 << 20)
 
 /* Leading dimension of a transposed block of bc keys (load_cols_blocked) of REALs of `real`
