@@ -696,14 +696,13 @@ static void f16_split_fwd_item(void *vjob, or_ssize item, int worker)
 }
 #endif
 
-/* Backward scratch sizes, in REALs: whole-unit dK and dV accumulators, then the tiles. */
 /* Keys per chunk of the backward (a multiple of BC): a unit's keys go in chunks, each through
  * all of the unit's query blocks, so that what a query block reads of the chunk (dK and dV
  * accumulators, keys and values packed: about 3 dp + 2 dvp REALs a key) is still in cache
  * from the block before, not streamed in again for each (native.h OR_BWD_CHUNK_BYTES). One
- * chunk where the unit's keys fit, and
- * on dot products (dots): their products run 3-4x faster, and packing each query block's q and
- * dO for every chunk cost more than the cache saved (AMX, N 4096 D 256: 1.16x the time). */
+ * chunk where the unit's keys fit, and on dot products (dots): their products run 3-4x
+ * faster, and packing each query block's q and dO for every chunk cost more than the cache
+ * saved (AMX, N 4096 D 256: 1.16x the time). */
 static or_ssize FN(bwd_chunk)(const or_job *job, const int dots)
 {
     const or_problem *p = job->p;
@@ -722,6 +721,8 @@ static size_t FN(bwd_dq_rows)(const or_job *job, const int dots)
                ? (size_t)job->p->prm.group * (size_t)(job->nq_max + MR) : 0;
 }
 
+/* Backward scratch, in REALs: bwd_tiles' tiles (below) up to di, in its order; the dot
+ * products' tiles and a row's dropout mask come after. */
 static size_t FN(bwd_scratch_of)(const or_job *job, const int dots)
 {
     const or_problem *p = job->p;
@@ -749,10 +750,10 @@ static size_t bf16_bwd_scratch(const or_job *job)
 }
 #endif
 
-/* One work item: a kv unit; it owns dK and dV of that unit and the dQ of its query heads,
- * so no two workers ever write the same element and no atomics are needed. Where dots, the five
- * matrix products run on bfloat16 dot products, their operands pairs of bfloat16 (the forward's
- * layouts, attn_bf16_impl.h; P and dS rounded to bfloat16):
+/* The backward's tiles in a worker's scratch (bwd_scratch_of's sizes, in that order), for a kv
+ * unit of nk keys. With dots the five matrix products run on bfloat16 dot products, their
+ * operands pairs of bfloat16 (the forward's layouts, attn_bf16_impl.h; P and dS rounded to
+ * bfloat16):
  *   qw, dow   q and dO rows, pairs along d / dv      (S = q K^T, dP = dO V^T)
  *   qr, dor   q and dO, pairs of rows                 (dK += dS^T q, dV += P^T dO)
  *   prr, dsr  P and dS, pairs of rows, BC words wide  (the A operands of those two)
@@ -762,6 +763,250 @@ static size_t bf16_bwd_scratch(const or_job *job)
  * left operands q^T and dO^T in qr and dor as rows of BR / 2 words (pairs of query rows):
  *   dkt, dvt  dp x ldt and dvp x ldt floats, ldt = nk rounded up past a multiple of BC,
  *             transposed into dk and dvacc at the end of the unit */
+typedef struct {
+    REAL *dqall;                    /* dQ between chunks (bwd_dq_rows rows), or none */
+    REAL *dk, *dvacc;               /* the unit's dK and dV accumulators */
+    REAL *k, *kt, *vt;              /* its keys, keys and values transposed in blocks */
+    REAL *q, *dq, *dout, *o;        /* a query block's rows */
+    REAL *s, *dpm, *dcap, *lse, *di;
+    unsigned char *keep;            /* a row's dropout mask */
+    uint32_t *qw, *dow, *qr, *dor, *prr, *dsr;
+    float *dkt, *dvt;
+    int ldt;
+} FN(bwd_tiles);
+
+/* A block of query rows of the backward: rows [i0, i0 + rows) of unit u. */
+typedef struct {
+    or_ssize u, i0, nq, nk;
+    int rows, rows_mr;
+    REAL slope;
+    REAL *dq;       /* its dQ: the dq tile, or its rows of the accumulators kept between chunks */
+} FN(bwd_rows);
+
+static inline __attribute__((always_inline)) FN(bwd_tiles)
+FN(bwd_tiles_of)(const or_job *job, int worker, or_ssize nk, const int dots)
+{
+    const or_problem *p = job->p;
+    const int d = p->d, dv = p->dv, dp = FN(pad)(d), dvp = FN(pad)(dv);
+    FN(bwd_tiles) t = {0};
+    t.dqall = (REAL *)(job->scratch + (size_t)worker * job->per_worker);
+    t.dk = t.dqall + FN(bwd_dq_rows)(job, dots) * (size_t)dp;
+    t.dvacc = t.dk + (job->nk_max + MR) * dp;
+    t.k = t.dvacc + (job->nk_max + MR) * dvp;
+    t.kt = t.k + job->nk_max * dp;
+    t.vt = t.kt + or_blocks_size(job->nk_max, BC, sizeof(REAL), d);
+    t.q = t.vt + or_blocks_size(job->nk_max, BC, sizeof(REAL), dv);
+    t.dq = t.q + BR * dp;
+    t.dout = t.dq + BR * dp;
+    t.o = t.dout + BR * dvp;
+    t.s = t.o + BR * dvp;
+    t.dpm = t.s + BR * BC;
+    t.dcap = t.dpm + BR * BC;
+    t.lse = t.dcap + BR * BC;
+    t.di = t.lse + BR;
+    t.keep = (unsigned char *)(t.di + BR);
+#if DOTS
+    if (dots) {
+        t.qw = (uint32_t *)(t.di + BR);
+        t.dow = t.qw + BR * dp;
+        t.qr = t.dow + BR * dvp;
+        t.dor = t.qr + BR / 2 * dp;
+        t.prr = t.dor + BR / 2 * dvp;
+        t.dsr = t.prr + BR / 2 * BC;
+        t.dkt = (float *)(t.dsr + BR / 2 * BC);
+        t.dvt = t.dkt + TILES * (job->nk_max / BC + 1) * BC * dp;
+        t.ldt = (int)(nk / BC + 1) * BC;
+        t.keep = (unsigned char *)(t.dvt + TILES * (job->nk_max / BC + 1) * BC * dvp);
+    }
+#endif
+    return t;
+}
+
+/* A query block's rows into the tiles (q scaled but where dots: with those its products are
+ * unscaled), its D_i = rowsum(dO * O). */
+static inline __attribute__((always_inline)) void
+FN(bwd_load_rows)(const or_problem *p, const FN(bwd_tiles) *t, const FN(bwd_rows) *b,
+                  const int dots)
+{
+    const int d = p->d, dv = p->dv, dp = FN(pad)(d), dvp = FN(pad)(dv);
+    const or_view *w = p->view;
+    FN(load_rows)(t->q, dp, FN(row_ptr)(p, OR_Q, b->u, b->i0), w[OR_Q].row_stride, b->rows, d,
+                  b->rows_mr, w[OR_Q].dtype, dots ? 1 : (REAL)p->prm.scale);
+    FN(load_rows)(t->dout, dvp, FN(row_ptr)(p, OR_DO, b->u, b->i0), w[OR_DO].row_stride, b->rows,
+                  dv, b->rows_mr, w[OR_DO].dtype, 1);
+#if DOTS
+    if (dots) {     /* exact: the values are bfloat16 */
+        bf16_pairs_along(t->qw, dp, t->q, dp, b->rows_mr, dp);
+        bf16_pairs_along(t->dow, dvp, t->dout, dvp, b->rows_mr, dvp);
+#if TILES
+        bf16_column_pairs(t->qr, t->q, dp, b->rows_mr / 2, dp);
+        bf16_column_pairs(t->dor, t->dout, dvp, b->rows_mr / 2, dvp);
+#else
+        bf16_pairs_of_rows(t->qr, dp, t->q, dp, 0, b->rows_mr / 2, dp);
+        bf16_pairs_of_rows(t->dor, dvp, t->dout, dvp, 0, b->rows_mr / 2, dvp);
+#endif
+    }
+#endif
+    FN(load_rows)(t->o, dvp, FN(row_ptr)(p, OR_O, b->u, b->i0), w[OR_O].row_stride, b->rows, dv,
+                  b->rows, w[OR_O].dtype, 1);
+    FN(load_rows)(t->lse, 1, FN(row_ptr)(p, OR_LSE, b->u, b->i0), w[OR_LSE].row_stride, b->rows,
+                  1, b->rows, w[OR_LSE].dtype, 1);
+    for (int r = 0; r < b->rows; r++) {
+        REAL acc = 0;
+        for (int x = 0; x < dv; x++)
+            acc += t->dout[(or_ssize)r * dvp + x] * t->o[(or_ssize)r * dvp + x];
+        t->di[r] = acc;
+    }
+}
+
+/* Rows [r0, r0 + m) of s and dpm, S and dP of key block j0 (ncols computed, kcols of them keys
+ * read), become the kept P (for dV) and dS (for dQ, dK); both are 0 past the columns computed
+ * and dS before column skip. */
+static inline __attribute__((always_inline)) void
+FN(bwd_probs)(const or_problem *p, const FN(bwd_tiles) *t, const FN(bwd_rows) *b, or_ssize j0,
+              int r0, int m, int ncols, int kcols, int skip)
+{
+    const REAL drop_scale = (REAL)p->prm.drop_scale;
+    for (int r = r0; r < r0 + m; r++) {
+        REAL *prow = t->s + (or_ssize)r * BC, *dprow = t->dpm + (or_ssize)r * BC;
+        const REAL lr = r < b->rows && ncols > 0 ? t->lse[r] : -INFINITY;
+        if (lr == -INFINITY) {      /* padding, or a row that sees nothing here */
+            memset(prow, 0, sizeof(REAL) * BC);
+            memset(dprow, 0, sizeof(REAL) * BC);
+            continue;
+        }
+        FN(exp_row_lanes)(prow, 1, lr, ncols, 0);   /* the forward's exps */
+        if (p->prm.dropout) {
+            or_dropout_row(p->prm.seed, (uint64_t)b->u, (uint32_t)(b->i0 + r), (uint32_t)j0,
+                           kcols, p->prm.threshold, t->keep);
+            for (int c = 0; c < kcols; c++) {
+                const REAL kept = t->keep[c] ? drop_scale : 0;
+                dprow[c] = prow[c] * (dprow[c] * kept - t->di[r]);
+                prow[c] *= kept;
+            }
+            for (int c = kcols; c < ncols; c++)     /* dS^T q reads cols_mr */
+                dprow[c] = 0;
+        } else {
+            for (int c = 0; c < ncols; c++)
+                dprow[c] = prow[c] * (dprow[c] - t->di[r]);
+        }
+        for (int c = ncols; c < BC; c++)
+            prow[c] = dprow[c] = 0;
+        if (p->prm.softcap > 0)
+            for (int c = 0; c < kcols; c++)
+                dprow[c] *= t->dcap[(or_ssize)r * BC + c];
+        for (int c = 0; c < skip; c++)  /* P = 0 there, but dP may be inf */
+            dprow[c] = 0;
+    }
+}
+
+/* A query block against the keys [lo, hi) of key block j0: S and dP, then P and dS, by strips
+ * of rows; dQ += dS K; dV += P^T dO, dK += dS^T q. */
+static inline __attribute__((always_inline)) void
+FN(bwd_key_block)(const or_problem *p, const FN(bwd_tiles) *t, const FN(bwd_rows) *b,
+                  or_ssize j0, or_ssize lo, or_ssize hi, const int dots)
+{
+    const int d = p->d, dv = p->dv, dp = FN(pad)(d), dvp = FN(pad)(dv);
+    const int rows = b->rows, rows_mr = b->rows_mr;
+    const int cols = (int)(hi - j0 < BC ? hi - j0 : BC), cols_mr = (cols + MR - 1) / MR * MR;
+    const int skip = (int)(j0 < lo ? lo - j0 : 0);  /* keys before lo: dS is 0 */
+#if DOTS
+    const int d2 = (d + 1) / 2, dv2 = (dv + 1) / 2;
+#endif
+    /* A block that the right edge of the mask cuts (a causal diagonal) goes in SR-row strips,
+     * each over the key columns it can see, as in the forward: row r sees the columns
+     * c <= r + reach. */
+    const or_ssize reach = b->i0 + b->nk - b->nq + p->prm.right - j0;
+    const int cut = p->prm.right >= 0 && reach + 1 < cols, sr = cut ? SR : rows_mr;
+    for (int r0 = 0; r0 < rows_mr; r0 += sr) {
+        const int m = rows_mr - r0 < sr ? rows_mr - r0 : sr;
+        const or_ssize end = cut ? r0 + m + reach : cols;   /* past the last column */
+        const int ncols = end <= 0 ? 0 : FN(pad)((int)(end < cols ? end : cols));
+        const int kcols = ncols < cols ? ncols : cols;    /* keys read, transformed */
+        REAL *sb = t->s + (or_ssize)r0 * BC, *db = t->dpm + (or_ssize)r0 * BC;
+        if (ncols > 0) {
+#if DOTS
+            if (dots)
+                bf16_rows_gemm(sb, BC, t->qw + (or_ssize)r0 * dp, dp,
+                               (const uint32_t *)t->kt + j0 / BC * KLD * d2, KLD, m, ncols, d2,
+                               (REAL)p->prm.scale, 0);
+            else
+#endif
+            FN(gemm)(sb, BC, t->q + (or_ssize)r0 * dp, dp, 1, t->kt + j0 / BC * KLD * d, KLD, m,
+                     ncols, d, 0, 0);                                   /* S = q K^T */
+            FN(transform_scores)(p, rows - r0 < m ? rows - r0 : m, kcols, b->i0 + r0, j0, b->nq,
+                                 b->nk, b->slope, sb, t->dcap + (or_ssize)r0 * BC);
+#if DOTS
+            if (dots)
+                bf16_rows_gemm(db, BC, t->dow + (or_ssize)r0 * dvp, dvp,
+                               (const uint32_t *)t->vt + j0 / BC * KLD * dv2, KLD, m, ncols, dv2,
+                               1, 0);
+            else
+#endif
+            FN(gemm)(db, BC, t->dout + (or_ssize)r0 * dvp, dvp, 1, t->vt + j0 / BC * KLD * dv, KLD,
+                     m, ncols, dv, 0, 0);                               /* dP = dO V^T */
+        }
+        FN(bwd_probs)(p, t, b, j0, r0, m, ncols, kcols, skip);
+#if DOTS
+        if (dots) {     /* P, dS as pairs of rows; dS pairs along keys in place */
+            bf16_pairs_of_rows(t->prr, BC, t->s, BC, r0 / 2, (r0 + m) / 2, BC);
+            bf16_pairs_of_rows(t->dsr, BC, t->dpm, BC, r0 / 2, (r0 + m) / 2, BC);
+            bf16_pairs_along((uint32_t *)db, BC, db, BC, m, ncols);
+            if (kcols > skip)
+                bf16_rows_gemm(b->dq + (or_ssize)r0 * dp, dp, (const uint32_t *)db + skip / 2, BC,
+                               (const uint32_t *)t->k + (j0 + skip) / 2 * dp, dp, m, dp,
+                               (kcols + 1) / 2 - skip / 2, 1, 1);
+            continue;
+        }
+#endif
+        if (kcols > skip)                                               /* dQ += dS K */
+            FN(gemm)(b->dq + (or_ssize)r0 * dp, dp, db + skip, BC, 1, t->k + (j0 + skip) * dp, dp,
+                     m, dp, kcols - skip, 1, 1);
+    }
+    /* dV += P^T dO, dK += dS^T q; in a cut block SR keys at a time, from the first row that
+     * sees them (P and dS are 0 above it) */
+    const int sk = cut ? SR : cols_mr;
+#if TILES
+    /* dK^T and dV^T: keys are the columns, in whole tiles */
+    for (int c0 = 0; dots && c0 < cols; c0 += cut ? W : BC) {
+        const int n = cut ? W : FN(pad)(cols);
+        const int rlo = cut && c0 - reach > 0 ? (int)(c0 - reach) : 0;
+        if (rlo >= rows)
+            break;
+        const int x0 = rlo / 2, pairs = (rows + 1) / 2 - x0;
+        bf16_rows_gemm(t->dvt + j0 + c0, t->ldt, t->dor + x0, BR / 2,
+                       t->prr + (or_ssize)x0 * BC + c0, BC, dvp, n, pairs, 1, 1);
+        bf16_rows_gemm(t->dkt + j0 + c0, t->ldt, t->qr + x0, BR / 2,
+                       t->dsr + (or_ssize)x0 * BC + c0, BC, dp, n, pairs, 1, 1);
+    }
+    for (int c0 = 0; !dots && c0 < cols_mr; c0 += sk) {
+#else
+    for (int c0 = 0; c0 < cols_mr; c0 += sk) {
+#endif
+        const int n = cols_mr - c0 < sk ? cols_mr - c0 : sk;
+        const int rlo = cut && c0 - reach > 0 ? (int)(c0 - reach) : 0;
+        if (rlo >= rows)
+            break;
+#if DOTS
+        if (dots) {     /* from the pair of rows that holds rlo */
+            const int x0 = rlo / 2, pairs = (rows + 1) / 2 - x0;
+            bf16_gemm(t->dvacc + (j0 + c0) * dvp, dvp, t->prr + (or_ssize)x0 * BC + c0, 1, BC,
+                      t->dor + (or_ssize)x0 * dvp, dvp, n, dvp, pairs, 1, 1);
+            bf16_gemm(t->dk + (j0 + c0) * dp, dp, t->dsr + (or_ssize)x0 * BC + c0, 1, BC,
+                      t->qr + (or_ssize)x0 * dp, dp, n, dp, pairs, 1, 1);
+            continue;
+        }
+#endif
+        FN(gemm)(t->dvacc + (j0 + c0) * dvp, dvp, t->s + (or_ssize)rlo * BC + c0, 1, BC,
+                 t->dout + (or_ssize)rlo * dvp, dvp, n, dvp, rows - rlo, 1, 0);
+        FN(gemm)(t->dk + (j0 + c0) * dp, dp, t->dpm + (or_ssize)rlo * BC + c0, 1, BC,
+                 t->q + (or_ssize)rlo * dp, dp, n, dp, rows - rlo, 1, 0);
+    }
+}
+
+/* One work item: a kv unit; it owns dK and dV of that unit and the dQ of its query heads,
+ * so no two workers ever write the same element and no atomics are needed. Its keys go in
+ * chunks (bwd_chunk), each against every query block of the unit's query heads. */
 static inline __attribute__((always_inline)) void
 FN(bwd_unit)(void *vjob, or_ssize item, int worker, const int dots)
 {
@@ -770,247 +1015,78 @@ FN(bwd_unit)(void *vjob, or_ssize item, int worker, const int dots)
     const or_ssize kvu = job->order[item];
     const int d = p->d, dv = p->dv, dp = FN(pad)(d), dvp = FN(pad)(dv);
     const or_ssize nk = p->nk[kvu * p->prm.group];
-    const REAL drop_scale = (REAL)p->prm.drop_scale;
-
     const or_ssize chunk = FN(bwd_chunk)(job, dots);
     const size_t dq_rows = FN(bwd_dq_rows)(job, dots);
-    REAL *dqall = (REAL *)(job->scratch + (size_t)worker * job->per_worker);
-    REAL *dk = dqall + dq_rows * (size_t)dp;
-    REAL *dvacc = dk + (job->nk_max + MR) * dp;
-    REAL *k = dvacc + (job->nk_max + MR) * dvp, *kt = k + job->nk_max * dp;
-    REAL *vt = kt + or_blocks_size(job->nk_max, BC, sizeof(REAL), d);
-    REAL *q = vt + or_blocks_size(job->nk_max, BC, sizeof(REAL), dv);
-    REAL *dq = q + BR * dp, *dout = dq + BR * dp, *o = dout + BR * dvp;
-    REAL *s = o + BR * dvp, *dpm = s + BR * BC, *dcap = dpm + BR * BC, *lse = dcap + BR * BC;
-    REAL *di = lse + BR;
-    unsigned char *keep = (unsigned char *)(di + BR);
+    const FN(bwd_tiles) t = FN(bwd_tiles_of)(job, worker, nk, dots);
     const or_view *w = p->view;
 #if DOTS
-    const int d2 = (d + 1) / 2, dv2 = (dv + 1) / 2;
-    uint32_t *qw = (uint32_t *)(di + BR), *dow = qw + BR * dp, *qr = dow + BR * dvp;
-    uint32_t *dor = qr + BR / 2 * dp, *prr = dor + BR / 2 * dvp, *dsr = prr + BR / 2 * BC;
+    if (dots) {
+        bf16_pack_row_pairs((uint32_t *)t.k, dp, p, OR_K, kvu, nk, d);
+        bf16_pack_blocks((uint32_t *)t.kt, p, OR_K, kvu, nk, d);
+        bf16_pack_blocks((uint32_t *)t.vt, p, OR_V, kvu, nk, dv);
 #if TILES
-    const int ldt = (int)(nk / BC + 1) * BC;
-    float *dkt = (float *)(dsr + BR / 2 * BC), *dvt = dkt + (job->nk_max / BC + 1) * BC * dp;
-    if (dots) {
-        memset(dkt, 0, sizeof(float) * (size_t)ldt * (size_t)dp);
-        memset(dvt, 0, sizeof(float) * (size_t)ldt * (size_t)dvp);
-    }
+        memset(t.dkt, 0, sizeof(float) * (size_t)t.ldt * (size_t)dp);
+        memset(t.dvt, 0, sizeof(float) * (size_t)t.ldt * (size_t)dvp);
 #endif
-    if (dots) {
-        keep = (unsigned char *)(dsr + BR / 2 * BC)
-               + TILES * sizeof(float) * (size_t)(job->nk_max / BC + 1) * BC * (dp + dvp);
-        bf16_pack_row_pairs((uint32_t *)k, dp, p, OR_K, kvu, nk, d);
-        bf16_pack_blocks((uint32_t *)kt, p, OR_K, kvu, nk, d);
-        bf16_pack_blocks((uint32_t *)vt, p, OR_V, kvu, nk, dv);
     } else
 #endif
     {
-        FN(load_rows)(k, dp, FN(row_ptr)(p, OR_K, kvu, 0), w[OR_K].row_stride, nk, d, nk,
+        FN(load_rows)(t.k, dp, FN(row_ptr)(p, OR_K, kvu, 0), w[OR_K].row_stride, nk, d, nk,
                       w[OR_K].dtype, 1);
-        FN(load_cols_blocked)(kt, FN(row_ptr)(p, OR_K, kvu, 0), w[OR_K].row_stride, nk, d,
+        FN(load_cols_blocked)(t.kt, FN(row_ptr)(p, OR_K, kvu, 0), w[OR_K].row_stride, nk, d,
                               w[OR_K].dtype);
-        FN(load_cols_blocked)(vt, FN(row_ptr)(p, OR_V, kvu, 0), w[OR_V].row_stride, nk, dv,
+        FN(load_cols_blocked)(t.vt, FN(row_ptr)(p, OR_V, kvu, 0), w[OR_V].row_stride, nk, dv,
                               w[OR_V].dtype);
     }
-    memset(dk, 0, sizeof(REAL) * (size_t)(nk + MR) * dp);
-    memset(dvacc, 0, sizeof(REAL) * (size_t)(nk + MR) * dvp);
-    memset(dqall, 0, sizeof(REAL) * dq_rows * (size_t)dp);
+    memset(t.dk, 0, sizeof(REAL) * (size_t)(nk + MR) * dp);
+    memset(t.dvacc, 0, sizeof(REAL) * (size_t)(nk + MR) * dvp);
+    memset(t.dqall, 0, sizeof(REAL) * dq_rows * (size_t)dp);
     /* keys [k0, k0 + chunk) against every query block; once, empty, where nk is 0 */
     for (or_ssize k0 = 0; k0 < nk || k0 == 0; k0 += chunk) {
-        const int last = k0 + chunk >= nk;
         for (or_ssize g = 0; g < p->prm.group; g++) {
-            const or_ssize u = kvu * p->prm.group + g, nq = p->nq[u], off = nk - nq;
-            const REAL slope = p->slopes ? (REAL)p->slopes[u] : 0;
-            for (or_ssize i0 = 0; i0 < nq; i0 += BR) {
-                const int rows = (int)(nq - i0 < BR ? nq - i0 : BR), rows_mr = (rows + MR - 1) / MR * MR;
-                /* this block's dQ: a tile, or its rows of the accumulators kept between chunks */
-                REAL *dqb = dq_rows ? dqall + ((size_t)g * (size_t)(job->nq_max + MR) + (size_t)i0) * dp
-                                    : dq;
+            const or_ssize u = kvu * p->prm.group + g;
+            for (or_ssize i0 = 0; i0 < p->nq[u]; i0 += BR) {
+                FN(bwd_rows) b = {.u = u, .i0 = i0, .nq = p->nq[u], .nk = nk,
+                                  .slope = p->slopes ? (REAL)p->slopes[u] : 0, .dq = t.dq};
+                b.rows = (int)(b.nq - i0 < BR ? b.nq - i0 : BR);
+                b.rows_mr = (b.rows + MR - 1) / MR * MR;
+                if (dq_rows)
+                    b.dq = t.dqall + ((size_t)g * (size_t)(job->nq_max + MR) + (size_t)i0) * dp;
+                else
+                    memset(b.dq, 0, sizeof(REAL) * (size_t)b.rows_mr * dp);
                 or_ssize lo, hi;
-                or_key_range(p->prm.left, p->prm.right, nq, nk, i0, i0 + rows, &lo, &hi);
+                or_key_range(p->prm.left, p->prm.right, b.nq, nk, i0, i0 + b.rows, &lo, &hi);
                 lo = lo > k0 ? lo : k0;
                 hi = hi < k0 + chunk ? hi : k0 + chunk;
-                if (!dq_rows)
-                    memset(dq, 0, sizeof(REAL) * (size_t)rows_mr * dp);
                 if (lo < hi) {
-                    FN(load_rows)(q, dp, FN(row_ptr)(p, OR_Q, u, i0), w[OR_Q].row_stride, rows, d, rows_mr,
-                                  w[OR_Q].dtype, dots ? 1 : (REAL)p->prm.scale);
-                    FN(load_rows)(dout, dvp, FN(row_ptr)(p, OR_DO, u, i0), w[OR_DO].row_stride, rows, dv,
-                                  rows_mr, w[OR_DO].dtype, 1);
-        #if DOTS
-                    if (dots) {     /* exact: the values are bfloat16 */
-                        bf16_pairs_along(qw, dp, q, dp, rows_mr, dp);
-                        bf16_pairs_along(dow, dvp, dout, dvp, rows_mr, dvp);
-        #if TILES
-                        bf16_column_pairs(qr, q, dp, rows_mr / 2, dp);
-                        bf16_column_pairs(dor, dout, dvp, rows_mr / 2, dvp);
-        #else
-                        bf16_pairs_of_rows(qr, dp, q, dp, 0, rows_mr / 2, dp);
-                        bf16_pairs_of_rows(dor, dvp, dout, dvp, 0, rows_mr / 2, dvp);
-        #endif
-                    }
-        #endif
-                    FN(load_rows)(o, dvp, FN(row_ptr)(p, OR_O, u, i0), w[OR_O].row_stride, rows, dv, rows,
-                                  w[OR_O].dtype, 1);
-                    FN(load_rows)(lse, 1, FN(row_ptr)(p, OR_LSE, u, i0), w[OR_LSE].row_stride, rows, 1, rows,
-                                  w[OR_LSE].dtype, 1);
-                    for (int r = 0; r < rows; r++) {        /* D_i = rowsum(dO * O) */
-                        REAL acc = 0;
-                        for (int x = 0; x < dv; x++)
-                            acc += dout[(or_ssize)r * dvp + x] * o[(or_ssize)r * dvp + x];
-                        di[r] = acc;
-                    }
-                    for (or_ssize j0 = lo - lo % BC; j0 < hi; j0 += BC) {
-                        const int cols = (int)(hi - j0 < BC ? hi - j0 : BC), cols_mr = (cols + MR - 1) / MR * MR;
-                        const int skip = (int)(j0 < lo ? lo - j0 : 0);  /* keys before lo: dS is 0 */
-                        /* A block that the right edge of the mask cuts (a causal diagonal) goes in
-                         * SR-row strips, each over the key columns it can see, as in the forward: row r
-                         * sees the columns c <= r + reach. */
-                        const or_ssize reach = i0 + off + p->prm.right - j0;
-                        const int cut = p->prm.right >= 0 && reach + 1 < cols, sr = cut ? SR : rows_mr;
-                        for (int r0 = 0; r0 < rows_mr; r0 += sr) {
-                            const int m = rows_mr - r0 < sr ? rows_mr - r0 : sr;
-                            const or_ssize end = cut ? r0 + m + reach : cols;   /* past the last column */
-                            const int ncols = end <= 0 ? 0 : FN(pad)((int)(end < cols ? end : cols));
-                            const int kcols = ncols < cols ? ncols : cols;    /* keys read, transformed */
-                            REAL *sb = s + (or_ssize)r0 * BC, *db = dpm + (or_ssize)r0 * BC;
-                            if (ncols > 0) {
-        #if DOTS
-                                if (dots)
-                                    bf16_rows_gemm(sb, BC, qw + (or_ssize)r0 * dp, dp,
-                                                   (const uint32_t *)kt + j0 / BC * KLD * d2, KLD, m,
-                                                   ncols, d2, (REAL)p->prm.scale, 0);
-                                else
-        #endif
-                                FN(gemm)(sb, BC, q + (or_ssize)r0 * dp, dp, 1, kt + j0 / BC * KLD * d,
-                                         KLD, m, ncols, d, 0, 0);                        /* S = q K^T */
-                                FN(transform_scores)(p, rows - r0 < m ? rows - r0 : m, kcols, i0 + r0, j0,
-                                                     nq, nk, slope, sb, dcap + (or_ssize)r0 * BC);
-        #if DOTS
-                                if (dots)
-                                    bf16_rows_gemm(db, BC, dow + (or_ssize)r0 * dvp, dvp,
-                                                   (const uint32_t *)vt + j0 / BC * KLD * dv2, KLD, m,
-                                                   ncols, dv2, 1, 0);
-                                else
-        #endif
-                                FN(gemm)(db, BC, dout + (or_ssize)r0 * dvp, dvp, 1,
-                                         vt + j0 / BC * KLD * dv, KLD, m, ncols, dv, 0, 0); /* dP = dO V^T */
-                            }
-                            /* prow becomes the kept P (for dV), dprow becomes dS (for dQ, dK); both
-                             * are 0 past the columns computed */
-                            for (int r = r0; r < r0 + m; r++) {
-                                REAL *prow = s + (or_ssize)r * BC, *dprow = dpm + (or_ssize)r * BC;
-                                const REAL lr = r < rows && ncols > 0 ? lse[r] : -INFINITY;
-                                if (lr == -INFINITY) {      /* padding, or a row that sees nothing here */
-                                    memset(prow, 0, sizeof(REAL) * BC);
-                                    memset(dprow, 0, sizeof(REAL) * BC);
-                                    continue;
-                                }
-                                FN(exp_row_lanes)(prow, 1, lr, ncols, 0);   /* the forward's exps */
-                                if (p->prm.dropout) {
-                                    or_dropout_row(p->prm.seed, (uint64_t)u, (uint32_t)(i0 + r), (uint32_t)j0,
-                                                   kcols, p->prm.threshold, keep);
-                                    for (int c = 0; c < kcols; c++) {
-                                        const REAL kept = keep[c] ? drop_scale : 0;
-                                        dprow[c] = prow[c] * (dprow[c] * kept - di[r]);
-                                        prow[c] *= kept;
-                                    }
-                                    for (int c = kcols; c < ncols; c++)     /* dS^T q reads cols_mr */
-                                        dprow[c] = 0;
-                                } else {
-                                    for (int c = 0; c < ncols; c++)
-                                        dprow[c] = prow[c] * (dprow[c] - di[r]);
-                                }
-                                for (int c = ncols; c < BC; c++)
-                                    prow[c] = dprow[c] = 0;
-                                if (p->prm.softcap > 0)
-                                    for (int c = 0; c < kcols; c++)
-                                        dprow[c] *= dcap[(or_ssize)r * BC + c];
-                                for (int c = 0; c < skip; c++)  /* P = 0 there, but dP may be inf */
-                                    dprow[c] = 0;
-                            }
-        #if DOTS
-                            if (dots) {     /* P, dS as pairs of rows; dS pairs along keys in place */
-                                bf16_pairs_of_rows(prr, BC, s, BC, r0 / 2, (r0 + m) / 2, BC);
-                                bf16_pairs_of_rows(dsr, BC, dpm, BC, r0 / 2, (r0 + m) / 2, BC);
-                                bf16_pairs_along((uint32_t *)db, BC, db, BC, m, ncols);
-                                if (kcols > skip)
-                                    bf16_rows_gemm(dqb + (or_ssize)r0 * dp, dp,
-                                                   (const uint32_t *)db + skip / 2, BC,
-                                                   (const uint32_t *)k + (j0 + skip) / 2 * dp, dp, m,
-                                                   dp, (kcols + 1) / 2 - skip / 2, 1, 1);
-                                continue;
-                            }
-        #endif
-                            if (kcols > skip)                                   /* dQ += dS K */
-                                FN(gemm)(dqb + (or_ssize)r0 * dp, dp, db + skip, BC, 1, k + (j0 + skip) * dp,
-                                         dp, m, dp, kcols - skip, 1, 1);
-                        }
-                        /* dV += P^T dO, dK += dS^T q; in a cut block SR keys at a time, from the first
-                         * row that sees them (P and dS are 0 above it) */
-                        const int sk = cut ? SR : cols_mr;
-        #if TILES
-                        /* dK^T and dV^T: keys are the columns, in whole tiles */
-                        for (int c0 = 0; dots && c0 < cols; c0 += cut ? W : BC) {
-                            const int n = cut ? W : FN(pad)(cols);
-                            const int rlo = cut && c0 - reach > 0 ? (int)(c0 - reach) : 0;
-                            if (rlo >= rows)
-                                break;
-                            const int x0 = rlo / 2, pairs = (rows + 1) / 2 - x0;
-                            bf16_rows_gemm(dvt + j0 + c0, ldt, dor + x0, BR / 2, prr + (or_ssize)x0 * BC + c0,
-                                           BC, dvp, n, pairs, 1, 1);
-                            bf16_rows_gemm(dkt + j0 + c0, ldt, qr + x0, BR / 2, dsr + (or_ssize)x0 * BC + c0,
-                                           BC, dp, n, pairs, 1, 1);
-                        }
-                        for (int c0 = 0; !dots && c0 < cols_mr; c0 += sk) {
-        #else
-                        for (int c0 = 0; c0 < cols_mr; c0 += sk) {
-        #endif
-                            const int n = cols_mr - c0 < sk ? cols_mr - c0 : sk;
-                            const int rlo = cut && c0 - reach > 0 ? (int)(c0 - reach) : 0;
-                            if (rlo >= rows)
-                                break;
-        #if DOTS
-                            if (dots) {     /* from the pair of rows that holds rlo */
-                                const int x0 = rlo / 2, pairs = (rows + 1) / 2 - x0;
-                                bf16_gemm(dvacc + (j0 + c0) * dvp, dvp, prr + (or_ssize)x0 * BC + c0, 1, BC,
-                                          dor + (or_ssize)x0 * dvp, dvp, n, dvp, pairs, 1, 1);
-                                bf16_gemm(dk + (j0 + c0) * dp, dp, dsr + (or_ssize)x0 * BC + c0, 1, BC,
-                                          qr + (or_ssize)x0 * dp, dp, n, dp, pairs, 1, 1);
-                                continue;
-                            }
-        #endif
-                            FN(gemm)(dvacc + (j0 + c0) * dvp, dvp, s + (or_ssize)rlo * BC + c0, 1, BC,
-                                     dout + (or_ssize)rlo * dvp, dvp, n, dvp, rows - rlo, 1, 0);
-                            FN(gemm)(dk + (j0 + c0) * dp, dp, dpm + (or_ssize)rlo * BC + c0, 1, BC,
-                                     q + (or_ssize)rlo * dp, dp, n, dp, rows - rlo, 1, 0);
-                        }
-                    }
+                    FN(bwd_load_rows)(p, &t, &b, dots);
+                    for (or_ssize j0 = lo - lo % BC; j0 < hi; j0 += BC)
+                        FN(bwd_key_block)(p, &t, &b, j0, lo, hi, dots);
                 }
-                if (!last)
-                    continue;
+                if (k0 + chunk < nk)
+                    continue;       /* dQ is whole after the last chunk */
                 const REAL scale = (REAL)p->prm.scale;          /* s = scale * q.k */
-                for (or_ssize x = 0; x < (or_ssize)rows * dp; x++)
-                    dqb[x] *= scale;
-                FN(store_rows)(FN(row_ptr)(p, OR_DQ, u, i0), w[OR_DQ].row_stride, dqb, dp, rows, d,
-                               w[OR_DQ].dtype);
+                for (or_ssize x = 0; x < (or_ssize)b.rows * dp; x++)
+                    b.dq[x] *= scale;
+                FN(store_rows)(FN(row_ptr)(p, OR_DQ, u, i0), w[OR_DQ].row_stride, b.dq, dp,
+                               b.rows, d, w[OR_DQ].dtype);
             }
         }
     }
 #if TILES
     for (or_ssize j = 0; dots && j < nk; j++) {
         for (int c = 0; c < dp; c++)
-            dk[j * dp + c] = dkt[(or_ssize)c * ldt + j];
+            t.dk[j * dp + c] = t.dkt[(or_ssize)c * t.ldt + j];
         for (int c = 0; c < dvp; c++)
-            dvacc[j * dvp + c] = dvt[(or_ssize)c * ldt + j];
+            t.dvacc[j * dvp + c] = t.dvt[(or_ssize)c * t.ldt + j];
     }
 #endif
     if (dots)       /* dK = scale dS^T q: q was not pre-multiplied */
         for (or_ssize x = 0; x < nk * dp; x++)
-            dk[x] *= (REAL)p->prm.scale;
-    FN(store_rows)(FN(row_ptr)(p, OR_DK, kvu, 0), w[OR_DK].row_stride, dk, dp, nk, d, w[OR_DK].dtype);
-    FN(store_rows)(FN(row_ptr)(p, OR_DV, kvu, 0), w[OR_DV].row_stride, dvacc, dvp, nk, dv,
+            t.dk[x] *= (REAL)p->prm.scale;
+    FN(store_rows)(FN(row_ptr)(p, OR_DK, kvu, 0), w[OR_DK].row_stride, t.dk, dp, nk, d,
+                   w[OR_DK].dtype);
+    FN(store_rows)(FN(row_ptr)(p, OR_DV, kvu, 0), w[OR_DV].row_stride, t.dvacc, dvp, nk, dv,
                    w[OR_DV].dtype);
 }
 
