@@ -31,7 +31,8 @@ GENERATED = os.path.join("build", "generated")
 
 
 def flag(name):
-    return os.environ.get(name, "0") not in ("", "0")
+    """A build's on/off variable, read as orchard_ops reads its own (README, Environment)."""
+    return os.environ.get(name, "").lower() not in ("", "0", "false", "no", "off")
 
 
 def opencl_include_dir():

@@ -8,7 +8,7 @@ bfloat16, causal and not, N from 256 to 2048 at B=4 (B=1 at 2048), H=8, D=64, on
 device, plus training
 tokens/s of the demo model and the figures of benchmarks/targets.py; writes them as JSON, the
 plot, and Markdown between "<!-- bench:start -->" and "<!-- bench:end -->" in the README.
-Takes a few minutes on 2 cores; --quick (or ORCHARD_BENCH_QUICK=1) is a tiny smoke run.
+Takes a few minutes on 2 cores; --quick (or ORCHARD_BENCH_QUICK=1, as orchard-bench reads it) is a tiny smoke run.
 """
 import argparse
 import json
@@ -21,6 +21,7 @@ import time
 import orchard_ops
 import targets
 from orchard import benchmark
+from orchard.cli.args import env_flag
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -79,7 +80,7 @@ def main(argv=None):
     parser.add_argument("--plot", default=os.path.join(HERE, "attention_gflops.png"))
     args = parser.parse_args(argv)
     devices = [d["id"] for d in orchard_ops.devices()]
-    if args.quick or os.environ.get("ORCHARD_BENCH_QUICK") == "1":
+    if args.quick or env_flag("ORCHARD_BENCH_QUICK"):
         report = benchmark.run(benchmark.QUICK_SHAPES, devices, ["float32"], [False],
                                benchmark.MIN_REPEATS)
         report["targets"] = targets.target_figures(1, benchmark.QUICK_SHAPES[-1])

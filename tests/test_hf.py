@@ -146,7 +146,7 @@ def test_orchard_imports_without_transformers():
               "    print(e)\n")
     result = run_python(["-c", script])
     assert result.returncode == 0, result.stderr
-    assert "pip install 'orchard[hf]'" in result.stdout
+    assert "pip install '.[hf]' in orchard's source tree" in result.stdout
 
 
 # ----------------------------------------------------------------------------- results

@@ -21,16 +21,18 @@ import weakref
 try:
     import torch
 except ImportError as e:
-    raise ImportError("orchard.hf needs PyTorch and transformers 5.x: "
-                      "pip install 'orchard[torch,hf]'") from e
+    raise ImportError("orchard.hf needs PyTorch and transformers 5.x (orchard's extras: "
+                      "pip install '.[torch,hf]' in orchard's source tree)") from e
 try:
     import transformers
     from transformers import AttentionInterface, masking_utils
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 except ImportError as e:
-    raise ImportError("orchard.hf needs transformers 5.x: pip install 'orchard[hf]'") from e
+    raise ImportError("orchard.hf needs transformers 5.x (orchard's extra: "
+                      "pip install '.[hf]' in orchard's source tree)") from e
 if int(transformers.__version__.split(".")[0]) != 5:
-    raise ImportError("orchard.hf needs transformers 5.x, found %s: pip install 'orchard[hf]'"
+    raise ImportError("orchard.hf needs transformers 5.x, found %s (orchard's extra: "
+                      "pip install '.[hf]' in orchard's source tree)"
                       % transformers.__version__)
 
 from orchard.flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache

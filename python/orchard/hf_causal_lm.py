@@ -42,7 +42,7 @@ def _transformers(path):
         import transformers
     except ImportError:
         raise HFModelError("%s: a transformers model needs the transformers package: "
-                           "pip install 'orchard[hf]'" % path) from None
+                           "pip install '.[hf]' in orchard's source tree" % path) from None
     return transformers
 
 

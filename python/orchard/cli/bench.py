@@ -26,8 +26,8 @@ import orchard_ops
 from .. import benchmark, scaling_bench
 from ..atomic import write_atomically
 from ..progress import Progress
-from .args import (Parser, UsageError, choices_list, console_script, devices, integer,
-                   integer_list, output_file, shape, writing)
+from .args import (Parser, UsageError, choices_list, console_script, devices, env_flag,
+                   integer, integer_list, output_file, shape, writing)
 
 EXAMPLES = (
     "orchard-bench --quick",
@@ -184,7 +184,7 @@ def main(argv=None):
                                  ",".join(map(str, scaling_bench.HEAD_DIMS)),
                                  ",".join(map(str, scaling_bench.QUICK_HEAD_DIMS))))
     args = parser.parse_args(argv)
-    quick = args.quick or os.environ.get("ORCHARD_BENCH_QUICK") == "1"
+    quick = args.quick or env_flag("ORCHARD_BENCH_QUICK")
     grid_only = [flag for flag, given in (("--shapes", args.shapes), ("--train", args.train),
                                           ("--decode", args.decode)) if given]
     scaling_only = [flag for flag, given in (("--max-n", args.max_n is not None),
