@@ -583,6 +583,9 @@ def test_bad_dense_input_names_the_argument():
         (ValueError, "'k' has seqlen 4294967296", lambda: flash_attn_func(
             q, k[:, :1].expand(1, 2**32, 2, 8), v[:, :1].expand(1, 2**32, 2, 8))),
         (ValueError, "'v'", lambda: flash_attn_func(q, k, v.to_sparse())),
+        # a nested tensor of the default layout is strided too, but has no sizes
+        (ValueError, "'q' is a nested", lambda: flash_attn_func(
+            torch.nested.nested_tensor([q[0], q[0, :3]]), k, v)),
         (ValueError, "'window_size'", lambda: flash_attn_func(q, k, v, window_size=(-2, 0))),
         (TypeError, "'window_size'", lambda: flash_attn_func(q, k, v, window_size=3)),
         (ValueError, "'dropout_p'", lambda: flash_attn_func(q, k, v, dropout_p=1.0)),

@@ -3,6 +3,7 @@ with attn_implementation="orchard", its checkpoint resumed and generated from, a
 errors of bad paths, a vocabulary that does not fit, and a missing transformers."""
 import json
 import os
+import re
 import signal
 import types
 
@@ -176,6 +177,23 @@ def test_context_is_the_trained_one_without_max_position_embeddings():
     assert model.context == 256     # the config's max_position_embeddings
     model.hf.config = types.SimpleNamespace()   # none, as in ALiBi models' configs
     assert model.context == 64
+
+
+@needs_transformers
+def test_run_counts_the_attention_calls_orchard_computed(fast_config, tmp_path, caplog):
+    """A GPT run logs its router's count; a transformers model's calls reach orchard through
+    orchard.hf instead, and the run logs what orchard_ops.stats() counted: every layer's
+    backward of each step, and more forwards (validation)."""
+    caplog.set_level("INFO", logger="orchard")
+    assert hf_train(fast_config, tmp_path / "run", "--hf-config", TINY_LLAMA,
+                    "--max-steps", 2) == 0
+    found = re.findall(r"attention calls computed by orchard \(stats\(\)\): (\d+) forward, "
+                       r"(\d+) backward", caplog.text)
+    assert len(found) == 1, caplog.text[-2000:]
+    forward, backward = map(int, found[0])
+    with open(TINY_LLAMA) as f:
+        layers = json.load(f)["num_hidden_layers"]
+    assert backward % (2 * layers) == 0 and backward > 0 and forward > backward, found
 
 
 @needs_transformers

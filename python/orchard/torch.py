@@ -168,9 +168,10 @@ def _check_tensors(fn, **tensors):
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError("%s: '%s' must be a torch.Tensor, got %s" % (fn, name, type(t).__name__))
-        if not t.is_cpu or t.layout != torch.strided:
-            raise ValueError("%s: '%s' is a %s tensor on %s: orchard reads host memory, pass "
-                             "dense CPU tensors" % (fn, name, t.layout, t.device))
+        if not t.is_cpu or t.layout != torch.strided or t.is_nested:
+            raise ValueError("%s: '%s' is a %s%s tensor on %s: orchard reads host memory, pass "
+                             "dense CPU tensors" % (fn, name, "nested " if t.is_nested else "",
+                                                    t.layout, t.device))
         if dtype is None:
             if t.dtype not in _ROUTABLE_DTYPES:
                 raise TypeError("%s: '%s' has dtype %s; orchard takes float16, bfloat16, "

@@ -341,6 +341,7 @@ class Trainer:
                  ", gradient checkpointing" if self.model.grad_checkpointing else "")
         if self.step:
             log.info("resuming at step %d", self.step)
+        calls_before = orchard_ops.stats()
         bar = Progress(total, "training", unit="steps", start=self.step, every=None,
                        enabled=self.rank == 0 and log.isEnabledFor(logging.INFO))
         # Ctrl-C, and the SIGTERM with which torchrun (or a scheduler) stops workers, end the
@@ -405,6 +406,11 @@ class Trainer:
         if self.rank == 0:
             if self.router is not None:
                 log.info(self.router.summary())
+            else:       # a transformers model's calls reach orchard through orchard.hf
+                calls = orchard_ops.stats()
+                log.info("attention calls computed by orchard (stats()): %d forward, %d "
+                         "backward", *(calls[k] - calls_before[k] for k in ("fwd_calls",
+                                                                           "bwd_calls")))
             if interrupted:
                 log.info("interrupted: checkpoint of step %d of %d saved to %s", self.step,
                          total, path)

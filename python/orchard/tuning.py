@@ -52,11 +52,10 @@ def time_candidate(device, shape, block_q, block_k, repeats):
 
 def default_candidates(device):
     """The block sizes of the kernel family `device` runs; ValueError unless it is an OpenCL
-    device id."""
+    device id (its message says what the device must be, for the caller to name it)."""
     info = next((d for d in orchard_ops.devices() if d["id"] == device), None)
     if info is None or info["backend"] != "opencl":
-        raise ValueError("tune(): 'device' must be an OpenCL device id, such as opencl:0 "
-                         "(got %r)" % (device,))
+        raise ValueError("must be an OpenCL device id, such as opencl:0 (got %r)" % (device,))
     return info["block_candidates"]
 
 
@@ -67,7 +66,10 @@ def tune(device, shape=(1, 8, 1024, 64), candidates=None, repeats=3, report=prin
     blocks, which are what is stored). Each candidate's time (or failure) is passed to
     `report` as a line of text, and progress (an orchard.progress.Progress of
     len(candidates)) is updated after each."""
-    default = default_candidates(device)
+    try:
+        default = default_candidates(device)
+    except ValueError as exc:
+        raise ValueError("tune(): 'device' %s" % exc) from None
     candidates = default if candidates is None else candidates
     times, why = {}, None
     for n, (bq, bk) in enumerate(candidates, 1):
