@@ -770,8 +770,8 @@ typedef struct {
     REAL *q, *dq, *dout, *o;        /* a query block's rows */
     REAL *s, *dpm, *dcap, *lse, *di;
     unsigned char *keep;            /* a row's dropout mask */
-    uint32_t *qw, *dow, *qr, *dor, *prr, *dsr;
-    float *dkt, *dvt;
+    uint32_t *qw, *dow, *qr, *dor, *prr, *dsr;     /* with dots (above) */
+    float *dkt, *dvt;                               /* with AMX tiles, ldt floats a row */
     int ldt;
 } FN(bwd_tiles);
 
@@ -783,6 +783,7 @@ typedef struct {
     REAL *dq;       /* its dQ: the dq tile, or its rows of the accumulators kept between chunks */
 } FN(bwd_rows);
 
+/* Worker `worker`'s tiles for a kv unit of nk keys (with dots, its bfloat16 ones too). */
 static inline __attribute__((always_inline)) FN(bwd_tiles)
 FN(bwd_tiles_of)(const or_job *job, int worker, or_ssize nk, const int dots)
 {
