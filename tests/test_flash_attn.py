@@ -558,6 +558,7 @@ def dense_qkv(**shapes):
     return [torch.randn(*s[n]) for n in ("q", "k", "v")]
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
 def test_bad_dense_input_names_the_argument():
     q, k, v = dense_qkv()
     bad = [
