@@ -18,22 +18,22 @@ import sys
 import warnings
 import weakref
 
+# orchard's extras, from its source tree (PyPI's "orchard" is another project)
+_INSTALL = "(pip install '.[%s]' in orchard's source tree)"
 try:
     import torch
 except ImportError as e:
-    raise ImportError("orchard.hf needs PyTorch and transformers 5.x (orchard's extras: "
-                      "pip install '.[torch,hf]' in orchard's source tree)") from e
+    raise ImportError("orchard.hf needs PyTorch and transformers 5.x "
+                      + _INSTALL % "torch,hf") from e
 try:
     import transformers
     from transformers import AttentionInterface, masking_utils
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 except ImportError as e:
-    raise ImportError("orchard.hf needs transformers 5.x (orchard's extra: "
-                      "pip install '.[hf]' in orchard's source tree)") from e
+    raise ImportError("orchard.hf needs transformers 5.x " + _INSTALL % "hf") from e
 if int(transformers.__version__.split(".")[0]) != 5:
-    raise ImportError("orchard.hf needs transformers 5.x, found %s (orchard's extra: "
-                      "pip install '.[hf]' in orchard's source tree)"
-                      % transformers.__version__)
+    raise ImportError("orchard.hf needs transformers 5.x, found %s %s"
+                      % (transformers.__version__, _INSTALL % "hf"))
 
 from orchard.flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from orchard.torch import _MAX_HEAD_DIM, _ROUTABLE_DTYPES
