@@ -3,16 +3,22 @@
  *     gcc -O2 benchmarks/amx_tiles.c -o /tmp/amx_tiles && /tmp/amx_tiles
  *     (two at once, one per core: taskset -c 0 /tmp/amx_tiles & taskset -c 1 /tmp/amx_tiles)
  *
- * On one core, GFLOP/s (best of 5) of TDPBF16PS (16 x 32 by 32 x 16 bfloat16 products, 8,192
- * multiply-adds) three ways:
- *   tiles   four independent accumulator tiles, operands already in tile registers: the peak
- *   chain   one accumulator, each product waiting on the last: the latency
- *   forward the native bfloat16 forward's two products on a strip of 32 query rows (D 64,
- *           csrc/attn_amx_impl.h amx_block): S = q K^T into floats, then o += P V, for each
- *           block of 128 keys of a unit of 1,024, its K and V tiles loaded from the unit's
- *           packed blocks (152 KB and 128 KB: L2, as in the kernel)
+ * On one core, GFLOP/s of TDPBF16PS (16 x 32 by 32 x 16 bfloat16 products, 8,192
+ * multiply-adds; best of 20 rounds, the ways taken in turn, since this VM's speed drifts 2x):
+ *   tiles     four independent accumulator tiles, operands already in tile registers: the peak
+ *   chain     one accumulator, each product waiting on the last: the latency
+ *   forward   the native bfloat16 forward's two products on a strip of 32 query rows (D 64,
+ *             csrc/attn_amx_impl.h amx_block): S = q K^T into floats, then o += P V, for each
+ *             block of 128 keys of a unit of 1,024, its K and V tiles loaded from the unit's
+ *             packed blocks (152 KB and 128 KB: L2, as in the kernel)
+ *   softmax   forward with a stand-in for the softmax between the products (row maxima, exps
+ *             in AVX-512, P written back as bfloat16): GFLOP/s of the products still
+ *   pipelined softmax with the next key block's S issued before this block's softmax, into a
+ *             second buffer, so that the tiles could run beside the AVX-512 work
+ *   exps      the stand-in alone, timed as if it were the products (for the sum of the parts)
  * The forward's own tile time (perf) set against `forward` says whether its products wait on
- * the tiles or on the rest (csrc/isa_amx.c).
+ * the tiles or on the rest (csrc/isa_amx.c); softmax against forward and exps whether the two
+ * units' work adds up or costs more together; pipelined whether it can overlap.
  */
 #if defined(__x86_64__) && defined(__GNUC__)
 #pragma GCC target("arch=x86-64-v4,avx512bf16,amx-tile,amx-bf16")
@@ -26,7 +32,7 @@
 enum { NK = 1024, BC = 128, KLD = 144, D2 = 32, DVP = 64, SR = 32, QLD = 64 };
 
 static uint32_t q[SR * QLD], kt[NK / BC * D2 * KLD], vc[NK / 2 * DVP];
-static float s[SR * BC], o[SR * DVP];
+static float s[2][SR * BC], o[SR * DVP], sums[SR];
 
 static double now(void)
 {
@@ -67,30 +73,94 @@ static void block(float *c, int ldc, const uint32_t *a, int lda, const uint32_t 
     _tile_stored(3, c1 + 16, 4 * ldc);
 }
 
+/* e^x of 16 floats (csrc/native_kernels.h or_exp16's reduction and polynomial, without its
+ * range checks: the stand-in's inputs are at most 0) */
+static __m512 exp16(__m512 x)
+{
+    const __m512 round = _mm512_set1_ps(12582912.0f);
+    const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504f), round), round);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.38436002e-3f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.37420020e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.16680090e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.66664302e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.99999940e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(y, n);
+}
+
+/* The softmax's stand-in on a strip's scores: each row's maximum, exp(s - max) and its sum,
+ * the exps written back over the row as bfloat16 pairs (as csrc/attn_native_impl.h
+ * exp_row_lanes does for P; the pairs' order does not matter to the timing). */
+static void softmax(float *sc)
+{
+    for (int r = 0; r < SR; r++) {
+        float *row = sc + r * BC;
+        __m512 mx = _mm512_loadu_ps(row);
+        for (int c = 16; c < BC; c += 16)
+            mx = _mm512_max_ps(mx, _mm512_loadu_ps(row + c));
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        __m512 sum = _mm512_setzero_ps();
+        for (int c = 0; c < BC; c += 32) {
+            const __m512 a = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + c), m));
+            const __m512 b = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + c + 16), m));
+            sum = _mm512_add_ps(sum, _mm512_add_ps(a, b));
+            _mm512_storeu_si512(row + c / 2, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+        }
+        sums[r] += _mm512_reduce_add_ps(sum);
+    }
+}
+
+/* S of key block j into sc (32 x 128 floats) */
+static void scores(float *sc, int j)
+{
+    for (int c0 = 0; c0 < BC; c0 += 32)
+        block(sc + c0, BC, q, QLD, kt + j * D2 * KLD + c0, KLD, D2, 0);
+}
+
+/* o += P V of key block j, P in sc */
+static void values(const float *sc, int j)
+{
+    for (int c0 = 0; c0 < DVP; c0 += 32)
+        block(o + c0, DVP, (const uint32_t *)sc, BC, vc + j * BC / 2 * DVP + c0, DVP, BC / 2, 1);
+}
+
+enum { TILES, CHAIN, FORWARD, SOFTMAX, PIPELINED, EXPS, WAYS };
+
 static double run(int how)
 {
-    const long reps = how == 2 ? 2000 : 1000000;
+    const long reps = how == TILES || how == CHAIN ? 100000 : 200;
     double flops = 0, t = now();
     for (long r = 0; r < reps; r++) {
-        if (how == 0) {
+        if (how == TILES) {
             _tile_dpbf16ps(0, 4, 5);
             _tile_dpbf16ps(1, 4, 6);
             _tile_dpbf16ps(2, 7, 5);
             _tile_dpbf16ps(3, 7, 6);
             flops += 4 * 2.0 * 16 * 16 * 32;
-        } else if (how == 1) {
+            continue;
+        }
+        if (how == CHAIN) {
             _tile_dpbf16ps(0, 4, 5);
             flops += 2.0 * 16 * 16 * 32;
-        } else {
-            for (int j = 0; j < NK / BC; j++) {
-                for (int c0 = 0; c0 < BC; c0 += 32)
-                    block(s + c0, BC, q, QLD, kt + j * D2 * KLD + c0, KLD, D2, 0);
-                for (int c0 = 0; c0 < DVP; c0 += 32)
-                    block(o + c0, DVP, (const uint32_t *)s, BC, vc + j * BC / 2 * DVP + c0, DVP,
-                          BC / 2, 1);
-            }
-            flops += NK / BC * 2 * 2.0 * SR * BC * 64;
+            continue;
         }
+        if (how == PIPELINED)
+            scores(s[0], 0);
+        for (int j = 0; j < NK / BC; j++) {
+            float *sc = s[how == PIPELINED ? j & 1 : 0];
+            if (how == PIPELINED && j + 1 < NK / BC)
+                scores(s[(j + 1) & 1], j + 1);
+            else if (how != PIPELINED && how != EXPS)
+                scores(sc, j);
+            if (how != FORWARD)
+                softmax(sc);
+            if (how != EXPS)
+                values(sc, j);
+        }
+        flops += NK / BC * 2 * 2.0 * SR * BC * 64;
     }
     return flops / (now() - t) / 1e9;
 }
@@ -126,17 +196,19 @@ int main(void)
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    const char *names[3] = {"tiles", "chain", "forward"};
-    for (int how = 0; how < 3; how++) {
-        double best = 0;
-        for (int i = 0; i < 5; i++) {
+    const char *names[WAYS] = {"tiles", "chain", "forward", "softmax", "pipelined", "exps"};
+    double best[WAYS] = {0};
+    for (int round = 0; round < 20; round++)
+        for (int how = 0; how < WAYS; how++) {
             const double g = run(how);
-            best = g > best ? g : best;
+            best[how] = g > best[how] ? g : best[how];
         }
-        printf("%s: %.0f GFLOP/s\n", names[how], best);
-    }
+    for (int how = 0; how < WAYS; how++)
+        printf("%-9s %5.0f GFLOP/s\n", names[how], best[how]);
+    printf("softmax against its parts: %.2fx their summed time\n",
+           (1 / best[SOFTMAX]) / (1 / best[FORWARD] + 1 / best[EXPS]));
     _tile_release();
-    printf("(checksum %g)\n", (double)o[0]);
+    printf("(checksum %g %g)\n", (double)o[0], (double)sums[0]);
     return 0;
 }
 #else
