@@ -29,6 +29,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../csrc/exp16.h"     /* or_exp16, the native float kernels' exp */
+
 enum { NK = 1024, BC = 128, KLD = 144, D2 = 32, DVP = 64, SR = 32, QLD = 64 };
 
 static uint32_t q[SR * QLD], kt[NK / BC * D2 * KLD], vc[NK / 2 * DVP];
@@ -73,24 +75,6 @@ static void block(float *c, int ldc, const uint32_t *a, int lda, const uint32_t 
     _tile_stored(3, c1 + 16, 4 * ldc);
 }
 
-/* e^x of 16 floats (csrc/native_kernels.h or_exp16's reduction and polynomial, without its
- * range checks: the stand-in's inputs are at most 0) */
-static __m512 exp16(__m512 x)
-{
-    const __m512 round = _mm512_set1_ps(12582912.0f);
-    const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504f), round), round);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 y = _mm512_set1_ps(1.38436002e-3f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.37420020e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.16680090e-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.66664302e-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.99999940e-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(y, n);
-}
-
 /* The softmax's stand-in on a strip's scores: each row's maximum, exp(s - max) and its sum,
  * the exps written back over the row as bfloat16 pairs (as csrc/attn_native_impl.h
  * exp_row_lanes does for P; the pairs' order does not matter to the timing). */
@@ -104,8 +88,8 @@ static void softmax(float *sc)
         const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
         __m512 sum = _mm512_setzero_ps();
         for (int c = 0; c < BC; c += 32) {
-            const __m512 a = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + c), m));
-            const __m512 b = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + c + 16), m));
+            const __m512 a = or_exp16(_mm512_sub_ps(_mm512_loadu_ps(row + c), m));
+            const __m512 b = or_exp16(_mm512_sub_ps(_mm512_loadu_ps(row + c + 16), m));
             sum = _mm512_add_ps(sum, _mm512_add_ps(a, b));
             _mm512_storeu_si512(row + c / 2, (__m512i)_mm512_cvtne2ps_pbh(b, a));
         }
