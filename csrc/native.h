@@ -15,7 +15,7 @@
  * unit's keys and values from L2 or L3, so taller blocks read them less often per product:
  * 192 against 96, one process, best of 20-40 calls each (Sapphire Rapids, set amx, 2 threads):
  * B2 H16 N4096 D128 float32 forward 0.96x the time, backward 0.96x; B2 H8 N4096 D128
- * bfloat16 forward 0.90x, backward 0.84x; B4 H8 N1024 D64 0.97-1.01x; float16 1.00x; set
+ * bfloat16 forward 0.90x, backward 0.84x; B4 H8 N1024 D64 0.92-1.01x; float16 1.00x; set
  * avx2 on the same machine 0.98-1.00x (an AMD EPYC had read 0.97-1.03x). */
 #define BR 192
 /* Bytes of a backward's chunk of keys (attn_native_impl.h bwd_chunk). A unit's whole key
