@@ -135,10 +135,12 @@ static double run(int how)
             scores(s[0], 0);
         for (int j = 0; j < NK / BC; j++) {
             float *sc = s[how == PIPELINED ? j & 1 : 0];
-            if (how == PIPELINED && j + 1 < NK / BC)
-                scores(s[(j + 1) & 1], j + 1);
-            else if (how != PIPELINED && how != EXPS)
+            if (how == PIPELINED) {     /* the next block's S, before this block's softmax */
+                if (j + 1 < NK / BC)
+                    scores(s[(j + 1) & 1], j + 1);
+            } else if (how != EXPS) {
                 scores(sc, j);
+            }
             if (how != FORWARD)
                 softmax(sc);
             if (how != EXPS)
