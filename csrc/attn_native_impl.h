@@ -222,6 +222,7 @@ FN(gemm)(REAL *c, int ldc, const REAL *a, int ars, int acs, const REAL *b, or_ss
                                        : (FN(vec)){0};
         if (accumulate && !by_columns)
             FN(ask_next_tile)(c, ldc, i0, j0, m, n);
+        _Pragma(OR_STR(GCC unroll KU))
         for (int x = 0; x < k; x++) {
             const REAL *brow = b + (or_ssize)x * ldb + j0;
             FN(vec) b0, b1;
@@ -269,23 +270,25 @@ static inline __attribute__((always_inline)) FN(vec) FN(row_max_lanes)(const REA
  * forward's P, where no dropout follows): the exp is EXP_COARSE and the row's results are
  * written as pairs of bfloat16 in place, words c / 2 from x (attn_bf16_impl.h), not as REALs:
  * a pass less over the scores (the separate conversion was 5 % of that forward). The sums are
- * the REALs'. Float rows in sets with AVX-512 go through or_exp16 instead (native_kernels.h). */
+ * the REALs'. Float rows in sets with AVX2 or AVX-512 go through the set's OR_EXPV instead
+ * (native_kernels.h). */
 static inline __attribute__((always_inline)) FN(vec)
 FN(exp_row_lanes)(REAL *x, REAL mul, REAL shift, int n, const int to_bf16)
 {
-#if REAL_SIZE == 4 && defined(OR_EXP16)
-    if (!to_bf16) {     /* a vector of 16 at a time through or_exp16 (native_kernels.h) */
-        const __m512 vm = _mm512_set1_ps(mul), vs = _mm512_set1_ps(shift);
-        __m512 lo = _mm512_setzero_ps(), hi = lo;
+#if REAL_SIZE == 4 && defined(OR_EXPV)
+    if (!to_bf16) {     /* whole vectors through the set's exp (native_kernels.h OR_EXPV) */
+        FN(vec) lo = {0}, hi = {0}, e0, e1;
         for (int c0 = 0; c0 < n; c0 += W) {
-            const __m512 e0 = or_exp16(_mm512_fmsub_ps(_mm512_loadu_ps(x + c0), vm, vs)),
-                         e1 = or_exp16(_mm512_fmsub_ps(_mm512_loadu_ps(x + c0 + VL), vm, vs));
-            lo = _mm512_add_ps(lo, e0);
-            hi = _mm512_add_ps(hi, e1);
-            _mm512_storeu_ps(x + c0, e0);
-            _mm512_storeu_ps(x + c0 + VL, e1);
+            memcpy(&e0, x + c0, sizeof(e0));
+            memcpy(&e1, x + c0 + VL, sizeof(e1));
+            e0 = OR_EXPV(e0 * mul - shift);
+            e1 = OR_EXPV(e1 * mul - shift);
+            lo += e0;
+            hi += e1;
+            memcpy(x + c0, &e0, sizeof(e0));
+            memcpy(x + c0 + VL, &e1, sizeof(e1));
         }
-        return (FN(vec))_mm512_add_ps(lo, hi);
+        return lo + hi;
     }
 #endif
     REAL lane[W] = {0};

@@ -6,6 +6,7 @@
  *           and a broadcast must fit the register file (16 or 32 vectors)
  *   BC      keys per block: the key and value blocks and a strip's tiles stay in L1
  *   SR      forward rows per strip
+ *   KU      (optional, default 1) the micro-kernel's k loop unrolled KU times
  * and, where the target has AVX512-BF16, OR_BF16_DOTS (attn_bf16_impl.h), where it has AMX
  * OR_AMX_TILES too (attn_amx_impl.h, attn_f16_split_impl.h), and the compiler target for the
  * functions below. The kernels themselves are written once,
@@ -18,6 +19,10 @@
 #include "native.h"
 #ifdef __F16C__
 #include <immintrin.h>      /* store_rows' float16 conversions (attn_native_impl.h) */
+#endif
+
+#ifndef KU
+#define KU 1
 #endif
 
 /* tiles are padded to whole micro-kernels: rows to MR, columns to two vectors */
@@ -58,9 +63,14 @@ static inline __attribute__((always_inline)) float or_bits_float(uint32_t u)
 #undef OR_EXPF_COARSE
 #endif
 
+/* OR_EXPV(v): e^x of a vector of VBYTES floats (a GCC vector), the float rows' exps
+ * (attn_native_impl.h exp_row_lanes), where the set has one */
 #if VBYTES == 64 && defined(__AVX512F__)
-#include "exp16.h"      /* or_exp16: the float rows' exps (attn_native_impl.h exp_row_lanes) */
-#define OR_EXP16 1
+#include "exp16.h"
+#define OR_EXPV(v) ((__typeof__(v))or_exp16((__m512)(v)))
+#elif VBYTES == 32 && defined(__AVX2__) && defined(__FMA__)
+#include "exp8.h"
+#define OR_EXPV(v) ((__typeof__(v))or_exp8((__m256)(v)))
 #endif
 
 #define REAL float

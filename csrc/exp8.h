@@ -1,0 +1,33 @@
+/* exp8.h - e^x of 8 floats in AVX2 + FMA, for the native kernels' float rows (native_kernels.h,
+ * set avx2). The includer compiles for x86-64-v3.
+ *
+ * kernels/expf.h's operations one for one (its constants, its order, so the same results),
+ * written on whole registers: GCC's vectorisation of expf.h's scalar loop (exp_row_lanes'
+ * fallback) kept the row's lane sums and its results in stack arrays, stored and reloaded
+ * every 16 elements, and the sums' chain through memory was its bound. The clamp is one
+ * VMAXPS with the argument second, so that a NaN carries on, as expf.h's compare does. */
+#ifndef ORCHARD_EXP8_H
+#define ORCHARD_EXP8_H
+#include <immintrin.h>
+
+static inline __attribute__((always_inline)) __m256 or_exp8(__m256 x)
+{
+    const __m256 round = _mm256_set1_ps(12582912.0f);
+    x = _mm256_max_ps(_mm256_set1_ps(-88.0296919f), x);
+    const __m256 t = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504f), round);
+    const __m256 n = _mm256_sub_ps(t, round);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 y = _mm256_fmadd_ps(_mm256_set1_ps(1.9875691500e-4f), r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
+    /* 2^n: n + 127 from t's bits, capped at 255 as an unsigned integer (inf, and any NaN) */
+    __m256i e = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(0x4B400000 - 127));
+    e = _mm256_min_epu32(e, _mm256_set1_epi32(255));
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
+}
+#endif
