@@ -6,7 +6,8 @@
  * One head of 1,024 queries and 1,024 keys of head dim d (64 or 128), as the native forward runs
  * it (csrc/attn_native_impl.h fwd_block): for each strip of SR query rows and each block of BC
  * keys, S = q K^T from the block's transposed keys (d x KLD), then o += S V from its value rows
- * (BC x LDV), both by column panels of two vectors with MR x 2 accumulators (gemm, by_columns).
+ * (BC x LDV), both by column panels of two vectors with MR x 2 accumulators, the k loop unrolled
+ * KU times (gemm, by_columns).
  * Between the two products S is only scaled, to keep o finite: what the softmax does there is
  * left out. The sizes are those of the set the machine runs (csrc/isa_amx.c, isa_avx2.c).
  */
@@ -19,15 +20,20 @@
 #define MR 8
 #define BC 128
 #define SR 32
+#define KU 1
 #else
 #define VBYTES 32
 #define MR 6
 #define BC 96
 #define SR 24
+#define KU 2
 #endif
 #define VL (VBYTES / 4)
+#define STR_(x) #x
+#define STR(x) STR_(x)
 #define W (2 * VL)
 #define NK 1024
+#define BLOCKS ((NK + BC - 1) / BC)           /* key blocks, the last one partial */
 #define KLD (BC + 16)                           /* native.h OR_BLOCK_LD */
 #define LDV(d) ((d) % 128 == 0 ? (d) + 16 : (d)) /* native.h or_rows_ld */
 
@@ -46,6 +52,7 @@ gemm(float *c, int ldc, const float *a, int lda, const float *b, int ldb, int m,
                 for (int h = 0; h < 2; h++)
                     acc[i][h] = accumulate ? *(const uvec *)(c + (i0 + i) * ldc + j0 + h * VL)
                                            : (vec){0};
+            _Pragma(STR(GCC unroll KU))
             for (int x = 0; x < k; x++) {
                 const vec b0 = *(const uvec *)(b + x * ldb + j0),
                           b1 = *(const uvec *)(b + x * ldb + j0 + VL);
@@ -75,10 +82,11 @@ static __attribute__((noinline)) void head(int d, const float *q, const float *k
     for (int r0 = 0; r0 < NK; r0 += SR) {
         memset(o, 0, sizeof(float) * SR * d);
         for (int j0 = 0; j0 < NK; j0 += BC) {
-            gemm(s, BC, q + r0 % (4 * SR) * d, d, kt + j0 / BC * d * KLD, KLD, SR, BC, d, 0);
+            const int cols = NK - j0 < BC ? NK - j0 : BC;   /* the last block's: a multiple of W */
+            gemm(s, BC, q + r0 % (4 * SR) * d, d, kt + j0 / BC * d * KLD, KLD, SR, cols, d, 0);
             for (int e = 0; e < SR * BC; e++)
                 s[e] *= 1.0f / 1024;
-            gemm(o, d, s, BC, v + j0 * LDV(d), LDV(d), SR, d, BC, 1);
+            gemm(o, d, s, BC, v + j0 * LDV(d), LDV(d), SR, d, cols, 1);
         }
     }
 }
@@ -91,14 +99,14 @@ double forward_products(int d)
     if (d != 64 && d != 128)
         return -1;
     if (kt == NULL) {
-        kt = aligned_alloc(64, sizeof(float) * (NK / BC) * 128 * KLD);
+        kt = aligned_alloc(64, sizeof(float) * BLOCKS * 128 * KLD);
         v = aligned_alloc(64, sizeof(float) * NK * LDV(128));
         q = aligned_alloc(64, sizeof(float) * 4 * SR * 128);
         s = aligned_alloc(64, sizeof(float) * SR * BC);
         o = aligned_alloc(64, sizeof(float) * SR * 128);
         if (!kt || !v || !q || !s || !o)
             return -1;
-        for (long e = 0; e < (NK / BC) * 128L * KLD; e++)
+        for (long e = 0; e < BLOCKS * 128L * KLD; e++)
             kt[e] = (float)(e % 7) / 8;
         for (long e = 0; e < NK * (long)LDV(128); e++)
             v[e] = (float)(e % 5) / 8;
