@@ -64,7 +64,7 @@ double fma_peak(int threads, long iters)
         jobs[t].iters = iters;
     /* the calling thread runs job 0, as orchard's pool joins its calls: on one thread nothing
      * waits for another core to wake (a VM's idle vCPU took a good part of a millisecond, and
-     * forward_products.py's few-millisecond peaks read 20 % low) */
+     * products.py's few-millisecond peaks read 20 % low) */
     int started = 1;
     for (; started < threads; started++)
         if (pthread_create(&tid[started], NULL, run, &jobs[started]) != 0)

@@ -45,7 +45,7 @@ bf16_gemm(float *c, int ldc, const uint32_t *a, int ars, int acs, const uint32_t
                     acc[i][h] = accumulate ? _mm512_loadu_ps(ci) : _mm512_setzero_ps();
                 }
             if (accumulate)     /* as gemm, for the backward's dK and dV; by rows, as here */
-                FN(ask_next_tile)(c, ldc, i0, j0, m, n);
+                FN(ask_next_tile)(c, ldc, i0, j0, m, n, 0);
             for (int x = 0; x < k2; x++) {
                 const uint32_t *brow = b + (or_ssize)x * ldb + j0;
                 const __m512bh b0 = (__m512bh)_mm512_loadu_si512(brow);

@@ -160,12 +160,16 @@ static inline char *FN(row_ptr)(const or_problem *p, int slot, or_ssize unit, or
     return w->base + w->offs[unit] + row * w->row_stride;
 }
 
-/* Asks for the MR x W tile of C (m x n, ldc) that a matrix product going row by row of tiles
- * takes after tile (i0, j0), if any. */
+/* Asks for the MR x W tile of C (m x n, ldc) that a matrix product going row by row of tiles,
+ * or by_columns, takes after tile (i0, j0), if any. */
 static inline __attribute__((always_inline)) void
-FN(ask_next_tile)(const REAL *c, int ldc, int i0, int j0, int m, int n)
+FN(ask_next_tile)(const REAL *c, int ldc, int i0, int j0, int m, int n, const int by_columns)
 {
-    const int in = j0 + W < n ? i0 : i0 + MR, jn = j0 + W < n ? j0 + W : 0;
+    int in = j0 + W < n ? i0 : i0 + MR, jn = j0 + W < n ? j0 + W : 0;
+    if (by_columns) {
+        in = i0 + MR < m ? i0 + MR : 0;
+        jn = i0 + MR < m ? j0 : j0 + W;
+    }
     for (int i = 0; in < m && jn < n && i < MR; i++) {
         __builtin_prefetch(c + (or_ssize)(in + i) * ldc + jn, 1, 3);
         __builtin_prefetch(c + (or_ssize)(in + i) * ldc + jn + W / 2, 1, 3);
@@ -190,21 +194,23 @@ FN(ask_next_tile)(const REAL *c, int ldc, int i0, int j0, int m, int n)
 #define TILES 0
 #endif
 
-/* C (m x n, ldc) = or += A (m x k) B (k x n, ldb). A's element (i, x) is a[i * ars + x * acs],
- * so A may be read transposed (P^T, dS^T) at no cost. m is a multiple of MR and n of W.
+/* C (m x n, ldc) = A (m x k) B (k x n, ldb) where accumulate is 0, C += A B where it is 1, and
+ * where it is 2 (a C not in L1) C += A B asking for each next tile of C meanwhile. A's element
+ * (i, x) is a[i * ars + x * acs], so A may be read transposed (P^T, dS^T) at no cost. m is a
+ * multiple of MR and n of W.
  * An MR x W block of C stays in registers (GCC vector extensions: MR x 2 vectors of VBYTES)
  * while k streams through. The order of the sums depends only on the shapes, never on threads.
- * Accumulating by rows, it asks for the next tile of C meanwhile: the backward's dK and dV
- * (whole-unit accumulators, megabytes at N 4,096) missed in L2 at every tile's first load, 9 %
- * of its time (with the requests, AMD EPYC: backward at D 128 0.93x the time, D 64 0.98x). The
- * forward's output strip, accumulated by columns, stays in L1: the requests were 1 % of its
- * samples there.
+ * The requests are for the backward's dQ, dK and dV: dK and dV (whole-unit accumulators,
+ * megabytes at N 4,096) missed in L2 at every tile's first load, 9 % of its time (with the
+ * requests, AMD EPYC: backward at D 128 0.93x the time, D 64 0.98x). The forward's output
+ * strip stays in L1: the requests were 1 % of its samples there.
  * Tiles go row by row of tiles, or by_columns: then a column panel of B (k x W) is read from L1
  * by every row of tiles after the first. The forward's B, a key block transposed or a block of
  * values, outgrows L1 at d 128 (48 KB or more): by columns, the forward took 0.97-0.99x the
- * time there, causal 0.95-0.97x (AMD EPYC, avx2, three runs). The backward's dQ += dS K goes
- * by columns too (backward 0.98-1.00x the time, four runs), its other products by rows (all
- * five by columns: 1.02x). */
+ * time there, causal 0.95-0.97x (AMD EPYC, avx2, three runs). The backward's dQ += dS K, dK
+ * += dS^T q and dV += P^T dO go by columns too, their B's rows a cache line apart more than
+ * 512-byte multiples (bwd_ld; B1 H8 N2048 D128 backward 0.991-0.992x the time, two runs of 16
+ * and 24 pairs, D 64 1.00x), S and dP by rows (by columns: 1.00x). */
 
 static inline __attribute__((always_inline)) void
 FN(gemm)(REAL *c, int ldc, const REAL *a, int ars, int acs, const REAL *b, or_ssize ldb, int m,
@@ -220,8 +226,8 @@ FN(gemm)(REAL *c, int ldc, const REAL *a, int ars, int acs, const REAL *b, or_ss
             for (int h = 0; h < 2; h++)
                 acc[i][h] = accumulate ? *(const FN(uvec) *)(c + (or_ssize)(i0 + i) * ldc + j0 + h * VL)
                                        : (FN(vec)){0};
-        if (accumulate && !by_columns)
-            FN(ask_next_tile)(c, ldc, i0, j0, m, n);
+        if (accumulate == 2)
+            FN(ask_next_tile)(c, ldc, i0, j0, m, n, by_columns);
         _Pragma(OR_STR(GCC unroll KU))
         for (int x = 0; x < k; x++) {
             const REAL *brow = b + (or_ssize)x * ldb + j0;
@@ -716,6 +722,15 @@ static or_ssize FN(bwd_chunk)(const or_job *job, const int dots)
     return keys < BC ? BC : keys;
 }
 
+/* Leading dimension of the backward's tiles of rows of d REALs (q, dO, O, k, dQ, dK, dV):
+ * or_rows_ld's, so that a column panel of them (the right-hand side of dK += dS^T q, dV += P^T
+ * dO, dQ += dS K, BR or BC rows) does not fall in a few L1 sets; d rounded up to W with dots,
+ * whose pair tiles are laid out on it. */
+static inline int FN(bwd_ld)(int d, const int dots)
+{
+    return dots ? FN(pad)(d) : (int)or_rows_ld(FN(pad)(d), sizeof(REAL));
+}
+
 /* The dQ accumulators of a chunked backward: the unit's query rows (each query head's rows
  * padded by MR), kept between chunks; none with one chunk. */
 static size_t FN(bwd_dq_rows)(const or_job *job, const int dots)
@@ -729,11 +744,12 @@ static size_t FN(bwd_dq_rows)(const or_job *job, const int dots)
 static size_t FN(bwd_scratch_of)(const or_job *job, const int dots)
 {
     const or_problem *p = job->p;
-    const size_t dp = (size_t)FN(pad)(p->d), dvp = (size_t)FN(pad)(p->dv), n = (size_t)job->nk_max;
-    return FN(bwd_dq_rows)(job, dots) * dp          /* dQ between chunks */
-           + (n + MR) * (dp + dvp)                  /* dk, dv accumulators */
-           + n * dp + (size_t)or_blocks_size(job->nk_max, BC, sizeof(REAL), p->d + p->dv)  /* k, kt, vt */
-           + BR * dp * 2 + BR * dvp * 2             /* q, dq, dout, o */
+    const size_t ldq = (size_t)FN(bwd_ld)(p->d, dots), ldo = (size_t)FN(bwd_ld)(p->dv, dots);
+    const size_t n = (size_t)job->nk_max;
+    return FN(bwd_dq_rows)(job, dots) * ldq         /* dQ between chunks */
+           + (n + MR) * (ldq + ldo)                 /* dk, dv accumulators */
+           + n * ldq + (size_t)or_blocks_size(job->nk_max, BC, sizeof(REAL), p->d + p->dv)  /* k, kt, vt */
+           + BR * ldq * 2 + BR * ldo * 2            /* q, dq, dout, o */
            + 3 * (size_t)BR * BC + 2 * BR;          /* s, dp, dcap, lse, di */
 }
 
@@ -767,6 +783,7 @@ static size_t bf16_bwd_scratch(const or_job *job)
  *   dkt, dvt  dp x ldt and dvp x ldt floats, ldt = nk rounded up past a multiple of BC,
  *             transposed into dk and dvacc at the end of the unit */
 typedef struct {
+    int ldq, ldo;                   /* leading dimensions (bwd_ld) of rows of d and of dv */
     REAL *dqall;                    /* dQ between chunks (bwd_dq_rows rows), or none */
     REAL *dk, *dvacc;               /* the unit's dK and dV accumulators */
     REAL *k, *kt, *vt;              /* its keys, keys and values transposed in blocks */
@@ -791,19 +808,19 @@ static inline __attribute__((always_inline)) FN(bwd_tiles)
 FN(bwd_tiles_of)(const or_job *job, int worker, or_ssize nk, const int dots)
 {
     const or_problem *p = job->p;
-    const int d = p->d, dv = p->dv, dp = FN(pad)(d), dvp = FN(pad)(dv);
-    FN(bwd_tiles) t = {0};
+    const int d = p->d, dv = p->dv;
+    FN(bwd_tiles) t = {.ldq = FN(bwd_ld)(d, dots), .ldo = FN(bwd_ld)(dv, dots)};
     t.dqall = (REAL *)(job->scratch + (size_t)worker * job->per_worker);
-    t.dk = t.dqall + FN(bwd_dq_rows)(job, dots) * (size_t)dp;
-    t.dvacc = t.dk + (job->nk_max + MR) * dp;
-    t.k = t.dvacc + (job->nk_max + MR) * dvp;
-    t.kt = t.k + job->nk_max * dp;
+    t.dk = t.dqall + FN(bwd_dq_rows)(job, dots) * (size_t)t.ldq;
+    t.dvacc = t.dk + (job->nk_max + MR) * t.ldq;
+    t.k = t.dvacc + (job->nk_max + MR) * t.ldo;
+    t.kt = t.k + job->nk_max * t.ldq;
     t.vt = t.kt + or_blocks_size(job->nk_max, BC, sizeof(REAL), d);
     t.q = t.vt + or_blocks_size(job->nk_max, BC, sizeof(REAL), dv);
-    t.dq = t.q + BR * dp;
-    t.dout = t.dq + BR * dp;
-    t.o = t.dout + BR * dvp;
-    t.s = t.o + BR * dvp;
+    t.dq = t.q + BR * t.ldq;
+    t.dout = t.dq + BR * t.ldq;
+    t.o = t.dout + BR * t.ldo;
+    t.s = t.o + BR * t.ldo;
     t.dpm = t.s + BR * BC;
     t.dcap = t.dpm + BR * BC;
     t.lse = t.dcap + BR * BC;
@@ -811,6 +828,7 @@ FN(bwd_tiles_of)(const or_job *job, int worker, or_ssize nk, const int dots)
     t.keep = (unsigned char *)(t.di + BR);
 #if DOTS
     if (dots) {
+        const int dp = FN(pad)(d), dvp = FN(pad)(dv);
         t.qw = (uint32_t *)(t.di + BR);
         t.dow = t.qw + BR * dp;
         t.qr = t.dow + BR * dvp;
@@ -832,33 +850,34 @@ static inline __attribute__((always_inline)) void
 FN(bwd_load_rows)(const or_problem *p, const FN(bwd_tiles) *t, const FN(bwd_rows) *b,
                   const int dots)
 {
-    const int d = p->d, dv = p->dv, dp = FN(pad)(d), dvp = FN(pad)(dv);
+    const int d = p->d, dv = p->dv;
     const or_view *w = p->view;
-    FN(load_rows)(t->q, dp, FN(row_ptr)(p, OR_Q, b->u, b->i0), w[OR_Q].row_stride, b->rows, d,
-                  b->rows_mr, w[OR_Q].dtype, dots ? 1 : (REAL)p->prm.scale);
-    FN(load_rows)(t->dout, dvp, FN(row_ptr)(p, OR_DO, b->u, b->i0), w[OR_DO].row_stride, b->rows,
-                  dv, b->rows_mr, w[OR_DO].dtype, 1);
+    FN(load_rows)(t->q, t->ldq, FN(row_ptr)(p, OR_Q, b->u, b->i0), w[OR_Q].row_stride, b->rows,
+                  d, b->rows_mr, w[OR_Q].dtype, dots ? 1 : (REAL)p->prm.scale);
+    FN(load_rows)(t->dout, t->ldo, FN(row_ptr)(p, OR_DO, b->u, b->i0), w[OR_DO].row_stride,
+                  b->rows, dv, b->rows_mr, w[OR_DO].dtype, 1);
 #if DOTS
     if (dots) {     /* exact: the values are bfloat16 */
-        bf16_pairs_along(t->qw, dp, t->q, dp, b->rows_mr, dp);
-        bf16_pairs_along(t->dow, dvp, t->dout, dvp, b->rows_mr, dvp);
+        const int dp = FN(pad)(d), dvp = FN(pad)(dv);
+        bf16_pairs_along(t->qw, dp, t->q, t->ldq, b->rows_mr, dp);
+        bf16_pairs_along(t->dow, dvp, t->dout, t->ldo, b->rows_mr, dvp);
 #if TILES
-        bf16_column_pairs(t->qr, t->q, dp, b->rows_mr / 2, dp);
-        bf16_column_pairs(t->dor, t->dout, dvp, b->rows_mr / 2, dvp);
+        bf16_column_pairs(t->qr, t->q, t->ldq, b->rows_mr / 2, dp);
+        bf16_column_pairs(t->dor, t->dout, t->ldo, b->rows_mr / 2, dvp);
 #else
-        bf16_pairs_of_rows(t->qr, dp, t->q, dp, 0, b->rows_mr / 2, dp);
-        bf16_pairs_of_rows(t->dor, dvp, t->dout, dvp, 0, b->rows_mr / 2, dvp);
+        bf16_pairs_of_rows(t->qr, dp, t->q, t->ldq, 0, b->rows_mr / 2, dp);
+        bf16_pairs_of_rows(t->dor, dvp, t->dout, t->ldo, 0, b->rows_mr / 2, dvp);
 #endif
     }
 #endif
-    FN(load_rows)(t->o, dvp, FN(row_ptr)(p, OR_O, b->u, b->i0), w[OR_O].row_stride, b->rows, dv,
-                  b->rows, w[OR_O].dtype, 1);
+    FN(load_rows)(t->o, t->ldo, FN(row_ptr)(p, OR_O, b->u, b->i0), w[OR_O].row_stride, b->rows,
+                  dv, b->rows, w[OR_O].dtype, 1);
     FN(load_rows)(t->lse, 1, FN(row_ptr)(p, OR_LSE, b->u, b->i0), w[OR_LSE].row_stride, b->rows,
                   1, b->rows, w[OR_LSE].dtype, 1);
     for (int r = 0; r < b->rows; r++) {
         REAL acc = 0;
         for (int x = 0; x < dv; x++)
-            acc += t->dout[(or_ssize)r * dvp + x] * t->o[(or_ssize)r * dvp + x];
+            acc += t->dout[(or_ssize)r * t->ldo + x] * t->o[(or_ssize)r * t->ldo + x];
         t->di[r] = acc;
     }
 }
@@ -936,8 +955,8 @@ FN(bwd_key_block)(const or_problem *p, const FN(bwd_tiles) *t, const FN(bwd_rows
                                (REAL)p->prm.scale, 0);
             else
 #endif
-            FN(gemm)(sb, BC, t->q + (or_ssize)r0 * dp, dp, 1, t->kt + j0 / BC * KLD * d, KLD, m,
-                     ncols, d, 0, 0);                                   /* S = q K^T */
+            FN(gemm)(sb, BC, t->q + (or_ssize)r0 * t->ldq, t->ldq, 1, t->kt + j0 / BC * KLD * d,
+                     KLD, m, ncols, d, 0, 0);                           /* S = q K^T */
             FN(transform_scores)(p, rows - r0 < m ? rows - r0 : m, kcols, b->i0 + r0, j0, b->nq,
                                  b->nk, b->slope, sb, t->dcap + (or_ssize)r0 * BC);
 #if DOTS
@@ -947,8 +966,8 @@ FN(bwd_key_block)(const or_problem *p, const FN(bwd_tiles) *t, const FN(bwd_rows
                                1, 0);
             else
 #endif
-            FN(gemm)(db, BC, t->dout + (or_ssize)r0 * dvp, dvp, 1, t->vt + j0 / BC * KLD * dv, KLD,
-                     m, ncols, dv, 0, 0);                               /* dP = dO V^T */
+            FN(gemm)(db, BC, t->dout + (or_ssize)r0 * t->ldo, t->ldo, 1,
+                     t->vt + j0 / BC * KLD * dv, KLD, m, ncols, dv, 0, 0);  /* dP = dO V^T */
         }
         FN(bwd_probs)(p, t, b, j0, r0, m, ncols, kcols, skip);
 #if DOTS
@@ -957,15 +976,15 @@ FN(bwd_key_block)(const or_problem *p, const FN(bwd_tiles) *t, const FN(bwd_rows
             bf16_pairs_of_rows(t->dsr, BC, t->dpm, BC, r0 / 2, (r0 + m) / 2, BC);
             bf16_pairs_along((uint32_t *)db, BC, db, BC, m, ncols);
             if (kcols > skip)
-                bf16_rows_gemm(b->dq + (or_ssize)r0 * dp, dp, (const uint32_t *)db + skip / 2, BC,
+                bf16_rows_gemm(b->dq + (or_ssize)r0 * t->ldq, t->ldq, (const uint32_t *)db + skip / 2, BC,
                                (const uint32_t *)t->k + (j0 + skip) / 2 * dp, dp, m, dp,
                                (kcols + 1) / 2 - skip / 2, 1, 1);
             continue;
         }
 #endif
         if (kcols > skip)                                               /* dQ += dS K */
-            FN(gemm)(b->dq + (or_ssize)r0 * dp, dp, db + skip, BC, 1, t->k + (j0 + skip) * dp, dp,
-                     m, dp, kcols - skip, 1, 1);
+            FN(gemm)(b->dq + (or_ssize)r0 * t->ldq, t->ldq, db + skip, BC, 1,
+                     t->k + (j0 + skip) * t->ldq, t->ldq, m, dp, kcols - skip, 2, 1);
     }
     /* dV += P^T dO, dK += dS^T q; in a cut block SR keys at a time, from the first row that
      * sees them (P and dS are 0 above it) */
@@ -994,17 +1013,17 @@ FN(bwd_key_block)(const or_problem *p, const FN(bwd_tiles) *t, const FN(bwd_rows
 #if DOTS
         if (dots) {     /* from the pair of rows that holds rlo */
             const int x0 = rlo / 2, pairs = (rows + 1) / 2 - x0;
-            bf16_gemm(t->dvacc + (j0 + c0) * dvp, dvp, t->prr + (or_ssize)x0 * BC + c0, 1, BC,
-                      t->dor + (or_ssize)x0 * dvp, dvp, n, dvp, pairs, 1, 1);
-            bf16_gemm(t->dk + (j0 + c0) * dp, dp, t->dsr + (or_ssize)x0 * BC + c0, 1, BC,
+            bf16_gemm(t->dvacc + (j0 + c0) * t->ldo, t->ldo, t->prr + (or_ssize)x0 * BC + c0, 1,
+                      BC, t->dor + (or_ssize)x0 * dvp, dvp, n, dvp, pairs, 1, 1);
+            bf16_gemm(t->dk + (j0 + c0) * t->ldq, t->ldq, t->dsr + (or_ssize)x0 * BC + c0, 1, BC,
                       t->qr + (or_ssize)x0 * dp, dp, n, dp, pairs, 1, 1);
             continue;
         }
 #endif
-        FN(gemm)(t->dvacc + (j0 + c0) * dvp, dvp, t->s + (or_ssize)rlo * BC + c0, 1, BC,
-                 t->dout + (or_ssize)rlo * dvp, dvp, n, dvp, rows - rlo, 1, 0);
-        FN(gemm)(t->dk + (j0 + c0) * dp, dp, t->dpm + (or_ssize)rlo * BC + c0, 1, BC,
-                 t->q + (or_ssize)rlo * dp, dp, n, dp, rows - rlo, 1, 0);
+        FN(gemm)(t->dvacc + (j0 + c0) * t->ldo, t->ldo, t->s + (or_ssize)rlo * BC + c0, 1, BC,
+                 t->dout + (or_ssize)rlo * t->ldo, t->ldo, n, dvp, rows - rlo, 2, 1);
+        FN(gemm)(t->dk + (j0 + c0) * t->ldq, t->ldq, t->dpm + (or_ssize)rlo * BC + c0, 1, BC,
+                 t->q + (or_ssize)rlo * t->ldq, t->ldq, n, dp, rows - rlo, 2, 1);
     }
 }
 
@@ -1017,34 +1036,34 @@ FN(bwd_unit)(void *vjob, or_ssize item, int worker, const int dots)
     const or_job *job = vjob;
     const or_problem *p = job->p;
     const or_ssize kvu = job->order[item];
-    const int d = p->d, dv = p->dv, dp = FN(pad)(d), dvp = FN(pad)(dv);
+    const int d = p->d, dv = p->dv;
     const or_ssize nk = p->nk[kvu * p->prm.group];
     const or_ssize chunk = FN(bwd_chunk)(job, dots);
     const size_t dq_rows = FN(bwd_dq_rows)(job, dots);
     const FN(bwd_tiles) t = FN(bwd_tiles_of)(job, worker, nk, dots);
     const or_view *w = p->view;
 #if DOTS
-    if (dots) {
-        bf16_pack_row_pairs((uint32_t *)t.k, dp, p, OR_K, kvu, nk, d);
+    if (dots) {     /* t.ldq, t.ldo: d and dv rounded up to W (bwd_ld) */
+        bf16_pack_row_pairs((uint32_t *)t.k, t.ldq, p, OR_K, kvu, nk, d);
         bf16_pack_blocks((uint32_t *)t.kt, p, OR_K, kvu, nk, d);
         bf16_pack_blocks((uint32_t *)t.vt, p, OR_V, kvu, nk, dv);
 #if TILES
-        memset(t.dkt, 0, sizeof(float) * (size_t)t.ldt * (size_t)dp);
-        memset(t.dvt, 0, sizeof(float) * (size_t)t.ldt * (size_t)dvp);
+        memset(t.dkt, 0, sizeof(float) * (size_t)t.ldt * (size_t)t.ldq);
+        memset(t.dvt, 0, sizeof(float) * (size_t)t.ldt * (size_t)t.ldo);
 #endif
     } else
 #endif
     {
-        FN(load_rows)(t.k, dp, FN(row_ptr)(p, OR_K, kvu, 0), w[OR_K].row_stride, nk, d, nk,
+        FN(load_rows)(t.k, t.ldq, FN(row_ptr)(p, OR_K, kvu, 0), w[OR_K].row_stride, nk, d, nk,
                       w[OR_K].dtype, 1);
         FN(load_cols_blocked)(t.kt, FN(row_ptr)(p, OR_K, kvu, 0), w[OR_K].row_stride, nk, d,
                               w[OR_K].dtype);
         FN(load_cols_blocked)(t.vt, FN(row_ptr)(p, OR_V, kvu, 0), w[OR_V].row_stride, nk, dv,
                               w[OR_V].dtype);
     }
-    memset(t.dk, 0, sizeof(REAL) * (size_t)(nk + MR) * dp);
-    memset(t.dvacc, 0, sizeof(REAL) * (size_t)(nk + MR) * dvp);
-    memset(t.dqall, 0, sizeof(REAL) * dq_rows * (size_t)dp);
+    memset(t.dk, 0, sizeof(REAL) * (size_t)(nk + MR) * (size_t)t.ldq);
+    memset(t.dvacc, 0, sizeof(REAL) * (size_t)(nk + MR) * (size_t)t.ldo);
+    memset(t.dqall, 0, sizeof(REAL) * dq_rows * (size_t)t.ldq);
     /* keys [k0, k0 + chunk) against every query block; once, empty, where nk is 0 */
     for (or_ssize k0 = 0; k0 < nk || k0 == 0; k0 += chunk) {
         for (or_ssize g = 0; g < p->prm.group; g++) {
@@ -1055,9 +1074,9 @@ FN(bwd_unit)(void *vjob, or_ssize item, int worker, const int dots)
                 b.rows = (int)(b.nq - i0 < BR ? b.nq - i0 : BR);
                 b.rows_mr = (b.rows + MR - 1) / MR * MR;
                 if (dq_rows)
-                    b.dq = t.dqall + ((size_t)g * (size_t)(job->nq_max + MR) + (size_t)i0) * dp;
+                    b.dq = t.dqall + ((size_t)g * (size_t)(job->nq_max + MR) + (size_t)i0) * t.ldq;
                 else
-                    memset(b.dq, 0, sizeof(REAL) * (size_t)b.rows_mr * dp);
+                    memset(b.dq, 0, sizeof(REAL) * (size_t)b.rows_mr * (size_t)t.ldq);
                 or_ssize lo, hi;
                 or_key_range(p->prm.left, p->prm.right, b.nq, nk, i0, i0 + b.rows, &lo, &hi);
                 lo = lo > k0 ? lo : k0;
@@ -1070,27 +1089,27 @@ FN(bwd_unit)(void *vjob, or_ssize item, int worker, const int dots)
                 if (k0 + chunk < nk)
                     continue;       /* dQ is whole after the last chunk */
                 const REAL scale = (REAL)p->prm.scale;          /* s = scale * q.k */
-                for (or_ssize x = 0; x < (or_ssize)b.rows * dp; x++)
+                for (or_ssize x = 0; x < (or_ssize)b.rows * t.ldq; x++)
                     b.dq[x] *= scale;
-                FN(store_rows)(FN(row_ptr)(p, OR_DQ, u, i0), w[OR_DQ].row_stride, b.dq, dp,
+                FN(store_rows)(FN(row_ptr)(p, OR_DQ, u, i0), w[OR_DQ].row_stride, b.dq, t.ldq,
                                b.rows, d, w[OR_DQ].dtype);
             }
         }
     }
 #if TILES
     for (or_ssize j = 0; dots && j < nk; j++) {
-        for (int c = 0; c < dp; c++)
-            t.dk[j * dp + c] = t.dkt[(or_ssize)c * t.ldt + j];
-        for (int c = 0; c < dvp; c++)
-            t.dvacc[j * dvp + c] = t.dvt[(or_ssize)c * t.ldt + j];
+        for (int c = 0; c < t.ldq; c++)
+            t.dk[j * t.ldq + c] = t.dkt[(or_ssize)c * t.ldt + j];
+        for (int c = 0; c < t.ldo; c++)
+            t.dvacc[j * t.ldo + c] = t.dvt[(or_ssize)c * t.ldt + j];
     }
 #endif
     if (dots)       /* dK = scale dS^T q: q was not pre-multiplied */
-        for (or_ssize x = 0; x < nk * dp; x++)
+        for (or_ssize x = 0; x < nk * t.ldq; x++)
             t.dk[x] *= (REAL)p->prm.scale;
-    FN(store_rows)(FN(row_ptr)(p, OR_DK, kvu, 0), w[OR_DK].row_stride, t.dk, dp, nk, d,
+    FN(store_rows)(FN(row_ptr)(p, OR_DK, kvu, 0), w[OR_DK].row_stride, t.dk, t.ldq, nk, d,
                    w[OR_DK].dtype);
-    FN(store_rows)(FN(row_ptr)(p, OR_DV, kvu, 0), w[OR_DV].row_stride, t.dvacc, dvp, nk, dv,
+    FN(store_rows)(FN(row_ptr)(p, OR_DV, kvu, 0), w[OR_DV].row_stride, t.dvacc, t.ldo, nk, dv,
                    w[OR_DV].dtype);
 }
 

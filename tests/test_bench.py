@@ -84,22 +84,23 @@ def test_update_readme_writes_targets_and_grid(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_forward_products_table():
-    """benchmarks/forward_products.py builds its C with the machine's cc (as kernel_targets.py
-    builds fma_peak.c, which it times too) and prints a row of five timings and ratios per head
-    dim (their values are not checked: two rounds)."""
+def test_products_table():
+    """benchmarks/products.py builds its C with the machine's cc (as kernel_targets.py builds
+    fma_peak.c, which it times too) and prints a row of five timings and ratios per head dim and
+    pass (their values are not checked: two rounds)."""
     r = run_python("""
         import sys
         sys.path.insert(0, %r)
-        import forward_products
-        forward_products.main(["--rounds", "2"])
+        import products
+        products.main(["--rounds", "2"])
     """ % os.path.join(REPO_ROOT, "benchmarks"), timeout=300)
     assert r.returncode == 0, r.stderr
     rows = [line.split("|")[1:-1] for line in r.stdout.splitlines()
             if line.startswith("| ") and line[2].isdigit()]
-    assert [int(row[0]) for row in rows] == [64, 128]
+    assert [(int(row[0]), row[1].strip()) for row in rows] == [
+        (64, "forward"), (64, "backward"), (128, "forward"), (128, "backward")]
     for row in rows:
-        assert len(row) == 6 and all(float(x) > 0 for x in row[1:]), row
+        assert len(row) == 7 and all(float(x) > 0 for x in row[2:]), row
 
 
 def test_bench_has_no_readme_or_target_flags():
