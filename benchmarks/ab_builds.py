@@ -1,7 +1,7 @@
 """A/B timing of two builds of orchard_ops, for changes that must not move speed (or should).
 
     python3 benchmarks/ab_builds.py BEFORE_DIR AFTER_DIR [--pairs 20]
-                                    [--calls d64|d128|d256|short|half|decode] [--devices cpu,opencl:0]
+                                    [--calls d64|d128|d128-long|d256|short|half|decode] [--devices cpu,opencl:0]
                                     [--threads N]
 
 Each DIR holds an orchard_ops extension (e.g. a checkout's python/ after
@@ -13,7 +13,8 @@ the median over pairs of after / before. A shared VM's speed drifts by 10-20 % w
 each other drifts far less than one of two processes seconds apart (this script's earlier
 method: a call whose code had not changed read 0.84 and 0.97 in two runs, 0.96-1.00 this way).
 --calls picks the shapes: d64 (B4 H8 N1024), d128 (B2 H8 N2048, float32 and bfloat16; the
-backward B1), d256 (float32, N 2048 and 256), short (N 256 and 100, many heads), half
+backward B1), d128-long (float32 B1 H16 N4096, a backward of several key chunks), d256
+(float32, N 2048 and 256), short (N 256 and 100, many heads), half
 (bfloat16 and float16 forwards, D 64 and 128, float16 at N 256), decode
 (benchmarks/decode.py's decode steps, one query row against a cache).
 """
@@ -39,6 +40,8 @@ CALLS = {  # (name, B or query heads, H or kv heads, N or cache length, D, causa
              ("fwd causal", 2, 8, 2048, 128, True, "float32"),
              ("fwd bf16", 2, 8, 2048, 128, False, "bfloat16"),
              ("bwd", 1, 8, 2048, 128, False, "float32")],
+    "d128-long": [("fwd N4096", 1, 16, 4096, 128, False, "float32"),
+                  ("bwd N4096", 1, 16, 4096, 128, False, "float32")],
     "d256": [("fwd", 1, 8, 2048, 256, False, "float32"),
              ("fwd causal", 1, 8, 2048, 256, True, "float32"),
              ("fwd N256", 1, 64, 256, 256, False, "float32"),
