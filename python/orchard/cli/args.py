@@ -57,6 +57,21 @@ class _HeldRecords(logging.Handler):
 
 
 @contextlib.contextmanager
+def reading(argument):
+    """The library's error about a file the block reads (a config, the sequences) as the
+    UsageError of the argument that named it; none where argument is None (a built-in file)."""
+    from ..config import ConfigError
+    from ..data import DataError
+
+    try:
+        yield
+    except (ConfigError, DataError) as exc:
+        if argument is None:
+            raise
+        raise UsageError("argument %s: %s" % (argument, exc)) from exc    # --verbose: both
+
+
+@contextlib.contextmanager
 def writing(argument, path):
     """An OSError in the block (a full disk, a device that takes no data) as the UsageError of
     the argument that named the file it writes: the checks before the work cannot see these."""

@@ -10,7 +10,7 @@ import orchard_ops
 
 from ..config import load_config
 from ..device_backend import GiB, auto_choice_reason, get_device_backend
-from .args import Parser, console_script, path
+from .args import Parser, console_script, path, reading
 
 _FACTS = ("kind", "backend", "vendor", "platform", "driver_version", "compute_units",
           "global_mem_bytes", "local_mem_bytes", "max_work_group_size", "fp16", "fp64",
@@ -36,7 +36,8 @@ def main(argv=None):
                              "instead of text.")
     args = parser.parse_args(argv)
 
-    config = load_config(args.config)
+    with reading("--config" if args.config else None):
+        config = load_config(args.config)
     listing = orchard_ops.devices()
     chosen, why = auto_choice_reason(listing)
     cfg, reasons = get_device_backend(chosen).adapt_config(config)

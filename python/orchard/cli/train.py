@@ -19,7 +19,7 @@ import shlex
 import sys
 
 from .args import (SEED_MAX, Parser, UsageError, console_script, debug_requested, device,
-                   folder_problem, integer, logs_held_until_checked, path, writing)
+                   folder_problem, integer, logs_held_until_checked, path, reading, writing)
 
 log = logging.getLogger("orchard")
 
@@ -190,7 +190,8 @@ def build_trainer(args):
               if hf_path is not None else None)
     except HFModelError as exc:
         raise UsageError("argument %s: %s" % (hf_flag, exc)) from None
-    sequences, vocab_size, data_info = load_training_data(args.sequences)
+    with reading("--sequences" if args.sequences else None):
+        sequences, vocab_size, data_info = load_training_data(args.sequences)
     if state is not None:
         # The checkpoint fixes the model; the rest is re-adapted to this device.
         requested = dict(state["config"], model=state["model_config"])
@@ -212,7 +213,9 @@ def build_trainer(args):
                         "and loss curve do not continue (--sequences chooses the data)",
                         trained_on, data_info["source"])
     else:
-        requested = apply_flags(load_config(args.config), args)
+        with reading("--config" if args.config else None):
+            config = load_config(args.config)
+        requested = apply_flags(config, args)
         seed = DEFAULT_SEED if args.seed is None else args.seed
     hf_config = state.get("hf_config") if state is not None else None
     tokenizer = [name for name in TOKENIZER_FILES
