@@ -123,8 +123,9 @@ static PyArrayObject *no_memory(int nd, const npy_intp *dims, PyArray_Descr *des
 }
 
 /* A new C-contiguous array in memory aligned to `align` bytes (a power of two), as devices
- * sharing host memory want it, of zeros where `zeroed` (outputs; a staging copy writes every
- * element itself); a capsule frees the memory with the array. */
+ * sharing host memory want it, of zeros where `zeroed` (OpenCL devices' outputs, problem.c
+ * or_new_output; a staging copy writes every element itself); a capsule frees the memory with
+ * the array. */
 PyArrayObject *or_new_aligned(int nd, const npy_intp *dims, int typenum, size_t align,
                               int zeroed)
 {

@@ -54,7 +54,11 @@ void or_out_shapes(or_call *c, npy_intp *oshape, npy_intp *lshape, int *ond, int
  * in memory in the axis order of `like` (an operand of the same rank, or NULL for C order),
  * as torch's empty_like: for a (B, N, H, D) tensor seen as (B, H, N, D), the output is the
  * same view of contiguous (B, N, H, D) memory, so that its caller's transpose back needs no
- * copy. The last axis stays innermost. A call on DeviceArrays (C order) gets DeviceArrays. */
+ * copy. The last axis stays innermost. A call on DeviceArrays (C order) gets DeviceArrays.
+ * Zeroed for OpenCL devices only: the native kernels write every element of their outputs
+ * (every row of every unit, rows that see no key included), and zeroing them first kept the
+ * calling thread while the others waited: without it B4 H8 N1024 D64 took 0.977x the time
+ * backward, 0.989x forward, 0.975x causal (AMD EPYC, 2 threads). */
 int or_new_output(or_call *c, int slot, int nd, const npy_intp *shape, or_dtype dt,
                   PyArrayObject *like)
 {
@@ -76,7 +80,7 @@ int or_new_output(or_call *c, int slot, int nd, const npy_intp *shape, or_dtype 
     for (int i = 0; i < nd; i++)
         dims[i] = shape[order[i]];
     PyArrayObject *mem = or_new_aligned(nd, dims, or_dtypes[dt].typenum,
-                                        or_device_align(c->device.index), 1);
+                                        or_device_align(c->device.index), c->device.index != 0);
     if (mem != NULL) {
         npy_intp axes[NPY_MAXDIMS];     /* axis order[i] of the output is axis i of mem */
         for (int i = 0; i < nd; i++)
