@@ -128,6 +128,28 @@ def test_bwd_empty(ops, device, rng, dtype):
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
 
 
+def test_outputs_owe_nothing_to_reused_memory(ops, device, rng):
+    """The native path's outputs are not zeroed before its kernels (problem.c or_new_output),
+    and a freed output's memory serves the next one of its size (marshal.c): query rows that
+    see no key, and keys that no row sees, still read 0, not a previous call's values."""
+    q, k, v, do = qkvo(rng, np.float32, nq=64, nk=40, d=32)
+    for _ in range(2):      # outputs of every row and key, freed: their memory comes back
+        out, lse = ops.flash_attn_fwd(q, k, v, device=device)
+        del out, lse
+        out, lse = ops.flash_attn_fwd(q, k, v, causal=True, device=device)
+    assert np.all(out[:, :, :24] == 0) and np.all(np.isneginf(lse[:, :, :24]))
+    assert np.all(out[:, :, 24:] != 0)
+    q, k, v, do = qkvo(rng, np.float32, nq=40, nk=64, d=32)
+    out, lse = ops.flash_attn_fwd(q, k, v, device=device)
+    for _ in range(2):
+        grads = ops.flash_attn_bwd(do, q, k, v, out, lse, device=device)
+        del grads
+        o1, l1 = ops.flash_attn_fwd(q, k, v, window=(0, 0), device=device)
+        dq, dk, dv = ops.flash_attn_bwd(do, q, k, v, o1, l1, window=(0, 0), device=device)
+    assert np.all(dk[:, :, :24] == 0) and np.all(dv[:, :, :24] == 0)   # keys no row sees
+    assert np.all(dv[:, :, 24:] != 0)
+
+
 def test_bwd_uses_given_out_and_lse(ops, device, rng):
     """bwd accepts out/lse as returned by fwd even when passed as copies / views."""
     q, k, v, do = qkvo(rng, np.float64, nq=5, nk=7, d=8)
