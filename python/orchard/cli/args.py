@@ -57,16 +57,17 @@ class _HeldRecords(logging.Handler):
 
 
 @contextlib.contextmanager
-def reading(argument):
+def reading(argument, value):
     """The library's error about a file the block reads (a config, the sequences) as the
-    UsageError of the argument that named it; none where argument is None (a built-in file)."""
+    UsageError of the argument that named it; as it is where the argument was not given (value
+    None: a built-in file)."""
     from ..config import ConfigError
     from ..data import DataError
 
     try:
         yield
     except (ConfigError, DataError) as exc:
-        if argument is None:
+        if value is None:
             raise
         raise UsageError("argument %s: %s" % (argument, exc)) from exc    # --verbose: both
 

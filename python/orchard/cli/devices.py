@@ -36,7 +36,7 @@ def main(argv=None):
                              "instead of text.")
     args = parser.parse_args(argv)
 
-    with reading("--config" if args.config else None):
+    with reading("--config", args.config):
         config = load_config(args.config)
     listing = orchard_ops.devices()
     chosen, why = auto_choice_reason(listing)

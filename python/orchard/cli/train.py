@@ -190,7 +190,7 @@ def build_trainer(args):
               if hf_path is not None else None)
     except HFModelError as exc:
         raise UsageError("argument %s: %s" % (hf_flag, exc)) from None
-    with reading("--sequences" if args.sequences else None):
+    with reading("--sequences", args.sequences):
         sequences, vocab_size, data_info = load_training_data(args.sequences)
     if state is not None:
         # The checkpoint fixes the model; the rest is re-adapted to this device.
@@ -213,7 +213,7 @@ def build_trainer(args):
                         "and loss curve do not continue (--sequences chooses the data)",
                         trained_on, data_info["source"])
     else:
-        with reading("--config" if args.config else None):
+        with reading("--config", args.config):
             config = load_config(args.config)
         requested = apply_flags(config, args)
         seed = DEFAULT_SEED if args.seed is None else args.seed
