@@ -68,44 +68,81 @@ static int readable_in_place(PyArrayObject *a)
            || PyArray_STRIDE(a, nd - 1) == PyArray_ITEMSIZE(a);
 }
 
-/* The largest aligned buffer freed lately, of at most SPARE_MAX bytes, kept for the next array
- * of its size or a little less. Staging an operand call after call (alongside an output of the
- * same size) otherwise took fresh pages from the kernel each time (glibc returned the two
- * freed buffers together), and their zeroing was 4 % of a float32 forward of (4, 8, 1024, 64)
- * (perf: clear_page); glibc's malloc keeps freed memory of up to 32 MiB for reuse in the same
- * way. Only touched with the GIL held (allocation here, the capsule's destructor), which
- * serialises it. */
+/* The largest aligned buffers freed lately, up to SPARES of them, each of at most SPARE_MAX
+ * bytes and SPARE_TOTAL together, kept for the next arrays of their size or a little less.
+ * Staging an operand call after call (alongside an output of the same size) otherwise took
+ * fresh pages from the kernel each time (glibc returned the two freed buffers together), and
+ * their zeroing was 4 % of a float32 forward of (4, 8, 1024, 64) (perf: clear_page); glibc's
+ * malloc keeps freed memory of up to 32 MiB for reuse in the same way. With one spare, a
+ * staged forward there still took 307 fresh pages a call and a backward (three outputs) 4,000.
+ * Only touched with the GIL held (allocation here, the capsule's destructor), which serialises
+ * it. */
+#define SPARES 4
 #define SPARE_MAX ((size_t)32 << 20)
+#define SPARE_TOTAL ((size_t)64 << 20)
 static struct {
     void *mem;
     size_t nbytes;
-} spare;
+} spares[SPARES];
 
+/* The spare buffer of fewest bytes, or -1 where none is held. */
+static int smallest_spare(void)
+{
+    int s = -1;
+    for (int i = 0; i < SPARES; i++)
+        if (spares[i].mem != NULL && (s < 0 || spares[i].nbytes < spares[s].nbytes))
+            s = i;
+    return s;
+}
+
+/* A freed array's buffer becomes a spare where it is larger than spares that must go to make
+ * room for it (a slot, and SPARE_TOTAL); else it is freed. */
 static void free_staging(PyObject *capsule)
 {
     void *mem = PyCapsule_GetPointer(capsule, "orchard.staging");
     const size_t nbytes = (size_t)(uintptr_t)PyCapsule_GetContext(capsule);
-    if (nbytes > SPARE_MAX || nbytes < spare.nbytes) {
+    size_t held = 0;
+    int slot = -1;
+    if (nbytes > SPARE_MAX) {
         free(mem);
         return;
     }
-    free(spare.mem);
-    spare.mem = mem;
-    spare.nbytes = nbytes;
+    for (int i = 0; i < SPARES; i++) {
+        held += spares[i].nbytes;
+        slot = spares[i].mem == NULL ? i : slot;
+    }
+    while (slot < 0 || held + nbytes > SPARE_TOTAL) {
+        const int s = smallest_spare();
+        if (s < 0 || spares[s].nbytes >= nbytes) {
+            free(mem);
+            return;
+        }
+        held -= spares[s].nbytes;
+        free(spares[s].mem);
+        spares[s].mem = NULL;
+        spares[s].nbytes = 0;
+        slot = s;
+    }
+    spares[slot].mem = mem;
+    spares[slot].nbytes = nbytes;
 }
 
-/* nbytes aligned to `align`: the spare buffer where it is large enough, is aligned so and not
- * more than twice as large (a small array does not hold on to a large buffer); else new. */
+/* nbytes aligned to `align`: the smallest spare buffer that is large enough, is aligned so and
+ * not more than twice as large (a small array does not hold on to a large buffer); else new. */
 static void *aligned_memory(size_t align, size_t nbytes)
 {
-    if (spare.mem != NULL && spare.nbytes >= nbytes && spare.nbytes / 2 <= nbytes
-        && (uintptr_t)spare.mem % align == 0) {
-        void *mem = spare.mem;
-        spare.mem = NULL;
-        spare.nbytes = 0;
-        return mem;
-    }
-    return aligned_alloc(align, nbytes);
+    int best = -1;
+    for (int i = 0; i < SPARES; i++)
+        if (spares[i].mem != NULL && spares[i].nbytes >= nbytes && spares[i].nbytes / 2 <= nbytes
+            && (uintptr_t)spares[i].mem % align == 0
+            && (best < 0 || spares[i].nbytes < spares[best].nbytes))
+            best = i;
+    if (best < 0)
+        return aligned_alloc(align, nbytes);
+    void *mem = spares[best].mem;
+    spares[best].mem = NULL;
+    spares[best].nbytes = 0;
+    return mem;
 }
 
 /* MemoryError for an array that cannot be allocated, with its size (in a double: the exact

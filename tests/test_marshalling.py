@@ -179,7 +179,7 @@ def test_misaligned_is_staged(ops, device, rng, dtype):
 
 
 def test_staging_memory_reused_never_shared(ops, device, rng):
-    """Freed staging and output memory is handed to later arrays (marshal.c, spare): call
+    """Freed staging and output memory is handed to later arrays (marshal.c, spares): call
     after call, each staged operand holds its own values and no live array shares memory with
     a later one, whatever the sizes."""
     kept = []
@@ -191,6 +191,23 @@ def test_staging_memory_reused_never_shared(ops, device, rng):
             np.testing.assert_array_equal(old_out, old_ref)
         kept.append((out, out.copy()))
         del lse                         # its memory may serve the next call
+
+
+def test_freed_outputs_serve_the_next_call(ops, rng):
+    """A backward's three outputs, freed, are the next backward's memory (marshal.c keeps up to
+    four freed buffers): no fresh pages, which the kernel zeroes, call after call. On the
+    native path, whose inputs here are used in place (an OpenCL device's staged copies of
+    them take spares too)."""
+    device = "cpu"
+    q, k, v, do = (randn(rng, (2, 3, 64, 32), np.float32) for _ in range(4))
+    out, lse = ops.flash_attn_fwd(q, k, v, device=device)
+    address = lambda arrays: sorted(a.__array_interface__["data"][0] for a in arrays)
+    grads = ops.flash_attn_bwd(do, q, k, v, out, lse, device=device)
+    freed = address(grads)
+    del grads
+    grads = ops.flash_attn_bwd(do, q, k, v, out, lse, device=device)
+    assert address(grads) == freed
+    check_backward(ops, device, q, k, v, do)
 
 
 def test_read_only_inputs(ops, device, rng):
