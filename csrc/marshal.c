@@ -74,7 +74,8 @@ static int readable_in_place(PyArrayObject *a)
  * fresh pages from the kernel each time (glibc returned the two freed buffers together), and
  * their zeroing was 4 % of a float32 forward of (4, 8, 1024, 64) (perf: clear_page); glibc's
  * malloc keeps freed memory of up to 32 MiB for reuse in the same way. With one spare, a
- * staged forward there still took 307 fresh pages a call and a backward (three outputs) 4,000.
+ * staged forward there still took 307 fresh pages a call and a backward (three outputs) about
+ * 3,700.
  * Only touched with the GIL held (allocation here, the capsule's destructor), which serialises
  * it. */
 #define SPARES 4
