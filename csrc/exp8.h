@@ -9,20 +9,20 @@
 #ifndef ORCHARD_EXP8_H
 #define ORCHARD_EXP8_H
 #include <immintrin.h>
+#include "../kernels/expf.h"    /* its constants (the includer has no OR_EXPF defined) */
 
 static inline __attribute__((always_inline)) __m256 or_exp8(__m256 x)
 {
-    const __m256 round = _mm256_set1_ps(12582912.0f);
-    x = _mm256_max_ps(_mm256_set1_ps(-88.0296919f), x);
-    const __m256 t = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504f), round);
+    const __m256 round = _mm256_set1_ps(OR_EXP_ROUND);
+    x = _mm256_max_ps(_mm256_set1_ps(OR_EXP_LOW), x);
+    const __m256 t = _mm256_fmadd_ps(x, _mm256_set1_ps(OR_EXP_LOG2E), round);
     const __m256 n = _mm256_sub_ps(t, round);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-    __m256 y = _mm256_fmadd_ps(_mm256_set1_ps(1.9875691500e-4f), r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(OR_EXP_LN2_HI), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(OR_EXP_LN2_LO), r);
+    __m256 y = _mm256_fmadd_ps(_mm256_set1_ps(OR_EXP_C6), r, _mm256_set1_ps(OR_EXP_C5));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(OR_EXP_C4));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(OR_EXP_C3));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(OR_EXP_C2));
     y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
     y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
     /* 2^n: n + 127 from t's bits, capped at 255 as an unsigned integer (inf, and any NaN) */

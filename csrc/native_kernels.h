@@ -62,6 +62,7 @@ static inline __attribute__((always_inline)) float or_bits_float(uint32_t u)
 #include "expf.h"
 #undef OR_EXPF_COARSE
 #endif
+#undef OR_EXPF     /* exp8.h and exp16.h below read expf.h's constants alone */
 
 /* OR_EXPV(v): e^x of a vector of VBYTES floats (a GCC vector), the float rows' exps
  * (attn_native_impl.h exp_row_lanes), where the set has one */
