@@ -10,16 +10,16 @@
  * (without OR_EXPF it gives the constants alone).
  *
  * Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, then a degree-6 minimax polynomial for e^r
- * in Horner form (relative error 2e-9, at most 1 ulp once rounded: 0.98 against float64 over
- * [-87, 88]). It replaced Cephes' degree-7 one (0.85 ulp): an FMA less in a chain of dependent
- * ones, and the AVX2 exp's loop is bound by that chain's latency, not by its FMAs (one core of
- * an AMD EPYC, rows of 96 scores: 3.84 ns a vector against 4.28; float32 forward at D 64 0.99x
- * the time, 2 threads). Arguments are clamped below at -127 ln2, where 2^n's exponent bits
- * become 0: so -inf (a masked score) gives exactly 0. n is read from the bits of the sum that
- * rounds it, and capped as an unsigned integer (above 88.3 the result is inf, and a NaN's bits,
- * whatever its sign, cap too: the NaN carries on through the polynomial): one compare and blend
- * instead of two, a fifth fewer instructions per exp (native float forward at D 64 4 % faster,
- * D 128 and the backward 1-2 %, one core, A/B).
+ * in Horner form (relative error 2e-9; at most 1.04 ulp from float64 over [-87, 88] with FMAs,
+ * 1.31 without). It replaced Cephes' degree-7 one (0.89 / 1.14 ulp): an FMA less in a chain of
+ * dependent ones, and the AVX2 exp's loop is bound by that chain's latency, not by its FMAs
+ * (one core of an AMD EPYC, rows of 96 scores: 3.84 ns a vector against 4.28; float32 forward
+ * at D 64 0.99x the time, 2 threads). Arguments are clamped below at -127 ln2, where 2^n's
+ * exponent bits become 0: so -inf (a masked score) gives exactly 0. n is read from the bits of
+ * the sum that rounds it, and capped as an unsigned integer (above 88.3 the result is inf, and a
+ * NaN's bits, whatever its sign, cap too: the NaN carries on through the polynomial): one
+ * compare and blend instead of two, a fifth fewer instructions per exp (native float forward at
+ * D 64 4 % faster, D 128 and the backward 1-2 %, one core, A/B).
  * With OR_EXPF_COARSE defined as well, the polynomial is a degree-4 one (minimax on |r| <= ln2/2
  * with the terms 1 + r kept exact, fitted in float64), relative error 5.4e-6 instead of about
  * 1 ulp and two FMAs fewer: for probabilities about to be rounded to bfloat16 (2^-9).
@@ -31,7 +31,8 @@
 #define OR_EXP_LOG2E 1.44269504f
 #define OR_EXP_LN2_HI 0.693359375f      /* ln2 = hi - lo, hi exact in 9 bits */
 #define OR_EXP_LN2_LO 2.12194440e-4f
-#define OR_EXP_C6 1.38436002e-3f        /* e^r = ((((c6 r + c5) r + c4) r + c3) r + c2) r^2 + r + 1 */
+/* e^r = ((((c6 r + c5) r + c4) r + c3) r + c2) r^2 + r + 1 */
+#define OR_EXP_C6 1.38436002e-3f
 #define OR_EXP_C5 8.37420020e-3f
 #define OR_EXP_C4 4.16680090e-2f
 #define OR_EXP_C3 1.66664302e-1f
