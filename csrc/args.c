@@ -5,11 +5,25 @@
  * cu_seqlens/max_seqlen of a varlen call; the shapes given to dropout_mask(). Every check that
  * fails raises one exception naming the argument and returns -1.
  */
+#include <float.h>
 #include <math.h>
 
 #include "pyorchard.h"
 
+/* A window entry past this is unbounded (-1): longer than any sequence, and the mask's sums
+ * (kernels/params.h or_key_range) stay within int64 */
+#define OR_WINDOW_MAX ((long long)1 << 62)
+
 static const char *slot_name[OR_NSLOTS] = {"q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv"};
+
+int or_bad_value(void)
+{
+    if (!(PyErr_ExceptionMatches(PyExc_TypeError) || PyErr_ExceptionMatches(PyExc_ValueError)
+          || PyErr_ExceptionMatches(PyExc_OverflowError)))
+        return 0;
+    PyErr_Clear();
+    return 1;
+}
 
 /* An integer argument (int, numpy integer, anything with __index__) as a long long; returns
  * 0, or -1: with no exception set when it is not an integer or does not fit (the caller names
@@ -17,9 +31,7 @@ static const char *slot_name[OR_NSLOTS] = {"q", "k", "v", "out", "lse", "dout", 
  * an __index__) kept, which the caller passes on. */
 static int not_a_value(void)
 {
-    if (PyErr_ExceptionMatches(PyExc_TypeError) || PyErr_ExceptionMatches(PyExc_ValueError)
-        || PyErr_ExceptionMatches(PyExc_OverflowError))
-        PyErr_Clear();
+    or_bad_value();
     return -1;
 }
 
@@ -70,9 +82,13 @@ static int real_arg(or_call *c, const char *name, PyObject *obj, double *out)
         *out = PyFloat_AsDouble(obj);
         if (!(*out == -1.0 && PyErr_Occurred()))
             return 0;
-        if (!PyErr_ExceptionMatches(PyExc_TypeError))
+        if (PyErr_ExceptionMatches(PyExc_OverflowError)) {     /* an int past float's range */
+            PyErr_Clear();
+            *out = INFINITY;
+            return 0;
+        }
+        if (!or_bad_value())
             return -1;
-        PyErr_Clear();
     }
     PyErr_Format(PyExc_TypeError, "%s(): '%s' must be a number, got %.100R", c->func, name, obj);
     return -1;
@@ -97,7 +113,8 @@ int or_check_options(or_call *c, const or_opts *o)
 
     p->prm.left = p->prm.right = -1;
     if (o->window != NULL && (!PySequence_Check(o->window) || PySequence_Size(o->window) != 2)) {
-        PyErr_Clear();
+        if (PyErr_Occurred() && !or_bad_value())
+            return -1;
         PyErr_Format(PyExc_TypeError, "%s(): 'window' must be a pair (left, right) of ints, "
                      "got %.100R", c->func, o->window);
         return -1;
@@ -116,8 +133,9 @@ int or_check_options(or_call *c, const or_opts *o)
             return -1;
         }
     }
-    p->prm.left = (or_ssize)lr[0];
-    p->prm.right = (or_ssize)lr[1];
+    /* past any sequence's length a window is unbounded: so, and the mask's sums never overflow */
+    p->prm.left = lr[0] > OR_WINDOW_MAX ? -1 : (or_ssize)lr[0];
+    p->prm.right = lr[1] > OR_WINDOW_MAX ? -1 : (or_ssize)lr[1];
     /* causal: a bool (Python's or NumPy's) or the int 0 or 1; truthiness would read the string
      * "False" as causal */
     long long flag = -1;
@@ -139,7 +157,8 @@ int or_check_options(or_call *c, const or_opts *o)
     /* a bool is an int to Python, but seed=True is a mistake, not seed 1 */
     PyObject *seed_int = PyBool_Check(o->seed) ? NULL : PyNumber_Index(o->seed);
     if (seed_int == NULL) {
-        PyErr_Clear();
+        if (PyErr_Occurred() && !or_bad_value())
+            return -1;
         PyErr_Format(PyExc_TypeError, "%s(): 'seed' must be an int, not %.100s", c->func,
                      Py_TYPE(o->seed)->tp_name);
         return -1;
@@ -147,7 +166,8 @@ int or_check_options(or_call *c, const or_opts *o)
     unsigned long long seed = PyLong_AsUnsignedLongLong(seed_int);
     Py_DECREF(seed_int);
     if (seed == (unsigned long long)-1 && PyErr_Occurred()) {
-        PyErr_Clear();
+        if (!or_bad_value())
+            return -1;
         PyErr_Format(PyExc_ValueError, "%s(): 'seed' must be in [0, 2**64), got %R", c->func,
                      o->seed);
         return -1;
@@ -156,23 +176,31 @@ int or_check_options(or_call *c, const or_opts *o)
     return 0;
 }
 
+double or_compute_max(const or_call *c)
+{
+    return c->p.view[OR_Q].dtype == OR_F64 ? DBL_MAX : FLT_MAX;
+}
+
 int or_check_scale(or_call *c, const or_opts *o)
 {
+    const double max = or_compute_max(c);
+    if (c->p.prm.softcap > max)
+        return number_error(c, "softcap", "must be finite in float32, the kernels' type for "
+                            "these operands", c->p.prm.softcap);
     if (o->scale == Py_None) {
         c->p.prm.scale = 1.0 / sqrt((double)c->p.d);
         return 0;
     }
-    double s = PyBool_Check(o->scale) ? -1.0 : PyFloat_AsDouble(o->scale);
-    if (PyBool_Check(o->scale) || (s == -1.0 && PyErr_Occurred())) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "%s(): 'scale' must be a number or None, not %.100s",
-                     c->func, Py_TYPE(o->scale)->tp_name);
+    double s;
+    if (real_arg(c, "scale", o->scale, &s) < 0)
         return -1;
-    }
     if (!isfinite(s)) {
         PyErr_Format(PyExc_ValueError, "%s(): 'scale' must be finite, got %R", c->func, o->scale);
         return -1;
     }
+    if (fabs(s) > max)
+        return number_error(c, "scale", "must be finite in float32, the kernels' type for these "
+                            "operands", s);
     c->p.prm.scale = s;
     return 0;
 }
@@ -246,6 +274,19 @@ static int shape_error(or_call *c, const char *name, const char *what)
     return -1;
 }
 
+
+/* An OpenCL device chosen automatically that cannot take a call (float64 without
+ * cl_khr_fp64, paged k and v) hands it to the native path, as one whose kernels fail does
+ * (module.c run); returns 1 if it did. Operands staged for the device before serve the native
+ * path as they are. */
+static int native_if_automatic(or_call *c)
+{
+    if (!c->device.automatic || c->device.index == 0)
+        return 0;
+    c->device.index = 0;
+    c->ct = or_device_counters(0);
+    return 1;
+}
 /* Converts the input operands named in `slots` and checks that they share q's dtype. */
 int or_load_operands(or_call *c, PyObject **objs, const int *slots, int n)
 {
@@ -286,7 +327,8 @@ int or_load_operands(or_call *c, PyObject **objs, const int *slots, int n)
             return -1;
         }
     }
-    if (or_dtypes[dt].compute_size == sizeof(double) && !or_device_fp64(c->device.index)) {
+    if (or_dtypes[dt].compute_size == sizeof(double) && !or_device_fp64(c->device.index)
+        && !native_if_automatic(c)) {
         PyObject *id = or_device_id(c->device.index);
         if (id != NULL)
             PyErr_Format(PyExc_TypeError,
@@ -511,7 +553,7 @@ int or_check_varlen(or_call *c, const or_opts *o, PyObject *cuq_obj, PyObject *c
  * operand, so that the varlen checks and tables see k and v as for packed sequences. */
 int or_check_paged_kv(or_call *c)
 {
-    if (c->device.index != 0) {
+    if (c->device.index != 0 && !native_if_automatic(c)) {
         PyObject *id = or_device_id(c->device.index);
         if (id != NULL)
             PyErr_Format(PyExc_ValueError, "%s(): 'block_table' (paged k and v) is read on "
@@ -620,7 +662,8 @@ int or_parse_shape(PyObject *obj, const char *name, npy_intp *dims)
 {
     PyObject *seq = PySequence_Check(obj) ? PySequence_Fast(obj, "") : NULL;
     if (seq == NULL) {
-        PyErr_Clear();
+        if (PyErr_Occurred() && !or_bad_value())
+            return -1;
         PyErr_Format(PyExc_TypeError, "dropout_mask(): '%s' must be a sequence of ints, got "
                      "%.100R", name, obj);
         return -1;

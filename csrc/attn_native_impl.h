@@ -599,11 +599,12 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
     }
 
     for (int r = 0; r < rows; r++) {
-        /* l is 0 only for a row that saw no key; a NaN (from a NaN or inf score) carries on */
+        /* l is 0 only for a row that saw no key: its out is 0, even where its masked 0s met a
+         * NaN value that another row of the block sees (0 * NaN); a NaN in l carries on */
         const REAL inv = l[r] != 0 ? 1 / l[r] : 0;
         REAL *orow = o + (or_ssize)r * dvp;
         for (int x = 0; x < dv; x++)
-            orow[x] *= inv;
+            orow[x] = l[r] != 0 ? orow[x] * inv : 0;
         m[r] = l[r] != 0 ? m[r] + LOG(l[r]) : -INFINITY;    /* m now holds lse */
     }
     FN(store_rows)(FN(row_ptr)(p, OR_O, u, i0), w[OR_O].row_stride, o, dvp, rows, dv, w[OR_O].dtype);
@@ -1088,9 +1089,15 @@ FN(bwd_unit)(void *vjob, or_ssize item, int worker, const int dots)
                 }
                 if (k0 + chunk < nk)
                     continue;       /* dQ is whole after the last chunk */
-                const REAL scale = (REAL)p->prm.scale;          /* s = scale * q.k */
-                for (or_ssize x = 0; x < (or_ssize)b.rows * t.ldq; x++)
-                    b.dq[x] *= scale;
+                /* s = scale * q.k; a row that sees no key gets dQ 0, even where its dS of 0 met a
+                 * NaN key that another row of the block sees (0 * NaN) */
+                const REAL scale = (REAL)p->prm.scale;
+                FN(load_rows)(t.lse, 1, FN(row_ptr)(p, OR_LSE, u, i0), w[OR_LSE].row_stride,
+                              b.rows, 1, b.rows, w[OR_LSE].dtype, 1);
+                for (int r = 0; r < b.rows; r++)
+                    for (int x = 0; x < t.ldq; x++)
+                        b.dq[(or_ssize)r * t.ldq + x] = t.lse[r] != -INFINITY
+                                                        ? b.dq[(or_ssize)r * t.ldq + x] * scale : 0;
                 FN(store_rows)(FN(row_ptr)(p, OR_DQ, u, i0), w[OR_DQ].row_stride, b.dq, t.ldq,
                                b.rows, d, w[OR_DQ].dtype);
             }

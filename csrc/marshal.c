@@ -223,8 +223,9 @@ PyArrayObject *or_operand(PyObject *obj, const char *func, const char *name, or_
     PyArrayObject *a = dlpack ? or_from_dlpack(obj, func, name, dt)
                               : (PyArrayObject *)PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
     if (a == NULL) {
-        /* MemoryError, and dlpack.c's own errors (they name the argument), pass through */
-        if (PyErr_ExceptionMatches(PyExc_MemoryError)
+        /* MemoryError, what is not an Exception (KeyboardInterrupt in an __array__), and
+         * dlpack.c's own errors (they name the argument) pass through */
+        if (PyErr_ExceptionMatches(PyExc_MemoryError) || !PyErr_ExceptionMatches(PyExc_Exception)
             || (dlpack && (PyErr_ExceptionMatches(PyExc_TypeError)
                            || PyErr_ExceptionMatches(PyExc_ValueError))))
             return NULL;
@@ -240,8 +241,9 @@ PyArrayObject *or_operand(PyObject *obj, const char *func, const char *name, or_
     if (!dlpack && or_dtype_of(a, dt) < 0) {
         PyObject *names = dtype_names();
         if (names != NULL)
-            PyErr_Format(PyExc_TypeError, "%s(): argument '%s' must be a %U array, not %S", func,
-                         name, names, (PyObject *)PyArray_DESCR(a));
+            PyErr_Format(PyExc_TypeError, "%s(): argument '%s' must be a %U array (bfloat16: "
+                         "a tensor through DLPack), not %S", func, name, names,
+                         (PyObject *)PyArray_DESCR(a));
         Py_XDECREF(names);
         Py_DECREF(a);
         return NULL;

@@ -194,8 +194,7 @@ static int alibi_table(or_call *c, PyObject *obj)
                          (PyObject *)a, PyArray_DescrFromType(NPY_FLOAT64), 0, 0,
                          NPY_ARRAY_CARRAY | NPY_ARRAY_FORCECAST, NULL));
     if (a == NULL) {
-        if (!PyErr_Occurred() || !PyErr_ExceptionMatches(PyExc_MemoryError)) {
-            PyErr_Clear();
+        if (!PyErr_Occurred() || or_bad_value()) {
             PyErr_Format(PyExc_TypeError, "%s(): 'alibi_slopes' must be an array of integers or "
                          "floats that NumPy can read (a bfloat16 tensor: convert it first), got "
                          "%.100R", c->func, obj);
@@ -230,10 +229,13 @@ static int alibi_table(or_call *c, PyObject *obj)
     }
     const double *v = PyArray_DATA(a);
     for (npy_intp i = 0; i < size; i++)
-        if (!isfinite(v[i])) {     /* it would make every row it touches NaN */
-            PyErr_Format(PyExc_ValueError, "%s(): 'alibi_slopes' must be finite, got %s at "
-                         "flat index %zd", c->func,
-                         isnan(v[i]) ? "nan" : v[i] > 0 ? "inf" : "-inf", (Py_ssize_t)i);
+        if (!(fabs(v[i]) <= or_compute_max(c))) {    /* it would make every row it touches NaN */
+            PyObject *got = PyFloat_FromDouble(v[i]);
+            if (got != NULL)
+                PyErr_Format(PyExc_ValueError, "%s(): 'alibi_slopes' must be finite%s, got %R at "
+                             "flat index %zd", c->func, isfinite(v[i]) ? " in float32, the "
+                             "kernels' type for these operands" : "", got, (Py_ssize_t)i);
+            Py_XDECREF(got);
             Py_DECREF(a);
             return -1;
         }

@@ -103,6 +103,13 @@ typedef struct {
 } or_call;
 
 /* args.c: each returns 0, or -1 with the exception set */
+/* Whether the exception set says that a value is not a valid one (TypeError, ValueError,
+ * OverflowError): then it is cleared, for the caller to raise its own, naming the argument;
+ * any other (MemoryError, KeyboardInterrupt in a conversion) stays set, to be passed on. */
+int or_bad_value(void);
+/* The largest finite value of the type the kernels compute a call's operands in (float64:
+ * double, else float): softcap, scale and slopes past it would turn inf there */
+double or_compute_max(const or_call *c);
 int or_as_integer(PyObject *obj, long long *out);      /* -1: not an int (no exception), or another failure (its exception) */
 /* An int argument in lo..hi; -1 with TypeError (not an int, or a bool) or ValueError (out of
  * range) naming func and name */

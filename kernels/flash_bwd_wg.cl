@@ -102,9 +102,10 @@ __kernel void flash_bwd_wg_dq(__global const storage_t *q, __global const storag
         const long i = b.i0 + ty * WTM + a;
         if (i >= b.nq)
             break;
+        /* a row that sees no key: 0, even where its dS of 0 met a NaN key (0 * NaN) */
         for (int g = 0; g < WD4 && wg_col(tx, g) < HEAD_D; g++)
             wg_store4(dq, b.unit[OR_DQ] + i * meta[OR_DQ], wg_col(tx, g), HEAD_D,
-                      acc[a * WD4 + g] * p.scale);
+                      lse_a[a] != -INFINITY ? acc[a * WD4 + g] * p.scale : (real4)0);
     }
 }
 

@@ -107,8 +107,8 @@ __kernel void flash_fwd_rows(__global const storage_t *q, __global const storage
     if (!valid)
         return;
     const real inv = l != 0 ? 1 / l : 0;    /* 0: no key seen; NaN carries on */
-    for (int x = 0; x < DVP; x++)
-        acc[x] *= inv;
+    for (int x = 0; x < DVP; x++)       /* a row that saw no key: 0, even where 0 * NaN */
+        acc[x] = l != 0 ? acc[x] * inv : 0;
     store_row(out, unit[OR_O] + i * meta[OR_O], acc, HEAD_DV);
     lse[unit[OR_LSE] + i * meta[OR_LSE]] = l != 0 ? m + log(l) : -INFINITY;
 }

@@ -127,7 +127,7 @@ void flash_fwd_tiled(__global const storage_t *q, __global const storage_t *k,
         const long i = i0 + r;
         const real inv = l[r] != 0 ? 1 / l[r] : 0;  /* 0: no key seen; NaN carries on */
         for (int x = 0; x < HEAD_DV; x++)
-            STORE(out, unit[OR_O] + i * meta[OR_O] + x, o[r * DVT + x] * inv);
+            STORE(out, unit[OR_O] + i * meta[OR_O] + x, l[r] != 0 ? o[r * DVT + x] * inv : 0);
         lse[unit[OR_LSE] + i * meta[OR_LSE]] = l[r] != 0 ? m[r] + log(l[r]) : -INFINITY;
     }
 }

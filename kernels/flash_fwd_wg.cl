@@ -106,7 +106,7 @@ __kernel void flash_fwd_wg(__global const storage_t *q, __global const storage_t
         const real inv = l[a] != 0 ? 1 / l[a] : 0;  /* 0: no key seen; NaN carries on */
         for (int g = 0; g < WDV4 && wg_col(tx, g) < HEAD_DV; g++)
             wg_store4(out, b.unit[OR_O] + i * meta[OR_O], wg_col(tx, g), HEAD_DV,
-                      o[a * WDV4 + g] * inv);
+                      l[a] != 0 ? o[a * WDV4 + g] * inv : (real4)0);
         if (tx == 0)
             lse[b.unit[OR_LSE] + i * meta[OR_LSE]] = l[a] != 0 ? m[a] + log(l[a]) : -INFINITY;
     }

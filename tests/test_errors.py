@@ -37,6 +37,14 @@ print("RESULT " + json.dumps(res))
 
 TE, VE, ME, OE = "TypeError", "ValueError", "MemoryError", "OverflowError"
 
+# an object whose every conversion (to an array, a float, an int, a sequence) is interrupted
+KI = """
+class KI:
+    def __interrupt(self, *args, **kwargs):
+        raise KeyboardInterrupt
+    __array__ = __float__ = __index__ = __len__ = __getitem__ = __iter__ = __interrupt
+"""
+
 # (id, setup statements, call expression, accepted exception types, names: any one must be
 #  quoted in the message)
 CASES = [
@@ -143,6 +151,22 @@ CASES = [
     ("mask_bad_p", "", "ops.dropout_mask((2, 5, 8), (2, 6, 8), 1.5)", [VE], ["dropout_p"]),
     ("mask_bad_seed", "", "ops.dropout_mask((2, 5, 8), (2, 6, 8), 0.5, -3)", [VE], ["seed"]),
     ("mask_q_shape_1d", "", "ops.dropout_mask((5,), (6, 8), 0.5)", [VE], ["q_shape"]),
+    # finite as doubles, inf in the float32 the kernels compute these operands in
+    ("scale_past_float32", "", "fwd(q, k, v, scale=1e39)", [VE], ["scale"]),
+    ("softcap_past_float32", "", "fwd(q, k, v, softcap=1e39)", [VE], ["softcap"]),
+    ("alibi_past_float32", "", "fwd(q, k, v, alibi_slopes=np.array([1.0, -1e39]))", [VE],
+     ["alibi_slopes"]),
+    ("scale_int_past_double", "", "fwd(q, k, v, scale=10**400)", [VE], ["scale"]),
+    ("softcap_int_past_double", "", "fwd(q, k, v, softcap=10**400)", [VE], ["softcap"]),
+    ("device_nul", "", "fwd(q, k, v, device='cpu\\0x')", [VE], ["device"]),
+    # an interrupt inside a conversion passes through, not as the argument's TypeError
+    ("interrupt_in_array", KI, "fwd(KI(), k, v)", ["KeyboardInterrupt"], []),
+    ("interrupt_in_scale", KI, "fwd(q, k, v, scale=KI())", ["KeyboardInterrupt"], []),
+    ("interrupt_in_seed", KI, "fwd(q, k, v, seed=KI())", ["KeyboardInterrupt"], []),
+    ("interrupt_in_alibi", KI, "fwd(q, k, v, alibi_slopes=KI())", ["KeyboardInterrupt"], []),
+    ("interrupt_in_window", KI, "fwd(q, k, v, window=KI())", ["KeyboardInterrupt"], []),
+    ("interrupt_in_mask_shape", KI, "ops.dropout_mask(KI(), (2, 6, 8), 0.5)",
+     ["KeyboardInterrupt"], []),
     ("huge_broadcast_zero_copy",
      "q, k, v = (np.broadcast_to(np.zeros((1, 1, 1, 64), np.float32), (2**16, 2**10, 1024, 64))"
      " for _ in range(3))", "fwd(q, k, v)", [ME], []),

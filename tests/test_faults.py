@@ -242,6 +242,28 @@ def test_auto_choice_falls_back_to_native_with_one_warning(cache_dir):
     assert "clEnqueueNDRangeKernel failed" in warnings[0]
 
 
+PAGED_AUTO = PRELUDE + r"""
+kp = randn(rng, (5, 4, 1, 16), np.float32)     # 5 pages of 4 rows
+vp = randn(rng, (5, 4, 1, 8), np.float32)
+qv = randn(rng, (6, 3, 16), np.float32)
+paged = dict(cu_seqlens_q=np.array([0, 2, 6], np.int32), cu_seqlens_k=np.array([0, 7, 16], np.int32),
+             block_table=np.array([[3, 0, 4], [1, 2, 0]], np.int32))
+chosen = ops.default_device()
+auto = ops.flash_attn_varlen_fwd(qv, kp, vp, device=None, **paged)
+report(chosen=chosen, same=same(auto, ops.flash_attn_varlen_fwd(qv, kp, vp, device="cpu", **paged)),
+       cpu_calls=ops.stats()["per_device"]["cpu"]["fwd_calls"],
+       cl_calls=ops.stats()["per_device"]["opencl:0"]["fwd_calls"])
+"""
+
+
+def test_auto_choice_hands_paged_calls_to_native():
+    """A paged k and v (block_table) is read on the native path only: an automatically chosen
+    OpenCL device hands such a call to it rather than refusing it."""
+    r = run_python(PAGED_AUTO, ORCHARD_AUTO_ANY_OPENCL=1, ORCHARD_DEVICE=None, ORCHARD_LOG=None)
+    res = result_of(r)
+    assert res == dict(chosen="opencl:0", same=True, cpu_calls=2, cl_calls=0), res
+
+
 def test_auto_choice_ignores_cpu_devices_without_the_test_setting():
     r = run_python("import orchard_ops as o; print(o.default_device())",
                    ORCHARD_AUTO_ANY_OPENCL=None, ORCHARD_DEVICE=None)

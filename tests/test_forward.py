@@ -357,17 +357,55 @@ def nonfinite_mismatches(ops, device):
     return bad
 
 
+@pytest.mark.parametrize("nq,nk", [(16, 16), (20, 7), (7, 20)])
+def test_windows_past_any_length_are_unbounded(ops, device, rng, nq, nk):
+    """Window entries up to 2**63 - 1 (sys.maxsize, a plausible "unbounded") mask nothing,
+    forward and backward: the mask's sums must not overflow."""
+    q, k, v, do = (randn(rng, (1, 2, n, 8), np.float32) for n in (nq, nk, nk, nq))
+    out, lse = ops.flash_attn_fwd(q, k, v, device=device)
+    grads = ops.flash_attn_bwd(do, q, k, v, out, lse, device=device)
+    for window in ((-1, 2**63 - 1), (2**63 - 1, -1), (2**63 - 2, 2**62 + 1)):
+        o, l = ops.flash_attn_fwd(q, k, v, window=window, device=device)
+        g = ops.flash_attn_bwd(do, q, k, v, o, l, window=window, device=device)
+        assert np.array_equal(o, out) and np.array_equal(l, lse), window
+        assert all(np.array_equal(a, b) for a, b in zip(g, grads)), window
+
+
+def empty_row_leaks(ops, device):
+    """The cases where a query row that sees no key (causal, Nq > Nk: the first Nq - Nk rows)
+    gets anything but out 0, lse -inf and dQ 0 while a NaN or inf sits in a key or value that
+    the rows after it see, in its block (a masked 0 times NaN)."""
+    rng = np.random.default_rng(1)
+    bad = []
+    for nq, nk in ((8, 4), (40, 20), (300, 150)):
+        for what in ("k nan", "k inf", "v nan", "v inf"):
+            q, do = (rng.standard_normal((1, 2, nq, 8)).astype(np.float32) for _ in range(2))
+            k, v = (rng.standard_normal((1, 2, nk, 8)).astype(np.float32) for _ in range(2))
+            (k if what[0] == "k" else v)[0, 1, 0, 3] = np.nan if what.endswith("nan") else np.inf
+            out, lse = ops.flash_attn_fwd(q, k, v, causal=True, device=device)
+            dq = ops.flash_attn_bwd(do, q, k, v, out, lse, causal=True, device=device)[0]
+            dead = slice(0, nq - nk)
+            if not ((out[..., dead, :] == 0).all() and np.isneginf(lse[..., dead]).all()
+                    and (dq[..., dead, :] == 0).all()):
+                bad.append("%d x %d, %s" % (nq, nk, what))
+    return bad
+
+
 def test_nan_and_inf_carry_on(ops, device):
     """A NaN or inf that a row's attention reads makes that row NaN, out and lse, on every
-    device and path, never a plausible 0 (the encoding of a row that sees no key)."""
+    device and path, never a plausible 0 (the encoding of a row that sees no key); a row that
+    sees no key stays 0 beside them."""
     assert nonfinite_mismatches(ops, device) == []
+    assert empty_row_leaks(ops, device) == []
 
 
 @pytest.mark.skipif(not OPENCL_IDS, reason="no OpenCL device listed")
 @pytest.mark.parametrize("family", ["rows", "wg"])
 def test_nan_and_inf_carry_on_in_every_kernel_family(family):
-    r = run_python("import json, orchard_ops\nfrom test_forward import nonfinite_mismatches\n"
-                   "print(json.dumps(nonfinite_mismatches(orchard_ops, %r)))" % OPENCL_IDS[0],
-                   timeout=300, ORCHARD_CL_FAMILY=family)
+    r = run_python("import json, orchard_ops\n"
+                   "from test_forward import empty_row_leaks, nonfinite_mismatches\n"
+                   "print(json.dumps(nonfinite_mismatches(orchard_ops, %r)\n"
+                   "                 + empty_row_leaks(orchard_ops, %r)))"
+                   % (OPENCL_IDS[0], OPENCL_IDS[0]), timeout=300, ORCHARD_CL_FAMILY=family)
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(r.stdout.splitlines()[-1]) == []

@@ -265,7 +265,8 @@ def build_trainer(args):
     try:
         chunks = token_chunks(sequences, cfg["model"]["context"])
     except DataError as exc:
-        raise DataError("%s: %s" % (data_info["source"], exc)) from None
+        with reading("--sequences", args.sequences):    # --sequences names the file, if given
+            raise DataError("%s: %s" % (data_info["source"], exc)) from None
     chunks, held_out = split_validation(chunks, cfg["training"]["val_fraction"])
     val_chunks = evaluation_windows(held_out, cfg["training"]["eval_sequences"])
     log.info("data: %s, %d tokens, %d sequences of %d for training, %d held out for "
@@ -280,7 +281,8 @@ def build_trainer(args):
                        hf_config=hf_config, pretrained=args.hf_model if state is None else None,
                        resume_from=args.resume and checkpoint_path(args.resume))
     except DataError as exc:
-        raise DataError("%s: %s" % (data_info["source"], exc)) from None
+        with reading("--sequences", args.sequences):    # --sequences names the file, if given
+            raise DataError("%s: %s" % (data_info["source"], exc)) from None
     except CheckpointError as exc:      # contents that do not make the model (checkpoint_contents)
         raise UsageError("argument --resume: %s" % exc) from None
     except HFModelError as exc:
