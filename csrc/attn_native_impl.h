@@ -601,10 +601,13 @@ FN(fwd_block)(const or_problem *p, const or_job *job, or_ssize u, or_ssize i0, i
     for (int r = 0; r < rows; r++) {
         /* l is 0 only for a row that saw no key: its out is 0, even where its masked 0s met a
          * NaN value that another row of the block sees (0 * NaN); a NaN in l carries on */
-        const REAL inv = l[r] != 0 ? 1 / l[r] : 0;
+        const REAL inv = 1 / l[r];
         REAL *orow = o + (or_ssize)r * dvp;
-        for (int x = 0; x < dv; x++)
-            orow[x] = l[r] != 0 ? orow[x] * inv : 0;
+        if (l[r] == 0)
+            memset(orow, 0, sizeof(REAL) * (size_t)dv);
+        else
+            for (int x = 0; x < dv; x++)
+                orow[x] *= inv;
         m[r] = l[r] != 0 ? m[r] + LOG(l[r]) : -INFINITY;    /* m now holds lse */
     }
     FN(store_rows)(FN(row_ptr)(p, OR_O, u, i0), w[OR_O].row_stride, o, dvp, rows, dv, w[OR_O].dtype);

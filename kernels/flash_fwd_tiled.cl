@@ -126,8 +126,10 @@ void flash_fwd_tiled(__global const storage_t *q, __global const storage_t *k,
     for (int r = 0; r < rows; r++) {
         const long i = i0 + r;
         const real inv = l[r] != 0 ? 1 / l[r] : 0;  /* 0: no key seen; NaN carries on */
+        for (int x = 0; l[r] == 0 && x < HEAD_DV; x++)  /* then 0, even where 0 * NaN */
+            o[r * DVT + x] = 0;
         for (int x = 0; x < HEAD_DV; x++)
-            STORE(out, unit[OR_O] + i * meta[OR_O] + x, l[r] != 0 ? o[r * DVT + x] * inv : 0);
+            STORE(out, unit[OR_O] + i * meta[OR_O] + x, o[r * DVT + x] * inv);
         lse[unit[OR_LSE] + i * meta[OR_LSE]] = l[r] != 0 ? m[r] + log(l[r]) : -INFINITY;
     }
 }
