@@ -53,7 +53,19 @@ int or_cache_dir(char *out, size_t size)
             return 0;
     }
     struct stat st;     /* EEXIST: it may be a file */
-    return mkdir(out, 0700) == 0 || (errno == EEXIST && stat(out, &st) == 0 && S_ISDIR(st.st_mode));
+    if (mkdir(out, 0700) == 0)
+        return 1;
+    if (errno != EEXIST || stat(out, &st) != 0 || !S_ISDIR(st.st_mode))
+        return 0;
+    /* its binaries are loaded and run (native code on PoCL): only from a folder that no one
+     * else owns or may write to */
+    if (st.st_uid == geteuid() && !(st.st_mode & (S_IWGRP | S_IWOTH)))
+        return 1;
+    static int warned;
+    if (!__atomic_exchange_n(&warned, 1, __ATOMIC_RELAXED))
+        or_log("orchard: the OpenCL program cache is off: %s is %s", out,
+               st.st_uid != geteuid() ? "another user's" : "writable by others");
+    return 0;
 }
 
 #ifdef ORCHARD_HAVE_OPENCL

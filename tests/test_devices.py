@@ -109,6 +109,9 @@ def test_cache_dir(ops, tmp_path, monkeypatch):
     assert ops.cache_dir() == str(tmp_path / "a" / "b")
     for made in (expected, str(tmp_path / "xdg" / "orchard"), str(tmp_path / "a" / "b")):
         assert os.path.isdir(made) and stat.S_IMODE(os.stat(made).st_mode) == 0o700, made
+    os.chmod(str(tmp_path / "a" / "b"), 0o777)   # binaries others could plant: not loaded
+    assert ops.cache_dir() is None
+    os.chmod(str(tmp_path / "a" / "b"), 0o700)
     for off in ("1", "yes"):
         monkeypatch.setenv("ORCHARD_NO_CACHE", off)
         assert ops.cache_dir() is None
