@@ -108,7 +108,8 @@ def test_bad_input(ops, rng):
     with pytest.raises(TypeError, match=r"to_device\(\): 'device' must be a str"):
         ops.to_device(x, 0)
     with pytest.raises(TypeError, match=r"to_device\(\): argument 'array' must be a float16, "
-                                        r"float32 or float64 array, not int32"):
+                                        r"float32 or float64 array \(bfloat16: a tensor "
+                                        r"through DLPack\), not int32"):
         ops.to_device(x.astype(np.int32), DEV)
     with pytest.raises(TypeError, match=r"argument 'array' must be .* not <U3"):
         ops.to_device("abc", DEV)
