@@ -299,7 +299,7 @@ def test_varlen_against_reference(case, dtype):
     out, lse, S = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
                                          return_attn_probs=True, **opts)
     assert out.shape == q.shape and lse.shape == (4, q.shape[0]) and lse.dtype == torch.float32
-    assert S.shape == (4, 4, max(lens_q), max(lens_k))
+    assert S.shape == ((4, 4, max(lens_q), max(lens_k)) if opts.get("dropout_p") else (0,))
     dout = randn(*out.shape, dtype=dtype, seed=7)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     # Each sequence against the dense references, as a batch of one.
@@ -308,7 +308,7 @@ def test_varlen_against_reference(case, dtype):
         seq = dict(opts)
         if alibi == "bh":
             seq["alibi_slopes"] = opts["alibi_slopes"][b]
-        keep = S[b:b + 1, :, :eq - sq, :ek - sk]
+        keep = S[b:b + 1, :, :eq - sq, :ek - sk] if S.numel() else None
         qb, kb, vb = (t[s:e].detach()[None].requires_grad_()
                       for t, s, e in ((q, sq, eq), (k, sk, ek), (v, sk, ek)))
         ob, lb = out[sq:eq][None], lse[:, sq:eq][None]
@@ -625,7 +625,7 @@ def test_bad_varlen_input_names_the_argument():
         (ValueError, "'cu_seqlens_q'", lambda: flash_attn_varlen_func(
             q, k, v, i32(0, 3, 2, 5), i32(0, 3, 3, 7), 3, 4)),
         (ValueError, "'cu_seqlens_k'", lambda: flash_attn_varlen_func(
-            q, k, v, cu_q, i32(0, 3, 6), 3, 4)),
+            q, k, v, cu_q, i32(0, 3, 8), 3, 5)),      # past the 7 keys
         (ValueError, "'cu_seqlens_k'", lambda: flash_attn_varlen_func(
             q, k, v, cu_q, i32(0, 7), 3, 7)),
         (ValueError, "'q'", lambda: flash_attn_varlen_func(q[None], k, v, cu_q, cu_k, 3, 4)),
@@ -646,7 +646,7 @@ def test_bad_varlen_input_names_the_argument():
         (ValueError, "'cu_seqlens_k'", lambda: flash_attn_varlen_func(
             q, kp, vp, cu_q, i32(0, 3, 9), 3, 6, block_table=table)),
         (ValueError, "'cu_seqlens'", lambda: flash_attn_varlen_qkvpacked_func(
-            torch.stack((q, q, q), 1), i32(0, 2, 4), 3)),
+            torch.stack((q, q, q), 1), i32(0, 2, 6), 3)),
         (ValueError, "'cu_seqlens_q' must have batch_size \\+ 1 entries, got none",
          lambda: flash_attn_varlen_func(q[:0], k[:0], v[:0], i32(), i32(), 0, 0)),
         (ValueError, "flash_attn_varlen_func: 'k' must be .* num_blocks and page_block_size >= 1",
@@ -760,20 +760,57 @@ def test_sequences_without_keys_return_probs():
     """A sequence with no keys: out 0, lse -inf, and an S_dmask with no columns for it."""
     q = torch.randn(1, 3, 2, 8)
     out, lse, probs = flash_attn_func(q, torch.randn(1, 0, 2, 8), torch.randn(1, 0, 2, 8),
-                                      return_attn_probs=True)
+                                      dropout_p=0.1, return_attn_probs=True)
     assert probs.shape == (1, 2, 3, 0) and not out.any() and (lse == -math.inf).all()
     cq, ck = (torch.tensor(c, dtype=torch.int32) for c in ([0, 2, 4], [0, 3, 3]))
     out, lse, probs = flash_attn_varlen_func(torch.randn(4, 2, 8), torch.randn(3, 2, 8),
                                              torch.randn(3, 2, 8), cq, ck, 2, 3,
-                                             return_attn_probs=True)
+                                             dropout_p=0.1, return_attn_probs=True)
     assert probs.shape == (2, 2, 2, 3) and not probs[1].any() and not out[2:].any()
     assert (lse[:, 2:] == -math.inf).all() and torch.isfinite(lse[:, :2]).all()
     # max_seqlen_q/k left to orchard (None): the probabilities are as wide as the longest
     for given in ((None, None), (2, None), (None, 3)):
         _, _, taken = flash_attn_varlen_func(torch.randn(4, 2, 8), torch.randn(3, 2, 8),
                                              torch.randn(3, 2, 8), cq, ck, *given,
-                                             return_attn_probs=True)
+                                             dropout_p=0.1, return_attn_probs=True)
         assert taken.shape == (2, 2, 2, 3), given
+
+
+def test_attn_probs_without_dropout_are_empty_as_fa2():
+    """FlashAttention-2 returns S_dmask only with dropout (an empty tensor without), so
+    return_attn_probs=True is a free way to softmax_lse; orchard builds no N x N array then."""
+    q, k, v, _ = make_dense(dict(causal=True), torch.bfloat16)
+    out, lse, S = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert S.shape == (0,) and S.dtype == torch.bfloat16 and not S.requires_grad
+    assert torch.equal(out, flash_attn_func(q, k, v, causal=True))
+    lens = [3, 5]
+    q, k, v, cu_q, cu_k = varlen_inputs(torch.float32, lens, lens)
+    out, lse, S = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, return_attn_probs=True)
+    assert S.shape == (0,) and lse.shape == (4, 8)
+
+
+def test_varlen_tokens_past_the_last_sequence_are_padding(device):
+    """As FlashAttention-2, cu_seqlens may end before the last token (static-shape buffers):
+    those rows take no part; their out is 0 (FlashAttention-2 leaves it unwritten), lse -inf
+    and gradient 0, and the rest is the call without them."""
+    q, k, v, cu_q, cu_k = varlen_inputs(torch.float32, [5, 3, 4], [4, 5, 3])
+    cu_q, cu_k = cu_q[:3], cu_k[:3]      # sequences 0 and 1; the last 4 and 3 rows are padding
+    torch.manual_seed(5)
+    out, lse, S = flash_attn_varlen_func(q, k, v, cu_q, cu_k, None, None, causal=True,
+                                         dropout_p=0.2, return_attn_probs=True, device=device)
+    assert S.shape == (2, 4, 5, 5)
+    torch.manual_seed(5)
+    want, want_lse, want_S = flash_attn_varlen_func(q[:8], k[:9], v[:9], cu_q, cu_k, None, None,
+                                                    causal=True, dropout_p=0.2,
+                                                    return_attn_probs=True, device=device)
+    assert torch.equal(out[:8], want) and torch.equal(lse[:, :8], want_lse)
+    assert torch.equal(S, want_S)
+    assert not out[8:].any() and (lse[:, 8:] == -math.inf).all()
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert not dq[8:].any() and not dk[9:].any() and not dv[9:].any() and dq[:8].any()
+    qkv = torch.stack((q, q, q), 1).detach()
+    packed = flash_attn_varlen_qkvpacked_func(qkv, cu_q, None, device=device)
+    assert packed.shape == (12, 4, 16) and not packed[8:].any()
 
 
 def test_kvcache_empty_batch_and_no_queries():
@@ -794,7 +831,8 @@ def test_varlen_empty_batch(device):
     none = torch.zeros(1, dtype=torch.int32)
     q = torch.randn(0, 2, 8, requires_grad=True)
     out, lse, probs = flash_attn_varlen_func(q, q, q, none, none, None, None, causal=True,
-                                             return_attn_probs=True, device=device)
+                                             dropout_p=0.1, return_attn_probs=True,
+                                             device=device)
     assert out.shape == (0, 2, 8) and lse.shape == (2, 0) and probs.shape == (0, 2, 0, 0)
     out.sum().backward()
     assert q.grad.shape == (0, 2, 8)

@@ -76,13 +76,15 @@ def _int32(fn, name, t, shape, layout):
 
 
 def _cu_seqlens(fn, name, t, total):
+    """cu_seqlens as a list; it may end before the last of `total` tokens (rows past it are
+    padding, as FlashAttention-2 allows: static-shape buffers)."""
     cu = _int32(fn, name, t, (None,), "(batch_size + 1,)")
     if not cu:
         _fail(fn, name, "must have batch_size + 1 entries, got none")
-    if (cu[0] != 0 or total is not None and cu[-1] != total
+    if (cu[0] != 0 or total is not None and cu[-1] > total
             or any(a > b for a, b in zip(cu, cu[1:]))):
-        _fail(fn, name, "must start at 0, never decrease and end at %s (the number of tokens), "
-              "got %s" % (total, cu))
+        _fail(fn, name, "must start at 0, never decrease and end at most at %s (the number of "
+              "tokens), got %s" % (total, cu))
     return cu
 
 
@@ -179,6 +181,12 @@ def _attn_probs(q, k, opts, keep):
     return a
 
 
+def _no_probs(q):
+    """S_dmask without dropout: empty, as FlashAttention-2 returns it (return_attn_probs is then
+    the way to softmax_lse, and costs nothing more)."""
+    return q.new_empty(0)
+
+
 def _dense_probs(q, k, opts, dtype):
     keep = None
     if opts.dropout_p > 0:
@@ -231,7 +239,7 @@ def _dense(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     out = out.transpose(1, 2).contiguous()
     if not return_attn_probs:
         return out
-    return out, lse, _dense_probs(qt, kt, opts, q.dtype)
+    return out, lse, _dense_probs(qt, kt, opts, q.dtype) if opts.dropout_p > 0 else _no_probs(q)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -240,7 +248,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     """Attention of q (batch, seqlen_q, nheads, headdim) over k, v (batch, seqlen_k, nheads_k,
     headdim); nheads_k divides nheads (GQA/MQA). causal and window_size are bottom-right
     aligned. Returns out (batch, seqlen_q, nheads, headdim), or with return_attn_probs
-    (out, softmax_lse (batch, nheads, seqlen_q), S_dmask (batch, nheads, seqlen_q, seqlen_k))."""
+    (out, softmax_lse (batch, nheads, seqlen_q), S_dmask (batch, nheads, seqlen_q, seqlen_k)
+    with dropout, else empty)."""
     return _dense("flash_attn_func", q, k, v, dropout_p, softmax_scale, causal, window_size,
                   softcap, alibi_slopes, return_attn_probs, device)
 
@@ -348,6 +357,11 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         _fail(fn, cu_names[1], "has %d entries, %s has %d: one per sequence plus one"
               % (len(cu_k), cu_names[0], len(cu_q)))
     _check_heads(fn, q, k, v, -2)
+    # tokens past the last sequence are padding: left out, their out 0 and lse -inf
+    tokens = q.shape[0]
+    q = q[:cu_q[-1]]
+    if block_table is None:
+        k, v = k[:cu_k[-1]], v[:cu_k[-1]]
     longest = [max((b - a for a, b in zip(cu, cu[1:])), default=0) for cu in (cu_q, cu_k)]
     for x, suffix, n in zip((max_seqlen_q, max_seqlen_k), suffixes, longest):
         _check_max_seqlen(fn, "max_seqlen" + suffix, x, n)
@@ -362,8 +376,13 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     else:
         out, lse = _attention(q, k, v, opts)
     out = out.contiguous()      # a transposed q gives an output in its layout
+    if tokens > cu_q[-1]:
+        out = torch.nn.functional.pad(out, (0, 0, 0, 0, 0, tokens - cu_q[-1]))
+        lse = torch.nn.functional.pad(lse, (0, tokens - cu_q[-1]), value=-math.inf)
     if not return_attn_probs:
         return out
+    if opts.dropout_p == 0:
+        return out, lse, _no_probs(q)
     if block_table is not None:
         k, _ = _paged_gather(fn, k, v, cu_k, block_table, q.shape[2], True)
     probs = _varlen_probs(q, k, opts, cu_q, cu_k, max_seqlen_q, max_seqlen_k).to(q.dtype)
@@ -379,7 +398,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     (batch, max_num_blocks_per_seq), k and v are pages (num_blocks, page_block_size, nheads_k,
     headdim) of any page size, read in place (gathered into a copy per call when gradients
     must reach them, or for an OpenCL device). softmax_lse is (nheads, total_q);
-    S_dmask (batch, nheads, max_seqlen_q, max_seqlen_k)."""
+    S_dmask (batch, nheads, max_seqlen_q, max_seqlen_k) with dropout, else empty. cu_seqlens may
+    end before the last row: rows after it are padding (out 0, lse -inf)."""
     return _varlen("flash_attn_varlen_func", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                    max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
                    alibi_slopes, return_attn_probs, block_table, device)
