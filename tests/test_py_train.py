@@ -118,6 +118,16 @@ def test_a_diverged_run_writes_strict_json_and_uneven_micro_batches_are_named(
     assert metrics[-1]["loss"] is None and metrics[-1]["step"] == 4
 
 
+def test_a_validation_loss_that_overflows_is_a_diverged_run(run_files, tmp_path, caplog,
+                                                           monkeypatch):
+    """Weights can overflow on held-out sequences while the training loss is still finite."""
+    monkeypatch.setattr(Trainer, "evaluate", lambda self: math.inf)
+    train_with(run_files, tmp_path, caplog, dict(eval_interval=2, val_fraction=0.1),
+               "--max-steps", "4")
+    assert caplog.text.count("the run has diverged") == 1
+    assert "val loss inf at step 2: the run has diverged" in caplog.text
+
+
 def interrupted_run(run_files, out, monkeypatch, step, *extra):
     """A run that gets Ctrl-C during optimizer step `step`; returns its exit status."""
     train_step = Trainer.train_step
@@ -367,6 +377,27 @@ def test_diverged_checkpoint_is_a_one_line_error_for_generate(run_files, tmp_pat
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not finite" in err[0] and path in err[0], err
     assert "argument --checkpoint: " in err[0], err
+
+
+def test_overflowing_weights_are_a_one_line_error_for_generate(run_files, tmp_path, capsys):
+    """Weights that are finite but overflow in the forward (a run that diverged before its loss
+    turned NaN): no sample of garbage or traceback from torch.multinomial, at any temperature."""
+    from orchard.cli import generate
+
+    out = tmp_path / "run"
+    assert train_cli(run_files, out, "--max-steps", 1) == 0
+    state = load_checkpoint(str(out))
+    weights = {k: x * 1e30 if x.is_floating_point() else x for k, x in state["model"].items()}
+    assert all(torch.isfinite(x).all() for x in weights.values() if x.is_floating_point())
+    path = str(tmp_path / "huge.pt")
+    torch.save(dict(state, model=weights), path)
+    capsys.readouterr()
+    for temperature in ("0.8", "0"):
+        assert generate.main(["--checkpoint", path, "--max-new-tokens", "2",
+                              "--temperature", temperature]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("orchard-generate: error: argument --checkpoint: " + path), err
+        assert "logits at token 1 are not finite" in err[-1], err
 
 
 def test_generate_prompts_that_cannot_be_encoded(run_files, tmp_path, capsys):

@@ -109,6 +109,11 @@ def decode(ids, byte_level):
     return Detokenizer(byte_level)(ids, final=True)
 
 
+class NonFiniteLogits(ValueError):
+    """The model's logits hold NaN or +inf (or a row is all -inf): its weights, finite as they
+    may be, overflow in its forward, as those of a run that diverged do."""
+
+
 def sample_next(logits, temperature, top_k=None, generator=None):
     """(batch, 1) token ids from logits (batch, vocab): the most likely for temperature <= 0
     (or one so small that logits / temperature overflow), else sampled at that temperature
@@ -144,7 +149,11 @@ def sample_steps(model, idx, max_new_tokens, temperature=1.0, top_k=None, genera
                 size = min(context, filled + max_new_tokens - step - 1)
                 cache = model.new_cache(len(idx), size)
             logits, _ = model(window, cache=cache)
-        token = sample_next(logits[:, -1], temperature, top_k, generator)
+        last = logits[:, -1]
+        if (last.isnan() | (last == math.inf)).any() or (last == -math.inf).all(-1).any():
+            raise NonFiniteLogits("the model's logits at token %d are not finite: its weights "
+                                  "overflow, as those of a run that diverged do" % (step + 1))
+        token = sample_next(last, temperature, top_k, generator)
         idx = torch.cat([idx, token], 1)
         yield token
 

@@ -378,11 +378,14 @@ class Trainer:
                     if validate:
                         record["val_loss"] = round(self.evaluate(), 5)
                     self._write_metrics(record)
-                    if not math.isfinite(record["loss"]) and not diverged:
+                    bad = [k for k in ("loss", "val_loss")
+                           if k in record and not math.isfinite(record[k])]
+                    if bad and not diverged:
                         diverged = True
-                        log.warning("loss %s at step %d: the run has diverged (a smaller "
+                        log.warning("%s %s at step %d: the run has diverged (a smaller "
                                     "training.learning_rate may help); orchard-generate refuses "
-                                    "its checkpoints", record["loss"], self.step)
+                                    "its checkpoints", bad[0].replace("_", " "), record[bad[0]],
+                                    self.step)
                     log.info("step %d/%d  epoch %d  loss %.4f%s  lr %.2e  %.0f tokens/s  %s",
                              self.step, total, record["epoch"], record["loss"],
                              "  val loss %.4f" % record["val_loss"] if validate else "", lr,

@@ -49,7 +49,8 @@ def main(argv=None):
 
     from ..checkpoint import CheckpointError, checkpoint_path, load_checkpoint
     from ..config import ConfigError
-    from ..generation import Detokenizer, describe_training, encode, load_model, stream
+    from ..generation import (Detokenizer, NonFiniteLogits, describe_training, encode,
+                              load_model, stream)
 
     try:
         state = load_checkpoint(args.checkpoint)
@@ -92,6 +93,9 @@ def main(argv=None):
             sys.stdout.flush()
             if stop:
                 break
+    except NonFiniteLogits as exc:
+        raise UsageError("argument --checkpoint: %s: %s"
+                         % (checkpoint_path(args.checkpoint), exc)) from None
     finally:
         if main_thread:
             signal.signal(signal.SIGINT, previous)
