@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from orchard.cli import train  # noqa: E402
-from orchard.checkpoint import load_checkpoint  # noqa: E402
+from orchard.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
 from orchard.config import load_config  # noqa: E402
 from orchard.data import (evaluation_windows, load_sequences, split_validation,  # noqa: E402
                           token_chunks)
@@ -346,7 +346,14 @@ def test_damaged_checkpoint_contents_are_one_line_errors(run_files, tmp_path, ca
                "type": dict(state, model_config=dict(state["model_config"], n_layer="x")),
                "json": dict(state, hf_config="{bad"),
                "hf_type": dict(state, hf_config='{"model_type": "no-such-model"}'),
-               "heads": dict(state, model_config=dict(state["model_config"], n_head=0))}
+               "heads": dict(state, model_config=dict(state["model_config"], n_head=0)),
+               # fields edited by hand: each named, never a traceback further on
+               "config": dict(state, config=[1]),
+               "data": dict(state, data="x"),
+               "record": dict(state, metrics=[{"foo": 1}]),
+               "metrics": dict(state, metrics="abc"),
+               "seed": dict(state, seed="abc"),
+               "schedule": dict(state, schedule_steps=-5)}
     capsys.readouterr()
     for name, bad in damaged.items():
         path = str(tmp_path / (name + ".pt"))
@@ -360,6 +367,24 @@ def test_damaged_checkpoint_contents_are_one_line_errors(run_files, tmp_path, ca
             assert err[-1].startswith("orchard-") and path in err[-1], (name, err)
             assert "argument %s: " % argv[0] in err[-1], (name, err)
             assert "Traceback" not in "\n".join(err)
+
+
+def test_a_flipped_bit_is_a_damaged_checkpoint(run_files, tmp_path, capsys):
+    """torch.load does not check the CRC-32 of a checkpoint's parts; orchard does, so a bit
+    flipped in a weight is an error, not a model that differs unnoticed."""
+    from orchard.cli import generate
+
+    out = tmp_path / "run"
+    assert train_cli(run_files, out, "--max-steps", 1) == 0
+    data = bytearray((out / "checkpoint.pt").read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path = tmp_path / "flipped.pt"
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="flipped.pt: damaged: its part .* does not match"):
+        load_checkpoint(str(path))
+    capsys.readouterr()
+    assert generate.main(["--checkpoint", str(path), "--max-new-tokens", "2"]) == 2
+    assert "damaged" in capsys.readouterr().err
 
 
 def test_diverged_checkpoint_is_a_one_line_error_for_generate(run_files, tmp_path, capsys):

@@ -5,7 +5,9 @@ checkpoint or the new one, never half of one. Tensors are saved from CPU and loa
 (map_location), so a checkpoint carries no device; the trainer moves things where it needs.
 """
 import contextlib
+import numbers
 import os
+import zipfile
 
 import torch
 
@@ -59,6 +61,11 @@ KEYS = ("model", "optimizer", "step", "seed", "config", "model_config", "data", 
 
 def load_checkpoint(path):
     path = checkpoint_path(path)
+    damaged = _damaged_part(path)
+    if damaged:
+        raise CheckpointError("%s: damaged: its part %s does not match the checksum it was "
+                              "written with (the file changed after orchard-train wrote it)"
+                              % (path, damaged))
     try:
         # weights_only: a checkpoint is data (tensors, numbers, strings), never code to run.
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -74,16 +81,51 @@ def load_checkpoint(path):
     return state
 
 
+def _damaged_part(path):
+    """The name of a part of a checkpoint (a zip archive, as torch.save writes) whose CRC-32
+    does not match its bytes, or None; torch.load does not check them, and a flipped bit in a
+    weight would load unnoticed."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return archive.testzip()
+    except (OSError, zipfile.BadZipFile, EOFError):     # torch.load says what is wrong
+        return None
+
+
+def _is_int(x, least):
+    return isinstance(x, int) and not isinstance(x, bool) and x >= least
+
+
+def _is_record(m):
+    """A metrics record (Trainer.history): a step and its loss, maybe a validation loss."""
+    number = lambda x: x is None or isinstance(x, numbers.Real) and not isinstance(x, bool)
+    return (isinstance(m, dict) and _is_int(m.get("step"), 0) and "loss" in m
+            and number(m["loss"]) and number(m.get("val_loss")))
+
+
 def _problem(state):
     """What keeps a loaded object from being a checkpoint (a state dict, a tensor or a
-    transformers weights file loads too), or None."""
+    transformers weights file loads too, or a checkpoint whose fields were edited), or None."""
     missing = [k for k in KEYS if k not in state] if isinstance(state, dict) else list(KEYS)
     if missing:
         return "it lacks %s" % ", ".join(missing)
     if state.get("format") != FORMAT:
         return "its format is %r" % (state.get("format"),)
-    if not (isinstance(state["step"], int) and state["step"] >= 0):
+    if not _is_int(state["step"], 0):
         return "its step is %r, not a step count" % (state["step"],)
+    planned = state.get("schedule_steps")
+    if planned is not None and not _is_int(planned, 1):
+        return "its schedule_steps is %r, not a step count" % (planned,)
+    if not _is_int(state["seed"], -2**63):
+        return "its seed is %r, not an integer" % (state["seed"],)
+    for key in ("config", "model_config", "data", "rng"):
+        if not isinstance(state[key], dict):
+            return "its %s is a %s, not a dict" % (key, type(state[key]).__name__)
+    if not isinstance(state["metrics"], list):
+        return "its metrics are a %s, not a list" % type(state["metrics"]).__name__
+    bad = [m for m in state["metrics"] if not _is_record(m)]
+    if bad:
+        return "its metrics hold %r, not a step's record of its loss" % (bad[0],)
     return None
 
 
