@@ -268,6 +268,10 @@ def test_missing_hf_paths_are_one_error_line(tmp_path, flag, name, why):
      "transformers cannot build this model: "),
     ("--hf-config", "mamba.json", '{"model_type": "mamba", "hidden_size": 32}',
      "model_type 'mamba' has no attention heads"),
+    # transformers builds a model of no layers, which trained with 0 attention calls
+    ("--hf-config", "nolayers.json", '{"model_type": "llama", "hidden_size": 32, '
+     '"num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": -1}',
+     "num_hidden_layers must be at least 1, got -1"),
 ])
 def test_malformed_hf_paths_are_an_error(tmp_path, capsys, flag, name, content, why):
     path = tmp_path / name

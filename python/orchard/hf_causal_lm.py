@@ -87,6 +87,9 @@ def _config_from_dict(values, path):
     if not getattr(config, "num_attention_heads", None):
         raise HFModelError("%s: model_type %r has no attention heads (num_attention_heads): "
                            "orchard trains attention models" % (path, model_type))
+    layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(layers, int) and layers < 1:      # transformers builds, and trains, no layers
+        raise HFModelError("%s: num_hidden_layers must be at least 1, got %d" % (path, layers))
     heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
     if isinstance(kv_heads, int) and (kv_heads < 1 or heads % kv_heads):
         # transformers takes it, and the first step fails; a left-out num_key_value_heads is
