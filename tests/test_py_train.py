@@ -462,7 +462,22 @@ def test_max_steps_past_one_epoch_and_large_seeds(run_files, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="orchard"):
         assert train.main(["--resume", str(out), "--sequences", str(other), "--max-steps", "3",
                            "--device", "cpu"]) == 0
-    assert "the checkpoint was trained on" in caplog.text
+    assert "the checkpoint was trained on %s, this run reads %s" % (run_files[1], other) \
+        in caplog.text
+    # the data is told by its tokens: the same file by another path is no other data, other
+    # tokens in the same file are
+    caplog.clear()
+    spelled = os.path.join(os.path.dirname(str(other)), ".", "other.json")
+    with caplog.at_level(logging.WARNING, logger="orchard"):
+        assert train.main(["--resume", str(out), "--sequences", spelled, "--max-steps", "4",
+                           "--device", "cpu"]) == 0
+    assert "trained on" not in caplog.text
+    other.write_text(json.dumps({"sequences": [list(range(100)) * 40]}))
+    with caplog.at_level(logging.WARNING, logger="orchard"):
+        assert train.main(["--resume", str(out), "--sequences", spelled, "--max-steps", "5",
+                           "--device", "cpu"]) == 0
+    assert "trained on %s (other tokens then), this run reads %s" % (spelled, spelled) \
+        in caplog.text
 
 
 def test_prepare_reads_regular_files_only_and_not_its_own_output(tmp_path):

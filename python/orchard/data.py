@@ -6,6 +6,8 @@ token_sequences.json is either a list of token-id lists or {"vocab_size": V, "se
 with no file at all the trainer reads the Python standard library's own sources: every
 machine that runs Python has them, so the demo needs no download.
 """
+import array
+import hashlib
 import json
 import os
 import sysconfig
@@ -127,16 +129,28 @@ def stdlib_sequences(max_bytes=DEFAULT_MAX_BYTES):
     return text_file_sequences(paths, max_bytes)
 
 
+def sequences_digest(sequences):
+    """SHA-256 of token sequences (each one's length, then its ids): what a resume compares
+    to tell the data its checkpoint was trained on, whatever the path's spelling."""
+    digest = hashlib.sha256()
+    for seq in sequences:
+        digest.update(array.array("q", [len(seq)]).tobytes())
+        digest.update(array.array("q", seq).tobytes())
+    return digest.hexdigest()
+
+
 def load_training_data(path=None):
     """(sequences, vocab_size, info) of a token_sequences.json, or of the standard library's
-    sources for None; info names the source and says whether the tokens are bytes (generation
-    then reads and writes text)."""
+    sources for None; info names the source, says whether the tokens are bytes (generation
+    then reads and writes text) and holds their digest."""
     if path is None:
-        return stdlib_sequences(), BYTE_VOCAB, {"source": "python standard library",
-                                                "byte_level": True}
-    sequences, vocab_size = load_sequences(path)
+        sequences, vocab_size, source = stdlib_sequences(), BYTE_VOCAB, "python standard library"
+    else:
+        sequences, vocab_size = load_sequences(path)
+        source = path
     # orchard-prepare's output is byte-level
-    return sequences, vocab_size, {"source": path, "byte_level": vocab_size == BYTE_VOCAB}
+    return sequences, vocab_size, {"source": source, "byte_level": vocab_size == BYTE_VOCAB,
+                                   "digest": sequences_digest(sequences)}
 
 
 def token_chunks(sequences, context):

@@ -207,11 +207,15 @@ def build_trainer(args):
         if ignored:
             log.warning("ignored with --resume (the checkpoint's config holds): %s",
                         ", ".join(ignored))
-        trained_on = state["data"].get("source")
-        if trained_on != data_info["source"]:
-            log.warning("the checkpoint was trained on %s, this run reads %s: its data order "
+        # the tokens' digest where the checkpoint has one (not a path's spelling)
+        trained = state["data"]
+        key = "digest" if "digest" in trained else "source"
+        if trained.get(key) != data_info[key]:
+            log.warning("the checkpoint was trained on %s%s, this run reads %s: its data order "
                         "and loss curve do not continue (--sequences chooses the data)",
-                        trained_on, data_info["source"])
+                        trained.get("source"), " (other tokens then)"
+                        if trained.get("source") == data_info["source"] else "",
+                        data_info["source"])
     else:
         with reading("--config", args.config):
             config = load_config(args.config)
