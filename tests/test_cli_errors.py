@@ -401,3 +401,19 @@ def test_a_write_that_fails_is_one_line_naming_the_argument(files, tmp_path):
             "orchard-%s: error: argument %s: cannot write " % (script, argument)), r.stderr
         assert "File too large" in r.stderr and "Traceback" not in r.stderr
         assert not output.exists()
+
+
+def test_a_second_ctrl_c_while_a_script_exits_is_ignored():
+    """After "interrupted" the script exits; a second Ctrl-C then had landed in torch's exit
+    handlers ("Exception ignored in atexit callback", a traceback)."""
+    script = "\n".join([
+        "import os, signal, sys",
+        "from orchard.cli.args import console_script",
+        "@console_script('orchard-x', uses_devices=False)",
+        "def main(argv):",
+        "    raise KeyboardInterrupt",
+        "code = main()",
+        "os.kill(os.getpid(), signal.SIGINT)",
+        "sys.exit(code)"])
+    result = run_python(["-c", script])
+    assert result.returncode == 130 and result.stderr == "orchard-x: interrupted\n", result

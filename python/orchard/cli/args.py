@@ -13,8 +13,10 @@ import logging
 import math
 import os
 import re
+import signal
 import sys
 import tempfile
+import threading
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -339,6 +341,15 @@ def console_script(prog, uses_devices=True):
     def wrap(main):
         @functools.wraps(main)
         def run(argv=None):
+            code = guarded(argv)
+            if (argv is None and code == EXIT_INTERRUPTED
+                    and threading.current_thread() is threading.main_thread()):
+                # the process exits now: a second Ctrl-C would land in torch's exit handlers
+                # and print a traceback there
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+            return code
+
+        def guarded(argv):
             debug = debug_requested(sys.argv[1:] if argv is None else list(argv))
             try:
                 if uses_devices:
