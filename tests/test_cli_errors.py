@@ -58,6 +58,7 @@ def files(tmp_path_factory):
         "binary.yaml": b"\x89PNG\r\n\x1a\n\x00\xff",
         "short.json": json.dumps({"vocab_size": 256, "sequences": [list(range(200))]}),
         "bools.json": json.dumps([[1, 2, True] + list(range(300))]),
+        "vocab_bool.json": json.dumps({"vocab_size": True, "sequences": [list(range(300))]}),
         "deep.json": "[" * 100000 + "]" * 100000,
         "damaged.pt": b"not a checkpoint",
     }
@@ -187,6 +188,9 @@ def expected_cases(f):
          [f["short.json"], "fewer than one batch"]),
         ("train", tiny[:2] + ["--sequences", f["bools.json"], "--device", "cpu"], {},
          ["argument --sequences:", f["bools.json"], "item 2 is True"]),
+        ("train", tiny[:2] + ["--sequences", f["vocab_bool.json"], "--device", "cpu"], {},
+         ["argument --sequences:", f["vocab_bool.json"], "'vocab_size' must be a positive "
+          "integer, got True"]),
         ("train", tiny[:2] + ["--sequences", f["deep.json"], "--device", "cpu"], {},
          ["argument --sequences:", f["deep.json"], "nested too deeply"]),
         ("generate", ["--checkpoint", str(f["dir"] / "none.pt")], {},

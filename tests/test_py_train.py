@@ -439,6 +439,9 @@ def test_generate_prompts_that_cannot_be_encoded(run_files, tmp_path, capsys):
     assert train_cli(run_files, text_run, "--max-steps", 1) == 0
     capsys.readouterr()
     for run, argv, words in ((out, [], ["--prompt", "token ids", "'17 4 99'"]),
+                             # int() reads these, but they are no token ids
+                             (out, ["--prompt", "17_0 4"], ["--prompt", "token ids", "'17_0 4'"]),
+                             (out, ["--prompt", "\u0663"], ["--prompt", "token ids"]),
                              (text_run, ["--prompt", "ab\udcff"], ["--prompt", "'ab\\udcff'"])):
         assert generate.main(["--checkpoint", str(run), "--max-new-tokens", "2"] + argv) == 2
         err = capsys.readouterr().err.strip().splitlines()

@@ -47,7 +47,8 @@ def load_sequences(path):
             raise DataError("%s: expected keys 'vocab_size' and 'sequences', got %s"
                             % (path, ", ".join(sorted(data))))
         vocab_size, data = data.get("vocab_size"), data["sequences"]
-        if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size < 1):
+        if vocab_size is not None and (not isinstance(vocab_size, int)
+                                       or isinstance(vocab_size, bool) or vocab_size < 1):
             raise DataError("%s: 'vocab_size' must be a positive integer, got %r"
                             % (path, vocab_size))
     if not isinstance(data, list) or not all(isinstance(s, list) for s in data):

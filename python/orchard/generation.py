@@ -75,11 +75,11 @@ def encode(prompt, byte_level):
         except UnicodeEncodeError as exc:   # lone surrogates: bytes the terminal could not decode
             raise ValueError("not valid text (%s), got %r" % (exc.reason, prompt)) from None
     else:
-        try:
-            ids = [int(t) for t in prompt.split()]
-        except ValueError:
+        # ASCII digits only: int() also reads "1_000" and other scripts' digits
+        ids = [int(t) for t in prompt.split() if t.isascii() and t.isdigit()]
+        if len(ids) != len(prompt.split()):
             raise ValueError("the model is not byte-level: the prompt must be space-separated "
-                             "token ids, got %r" % prompt) from None
+                             "token ids, got %r" % prompt)
     if not ids:
         raise ValueError("the prompt is empty")
     return ids
