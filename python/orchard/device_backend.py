@@ -232,10 +232,11 @@ class DeviceBackend:
             raise ConfigError(
                 "the model's weights, gradients and optimizer state need %.3g GiB, more than "
                 "the memory budget of %.3g GiB (device.memory_fraction %g of %.3g GiB): choose "
-                "a smaller model (model.n_layer, model.n_embd, model.context, the data's "
-                "vocabulary)"
+                "a smaller model (model.n_layer %d, model.n_embd %d, model.context %d, "
+                "vocab_size %d: the data's largest token id + 1, or its vocab_size)"
                 % (fixed / GiB, budget / GiB, dev["memory_fraction"],
-                   min(self.info["global_mem_bytes"], self.host["global_mem_bytes"]) / GiB))
+                   min(self.info["global_mem_bytes"], self.host["global_mem_bytes"]) / GiB,
+                   model["n_layer"], model["n_embd"], model["context"], model["vocab_size"]))
         per_process = max(1, train["batch_size"] // self.processes)
         requested = per_process if train["micro_batch"] == AUTO else min(
             train["micro_batch"], per_process)
