@@ -850,3 +850,38 @@ def test_outputs_are_contiguous():
                                        torch.randn(2, 20, 2, 16), cache_seqlens=5,
                                        return_softmax_lse=True)
     assert out.is_contiguous() and lse.is_contiguous()
+
+
+# ----------------------------------------------------------------------------- bert_padding
+
+
+def test_bert_padding_round_trip_and_varlen_as_fa2_users_call_it():
+    """unpad_input / pad_input as FlashAttention-2's bert_padding: batch-major token order,
+    int32 cu_seqlens, the longest sequence, the used counts; padding then unpadding a varlen
+    call equals each sequence run alone, and gradients reach only the real tokens."""
+    from orchard.bert_padding import index_first_axis, pad_input, unpad_input
+
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 1, 1, 1, 1], [1, 0, 1, 0, 0]], dtype=torch.int64)
+    unused = torch.tensor([[0, 0, 0, 1, 0], [0] * 5, [0] * 5])
+    x = randn(3, 2, 5, 8).transpose(1, 2).requires_grad_()     # a strided (B, N, H, D) view
+    tokens, idx, cu, longest, used = unpad_input(x, mask)
+    assert idx.tolist() == [0, 1, 2, 6, 7, 8, 9, 10, 12] and cu.dtype == torch.int32
+    assert cu.tolist() == [0, 3, 7, 9] and longest == 4 and used.tolist() == [3, 4, 2]
+    assert torch.equal(tokens, index_first_axis(x.reshape(15, 2, 8), idx))
+    _, idx_u, cu_u, longest_u, used_u = unpad_input(x, mask, unused)
+    assert cu_u.tolist() == [0, 4, 8, 10] and longest_u == 4 and used_u.tolist() == [3, 4, 2]
+    assert 3 in idx_u.tolist()
+    back = pad_input(tokens, idx, 3, 5)
+    assert torch.equal(back, x * mask[..., None, None])
+    q, k, v = (randn(3, 5, 2, 8, seed=s).requires_grad_() for s in (1, 2, 3))
+    (qu, iq, cq, mq, _), (ku, _, ck, mk, _) = unpad_input(q, mask), unpad_input(k, mask)
+    out = pad_input(flash_attn_varlen_func(qu, ku, unpad_input(v, mask)[0], cq, ck, mq, mk,
+                                           causal=True), iq, 3, 5)
+    for b in range(3):
+        keep = mask[b].bool()
+        alone = flash_attn_func(q[b:b + 1, keep], k[b:b + 1, keep], v[b:b + 1, keep],
+                                causal=True)
+        torch.testing.assert_close(out[b, keep], alone[0])
+        assert not out[b, ~keep].any()
+    (dq,) = torch.autograd.grad(out.sum(), q)
+    assert not dq[~mask.bool()].any() and dq[mask.bool()].abs().sum() > 0

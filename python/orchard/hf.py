@@ -35,6 +35,7 @@ if int(transformers.__version__.split(".")[0]) != 5:
     raise ImportError("orchard.hf needs transformers 5.x, found %s %s"
                       % (transformers.__version__, _INSTALL % "hf"))
 
+from orchard.bert_padding import pad_input, unpad_input
 from orchard.flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from orchard.torch import _MAX_HEAD_DIM, _ROUTABLE_DTYPES
 
@@ -369,14 +370,6 @@ def _lengths(cu):
     return cu.to(torch.int32), int((cu[1:] - cu[:-1]).max())
 
 
-def _unpadded(mask):
-    """Indices (batch, position) of the real tokens of a (batch, n) mask, cu_seqlens, max."""
-    batch, pos = mask.nonzero(as_tuple=True)
-    n = mask.sum(1)
-    cu = torch.nn.functional.pad(n.cumsum(0), (1, 0))
-    return (batch, pos), *_lengths(cu)
-
-
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                       sliding_window=None, softcap=None, is_causal=None, **kwargs):
     """transformers' attention function for "orchard" (AttentionInterface): query (B, H, Nq,
@@ -431,12 +424,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                 softmax_scale=scaling, causal=causal, window_size=window,
                 softcap=options["softcap"]), None
         # unpad: the queries are the last nq positions of the keys' sequence
-        idx_k, cu_k, max_k = _unpadded(mask)
-        idx_q, cu_q, max_q = _unpadded(mask[:, -nq:])
-        out = flash_attn_varlen_func(q[idx_q], k[idx_k], v[idx_k], cu_q, cu_k, max_q, max_k,
-                                     **options)
-        padded = out.new_zeros(batch, nq, heads, out.shape[-1])
-        return padded.index_put(idx_q, out), None
+        k, _, cu_k, max_k, _ = unpad_input(k, mask)
+        q, idx_q, cu_q, max_q, _ = unpad_input(q, mask[:, -nq:])
+        out = flash_attn_varlen_func(q, k, v[mask], cu_q, cu_k, max_q, max_k, **options)
+        return pad_input(out, idx_q, batch, nq), None
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is None and packed:
