@@ -146,7 +146,7 @@ def _options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size, sof
 
 def _attn_probs(q, k, opts, keep):
     """S_dmask of one batch of heads, q (B, H, Nq, D), k (B, Hkv, Nk, D), keep (B, H, Nq, Nk)
-    or None, as FlashAttention-2 encodes it: per block of _get_block_size_n key columns,
+    the dropout mask, as FlashAttention-2 encodes it: per block of _get_block_size_n key columns,
     exp(score - m) with m the row maximum over that block and every block after it, and
     negative where dropout dropped the entry. A plain torch computation: it is for tests."""
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -176,9 +176,7 @@ def _attn_probs(q, k, opts, keep):
     m = torch.stack([b.amax(-1) for b in blocks], -1).flip(-1).cummax(-1).values.flip(-1)
     a = torch.cat([torch.exp(b - m[..., c, None]) for c, b in enumerate(blocks)], -1)
     a = torch.where(visible, a, 0.0)
-    if keep is not None:
-        a = torch.where(keep, a, -a)
-    return a
+    return torch.where(keep, a, -a)
 
 
 def _no_probs(q):
@@ -188,25 +186,20 @@ def _no_probs(q):
 
 
 def _dense_probs(q, k, opts, dtype):
-    keep = None
-    if opts.dropout_p > 0:
-        keep = _dropout_keep(q.shape, k.shape, opts.dropout_p, opts.seed)
+    keep = _dropout_keep(q.shape, k.shape, opts.dropout_p, opts.seed)
     return _attn_probs(q, k, opts, keep).to(dtype)
 
 
 def _varlen_probs(q, k, opts, cu_q, cu_k, max_q, max_k):
     batch, h = len(cu_q) - 1, q.shape[1]
-    keep = None
-    if opts.dropout_p > 0:
-        keep = _dropout_keep((batch, h, max_q, 1), (batch, h, max_k, 1), opts.dropout_p,
-                             opts.seed)
+    keep = _dropout_keep((batch, h, max_q, 1), (batch, h, max_k, 1), opts.dropout_p, opts.seed)
     probs = q.new_zeros(batch, h, max_q, max_k)
     for b in range(batch):
         sq, eq, sk, ek = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
         slopes = opts.alibi_slopes
         o = opts._replace(alibi_slopes=slopes[b] if slopes is not None and slopes.dim() == 2
                           else slopes)
-        kb = None if keep is None else keep[b:b + 1, :, :eq - sq, :ek - sk]
+        kb = keep[b:b + 1, :, :eq - sq, :ek - sk]
         probs[b, :, :eq - sq, :ek - sk] = _attn_probs(
             q[sq:eq].transpose(0, 1)[None], k[sk:ek].transpose(0, 1)[None], o, kb)[0]
     return probs

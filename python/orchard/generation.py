@@ -76,8 +76,9 @@ def encode(prompt, byte_level):
             raise ValueError("not valid text (%s), got %r" % (exc.reason, prompt)) from None
     else:
         # ASCII digits only: int() also reads "1_000" and other scripts' digits
-        ids = [int(t) for t in prompt.split() if t.isascii() and t.isdigit()]
-        if len(ids) != len(prompt.split()):
+        words = prompt.split()
+        ids = [int(t) for t in words if t.isascii() and t.isdigit()]
+        if len(ids) != len(words):
             raise ValueError("the model is not byte-level: the prompt must be space-separated "
                              "token ids, got %r" % prompt)
     if not ids:
