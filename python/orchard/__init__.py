@@ -8,6 +8,7 @@ orchard.checkpoint and orchard.generation need PyTorch (the optional extra):
     orchard.config           loading and validation of configs/universal.yaml
     orchard.reference        the float64 NumPy reference of the attention contract
     orchard.torch            flash_attention (autograd) and patch_model
+    orchard.attention_op     one call into orchard_ops, and the same as torch.compile's custom ops
     orchard.flash_attn       FlashAttention-2's Python API (flash_attn_func, varlen, kvcache)
     orchard.bert_padding     flash_attn.bert_padding's unpad_input / pad_input
     orchard.hf               attn_implementation="orchard" in transformers 5.x (the hf extra)

@@ -15,7 +15,8 @@ import operator
 import torch
 
 import orchard_ops
-from orchard.torch import (_MAX_HEAD_DIM, _Options, _attention, _check_tensors, _dropout_keep,
+from orchard.attention_op import _Options
+from orchard.torch import (_MAX_HEAD_DIM, _attention, _check_tensors, _dropout_keep,
                            _fail, _flag, _forward, _number, _seed)
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
@@ -127,11 +128,13 @@ def _options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size, sof
                   "(%d, %d), got shape %s" % (h, batch, h, tuple(alibi_slopes.shape)))
         # no gradient reaches the slopes (as FlashAttention-2); orchard_ops reads float32/64
         alibi_slopes = alibi_slopes.detach()
-        if not torch.isfinite(alibi_slopes).all():
+        # traced, orchard_ops checks them when the graph runs (a value read would break it)
+        if not torch.compiler.is_compiling() and not torch.isfinite(alibi_slopes).all():
             _fail(fn, "alibi_slopes", "must be finite, got %s" % alibi_slopes.tolist())
         if alibi_slopes.dtype not in (torch.float32, torch.float64):
             alibi_slopes = alibi_slopes.to(torch.float32)
-    if device is not None:
+    # traced, orchard_ops checks the device when the graph runs (the C call would break it)
+    if device is not None and not torch.compiler.is_compiling():
         try:
             orchard_ops.resolve_device(device)
         except (TypeError, ValueError) as e:

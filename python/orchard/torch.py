@@ -4,7 +4,8 @@ scaled_dot_product_attention calls to it.
 orchard_ops reads and writes host memory, so this works on CPU tensors of float16, bfloat16,
 float32 and float64: it reads them in place (DLPack) and returns its results as tensors, with
 no copy either way. _attention is the one path from torch to orchard_ops; orchard.flash_attn
-uses it too.
+uses it too. While torch.compile traces, that path is orchard.attention_op's custom ops, one
+graph node each way.
 """
 import collections
 import inspect
@@ -21,49 +22,21 @@ from torch._C._functorch import peek_interpreter_stack
 from torch.overrides import TorchFunctionMode
 
 import orchard_ops
+from orchard import attention_op
+from orchard.attention_op import _Options, ops_call as _ops_call
 
 _ROUTABLE_DTYPES = (torch.float16, torch.float32, torch.float64, torch.bfloat16)
 _MAX_HEAD_DIM = orchard_ops.build_info()["max_head_dim"]
 
 
-# Everything one attention call needs besides q, k, v. cu_seqlens_q/k (int32 tensors) select
-# the packed (total, H, D) layout; otherwise tensors are (..., N, D) with optional GQA heads.
-_Options = collections.namedtuple(
-    "_Options", "scale dropout_p causal window alibi_slopes softcap seed device "
-                "cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k seqused_k block_table leftpad_k",
-    defaults=(None, 0.0, False, (-1, -1), None, 0.0, 0, None, None, None, None, None, None, None,
-              None))
-
-
 def _seed(dropout_p):
     """The dropout seed of one call, drawn from torch's default generator so that
     torch.manual_seed reproduces the mask."""
-    return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64)) if dropout_p > 0.0 else 0
-
-
-def _ops_call(dense, varlen, o, *arrays):
-    # only the options that are set: fewer keywords to parse, about 1 us of a tiny call
-    kw = {}
-    if o.window != (-1, -1):
-        kw["window"] = o.window
-    if o.softcap:
-        kw["softcap"] = o.softcap
-    if o.seed:
-        kw["seed"] = o.seed
-    if o.device is not None:
-        kw["device"] = o.device
-    if o.alibi_slopes is not None:
-        kw["alibi_slopes"] = o.alibi_slopes
-    if o.seqused_k is not None:     # forward only (flash_attn_with_kvcache)
-        kw["seqused_k"] = o.seqused_k
-    if o.block_table is not None:   # forward only: paged k and v, read in place
-        kw["block_table"] = o.block_table
-        if o.leftpad_k is not None:
-            kw["leftpad_k"] = o.leftpad_k
-    if o.cu_seqlens_q is None:
-        return dense(*arrays, o.scale, o.dropout_p, o.causal, **kw)
-    return varlen(*arrays, o.cu_seqlens_q, o.cu_seqlens_k, o.max_seqlen_q, o.max_seqlen_k,
-                  o.scale, o.dropout_p, o.causal, **kw)
+    if dropout_p == 0.0:
+        return 0
+    seed = torch.randint(0, 2**63 - 1, (), dtype=torch.int64)
+    # traced, the draw stays in the graph (int() would break it; orchard.attention_op reads it)
+    return seed if torch.compiler.is_compiling() else int(seed)
 
 
 def _transform_in_use(q, k, v):
@@ -88,6 +61,8 @@ def _refuse_transforms(q, k, v):
 
 
 def _forward(q, k, v, opts):
+    if torch.compiler.is_compiling():
+        return attention_op.traced(q, k, v, opts)
     _refuse_transforms(q, k, v)
     return _ops_call(orchard_ops.flash_attn_fwd, orchard_ops.flash_attn_varlen_fwd, opts, q, k, v)
 
@@ -129,6 +104,8 @@ def _attention(q, k, v, opts):
                            "run outside torch's graph, so the trace would replay this call's "
                            "result for every input; use torch.compile or eager mode")
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        if torch.compiler.is_compiling():   # one graph node each way, the gradient's included
+            return attention_op.traced(q, k, v, opts)
         _refuse_transforms(q, k, v)     # before apply, which fails on them with torch's words
         return _FlashAttention.apply(q, k, v, opts)
     # No graph to record: autograd's bookkeeping (about 7 us a call) is skipped.
@@ -138,7 +115,7 @@ def _attention(q, k, v, opts):
 def _dropout_keep(q_shape, k_shape, dropout_p, seed):
     """orchard's keep-mask (bool tensor q_shape[:-2] + (Nq, Nk)) for these shapes and seed."""
     return torch.from_numpy(orchard_ops.dropout_mask(tuple(q_shape), tuple(k_shape), dropout_p,
-                                                     seed))
+                                                     int(seed)))
 
 
 def _fail(fn, name, why, error=ValueError):
@@ -235,7 +212,14 @@ def _why_not_routable(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gq
         return "dropout_p"
     if scale is not None and not (isinstance(scale, numbers.Real) and math.isfinite(scale)):
         return "scale"      # orchard refuses it; torch computes something
-    return _transform_in_use(q, k, v)
+    return _traced_or_transform(q, k, v)
+
+
+def _traced_or_transform(q, k, v):
+    """_transform_in_use, except while torch.compile traces: then orchard is a custom op
+    (orchard.attention_op), which torch's own rules cover (vmap by its per-sample fallback),
+    and tracing itself would read as a transform."""
+    return None if torch.compiler.is_compiling() else _transform_in_use(q, k, v)
 
 
 class AttentionRouter(TorchFunctionMode):
@@ -312,7 +296,7 @@ def _why_not_mha(mha, query, key, value, key_padding_mask, need_weights, attn_ma
     length = lambda t: t.shape[0 if t.dim() == 3 and not mha.batch_first else -2]
     if is_causal and length(query) != length(key):
         return "is_causal with Nq != Nk"
-    return _transform_in_use(query, key, value)
+    return _traced_or_transform(query, key, value)
 
 
 def _mha_attention(mha, query, key, value, causal, device):

@@ -1,0 +1,168 @@
+"""One attention call from torch into orchard_ops: its options (_Options), the call itself
+(ops_call), and the same call as two torch.library custom ops, which torch.compile traces as
+one graph node each way (fullgraph=True works):
+
+    orchard::attention_fwd(q, k, v, <options>) -> (out, lse)       differentiable in q, k, v
+    orchard::attention_bwd(dout, q, k, v, out, lse, <options>) -> (dq, dk, dv)
+
+<options> are _Options' fields, in its order; the schema is written from _Options, once.
+Their fake implementations give what orchard_ops returns: out, dq, dk, dv in the memory axis
+order of their operand (q, q, k, v), as csrc/problem.c or_new_output lays them out, lse in C
+order. orchard.torch takes the custom ops only while torch.compile traces: in eager mode the
+dispatcher would add about 11 us to every call, and both paths run ops_call, so their results
+are the same.
+"""
+import collections
+
+import torch
+
+import orchard_ops
+
+# Everything one attention call needs besides q, k, v. cu_seqlens_q/k (int32 tensors) select
+# the packed (total, H, D) layout; otherwise tensors are (..., N, D) with optional GQA heads.
+# seed is an int, or while torch.compile traces a 0-d int64 tensor (orchard.torch._seed).
+_Options = collections.namedtuple(
+    "_Options", "scale dropout_p causal window alibi_slopes softcap seed device "
+                "cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k seqused_k block_table leftpad_k",
+    defaults=(None, 0.0, False, (-1, -1), None, 0.0, 0, None, None, None, None, None, None, None,
+              None))
+
+# The custom ops' schema type of each option
+_SCHEMA_TYPES = {"scale": "float?", "dropout_p": "float", "causal": "bool", "window": "int[]",
+                 "alibi_slopes": "Tensor?", "softcap": "float", "seed": "Tensor?",
+                 "device": "str?", "cu_seqlens_q": "Tensor?", "cu_seqlens_k": "Tensor?",
+                 "max_seqlen_q": "int?", "max_seqlen_k": "int?", "seqused_k": "Tensor?",
+                 "block_table": "Tensor?", "leftpad_k": "Tensor?"}
+
+
+def ops_call(dense, varlen, o, *arrays):
+    """dense(*arrays, ...) or, with cu_seqlens, varlen(*arrays, ...): an orchard_ops call with
+    the options o."""
+    # only the options that are set: fewer keywords to parse, about 1 us of a tiny call
+    kw = {}
+    if o.window != (-1, -1):
+        kw["window"] = o.window
+    if o.softcap:
+        kw["softcap"] = o.softcap
+    if o.seed:
+        kw["seed"] = o.seed
+    if o.device is not None:
+        kw["device"] = o.device
+    if o.alibi_slopes is not None:
+        kw["alibi_slopes"] = o.alibi_slopes
+    if o.seqused_k is not None:     # forward only (flash_attn_with_kvcache)
+        kw["seqused_k"] = o.seqused_k
+    if o.block_table is not None:   # forward only: paged k and v, read in place
+        kw["block_table"] = o.block_table
+        if o.leftpad_k is not None:
+            kw["leftpad_k"] = o.leftpad_k
+    if o.cu_seqlens_q is None:
+        return dense(*arrays, o.scale, o.dropout_p, o.causal, **kw)
+    return varlen(*arrays, o.cu_seqlens_q, o.cu_seqlens_k, o.max_seqlen_q, o.max_seqlen_k,
+                  o.scale, o.dropout_p, o.causal, **kw)
+
+
+# ----------------------------------------------------------------------------- custom ops
+
+_OPTIONS_SCHEMA = ", ".join("%s %s" % (_SCHEMA_TYPES[f], f) for f in _Options._fields)
+torch.library.define("orchard::attention_fwd",
+                     "(Tensor q, Tensor k, Tensor v, %s) -> (Tensor, Tensor)" % _OPTIONS_SCHEMA)
+torch.library.define("orchard::attention_bwd",
+                     "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, %s) "
+                     "-> (Tensor, Tensor, Tensor)" % _OPTIONS_SCHEMA)
+
+
+def _as_options(options):
+    """_Options from the custom ops' arguments: the window a tuple, the seed an int."""
+    o = _Options(*options)
+    return o._replace(window=tuple(o.window), seed=0 if o.seed is None else int(o.seed))
+
+
+def _op_arguments(opts):
+    """_Options as the custom ops' arguments (seed None or a tensor)."""
+    return opts._replace(seed=opts.seed if isinstance(opts.seed, torch.Tensor) else None)
+
+
+def _layout_order(like):
+    """The memory order of like's axes, outermost first, that orchard_ops gives an output laid
+    out as like: the leading axes by decreasing stride (ties in axis order), the last innermost."""
+    n = like.dim()
+    return sorted(range(n - 1), key=lambda i: -abs(like.stride(i))) + [n - 1]
+
+
+def _empty_like_layout(shape, like, dtype):
+    return torch.empty_permuted(shape, _layout_order(like), dtype=dtype, device=like.device)
+
+
+def _in_layout(t, like):
+    """t itself when its strides are those _empty_like_layout gives (what the traced graph
+    assumes), else a copy that has them (a size-1 axis may carry other strides)."""
+    strides, step = [0] * t.dim(), 1
+    for axis in reversed(_layout_order(like)):     # torch's contiguous strides, permuted
+        strides[axis] = step
+        step *= max(t.shape[axis], 1)
+    if t.stride() == tuple(strides):
+        return t
+    return _empty_like_layout(t.shape, like, t.dtype).copy_(t)
+
+
+def _lse_dtype(q):
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+@torch.library.impl("orchard::attention_fwd", "cpu")
+def _fwd(q, k, v, *options):
+    out, lse = ops_call(orchard_ops.flash_attn_fwd, orchard_ops.flash_attn_varlen_fwd,
+                        _as_options(options), q, k, v)
+    return _in_layout(out, q), lse
+
+
+@torch.library.register_fake("orchard::attention_fwd")
+def _fwd_fake(q, k, v, *options):
+    o = _Options(*options)
+    out = _empty_like_layout(q.shape[:-1] + v.shape[-1:], q, q.dtype)
+    lse_shape = q.shape[:-1] if o.cu_seqlens_q is None else (q.shape[1], q.shape[0])
+    return out, q.new_empty(lse_shape, dtype=_lse_dtype(q))
+
+
+@torch.library.impl("orchard::attention_bwd", "cpu")
+def _bwd(dout, q, k, v, out, lse, *options):
+    grads = ops_call(orchard_ops.flash_attn_bwd, orchard_ops.flash_attn_varlen_bwd,
+                     _as_options(options), dout, q, k, v, out, lse)
+    return tuple(_in_layout(g, x) for g, x in zip(grads, (q, k, v)))
+
+
+@torch.library.register_fake("orchard::attention_bwd")
+def _bwd_fake(dout, q, k, v, out, lse, *options):
+    return tuple(_empty_like_layout(x.shape, x, x.dtype) for x in (q, k, v))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, *options = inputs
+    out, lse = output
+    # tensors among the options (slopes, cu_seqlens) go through save_for_backward too
+    ctx.tensor_options = [i for i, x in enumerate(options) if isinstance(x, torch.Tensor)]
+    ctx.options = [None if isinstance(x, torch.Tensor) else x for x in options]
+    ctx.save_for_backward(q, k, v, out, lse, *(options[i] for i in ctx.tensor_options))
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, *tensors = ctx.saved_tensors
+    options = list(ctx.options)
+    for i, t in zip(ctx.tensor_options, tensors):
+        options[i] = t
+    dq, dk, dv = torch.ops.orchard.attention_bwd(dout, q, k, v, out, lse, *options)
+    return (dq, dk, dv) + (None,) * len(options)
+
+
+torch.library.register_autograd("orchard::attention_fwd", _backward, setup_context=_setup_context)
+
+
+def traced(q, k, v, opts):
+    """(out, lse) through orchard::attention_fwd, differentiable in q, k, v: the call that
+    torch.compile records."""
+    if opts.device is not None and not isinstance(opts.device, str):    # the schema's str?
+        raise TypeError("orchard attention: 'device' must be a str or None, not %s"
+                        % type(opts.device).__name__)
+    return torch.ops.orchard.attention_fwd(q, k, v, *_op_arguments(opts))

@@ -1,0 +1,202 @@
+"""torch.compile over orchard: the custom ops orchard::attention_fwd / attention_bwd
+(orchard.attention_op) checked by torch's opcheck, and whole graphs (fullgraph=True, so any
+graph break fails) that match eager orchard bit for bit: the FlashAttention-2 API,
+flash_attention, a patched model, a transformers model."""
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import orchard_ops  # noqa: E402
+from orchard.attention_op import _Options, _op_arguments  # noqa: E402
+from orchard.flash_attn import (flash_attn_func, flash_attn_kvpacked_func,  # noqa: E402
+                                flash_attn_qkvpacked_func)
+from orchard.model import GPT, GPTConfig  # noqa: E402
+from orchard.torch import flash_attention, patch_model  # noqa: E402
+
+OPENCL = [d["id"] for d in orchard_ops.devices() if d["backend"] == "opencl"]
+
+
+def randn(*shape, dtype=torch.float32, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def run(fn, tensors, kwargs):
+    """fn's outputs and the gradients of its first output (a fixed cotangent) for fresh leaves."""
+    leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in tensors]
+    out = fn(*leaves, **kwargs)
+    first = out[0] if isinstance(out, tuple) else out
+    grads = torch.autograd.grad(first, [t for t in leaves if t.requires_grad],
+                                randn(*first.shape, dtype=first.dtype, seed=9))
+    return (tuple(out) if isinstance(out, tuple) else (out,)) + grads
+
+
+def assert_same(eager, compiled):
+    assert len(eager) == len(compiled)
+    for e, c in zip(eager, compiled):
+        assert torch.equal(e, c) and e.stride() == c.stride()
+
+
+# ----------------------------------------------------------------------------- the custom ops
+
+def op_cases():
+    q, k, v = randn(2, 3, 17, 8), randn(2, 3, 20, 8, seed=1), randn(2, 3, 20, 5, seed=2)
+    bnhd = randn(2, 9, 4, 16).transpose(1, 2)          # a (B, N, H, D) tensor seen as (B, H, N, D)
+    gqa_kv = randn(2, 11, 2, 16, seed=3).transpose(1, 2)
+    cu = torch.tensor([0, 4, 4, 13], dtype=torch.int32)
+    packed = randn(13, 2, 8, dtype=torch.float64)
+    return {
+        "dense": ((q, k, v), _Options()),
+        "3-D, one head of size 1": ((q[0, :1], k[0, :1], v[0, :1]), _Options(causal=True)),
+        "(B, N, H, D) layout, GQA, causal, window, softcap, ALiBi": (
+            (bnhd, gqa_kv, gqa_kv), _Options(causal=True, window=(5, 0), softcap=2.0,
+                                             alibi_slopes=torch.rand(4, dtype=torch.float64))),
+        "float64 varlen": ((packed, packed, packed),
+                           _Options(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=9,
+                                    max_seqlen_k=9)),
+        "bfloat16, dropout": ((q.bfloat16(), k.bfloat16(), v.bfloat16()),
+                              _Options(dropout_p=0.25, seed=torch.tensor(123456789))),
+        "expanded": ((q[:1].expand(4, 3, 17, 8), k[:1].expand(4, 3, 20, 8),
+                      v[:1].expand(4, 3, 20, 5)), _Options(causal=True)),
+        # a last dimension not contiguous: orchard_ops copies such an operand in C order, and
+        # lays its result out so; the custom op returns it in the order of q's strides
+        "strided head dim": ((randn(2, 8, 17, 3).permute(0, 3, 2, 1), k, v), _Options()),
+    }
+
+
+@pytest.mark.parametrize("case", list(op_cases()))
+def test_custom_ops_pass_torch_opcheck(case):
+    """Schema, fake implementations (shapes, dtypes and strides of the real results), the
+    autograd registration and AOT dispatch, forward and backward."""
+    (q, k, v), opts = op_cases()[case]
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    args = tuple(_op_arguments(opts))
+    torch.library.opcheck(torch.ops.orchard.attention_fwd.default, (q, k, v) + args)
+    out, lse = torch.ops.orchard.attention_fwd(q, k, v, *args)
+    dout = randn(*out.shape, dtype=out.dtype, seed=5)
+    torch.library.opcheck(torch.ops.orchard.attention_bwd.default,
+                          (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse) + args)
+
+
+# ----------------------------------------------------------------------------- whole graphs
+
+Q, K, V = randn(2, 33, 4, 32), randn(2, 40, 2, 32, seed=1), randn(2, 40, 2, 16, seed=2)
+X = randn(3, 5, 17, 24, seed=3)
+CALLS = {
+    "flash_attn_func GQA causal": (flash_attn_func, (Q, K, V), dict(causal=True)),
+    "flash_attn_func window softcap": (flash_attn_func, (Q, K, V),
+                                       dict(window_size=(5, 3), softcap=3.0)),
+    "flash_attn_func ALiBi, device": (flash_attn_func, (Q, K, V),
+                                      dict(alibi_slopes=torch.rand(4), device="cpu")),
+    "flash_attn_func lse": (flash_attn_func, (Q, K, V), dict(return_attn_probs=True)),
+    "flash_attn_func bfloat16": (flash_attn_func, (Q.bfloat16(), K.bfloat16(), V.bfloat16()),
+                                 dict(causal=True)),
+    "flash_attn_qkvpacked_func": (flash_attn_qkvpacked_func, (randn(2, 20, 3, 4, 16),),
+                                  dict(causal=True)),
+    "flash_attn_kvpacked_func": (flash_attn_kvpacked_func, (Q, randn(2, 40, 2, 2, 32)),
+                                 dict(causal=True)),
+    "flash_attention": (flash_attention, (X, X * 0.5, X.flip(-1)), dict(causal=True)),
+    "flash_attention on (B, N, H, D) views": (
+        flash_attention, (X.transpose(1, 2), X.transpose(1, 2), X.transpose(1, 2)), {}),
+}
+
+
+@pytest.mark.parametrize("call", list(CALLS))
+def test_compiled_calls_are_one_graph_and_match_eager(call):
+    fn, tensors, kwargs = CALLS[call]
+    eager = run(fn, tensors, kwargs)
+    torch._dynamo.reset()
+    assert_same(eager, run(torch.compile(fn, fullgraph=True, backend="aot_eager"), tensors,
+                           kwargs))
+
+
+@pytest.mark.parametrize("call", ["flash_attn_func GQA causal",
+                                  "flash_attention on (B, N, H, D) views"])
+def test_inductor_compiled_calls_match_eager(call):
+    """Inductor checks every result's size and strides against the fake implementations'."""
+    fn, tensors, kwargs = CALLS[call]
+    eager = run(fn, tensors, kwargs)
+    torch._dynamo.reset()
+    assert_same(eager, run(torch.compile(fn, fullgraph=True), tensors, kwargs))
+
+
+@pytest.mark.skipif(not OPENCL, reason="no OpenCL device")
+def test_compiled_call_on_an_opencl_device():
+    torch._dynamo.reset()
+    compiled = torch.compile(flash_attn_func, fullgraph=True, backend="aot_eager")
+    got = run(compiled, (Q, K, V), dict(causal=True, device=OPENCL[0]))
+    for g, e in zip(got, run(flash_attn_func, (Q, K, V), dict(causal=True))):
+        assert (g - e).abs().max() < 1e-5
+
+
+def test_dropout_seed_is_drawn_in_the_graph_and_follows_manual_seed():
+    def dropped(q, k, v):
+        return flash_attn_func(q, k, v, dropout_p=0.3)
+
+    # aot_eager draws the seed with torch's eager generator: the eager masks, bit for bit
+    for fn, fullgraph in ((dropped, True), (flash_attn_func, False)):
+        kwargs = {} if fn is dropped else dict(dropout_p=0.3, return_attn_probs=True)
+        torch.manual_seed(5)
+        eager = run(fn, (Q, K, V), kwargs)
+        torch._dynamo.reset()
+        # S_dmask with dropout (return_attn_probs) asks orchard_ops for the mask: a graph break
+        compiled = torch.compile(fn, fullgraph=fullgraph, backend="aot_eager")
+        torch.manual_seed(5)
+        assert_same(eager, run(compiled, (Q, K, V), kwargs))
+        assert not torch.equal(eager[0], run(compiled, (Q, K, V), kwargs)[0])     # a new seed
+    # inductor draws it with its own generator, seeded from torch's: reproducible
+    torch._dynamo.reset()
+    compiled = torch.compile(dropped, fullgraph=True)
+    torch.manual_seed(5)
+    first = run(compiled, (Q, K, V), {})
+    torch.manual_seed(5)
+    assert_same(first, run(compiled, (Q, K, V), {}))
+
+
+def test_bad_arguments_are_refused_in_compiled_code_too():
+    torch._dynamo.reset()
+    compiled = torch.compile(flash_attn_func, backend="aot_eager")
+    with pytest.raises(ValueError, match="'device' 'gpu:7' is not an available device"):
+        compiled(Q, K, V, device="gpu:7")
+    with pytest.raises(TypeError, match="'device' must be a str or None, not int"):
+        compiled(Q, K, V, device=3)
+    with pytest.raises(ValueError, match="'alibi_slopes' must be finite"):
+        compiled(Q, K, V, alibi_slopes=torch.tensor([1.0, math.nan, 1.0, 1.0]))
+    with pytest.raises(ValueError, match="'dropout_p' must be in"):
+        compiled(Q, K, V, dropout_p=1.5)
+
+
+def test_patched_model_compiles_to_one_graph_that_routes_to_orchard():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, context=32, n_layer=2, n_head=2, n_kv_head=2,
+                          n_embd=32))
+    router = patch_model(model)
+    x = torch.randint(0, 64, (2, 32))
+    eager = torch.autograd.grad(model(x)[0].sum(), list(model.parameters()))
+    assert router.routed == 2
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for calls in (4, 6):
+        got = torch.autograd.grad(compiled(x)[0].sum(), list(model.parameters()))
+        assert all(torch.equal(e, g) for e, g in zip(eager, got))
+        assert router.routed == calls and not router.left_to_torch
+
+
+def test_transformers_model_compiles_to_one_graph():
+    """A model without a padding mask: transformers' mask function returns None for orchard,
+    so nothing in the forward reads a tensor's values (a padding mask does: graph breaks there,
+    as with FlashAttention-2)."""
+    pytest.importorskip("transformers")
+    import orchard.hf  # noqa: F401  (registers "orchard")
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, attn_implementation="orchard"))
+    ids = torch.randint(0, 128, (2, 12))
+    eager = model(input_ids=ids).logits
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda ids: model(input_ids=ids).logits, fullgraph=True,
+                             backend="aot_eager")
+    assert torch.equal(eager, compiled(ids))
