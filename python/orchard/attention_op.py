@@ -15,6 +15,7 @@ are the same.
 import collections
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 
 import orchard_ops
 
@@ -28,11 +29,19 @@ _Options = collections.namedtuple(
               None))
 
 # The custom ops' schema type of each option
-_SCHEMA_TYPES = {"scale": "float?", "dropout_p": "float", "causal": "bool", "window": "int[]",
+_SCHEMA_TYPES = {"scale": "float?", "dropout_p": "float", "causal": "bool", "window": "SymInt[]",
                  "alibi_slopes": "Tensor?", "softcap": "float", "seed": "Tensor?",
                  "device": "str?", "cu_seqlens_q": "Tensor?", "cu_seqlens_k": "Tensor?",
-                 "max_seqlen_q": "int?", "max_seqlen_k": "int?", "seqused_k": "Tensor?",
+                 "max_seqlen_q": "SymInt?", "max_seqlen_k": "SymInt?", "seqused_k": "Tensor?",
                  "block_table": "Tensor?", "leftpad_k": "Tensor?"}
+
+
+def refuse(why):
+    """NotImplementedError for a call under `why`, a transform or forward-mode AD."""
+    raise NotImplementedError(
+        "orchard attention does not run under %s: its kernels read the tensors' memory and "
+        "have no batching rule or forward derivative; use torch's "
+        "scaled_dot_product_attention there (patch_model falls back to it)" % why)
 
 
 def ops_call(dense, varlen, o, *arrays):
@@ -162,6 +171,10 @@ torch.library.register_autograd("orchard::attention_fwd", _backward, setup_conte
 def traced(q, k, v, opts):
     """(out, lse) through orchard::attention_fwd, differentiable in q, k, v: the call that
     torch.compile records."""
+    # The ops have no forward derivative, and under forward-mode AD (torch.func.jvp, dual
+    # tensors) torch would give their results a tangent of 0, silently
+    if forward_ad._current_level >= 0:
+        refuse("forward-mode AD (torch.func.jvp, dual tensors)")
     if opts.device is not None and not isinstance(opts.device, str):    # the schema's str?
         raise TypeError("orchard attention: 'device' must be a str or None, not %s"
                         % type(opts.device).__name__)

@@ -98,10 +98,10 @@ def _options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size, sof
         _fail(fn, "dropout_p", "must be in [0, 1), got %r" % (dropout_p,))
     if softmax_scale is not None:
         softmax_scale = _number(fn, "softmax_scale", softmax_scale)
-        if not math.isfinite(softmax_scale):
+        if not -math.inf < softmax_scale < math.inf:   # isfinite, in words dynamic=True traces
             _fail(fn, "softmax_scale", "must be finite, got %r" % (softmax_scale,))
     softcap = _number(fn, "softcap", softcap)
-    if not (math.isfinite(softcap) and softcap >= 0.0):
+    if not 0.0 <= softcap < math.inf:
         _fail(fn, "softcap", "must be a finite number >= 0 (0: no softcap), got %r" % (softcap,))
     try:
         left, right = (operator.index(w) for w in window_size)

@@ -78,6 +78,9 @@ def _computes_itself(config_type):
     return None if can_switch is not None and can_switch() else cls.__name__
 
 
+# torch.compile calls it once while tracing and keeps the answer: traced, transformers' model
+# mapping fails on a config class (AttributeError: 'debug_repr')
+@torch.compiler.assume_constant_result
 def unsupported_reason(config):
     """Why attn_implementation="orchard" cannot run the model of `config`, or None. orchard
     reads masks as transformers' FlashAttention-2 integration does (None for causal, a padding

@@ -54,10 +54,7 @@ def _transform_in_use(q, k, v):
 def _refuse_transforms(q, k, v):
     why = _transform_in_use(q, k, v)
     if why:
-        raise NotImplementedError(
-            "orchard attention does not run under %s: its kernels read the tensors' memory and "
-            "have no batching rule or forward derivative; use torch's "
-            "scaled_dot_product_attention there (patch_model falls back to it)" % why)
+        attention_op.refuse(why)
 
 
 def _forward(q, k, v, opts):
