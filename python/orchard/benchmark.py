@@ -198,33 +198,36 @@ def plot(rows, path):
     plt.close(fig)
 
 
-def training_tokens_per_s(steps=6, batch=8, seq=256):
+def training_tokens_per_s(steps=6, batch=8, seq=256, compiled=False):
     """Tokens/s of the demo model's training step, orchard attention versus torch SDPA: the
-    median step of each (steps >= 3), the two models' steps interleaved so that both see the
-    same machine."""
+    median step of each (steps >= 3), the models' steps interleaved so that all see the same
+    machine. compiled: each also under torch.compile (Inductor), as "<backend> compiled"."""
     import torch
 
     from orchard.model import GPT, GPTConfig
     from orchard.torch import patch_model
-    x = torch.randint(0, 256, (batch, seq))
-    steps_of = {}
-    for backend in ("torch-sdpa", "orchard"):
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(context=seq))
-        if backend == "orchard":
-            patch_model(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-        def step(model=model, opt=opt):
-            _, loss = model(x, x)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-
-        steps_of[backend] = step        # round_robin's first round is the warm-up
     if steps < MIN_REPEATS:
         raise ValueError("training_tokens_per_s(): 'steps' must be >= %d, got %r"
                          % (MIN_REPEATS, steps))
+    x = torch.randint(0, 256, (batch, seq))
+    steps_of = {}
+    for backend in ("torch-sdpa", "orchard"):
+        for compile_it in (False, True) if compiled else (False,):
+            torch.manual_seed(0)
+            model = GPT(GPTConfig(context=seq))
+            if backend == "orchard":
+                patch_model(model)
+            forward = torch.compile(model) if compile_it else model
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+            def step(forward=forward, opt=opt):
+                _, loss = forward(x, x)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+
+            # round_robin's first round is the warm-up (and a compiled model's compilation)
+            steps_of[backend + (" compiled" if compile_it else "")] = step
     times = round_robin(steps_of, steps)
     return {backend: batch * seq / float(np.median(t)) for backend, t in times.items()}
 
