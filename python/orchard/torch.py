@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 import orchard_ops
 from orchard import attention_op
-from orchard.attention_op import _Options, ops_call as _ops_call
+from orchard.attention_op import _Options, ops_call
 
 _ROUTABLE_DTYPES = (torch.float16, torch.float32, torch.float64, torch.bfloat16)
 _MAX_HEAD_DIM = orchard_ops.build_info()["max_head_dim"]
@@ -61,7 +61,7 @@ def _forward(q, k, v, opts):
     if torch.compiler.is_compiling():
         return attention_op.traced(q, k, v, opts)
     _refuse_transforms(q, k, v)
-    return _ops_call(orchard_ops.flash_attn_fwd, orchard_ops.flash_attn_varlen_fwd, opts, q, k, v)
+    return ops_call(orchard_ops.flash_attn_fwd, orchard_ops.flash_attn_varlen_fwd, opts, q, k, v)
 
 
 class _FlashAttention(torch.autograd.Function):
@@ -70,8 +70,8 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, opts):
         # _attention has refused transforms before apply: the call itself, not _forward
-        out, lse = _ops_call(orchard_ops.flash_attn_fwd, orchard_ops.flash_attn_varlen_fwd, opts,
-                             q, k, v)
+        out, lse = ops_call(orchard_ops.flash_attn_fwd, orchard_ops.flash_attn_varlen_fwd, opts,
+                            q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.opts = opts
         ctx.mark_non_differentiable(lse)
@@ -89,8 +89,8 @@ class _FlashAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         # autograd may hand a lazily negated view (the gradient through a complex conj),
         # which DLPack does not carry: resolved here, as the user cannot
-        dq, dk, dv = _ops_call(orchard_ops.flash_attn_bwd, orchard_ops.flash_attn_varlen_bwd,
-                               ctx.opts, dout.resolve_neg(), q, k, v, out, lse)
+        dq, dk, dv = ops_call(orchard_ops.flash_attn_bwd, orchard_ops.flash_attn_varlen_bwd,
+                              ctx.opts, dout.resolve_neg(), q, k, v, out, lse)
         return dq, dk, dv, None
 
 
