@@ -11,7 +11,8 @@ torch = pytest.importorskip("torch")
 import orchard_ops  # noqa: E402
 from orchard.attention_op import _Options, _op_arguments  # noqa: E402
 from orchard.flash_attn import (flash_attn_func, flash_attn_kvpacked_func,  # noqa: E402
-                                flash_attn_qkvpacked_func)
+                                flash_attn_qkvpacked_func, flash_attn_varlen_func,
+                                flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func)
 from orchard.model import GPT, GPTConfig  # noqa: E402
 from orchard.torch import flash_attention, patch_model  # noqa: E402
 
@@ -83,6 +84,7 @@ def test_custom_ops_pass_torch_opcheck(case):
 
 Q, K, V = randn(2, 33, 4, 32), randn(2, 40, 2, 32, seed=1), randn(2, 40, 2, 16, seed=2)
 X = randn(3, 5, 17, 24, seed=3)
+CU_Q, CU_K = (torch.tensor(cu, dtype=torch.int32) for cu in ([0, 5, 5, 12], [0, 7, 9, 16]))
 CALLS = {
     "flash_attn_func GQA causal": (flash_attn_func, (Q, K, V), dict(causal=True)),
     "flash_attn_func window softcap": (flash_attn_func, (Q, K, V),
@@ -96,6 +98,20 @@ CALLS = {
                                   dict(causal=True)),
     "flash_attn_kvpacked_func": (flash_attn_kvpacked_func, (Q, randn(2, 40, 2, 2, 32)),
                                  dict(causal=True)),
+    # packed: three sequences (one empty), then rows past the last offset, padding
+    "flash_attn_varlen_func GQA causal, padding rows": (
+        flash_attn_varlen_func, (randn(15, 4, 32), randn(18, 2, 32, seed=1), randn(18, 2, 16, seed=2),
+                                 CU_Q, CU_K), dict(max_seqlen_q=7, max_seqlen_k=7, causal=True)),
+    "flash_attn_varlen_func lse, window, ALiBi": (
+        flash_attn_varlen_func, (randn(15, 4, 32), randn(18, 2, 32, seed=1), randn(18, 2, 16, seed=2),
+                                 CU_Q, CU_K), dict(max_seqlen_q=7, max_seqlen_k=7, window_size=(2, 1),
+                                                   alibi_slopes=torch.rand(4),
+                                                   return_attn_probs=True)),
+    "flash_attn_varlen_qkvpacked_func": (flash_attn_varlen_qkvpacked_func,
+                                         (randn(14, 3, 2, 16), CU_Q), dict(max_seqlen=7)),
+    "flash_attn_varlen_kvpacked_func": (flash_attn_varlen_kvpacked_func,
+                                        (randn(14, 2, 16), randn(16, 2, 2, 16), CU_Q, CU_K),
+                                        dict(max_seqlen_q=7, max_seqlen_k=7, causal=True)),
     "flash_attention": (flash_attention, (X, X * 0.5, X.flip(-1)), dict(causal=True)),
     "flash_attention on (B, N, H, D) views": (
         flash_attention, (X.transpose(1, 2), X.transpose(1, 2), X.transpose(1, 2)), {}),
@@ -112,7 +128,8 @@ def test_compiled_calls_are_one_graph_and_match_eager(call):
 
 
 @pytest.mark.parametrize("call", ["flash_attn_func GQA causal",
-                                  "flash_attention on (B, N, H, D) views"])
+                                  "flash_attention on (B, N, H, D) views",
+                                  "flash_attn_varlen_func GQA causal, padding rows"])
 def test_inductor_compiled_calls_match_eager(call):
     """Inductor checks every result's size and strides against the fake implementations'."""
     fn, tensors, kwargs = CALLS[call]
@@ -144,6 +161,40 @@ def test_one_graph_serves_every_length_with_dynamic_shapes(window):
         q, k, v = (randn(1, n, 2, 8, seed=s) for s in range(3))
         assert torch.equal(compiled(q, k, v), attend(q, k, v))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_one_varlen_graph_serves_every_packing_with_dynamic_shapes():
+    """The offsets are never read while tracing: one graph for every packing and total."""
+    def attend(q, k, v, cu, longest):
+        return flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True)
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(attend, fullgraph=True, dynamic=True, backend="aot_eager")
+    for total, cu in ((9, [0, 4, 9]), (12, [0, 2, 3, 10]), (16, [0, 16])):
+        q, k, v = (randn(total, 2, 8, seed=s) for s in range(3))
+        cu = torch.tensor(cu, dtype=torch.int32)
+        longest = int((cu[1:] - cu[:-1]).max())
+        assert torch.equal(compiled(q, k, v, cu, longest), attend(q, k, v, cu, longest))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_bad_offsets_are_refused_when_the_compiled_graph_runs():
+    """Traced, orchard_ops checks the offsets and the max_seqlen, as orchard.flash_attn does
+    in eager mode."""
+    q = randn(10, 2, 8)
+    torch._dynamo.reset()
+    compiled = torch.compile(flash_attn_varlen_func, fullgraph=True, backend="aot_eager")
+    for cu, longest, match in (([0, 6, 4], 6, "'cu_seqlens_q' must start at 0, never decrease"),
+                               ([0, 4, 11], 7, "'cu_seqlens_q' must start at 0, never decrease"),
+                               ([0, 4, 10], 5, "'max_seqlen_q' must be an int >= 6")):
+        cu = torch.tensor(cu, dtype=torch.int32)
+        with pytest.raises(ValueError, match=match):
+            compiled(q, q, q, cu, cu, longest, longest)
+    # refused while tracing (fullgraph=True would report that as a graph break)
+    compiled = torch.compile(flash_attn_varlen_func, backend="aot_eager")
+    with pytest.raises(TypeError, match="'cu_seqlens_k' must be a torch.int32 tensor"):
+        compiled(q, q, q, cu, cu.long(), 7, 7)
 
 
 def test_forward_mode_ad_is_refused_in_compiled_code_too():
@@ -216,20 +267,45 @@ def test_patched_model_compiles_to_one_graph_that_routes_to_orchard():
         assert router.routed == calls and not router.left_to_torch
 
 
-def test_transformers_model_compiles_to_one_graph():
-    """A model without a padding mask: transformers' mask function returns None for orchard,
-    so nothing in the forward reads a tensor's values (a padding mask does: graph breaks there,
-    as with FlashAttention-2)."""
+def tiny_llama():
     pytest.importorskip("transformers")
     import orchard.hf  # noqa: F401  (registers "orchard")
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
+    return LlamaForCausalLM(LlamaConfig(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, attn_implementation="orchard"))
+
+
+def test_transformers_model_compiles_to_one_graph():
+    """A model without a padding mask: transformers' mask function returns None for orchard,
+    so nothing in the forward reads a tensor's values (a padding mask does: graph breaks there,
+    as with FlashAttention-2)."""
+    model = tiny_llama()
     ids = torch.randint(0, 128, (2, 12))
     torch._dynamo.reset()
     compiled = torch.compile(lambda ids: model(input_ids=ids).logits, fullgraph=True,
                              backend="aot_eager")
     got = compiled(ids)     # first: orchard.hf's checks of the model run inside the trace
     assert torch.equal(model(input_ids=ids).logits, got)
+
+
+def test_transformers_packed_sequences_compile_to_one_graph():
+    """Packed sequences given as transformers' FlashAttention keywords (cu_seq_lens_q/k with
+    max_length_q/k, as DataCollatorWithFlattening makes them): one graph, forward and
+    backward, the eager results bit for bit."""
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 20))
+    cu = torch.tensor([0, 7, 12, 20], dtype=torch.int32)
+    positions = torch.cat([torch.arange(7), torch.arange(5), torch.arange(8)])[None]
+
+    def loss(ids):
+        logits = model(input_ids=ids, position_ids=positions, cu_seq_lens_q=cu,
+                       cu_seq_lens_k=cu, max_length_q=8, max_length_k=8).logits
+        return logits.square().mean()
+
+    eager = [loss(ids)] + list(torch.autograd.grad(loss(ids), list(model.parameters())))
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    got = [compiled(ids)] + list(torch.autograd.grad(compiled(ids), list(model.parameters())))
+    assert all(torch.equal(e, g) for e, g in zip(eager, got))

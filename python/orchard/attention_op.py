@@ -13,6 +13,7 @@ dispatcher would add about 11 us to every call, and both paths run ops_call, so 
 are the same.
 """
 import collections
+import math
 
 import torch
 import torch.autograd.forward_ad as forward_ad
@@ -67,8 +68,32 @@ def ops_call(dense, varlen, o, *arrays):
             kw["leftpad_k"] = o.leftpad_k
     if o.cu_seqlens_q is None:
         return dense(*arrays, o.scale, o.dropout_p, o.causal, **kw)
-    return varlen(*arrays, o.cu_seqlens_q, o.cu_seqlens_k, o.max_seqlen_q, o.max_seqlen_k,
-                  o.scale, o.dropout_p, o.causal, **kw)
+
+    def call(*xs):
+        return varlen(*xs, o.cu_seqlens_q, o.cu_seqlens_k, o.max_seqlen_q, o.max_seqlen_k,
+                      o.scale, o.dropout_p, o.causal, **kw)
+
+    # Packed rows past cu_seqlens' last offset are padding (FlashAttention-2's static-shape
+    # buffers): orchard_ops gets the rows before it, the results get the padding back (out
+    # and gradients 0, lse -inf). Here rather than in orchard.flash_attn, whose traced calls
+    # cannot read the offsets: the custom ops' implementations run this.
+    q, k = arrays[:2] if len(arrays) == 3 else arrays[1:3]
+    nq = int(o.cu_seqlens_q[-1])
+    nk = k.shape[0] if o.block_table is not None else int(o.cu_seqlens_k[-1])   # pages: all
+    if nq == q.shape[0] and nk == k.shape[0]:
+        return call(*arrays)
+    if len(arrays) == 3:                # forward: q, k, v -> out, lse
+        out, lse = call(q[:nq], k[:nk], arrays[2][:nk])
+        return _pad_rows(out, q.shape[0]), _pad_rows(lse, q.shape[0], 1, -math.inf)
+    dout, q, k, v, out, lse = arrays    # backward -> dq, dk, dv
+    dq, dk, dv = call(dout[:nq], q[:nq], k[:nk], v[:nk], out[:nq], lse[:, :nq])
+    return _pad_rows(dq, q.shape[0]), _pad_rows(dk, k.shape[0]), _pad_rows(dv, k.shape[0])
+
+
+def _pad_rows(x, n, axis=0, value=0.0):
+    """x grown along axis to n, the new entries value."""
+    return torch.nn.functional.pad(x, [0, 0] * (x.dim() - 1 - axis) + [0, n - x.shape[axis]],
+                                   value=value)
 
 
 # ----------------------------------------------------------------------------- custom ops

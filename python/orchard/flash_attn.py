@@ -65,14 +65,19 @@ def _check_seqlens(fn, **tensors):
             _fail(fn, name, "has seqlen %d; orchard takes at most %d" % (t.shape[1], _MAX_SEQLEN))
 
 
-def _int32(fn, name, t, shape, layout):
-    """t, an int32 CPU tensor of this shape, as a list (nested for 2-D)."""
+def _check_int32(fn, name, t, shape, layout):
+    """TypeError / ValueError naming it unless t is an int32 CPU tensor of this shape."""
     if not isinstance(t, torch.Tensor) or t.dtype != _INT32:
         _fail(fn, name, "must be a torch.int32 tensor, got %s"
               % (t.dtype if isinstance(t, torch.Tensor) else type(t).__name__), TypeError)
     if t.device.type != "cpu":
         _fail(fn, name, "is on %s: pass CPU tensors" % t.device)
     _check_shape(fn, name, t, shape, layout)
+
+
+def _int32(fn, name, t, shape, layout):
+    """t, an int32 CPU tensor of this shape, as a list (nested for 2-D)."""
+    _check_int32(fn, name, t, shape, layout)
     return t.tolist()
 
 
@@ -335,54 +340,68 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     cu_names = ["cu_seqlens" + x for x in suffixes]
     _check_tensors(fn, q=q, k=k, v=v)
     _check_shape(fn, "q", q, (None,) * 3, "(total_q, nheads, headdim)")
-    cu_q = _cu_seqlens(fn, cu_names[0], cu_seqlens_q, q.shape[0])
-    if block_table is None:
-        layout = "(total_k, nheads_k, headdim)"
+    layout = "(total_k, nheads_k, headdim)"
+    if (torch.compiler.is_compiling() and block_table is None
+            and max_seqlen_q is not None and max_seqlen_k is not None):
+        # traced: the offsets stay unread (a value read would break the graph); orchard_ops
+        # checks them, and the max_seqlen against them, when the graph runs
+        for name, t in zip(cu_names, (cu_seqlens_q, cu_seqlens_k)):
+            _check_int32(fn, name, t, (None,), "(batch_size + 1,)")
         _check_shape(fn, "k", k, (None, None, q.shape[2]), layout)
         _check_shape(fn, "v", v, tuple(k.shape[:2]) + (None,), layout)
-        cu_k = _cu_seqlens(fn, cu_names[1], cu_seqlens_k, k.shape[0])
+        _check_entries(fn, cu_names, cu_seqlens_q.shape[0], cu_seqlens_k.shape[0])
+        for x, suffix in zip((max_seqlen_q, max_seqlen_k), suffixes):
+            _check_max_seqlen(fn, "max_seqlen" + suffix, x, 0)
+        cu_q = cu_k = None      # read only for S_dmask with dropout, below
+        batch = cu_seqlens_q.shape[0] - 1
     else:
-        cu_k = _cu_seqlens(fn, cu_names[1], cu_seqlens_k, None)
-        # read in place, unless gradients must reach the pages or the device is OpenCL
-        in_place = _reads_pages(device) and not (torch.is_grad_enabled() and (
-            q.requires_grad or k.requires_grad or v.requires_grad))
-        k, v = _paged_gather(fn, k, v, cu_k, block_table, q.shape[2], not in_place)
-        if not in_place:
-            block_table = None
-    if len(cu_k) != len(cu_q):
-        _fail(fn, cu_names[1], "has %d entries, %s has %d: one per sequence plus one"
-              % (len(cu_k), cu_names[0], len(cu_q)))
+        cu_q = _cu_seqlens(fn, cu_names[0], cu_seqlens_q, q.shape[0])
+        if block_table is None:
+            _check_shape(fn, "k", k, (None, None, q.shape[2]), layout)
+            _check_shape(fn, "v", v, tuple(k.shape[:2]) + (None,), layout)
+            cu_k = _cu_seqlens(fn, cu_names[1], cu_seqlens_k, k.shape[0])
+        else:
+            cu_k = _cu_seqlens(fn, cu_names[1], cu_seqlens_k, None)
+            # read in place, unless gradients must reach the pages or the device is OpenCL
+            in_place = _reads_pages(device) and not (torch.is_grad_enabled() and (
+                q.requires_grad or k.requires_grad or v.requires_grad))
+            k, v = _paged_gather(fn, k, v, cu_k, block_table, q.shape[2], not in_place)
+            if not in_place:
+                block_table = None
+        _check_entries(fn, cu_names, len(cu_q), len(cu_k))
+        longest = [max((b - a for a, b in zip(cu, cu[1:])), default=0) for cu in (cu_q, cu_k)]
+        for x, suffix, n in zip((max_seqlen_q, max_seqlen_k), suffixes, longest):
+            _check_max_seqlen(fn, "max_seqlen" + suffix, x, n)
+        max_seqlen_q, max_seqlen_k = (n if x is None else x
+                                      for x, n in zip((max_seqlen_q, max_seqlen_k), longest))
+        batch = len(cu_q) - 1
     _check_heads(fn, q, k, v, -2)
-    # tokens past the last sequence are padding: left out, their out 0 and lse -inf
-    tokens = q.shape[0]
-    q = q[:cu_q[-1]]
-    if block_table is None:
-        k, v = k[:cu_k[-1]], v[:cu_k[-1]]
-    longest = [max((b - a for a, b in zip(cu, cu[1:])), default=0) for cu in (cu_q, cu_k)]
-    for x, suffix, n in zip((max_seqlen_q, max_seqlen_k), suffixes, longest):
-        _check_max_seqlen(fn, "max_seqlen" + suffix, x, n)
-    max_seqlen_q, max_seqlen_k = (n if x is None else x
-                                  for x, n in zip((max_seqlen_q, max_seqlen_k), longest))
     opts = _options(fn, q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
-                    alibi_slopes, len(cu_q) - 1, device, cu_seqlens_q=cu_seqlens_q,
+                    alibi_slopes, batch, device, cu_seqlens_q=cu_seqlens_q,
                     cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                     max_seqlen_k=max_seqlen_k, block_table=block_table)
+    # tokens past the last sequence are padding: out 0 and lse -inf (attention_op.ops_call)
     if block_table is not None:     # pages read in place: nothing to differentiate
         out, lse = _forward(q, k, v, opts)
     else:
         out, lse = _attention(q, k, v, opts)
     out = out.contiguous()      # a transposed q gives an output in its layout
-    if tokens > cu_q[-1]:
-        out = torch.nn.functional.pad(out, (0, 0, 0, 0, 0, tokens - cu_q[-1]))
-        lse = torch.nn.functional.pad(lse, (0, tokens - cu_q[-1]), value=-math.inf)
     if not return_attn_probs:
         return out
     if opts.dropout_p == 0:
         return out, lse, _no_probs(q)
+    if cu_q is None:
+        cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     if block_table is not None:
         k, _ = _paged_gather(fn, k, v, cu_k, block_table, q.shape[2], True)
     probs = _varlen_probs(q, k, opts, cu_q, cu_k, max_seqlen_q, max_seqlen_k).to(q.dtype)
     return out, lse, probs
+
+
+def _check_entries(fn, cu_names, n_q, n_k):
+    if n_k != n_q:
+        _fail(fn, cu_names[1], "has %d entries, %s has %d: one per sequence plus one"
+              % (n_k, cu_names[0], n_q))
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

@@ -369,8 +369,14 @@ def _fallback(reason, module, query, key, value, mask, causal, window, dropout, 
 # ----------------------------------------------------------------------------- attention
 
 
-def _lengths(cu):
-    return cu.to(torch.int32), int((cu[1:] - cu[:-1]).max())
+def _lengths(cu, longest):
+    """cu_seq_lens as int32, and the longest sequence: given (transformers' max_length_q/k, as
+    from DataCollatorWithFlattening; then torch.compile traces the call whole) or read."""
+    if longest is None:
+        longest = (cu[1:] - cu[:-1]).max()
+    if isinstance(longest, torch.Tensor):
+        longest = int(longest)      # a value read: torch.compile breaks the graph here
+    return cu.to(torch.int32), longest
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -440,7 +446,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         starts = torch.nonzero(ids[1:] != ids[:-1]).flatten() + 1
         cu_q = cu_k = torch.cat([starts.new_zeros(1), starts, starts.new_tensor([ids.numel()])])
     if cu_q is not None and cu_k is not None:
-        (cu_q, max_q), (cu_k, max_k) = _lengths(cu_q), _lengths(cu_k)
+        (cu_q, max_q), (cu_k, max_k) = (_lengths(cu_q, kwargs.get("max_length_q")),
+                                        _lengths(cu_k, kwargs.get("max_length_k")))
         out = flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]),
                                      v.reshape(-1, *v.shape[2:]), cu_q, cu_k, max_q, max_k,
                                      **options)
