@@ -21,9 +21,10 @@ EXAMPLES = (
 
 
 def counted(items, progress):
+    # counted as it is handed out: --max-bytes may stop the reading within a file
     for n, item in enumerate(items, 1):
-        yield item
         progress.update(n)
+        yield item
 
 
 @console_script("orchard-prepare", uses_devices=False)
