@@ -12,7 +12,8 @@ import orchard_ops  # noqa: E402
 from orchard.attention_op import _Options, _op_arguments  # noqa: E402
 from orchard.flash_attn import (flash_attn_func, flash_attn_kvpacked_func,  # noqa: E402
                                 flash_attn_qkvpacked_func, flash_attn_varlen_func,
-                                flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func)
+                                flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func,
+                                flash_attn_with_kvcache)
 from orchard.model import GPT, GPTConfig  # noqa: E402
 from orchard.torch import flash_attention, patch_model  # noqa: E402
 
@@ -85,6 +86,7 @@ def test_custom_ops_pass_torch_opcheck(case):
 Q, K, V = randn(2, 33, 4, 32), randn(2, 40, 2, 32, seed=1), randn(2, 40, 2, 16, seed=2)
 X = randn(3, 5, 17, 24, seed=3)
 CU_Q, CU_K = (torch.tensor(cu, dtype=torch.int32) for cu in ([0, 5, 5, 12], [0, 7, 9, 16]))
+PACKED = (randn(15, 4, 32), randn(18, 2, 32, seed=1), randn(18, 2, 16, seed=2), CU_Q, CU_K)
 CALLS = {
     "flash_attn_func GQA causal": (flash_attn_func, (Q, K, V), dict(causal=True)),
     "flash_attn_func window softcap": (flash_attn_func, (Q, K, V),
@@ -100,13 +102,10 @@ CALLS = {
                                  dict(causal=True)),
     # packed: three sequences (one empty), then rows past the last offset, padding
     "flash_attn_varlen_func GQA causal, padding rows": (
-        flash_attn_varlen_func, (randn(15, 4, 32), randn(18, 2, 32, seed=1), randn(18, 2, 16, seed=2),
-                                 CU_Q, CU_K), dict(max_seqlen_q=7, max_seqlen_k=7, causal=True)),
+        flash_attn_varlen_func, PACKED, dict(max_seqlen_q=7, max_seqlen_k=7, causal=True)),
     "flash_attn_varlen_func lse, window, ALiBi": (
-        flash_attn_varlen_func, (randn(15, 4, 32), randn(18, 2, 32, seed=1), randn(18, 2, 16, seed=2),
-                                 CU_Q, CU_K), dict(max_seqlen_q=7, max_seqlen_k=7, window_size=(2, 1),
-                                                   alibi_slopes=torch.rand(4),
-                                                   return_attn_probs=True)),
+        flash_attn_varlen_func, PACKED, dict(max_seqlen_q=7, max_seqlen_k=7, window_size=(2, 1),
+                                             alibi_slopes=torch.rand(4), return_attn_probs=True)),
     "flash_attn_varlen_qkvpacked_func": (flash_attn_varlen_qkvpacked_func,
                                          (randn(14, 3, 2, 16), CU_Q), dict(max_seqlen=7)),
     "flash_attn_varlen_kvpacked_func": (flash_attn_varlen_kvpacked_func,
@@ -185,7 +184,8 @@ def test_bad_offsets_are_refused_when_the_compiled_graph_runs():
     q = randn(10, 2, 8)
     torch._dynamo.reset()
     compiled = torch.compile(flash_attn_varlen_func, fullgraph=True, backend="aot_eager")
-    for cu, longest, match in (([0, 6, 4], 6, "'cu_seqlens_q' must start at 0, never decrease"),
+    for cu, longest, match in (([0, 6, 4], 6, "'cu_seqlens_q' must start at 0, never decrease "
+                                                "and end at 10"),     # q's rows, none cut off
                                ([0, 4, 11], 7, "'cu_seqlens_q' must start at 0, never decrease"),
                                ([0, 4, 10], 5, "'max_seqlen_q' must be an int >= 6")):
         cu = torch.tensor(cu, dtype=torch.int32)
@@ -195,6 +195,69 @@ def test_bad_offsets_are_refused_when_the_compiled_graph_runs():
     compiled = torch.compile(flash_attn_varlen_func, backend="aot_eager")
     with pytest.raises(TypeError, match="'cu_seqlens_k' must be a torch.int32 tensor"):
         compiled(q, q, q, cu, cu.long(), 7, 7)
+    empty = torch.zeros(0, dtype=torch.int32)
+    with pytest.raises(ValueError, match="'cu_seqlens_q' must have batch_size \\+ 1 entries"):
+        compiled(q, q, q, empty, empty, 1, 1)
+
+
+def test_slopes_made_in_the_graph_fit_symbolic_head_counts():
+    """dynamic=True: the heads are a symbol, which the slopes' fixed shape is compared with."""
+    def attend(q, k, v):
+        return flash_attn_func(q, k, v, alibi_slopes=torch.tensor([0.1, 0.3, 0.2, 0.5]))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, fullgraph=True, dynamic=True, backend="aot_eager")
+    assert torch.equal(compiled(Q, K, V), attend(Q, K, V))
+
+
+def kvcache_step(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cos, sin):
+    return flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin,
+                                   cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
+                                   causal=True, return_softmax_lse=True)
+
+
+def kvcache_operands():
+    """q (3 sequences of 2 tokens, GQA), a cache of 4 rows of 20 (the sequences in rows 2, 0,
+    3), 2 new keys and values each, rotary tables."""
+    return (randn(3, 2, 4, 16), randn(4, 20, 2, 16, seed=1), randn(4, 20, 2, 16, seed=2),
+            randn(3, 2, 2, 16, seed=3), randn(3, 2, 2, 16, seed=4),
+            torch.tensor([3, 7, 0], dtype=torch.int32), torch.tensor([2, 0, 3], dtype=torch.int32),
+            randn(20, 4, seed=5).cos(), randn(20, 4, seed=6).sin())
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_kvcache_step_compiles_to_one_graph_that_writes_the_cache(backend):
+    """A contiguous cache without left padding: the new keys written in place, rotated, the
+    results and the cache bit for bit the eager ones; the lengths' values stay unread, so the
+    next step's lengths take the same graph."""
+    q, k_cache, v_cache, *rest = kvcache_operands()
+    eager = (k_cache.clone(), v_cache.clone())
+    want = kvcache_step(q, *eager, *rest)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(kvcache_step, fullgraph=True, backend=backend)
+    got = (k_cache.clone(), v_cache.clone())
+    assert_same(want + eager, compiled(q, *got, *rest) + got)
+    lengths = torch.tensor([5, 9, 2], dtype=torch.int32)
+    args = rest[:2] + [lengths] + rest[3:]
+    assert_same(kvcache_step(q, *eager, *args) + eager, compiled(q, *got, *args) + got)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_bad_cache_lengths_are_refused_before_the_compiled_graph_writes():
+    q, k_cache, v_cache, k, v, lengths, rows, cos, sin = kvcache_operands()
+    torch._dynamo.reset()
+    compiled = torch.compile(kvcache_step, fullgraph=True, backend="aot_eager")
+    for lengths, rows, positions, match in (
+            ([3, 19, 0], [2, 0, 3], 20, "'cache_seqlens' plus the new tokens must lie in"),
+            ([-1, 7, 0], [2, 0, 3], 20, "'cache_seqlens' plus the new tokens must lie in"),
+            ([3, 7, 0], [2, 0, 4], 20, "'cache_batch_idx' has entries outside"),
+            ([3, 7, 9], [2, 0, 3], 10, "'rotary_cos' has fewer positions")):
+        cache = k_cache.clone()
+        with pytest.raises(RuntimeError, match=match):
+            compiled(q, cache, v_cache.clone(), k, v, torch.tensor(lengths, dtype=torch.int32),
+                     torch.tensor(rows, dtype=torch.int32), cos[:positions], sin[:positions])
+        assert torch.equal(cache, k_cache)
 
 
 def test_forward_mode_ad_is_refused_in_compiled_code_too():

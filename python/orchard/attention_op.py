@@ -78,16 +78,24 @@ def ops_call(dense, varlen, o, *arrays):
     # and gradients 0, lse -inf). Here rather than in orchard.flash_attn, whose traced calls
     # cannot read the offsets: the custom ops' implementations run this.
     q, k = arrays[:2] if len(arrays) == 3 else arrays[1:3]
-    nq = int(o.cu_seqlens_q[-1])
-    nk = k.shape[0] if o.block_table is not None else int(o.cu_seqlens_k[-1])   # pages: all
-    if nq == q.shape[0] and nk == k.shape[0]:
-        return call(*arrays)
+    cu_q, cu_k = o.cu_seqlens_q, o.cu_seqlens_k
+    if len(cu_q) == 0 or len(cu_k) == 0:
+        return call(*arrays)    # orchard_ops says what is wrong
+    nq = int(cu_q[-1])
+    nk = k.shape[0] if o.block_table is not None else int(cu_k[-1])   # pages: all
+    if nq == q.shape[0] and nk == k.shape[0] or not _offsets(cu_q, cu_k):
+        return call(*arrays)    # nothing to cut, or offsets orchard_ops refuses as given
     if len(arrays) == 3:                # forward: q, k, v -> out, lse
         out, lse = call(q[:nq], k[:nk], arrays[2][:nk])
         return _pad_rows(out, q.shape[0]), _pad_rows(lse, q.shape[0], 1, -math.inf)
     dout, q, k, v, out, lse = arrays    # backward -> dq, dk, dv
     dq, dk, dv = call(dout[:nq], q[:nq], k[:nk], v[:nk], out[:nq], lse[:, :nq])
     return _pad_rows(dq, q.shape[0]), _pad_rows(dk, k.shape[0]), _pad_rows(dv, k.shape[0])
+
+
+def _offsets(*cus):
+    """Whether each cu_seqlens starts at 0 and never decreases."""
+    return all(cu[0] == 0 and bool((cu[1:] >= cu[:-1]).all()) for cu in cus)
 
 
 def _pad_rows(x, n, axis=0, value=0.0):

@@ -128,7 +128,9 @@ def _options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size, sof
         if alibi_slopes.device.type != "cpu":
             _fail(fn, "alibi_slopes", "is on %s: pass CPU tensors" % alibi_slopes.device)
         h = q.shape[-2]
-        if tuple(alibi_slopes.shape) not in ((h,), (batch, h)):
+        shape = alibi_slopes.shape      # compared a size at a time: traced, h may be a symbol
+        if not (len(shape) == 1 and shape[0] == h
+                or len(shape) == 2 and shape[0] == batch and shape[1] == h):
             _fail(fn, "alibi_slopes", "must be (nheads,) = (%d,) or (batch_size, nheads) = "
                   "(%d, %d), got shape %s" % (h, batch, h, tuple(alibi_slopes.shape)))
         # no gradient reaches the slopes (as FlashAttention-2); orchard_ops reads float32/64
@@ -347,6 +349,8 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         # checks them, and the max_seqlen against them, when the graph runs
         for name, t in zip(cu_names, (cu_seqlens_q, cu_seqlens_k)):
             _check_int32(fn, name, t, (None,), "(batch_size + 1,)")
+            if t.shape[0] == 0:
+                _fail(fn, name, "must have batch_size + 1 entries, got none")
         _check_shape(fn, "k", k, (None, None, q.shape[2]), layout)
         _check_shape(fn, "v", v, tuple(k.shape[:2]) + (None,), layout)
         _check_entries(fn, cu_names, cu_seqlens_q.shape[0], cu_seqlens_k.shape[0])
@@ -451,11 +455,12 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
 
 
 def _rotary(x, cos, sin, pos, interleaved):
-    """x (N, H, D) with its first 2 * cos.shape[1] features rotated by the angles of rows pos
-    of cos/sin: pairs (0, 1), (2, 3), ... when interleaved, else (i, i + rotary_dim / 2)."""
+    """x (..., N, H, D) with its first 2 * cos.shape[1] features rotated by the angles of rows
+    pos (..., N) of cos/sin: pairs (0, 1), (2, 3), ... when interleaved, else (i, i +
+    rotary_dim / 2)."""
     ct = torch.float64 if x.dtype == torch.float64 else torch.float32
     rd = 2 * cos.shape[1]
-    c, s = cos[pos].to(ct)[:, None, :], sin[pos].to(ct)[:, None, :]
+    c, s = cos[pos].to(ct)[..., None, :], sin[pos].to(ct)[..., None, :]
     xr = x[..., :rd].to(ct)
     if interleaved:
         x1, x2 = xr[..., 0::2], xr[..., 1::2]
@@ -508,6 +513,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _check_shape(fn, "v", v, tuple(k.shape[:3]) + (dv,), layout)
         n = k.shape[1]
 
+    # Traced by torch.compile, a contiguous cache without left padding reads no value (that
+    # would break the graph): its lengths and rows are checked when the graph runs, before
+    # the cache is written (RuntimeError naming the argument), the rest by orchard_ops.
+    traced = torch.compiler.is_compiling() and not paged and cache_leftpad is None
+    in_place = cache_batch_idx is None     # the cache's first rows, read as they are
     if paged:
         if cache_batch_idx is not None:
             _fail(fn, "cache_batch_idx", "cannot be used with a block_table")
@@ -516,17 +526,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _check_pages(fn, "k_cache", k_cache, cache_layout)
         page = k_cache.shape[1]
         capacity = block_table.shape[1] * page
-        rows = list(range(batch))
     else:
         capacity = k_cache.shape[1]
         if cache_batch_idx is None and k_cache.shape[0] < batch:
             _fail(fn, "k_cache", "has batch_size_cache %d, fewer than the %d sequences of q "
                   "(pass cache_batch_idx to choose rows)" % (k_cache.shape[0], batch))
-        rows = list(range(batch)) if cache_batch_idx is None else _int32(
-            fn, "cache_batch_idx", cache_batch_idx, (batch,), "(batch_size,) = (%d,)" % batch)
-        if any(not 0 <= r < k_cache.shape[0] for r in rows):
-            _fail(fn, "cache_batch_idx", "has entries outside [0, %d) (batch_size_cache): %s"
-                  % (k_cache.shape[0], rows))
+    rows = torch.arange(batch)
+    if cache_batch_idx is not None:
+        name, shape = "cache_batch_idx", "(batch_size,) = (%d,)" % batch
+        if traced:
+            _check_int32(fn, name, cache_batch_idx, (batch,), shape)
+            torch._assert_async(((cache_batch_idx >= 0) & (cache_batch_idx < k_cache.shape[0]))
+                                .all(), "%s: '%s' has entries outside [0, batch_size_cache)"
+                                % (fn, name))
+        else:
+            listed = _int32(fn, name, cache_batch_idx, (batch,), shape)
+            if any(not 0 <= r < k_cache.shape[0] for r in listed):
+                _fail(fn, name, "has entries outside [0, %d) (batch_size_cache): %s"
+                      % (k_cache.shape[0], listed))
+            in_place = listed == list(range(batch))
+        rows = cache_batch_idx.long()
     if capacity > _MAX_SEQLEN:
         _fail(fn, "block_table" if paged else "k_cache", "%s %d keys; orchard takes at most %d"
               % ("gives a sequence room for" if paged else "has seqlen_cache", capacity,
@@ -535,22 +554,31 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if cache_seqlens is None:
         if k is not None:
             _fail(fn, "cache_seqlens", "must be given with new keys 'k' and values 'v'")
-        seqlens = [capacity] * batch
+        lengths = torch.full((batch,), capacity)
     elif isinstance(cache_seqlens, bool):   # an int to Python, never a length
         _fail(fn, "cache_seqlens", "must be an int or a torch.int32 tensor, got %r"
               % cache_seqlens, TypeError)
     elif isinstance(cache_seqlens, numbers.Integral):
-        seqlens = [int(cache_seqlens)] * batch
+        lengths = torch.full((batch,), int(cache_seqlens))
     else:
-        seqlens = _int32(fn, "cache_seqlens", cache_seqlens, (batch,), "(batch_size,) = (%d,)"
-                         % batch)
-    if any(not 0 <= s <= capacity - n for s in seqlens):
-        _fail(fn, "cache_seqlens", "%s plus the %d new tokens must lie in [0, %d], the cache's "
-              "length" % (seqlens, n, capacity))
-    leftpad = [0] * batch if cache_leftpad is None else _int32(
-        fn, "cache_leftpad", cache_leftpad, (batch,), "(batch_size,) = (%d,)" % batch)
-    if any(not 0 <= p <= s + n for p, s in zip(leftpad, seqlens)):
-        _fail(fn, "cache_leftpad", "%s must lie in [0, cache_seqlens + seqlen_new]" % leftpad)
+        _check_int32(fn, "cache_seqlens", cache_seqlens, (batch,), "(batch_size,) = (%d,)"
+                     % batch)
+        lengths = cache_seqlens.long()
+    if traced:
+        # (the messages name no size: with dynamic=True the sizes are symbols)
+        torch._assert_async(((lengths >= 0) & (lengths <= capacity - n)).all(),
+                            "%s: 'cache_seqlens' plus the new tokens must lie in [0, "
+                            "seqlen_cache]" % fn)
+    else:
+        seqlens = lengths.tolist()
+        if any(not 0 <= s <= capacity - n for s in seqlens):
+            _fail(fn, "cache_seqlens", "%s plus the %d new tokens must lie in [0, %d], the "
+                  "cache's length" % (seqlens, n, capacity))
+        leftpad = [0] * batch if cache_leftpad is None else _int32(
+            fn, "cache_leftpad", cache_leftpad, (batch,), "(batch_size,) = (%d,)" % batch)
+        if any(not 0 <= p <= s + n for p, s in zip(leftpad, seqlens)):
+            _fail(fn, "cache_leftpad", "%s must lie in [0, cache_seqlens + seqlen_new]"
+                  % leftpad)
     if paged:
         nblocks = k_cache.shape[0]
         for b, (row, s) in enumerate(zip(table, seqlens)):
@@ -572,12 +600,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if not 1 <= 2 * rotary_cos.shape[1] <= d:
             _fail(fn, "rotary_cos", "gives rotary_dim %d; it must be in [2, headdim = %d]"
                   % (2 * rotary_cos.shape[1], d))
-        last = max(s + max(n, nq) for s in seqlens)
-        if rotary_cos.shape[0] < last:
+        if traced:
+            torch._assert_async((lengths + max(n, nq) <= rotary_cos.shape[0]).all(),
+                                "%s: 'rotary_cos' has fewer positions than these tokens need"
+                                % fn)
+        elif rotary_cos.shape[0] < max((s + max(n, nq) for s in seqlens), default=0):
             _fail(fn, "rotary_cos", "has %d positions; these tokens need %d"
-                  % (rotary_cos.shape[0], last))
+                  % (rotary_cos.shape[0], max(s + max(n, nq) for s in seqlens)))
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)) if k is not None else ():
-        if cache.is_inference() and not torch.is_inference_mode_enabled():
+        # (traced: Dynamo cannot ask; torch refuses the write itself, a RuntimeError)
+        if not traced and cache.is_inference() and not torch.is_inference_mode_enabled():
             _fail(fn, name, "is an inference tensor (made under torch.inference_mode): it "
                   "can be written only in inference mode")
         if any(st == 0 and size > 1 for st, size in zip(cache.stride(), cache.shape)):
@@ -586,27 +618,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # Checked: from here on nothing fails on the caller's input, so the cache is written only
     # for a call that completes.
 
-    # As FlashAttention-2: queries sit at the new tokens' positions when masks place them,
-    # else all at cache_seqlens.
-    local = opts.causal or opts.window != (-1, -1)
-    qs = []
-    for b, (r, s) in enumerate(zip(rows, seqlens)):
-        pos = torch.arange(s, s + n)
-        if k is not None:
-            kb = k[b] if rotary_cos is None else _rotary(k[b], rotary_cos, rotary_sin, pos,
-                                                         rotary_interleaved)
-            if paged:
-                pages = torch.tensor(table[b][:-(-(s + n) // page)], dtype=torch.long)
-                k_cache[pages[pos // page], pos % page] = kb
-                v_cache[pages[pos // page], pos % page] = v[b]
-            else:
-                k_cache[r, s:s + n] = kb
-                v_cache[r, s:s + n] = v[b]
+    if k is not None:
+        pos = lengths[:, None] + torch.arange(n)          # (batch, n): the new tokens'
         if rotary_cos is not None:
-            qpos = torch.arange(s, s + nq) if local else torch.full((nq,), s)
-            qs.append(_rotary(q[b], rotary_cos, rotary_sin, qpos, rotary_interleaved))
-    if qs:
-        q = torch.stack(qs)
+            k = _rotary(k, rotary_cos, rotary_sin, pos, rotary_interleaved)
+        at = ((block_table.long().gather(1, pos // page), pos % page) if paged
+              else (rows[:, None], pos))
+        k_cache[at] = k
+        v_cache[at] = v
+    if rotary_cos is not None:
+        # As FlashAttention-2: queries sit at the new tokens' positions when masks place
+        # them, else all at cache_seqlens.
+        local = opts.causal or opts.window != (-1, -1)
+        steps = torch.arange(nq) if local else torch.zeros(nq, dtype=torch.long)
+        q = _rotary(q, rotary_cos, rotary_sin, lengths[:, None] + steps, rotary_interleaved)
     if batch == 0:          # no sequence to attend with (its new keys, none, are written)
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         out, lse = q.new_zeros(0, nq, q.shape[2], dv), q.new_zeros(0, q.shape[2], nq,
@@ -617,8 +642,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # + n), read in place: from its pages (the native path reads block_table itself), or
     # from its slot of the flattened cache (seqused_k says how many are used). Pages on an
     # OpenCL device, or a reordered cache, are gathered first (a copy).
-    used = [s + n - p for s, p in zip(seqlens, leftpad)]
-    extra = {}
+    extra, used = {}, None
     if paged and _reads_pages(device):
         kc, vc = k_cache, v_cache
         starts = [0] + list(itertools.accumulate(s + n for s in seqlens))
@@ -628,17 +652,23 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             + torch.arange(page)).flatten()[p:s + n]
                            for b, (s, p) in enumerate(zip(seqlens, leftpad))])
         kc, vc = k_cache.flatten(0, 1)[index], v_cache.flatten(0, 1)[index]
-        starts = [0] + list(itertools.accumulate(used))
+        starts = [0] + list(itertools.accumulate(s + n - p for s, p in zip(seqlens, leftpad)))
     else:
-        slots = slice(0, batch) if rows == list(range(batch)) else rows
+        slots = slice(0, batch) if in_place else rows
         k_cache, v_cache = k_cache[slots], v_cache[slots]
-        # offsets from the first used row, where cu_seqlens_k must start
-        kc, vc = k_cache.flatten(0, 1)[leftpad[0]:], v_cache.flatten(0, 1)[leftpad[0]:]
-        starts = [b * capacity + p - leftpad[0] for b, p in enumerate(leftpad + [0])]
+        used = lengths + n
+        if cache_leftpad is None:
+            kc, vc = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
+            starts = torch.arange(batch + 1) * capacity
+        else:
+            # offsets from the first used row, where cu_seqlens_k must start
+            kc, vc = k_cache.flatten(0, 1)[leftpad[0]:], v_cache.flatten(0, 1)[leftpad[0]:]
+            starts = [b * capacity + p - leftpad[0] for b, p in enumerate(leftpad + [0])]
+            used = used - cache_leftpad
     cu_q = torch.arange(batch + 1, dtype=torch.int32) * nq
     out, lse = _forward(q.flatten(0, 1), kc, vc, opts._replace(
-        cu_seqlens_q=cu_q, cu_seqlens_k=torch.tensor(starts, dtype=torch.int32),
-        seqused_k=None if paged else torch.tensor(used, dtype=torch.int32), **extra))
+        cu_seqlens_q=cu_q, cu_seqlens_k=torch.as_tensor(starts, dtype=torch.int64),
+        seqused_k=used, **extra))
     out = out.unflatten(0, (batch, nq))
     lse = lse.unflatten(1, (batch, nq)).transpose(0, 1).contiguous()
     return (out, lse) if return_softmax_lse else out
