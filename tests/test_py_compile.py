@@ -244,6 +244,22 @@ def test_kvcache_step_compiles_to_one_graph_that_writes_the_cache(backend):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
+def test_one_kvcache_graph_serves_every_batch_with_dynamic_shapes():
+    """dynamic=True: the batch is a symbol too (no message holds it while tracing)."""
+    q, k_cache, v_cache, k, v, lengths, rows, cos, sin = kvcache_operands()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(kvcache_step, fullgraph=True, dynamic=True, backend="aot_eager")
+    for batch in (3, 2):
+        eager, got = (k_cache.clone(), v_cache.clone()), (k_cache.clone(), v_cache.clone())
+        # copies, not views: a view's base size would be guarded too
+        first = [t[:batch].clone() for t in (q, k, v, lengths, rows)]
+        args = first[1:] + [cos, sin]
+        assert_same(kvcache_step(first[0], *eager, *args) + eager,
+                    compiled(first[0], *got, *args) + got)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
 def test_bad_cache_lengths_are_refused_before_the_compiled_graph_writes():
     q, k_cache, v_cache, k, v, lengths, rows, cos, sin = kvcache_operands()
     torch._dynamo.reset()

@@ -531,9 +531,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if cache_batch_idx is None and k_cache.shape[0] < batch:
             _fail(fn, "k_cache", "has batch_size_cache %d, fewer than the %d sequences of q "
                   "(pass cache_batch_idx to choose rows)" % (k_cache.shape[0], batch))
+    # traced, the batch may be a symbol, which a message cannot hold
+    per_sequence = "(batch_size,)" if traced else "(batch_size,) = (%d,)" % batch
     rows = torch.arange(batch)
     if cache_batch_idx is not None:
-        name, shape = "cache_batch_idx", "(batch_size,) = (%d,)" % batch
+        name, shape = "cache_batch_idx", per_sequence
         if traced:
             _check_int32(fn, name, cache_batch_idx, (batch,), shape)
             torch._assert_async(((cache_batch_idx >= 0) & (cache_batch_idx < k_cache.shape[0]))
@@ -561,8 +563,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     elif isinstance(cache_seqlens, numbers.Integral):
         lengths = torch.full((batch,), int(cache_seqlens))
     else:
-        _check_int32(fn, "cache_seqlens", cache_seqlens, (batch,), "(batch_size,) = (%d,)"
-                     % batch)
+        _check_int32(fn, "cache_seqlens", cache_seqlens, (batch,), per_sequence)
         lengths = cache_seqlens.long()
     if traced:
         # (the messages name no size: with dynamic=True the sizes are symbols)
@@ -575,7 +576,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             _fail(fn, "cache_seqlens", "%s plus the %d new tokens must lie in [0, %d], the "
                   "cache's length" % (seqlens, n, capacity))
         leftpad = [0] * batch if cache_leftpad is None else _int32(
-            fn, "cache_leftpad", cache_leftpad, (batch,), "(batch_size,) = (%d,)" % batch)
+            fn, "cache_leftpad", cache_leftpad, (batch,), per_sequence)
         if any(not 0 <= p <= s + n for p, s in zip(leftpad, seqlens)):
             _fail(fn, "cache_leftpad", "%s must lie in [0, cache_seqlens + seqlen_new]"
                   % leftpad)
@@ -604,11 +605,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             torch._assert_async((lengths + max(n, nq) <= rotary_cos.shape[0]).all(),
                                 "%s: 'rotary_cos' has fewer positions than these tokens need"
                                 % fn)
-        elif rotary_cos.shape[0] < max((s + max(n, nq) for s in seqlens), default=0):
+        elif rotary_cos.shape[0] < max([0] + [s + max(n, nq) for s in seqlens]):
             _fail(fn, "rotary_cos", "has %d positions; these tokens need %d"
                   % (rotary_cos.shape[0], max(s + max(n, nq) for s in seqlens)))
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)) if k is not None else ():
-        # (traced: Dynamo cannot ask; torch refuses the write itself, a RuntimeError)
+        # (traced, Dynamo cannot ask: a cache made under inference_mode is then written as
+        # any other by Inductor, refused by torch (RuntimeError) under aot_eager)
         if not traced and cache.is_inference() and not torch.is_inference_mode_enabled():
             _fail(fn, name, "is an inference tensor (made under torch.inference_mode): it "
                   "can be written only in inference mode")
