@@ -535,14 +535,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     per_sequence = "(batch_size,)" if traced else "(batch_size,) = (%d,)" % batch
     rows = torch.arange(batch)
     if cache_batch_idx is not None:
-        name, shape = "cache_batch_idx", per_sequence
+        name = "cache_batch_idx"
         if traced:
-            _check_int32(fn, name, cache_batch_idx, (batch,), shape)
+            _check_int32(fn, name, cache_batch_idx, (batch,), per_sequence)
             torch._assert_async(((cache_batch_idx >= 0) & (cache_batch_idx < k_cache.shape[0]))
                                 .all(), "%s: '%s' has entries outside [0, batch_size_cache)"
                                 % (fn, name))
         else:
-            listed = _int32(fn, name, cache_batch_idx, (batch,), shape)
+            listed = _int32(fn, name, cache_batch_idx, (batch,), per_sequence)
             if any(not 0 <= r < k_cache.shape[0] for r in listed):
                 _fail(fn, name, "has entries outside [0, %d) (batch_size_cache): %s"
                       % (k_cache.shape[0], listed))
@@ -605,9 +605,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             torch._assert_async((lengths + max(n, nq) <= rotary_cos.shape[0]).all(),
                                 "%s: 'rotary_cos' has fewer positions than these tokens need"
                                 % fn)
-        elif rotary_cos.shape[0] < max([0] + [s + max(n, nq) for s in seqlens]):
-            _fail(fn, "rotary_cos", "has %d positions; these tokens need %d"
-                  % (rotary_cos.shape[0], max(s + max(n, nq) for s in seqlens)))
+        else:
+            need = max([0] + [s + max(n, nq) for s in seqlens])
+            if rotary_cos.shape[0] < need:
+                _fail(fn, "rotary_cos", "has %d positions; these tokens need %d"
+                      % (rotary_cos.shape[0], need))
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)) if k is not None else ():
         # (traced, Dynamo cannot ask: a cache made under inference_mode is then written as
         # any other by Inductor, refused by torch (RuntimeError) under aot_eager)
