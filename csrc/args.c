@@ -610,28 +610,26 @@ static PyArrayObject *int64_array(or_call *c, PyObject *obj, const char *name, i
     return a;
 }
 
-/* block_table and leftpad_k of a paged call, against the sequences' key counts: every page a
- * sequence reads is listed and exists. */
-int or_check_pages(or_call *c, const or_opts *o)
+/* leftpad_k and block_table of a varlen forward, against the sequences' key counts: each
+ * sequence's left padding lies within its keys, and every page a sequence reads is listed and
+ * exists. */
+int or_check_leftpad_pages(or_call *c, const or_opts *o)
 {
-    if (o->block_table == Py_None) {
-        if (o->leftpad_k == Py_None)
-            return 0;
-        PyErr_Format(PyExc_ValueError, "%s(): 'leftpad_k' needs a 'block_table'", c->func);
-        return -1;
-    }
+    if (o->block_table == Py_None && o->leftpad_k == Py_None)
+        return 0;
     const npy_intp nseq = PyArray_DIM(c->cu_k, 0) - 1, page = c->p.pages.rows;
-    c->pages = int64_array(c, o->block_table, "block_table", 2, nseq,
-                           "(batch_size, max_num_pages), one row per sequence");
-    if (c->pages == NULL)
+    if (o->block_table != Py_None
+        && !(c->pages = int64_array(c, o->block_table, "block_table", 2, nseq,
+                                    "(batch_size, max_num_pages), one row per sequence")))
         return -1;
     if (o->leftpad_k != Py_None
         && !(c->leftpad = int64_array(c, o->leftpad_k, "leftpad_k", 1, nseq, "(batch_size,)")))
         return -1;
-    const int64_t *ck = PyArray_DATA(c->cu_k), *tbl = PyArray_DATA(c->pages);
+    const int64_t *ck = PyArray_DATA(c->cu_k);
+    const int64_t *tbl = c->pages ? PyArray_DATA(c->pages) : NULL;
     const int64_t *used = c->used_k ? PyArray_DATA(c->used_k) : NULL;
     const int64_t *lp = c->leftpad ? PyArray_DATA(c->leftpad) : NULL;
-    const npy_intp width = PyArray_DIM(c->pages, 1);
+    const npy_intp width = tbl ? PyArray_DIM(c->pages, 1) : 0;
     for (npy_intp b = 0; b < nseq; b++) {
         const int64_t len = used ? used[b] : ck[b + 1] - ck[b], first = lp ? lp[b] : 0;
         if (first < 0 || first > len) {
@@ -640,6 +638,8 @@ int or_check_pages(or_call *c, const or_opts *o)
                          (long long)len);
             return -1;
         }
+        if (tbl == NULL)
+            continue;
         if ((len + page - 1) / page > width) {
             PyErr_Format(PyExc_ValueError, "%s(): sequence %zd has %lld keys, more than the %zd "
                          "pages of %zd in its row of 'block_table' hold", c->func, b,

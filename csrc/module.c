@@ -132,7 +132,7 @@ static PyObject *attention(PyObject *module, or_call *c, or_opts *o, PyObject **
         || (o->block_table != Py_None && or_check_paged_kv(c) < 0)
         || or_check_qkv(c) < 0 || or_check_scale(c, o) < 0
         || (c->varlen && or_check_varlen(c, o, cuq, cuk) < 0)
-        || or_check_pages(c, o) < 0)
+        || or_check_leftpad_pages(c, o) < 0)
         goto done;
     or_dtype dt = c->p.view[OR_Q].dtype;
     or_out_shapes(c, oshape, lshape, &ond, &lnd);
@@ -548,10 +548,10 @@ PyDoc_STRVAR(varlen_fwd_doc,
 "                      seqused_k=None, block_table=None, leftpad_k=None) -> (out, lse)\n\n"
 "Packed sequences: q (total_q, H, D), k/v (total_k, Hkv, D/Dv); out (total_q, H, Dv),\n"
 "lse (H, total_q). seqused_k (B,) uses only the first seqused_k[b] keys of sequence b (its\n"
-"slot in k/v, from cu_seqlens_k, may be longer: a KV cache with room to grow).\n"
-"block_table (B, max_pages) of ints: k/v are pages (num_pages, page_size, Hkv, D/Dv), read in\n"
-"place (device 'cpu' only), and sequence b's keys are positions leftpad_k[b] (default 0) to\n"
-"cu_seqlens_k[b + 1] - cu_seqlens_k[b] (or seqused_k[b]) of its pages.");
+"slot in k/v, from cu_seqlens_k, may be longer: a KV cache with room to grow). Sequence b's\n"
+"keys are positions leftpad_k[b] (default 0) to cu_seqlens_k[b + 1] - cu_seqlens_k[b] (or\n"
+"seqused_k[b]) of its slot, or with block_table (B, max_pages) of ints of its pages: k/v\n"
+"are then pages (num_pages, page_size, Hkv, D/Dv), read in place (device 'cpu' only).");
 PyDoc_STRVAR(varlen_bwd_doc,
 "flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,\n"
 "                      max_seqlen_q=None, max_seqlen_k=None, scale=None, dropout_p=0.0,\n"

@@ -121,7 +121,7 @@ static int dense_tables(or_call *c)
     return 0;
 }
 
-/* Paged k and v (or_check_pages): kv unit (b, h) reads sequence b's row of pages from its
+/* Paged k and v (or_check_leftpad_pages): kv unit (b, h) reads sequence b's row of pages from its
  * leftpad on, at head h's offset within a page row. */
 static int paged_tables(or_call *c, or_ssize nseq, or_ssize hkv)
 {
@@ -173,6 +173,9 @@ static int varlen_tables(or_call *c)
                                        seq_axis, head_axis);
         if (c->offs[s] == NULL)
             return -1;
+        if (lp != NULL && (s == OR_K || s == OR_V))     /* keys from the left padding on */
+            for (or_ssize w = 0; w < nseq * hkv; w++)
+                c->offs[s][w] += (or_ssize)lp[w / hkv] * PyArray_STRIDE(c->arr[s], 0);
         c->p.view[s].row_stride = PyArray_STRIDE(c->arr[s], seq_axis);
     }
     return 0;

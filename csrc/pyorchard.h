@@ -73,7 +73,7 @@ int or_device_program_blocks(int index, int d, const char **family, int *bq, int
  * (-1, -1), seed, dropout_p and softcap NULL = 0. */
 typedef struct {
     PyObject *scale, *window, *alibi, *seed, *device, *max_q, *max_k, *seqused_k;
-    PyObject *block_table, *leftpad_k;      /* paged K and V (varlen forward), or None */
+    PyObject *block_table, *leftpad_k;      /* paged K and V, left padding (varlen fwd), or None */
     PyObject *dropout_p, *softcap, *causal;
 } or_opts;
 
@@ -122,7 +122,7 @@ int or_check_qkv(or_call *c);
 int or_check_scale(or_call *c, const or_opts *o);
 int or_check_varlen(or_call *c, const or_opts *o, PyObject *cuq_obj, PyObject *cuk_obj);
 int or_check_paged_kv(or_call *c);
-int or_check_pages(or_call *c, const or_opts *o);
+int or_check_leftpad_pages(or_call *c, const or_opts *o);
 int or_check_like(or_call *c, int slot, const npy_intp *shape, int nd);
 int or_parse_shape(PyObject *obj, const char *name, npy_intp *dims);    /* its length or -1 */
 

@@ -484,6 +484,9 @@ KV_CASES = {
     "paged rotary leftpad": dict(new=2, nq=2, paged=True, rotary=True, leftpad=True, causal=True),
     "paged no new keys": dict(new=0, nq=2, paged=True, causal=True, seqlens_int=True),
     "no new keys, whole cache": dict(new=0, nq=1, whole=True),
+    "transposed cache leftpad rotary": dict(new=1, nq=1, leftpad=True, rotary=True,
+                                            causal=True, transposed=True),
+    "transposed cache batch_idx": dict(new=2, nq=2, batch_idx=True, transposed=True),
 }
 
 
@@ -502,6 +505,8 @@ def make_kvcache(case, dtype):
         k_cache, v_cache = r(nblocks, page, hk, d), r(nblocks, page, hk, d)
         kw["block_table"] = torch.randperm(nblocks, generator=g, dtype=torch.int32)[
             :3 * batch].reshape(batch, 3)
+    elif case.get("transposed"):    # transformers' (batch, nheads_k, seqlen, headdim) memory
+        k_cache, v_cache = r(rows, hk, cap, d).transpose(1, 2), r(rows, hk, cap, d).transpose(1, 2)
     else:
         k_cache, v_cache = r(rows, cap, hk, d), r(rows, cap, hk, d)
     if n:
@@ -547,6 +552,25 @@ def test_kvcache_reads_the_cache_in_place():
     orchard_ops.reset_stats()
     flash_attn_with_kvcache(q, k_cache, v_cache, device="cpu", num_splits=4, **kw)
     assert orchard_ops.stats()["staged_buffers"] == 0
+
+
+def test_kvcache_reads_a_transposed_cache_in_place():
+    """A cache seen through a transpose, as transformers' are, left-padded: read where it
+    lies (flattening it would copy the whole cache at every call), with the contiguous
+    cache's result."""
+    from torch.profiler import ProfilerActivity, profile
+    g = torch.Generator().manual_seed(3)
+    k_cache = torch.randn(3, 2, 4096, 16, generator=g).transpose(1, 2)
+    v_cache = torch.randn(3, 2, 4096, 16, generator=g).transpose(1, 2)
+    q = torch.randn(3, 1, 4, 16, generator=g)
+    kw = dict(cache_seqlens=torch.tensor([4096, 100, 3000], dtype=torch.int32),
+              cache_leftpad=torch.tensor([7, 0, 2999], dtype=torch.int32), causal=True)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
+    allocated = sum(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0)
+    assert allocated < k_cache.numel() * 4 / 100, "torch allocated %d bytes" % allocated
+    want = flash_attn_with_kvcache(q, k_cache.contiguous(), v_cache.contiguous(), **kw)
+    assert torch.equal(out, want)
 
 
 # ----------------------------------------------------------------------------- bad input

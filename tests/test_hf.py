@@ -490,10 +490,19 @@ def test_a_2d_mask_that_fits_no_reading_is_an_error():
 def test_the_mask_function_reads_transformers_masks():
     causal = masking_utils.causal_mask_function
     assert hf.attention_mask(2, 5, 5, mask_function=causal) is None
-    # a decode step over a static cache of 16 rows, 6 of them written: the keys up to the query
+    # a decode step over a static cache of 16 rows, 6 of them written (the cache's length a
+    # tensor, as transformers' StaticLayer gives it): the real tokens among the written keys,
+    # the cache's length kept, the written count left a tensor
     real = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
-    got = hf.attention_mask(2, 1, 16, q_offset=5, mask_function=causal, attention_mask=real)
-    assert torch.equal(got, real)
+    for offset in (5, torch.tensor(5)):
+        got = hf.attention_mask(2, 1, 16, q_offset=offset, mask_function=causal,
+                                attention_mask=real)
+        assert got.shape == (2, 16) and torch.equal(got[:, :6], real) and not got[:, 6:].any()
+        assert torch.equal(torch.as_tensor(got.orchard_written), torch.tensor(6))
+        # generate() makes it in advance, and the model passes it here again
+        again = hf.attention_mask(2, 1, 16, q_offset=offset, mask_function=causal,
+                                  attention_mask=got)
+        assert torch.equal(again, got)
     window = masking_utils.sliding_window_causal_mask_function(3)
     assert hf.attention_mask(2, 5, 5, mask_function=window, attention_mask=real[:, 1:]) is None
     chunked = masking_utils.chunked_causal_mask_function(2, torch.zeros(2, dtype=torch.long))

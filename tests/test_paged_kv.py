@@ -2,7 +2,8 @@
 flash_attn_varlen_func against the same cache laid out contiguously and against the float64
 reference, for page sizes from 1 to past the cache, scrambled and shared pages, ragged and
 left-padded sequences, GQA, decode and prefill, every native kernel set; that no copy of the
-pages is made; that bad tables are refused; and that OpenCL devices get the pages gathered."""
+pages is made; that bad tables are refused; that OpenCL devices get the pages gathered; and
+left padding (leftpad_k) of contiguous keys on every device."""
 
 import numpy as np
 import pytest
@@ -235,11 +236,33 @@ def ops_call(**kw):
     (dict(leftpad_k=torch.tensor([7, 0])), r"'leftpad_k'\[0\] = 7"),
     (dict(leftpad_k=torch.tensor([0])), "'leftpad_k' must be"),
     (dict(block_table=None, k=torch.randn(9, HK, D), v=torch.randn(9, HK, D),
-          leftpad_k=torch.tensor([0, 0])), "'leftpad_k' needs a"),
+          leftpad_k=torch.tensor([0, 4])), r"'leftpad_k'\[1\] = 4 must lie in \[0, 3\]"),
 ])
 def test_bad_pages_are_refused(kw, msg):
     with pytest.raises(ValueError, match=msg):
         ops_call(**kw)
+
+
+def test_leftpad_k_on_contiguous_keys(device):
+    """Without a block_table, leftpad_k starts each sequence's keys within its slot (with
+    seqused_k, a KV cache's left-padded rows): the result of the keys sliced out, on every
+    device, for a decode step and a prefill."""
+    g = torch.Generator().manual_seed(5)
+    slot, lens, pads = 40, [33, 40, 7], [5, 0, 7]
+    k, v = torch.randn(3 * slot, HK, D, generator=g), torch.randn(3 * slot, HK, D, generator=g)
+    for nq in (1, 20):
+        q = torch.randn(3 * nq, H, D, generator=g)
+        cu_q = torch.arange(4, dtype=torch.int32) * nq
+        out, lse = orchard_ops.flash_attn_varlen_fwd(
+            q, k, v, cu_q, torch.arange(4, dtype=torch.int32) * slot, causal=True,
+            seqused_k=torch.tensor(lens), leftpad_k=torch.tensor(pads), device=device)
+        for b, (n, p) in enumerate(zip(lens, pads)):
+            rows = slice(b * slot + p, b * slot + n)
+            one, one_lse = orchard_ops.flash_attn_varlen_fwd(
+                q[b * nq:(b + 1) * nq], k[rows], v[rows], cu_q[:2], torch.tensor([0, n - p]),
+                causal=True, device=device)
+            assert torch.equal(out[b * nq:(b + 1) * nq], one)
+            assert torch.equal(lse[:, b * nq:(b + 1) * nq], one_lse)
 
 
 def test_unused_table_entries_are_not_read():

@@ -210,25 +210,28 @@ def test_slopes_made_in_the_graph_fit_symbolic_head_counts():
     assert torch.equal(compiled(Q, K, V), attend(Q, K, V))
 
 
-def kvcache_step(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cos, sin):
+def kvcache_step(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cos, sin,
+                 cache_leftpad):
     return flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin,
                                    cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
-                                   causal=True, return_softmax_lse=True)
+                                   cache_leftpad=cache_leftpad, causal=True,
+                                   return_softmax_lse=True)
 
 
 def kvcache_operands():
     """q (3 sequences of 2 tokens, GQA), a cache of 4 rows of 20 (the sequences in rows 2, 0,
-    3), 2 new keys and values each, rotary tables."""
+    3, the first two left-padded), 2 new keys and values each, rotary tables."""
     return (randn(3, 2, 4, 16), randn(4, 20, 2, 16, seed=1), randn(4, 20, 2, 16, seed=2),
             randn(3, 2, 2, 16, seed=3), randn(3, 2, 2, 16, seed=4),
             torch.tensor([3, 7, 0], dtype=torch.int32), torch.tensor([2, 0, 3], dtype=torch.int32),
-            randn(20, 4, seed=5).cos(), randn(20, 4, seed=6).sin())
+            randn(20, 4, seed=5).cos(), randn(20, 4, seed=6).sin(),
+            torch.tensor([1, 4, 0], dtype=torch.int32))
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_kvcache_step_compiles_to_one_graph_that_writes_the_cache(backend):
-    """A contiguous cache without left padding: the new keys written in place, rotated, the
-    results and the cache bit for bit the eager ones; the lengths' values stay unread, so the
+    """A contiguous cache: the new keys written in place, rotated, the results and the cache
+    bit for bit the eager ones; the lengths' and the left padding's values stay unread, so the
     next step's lengths take the same graph."""
     q, k_cache, v_cache, *rest = kvcache_operands()
     eager = (k_cache.clone(), v_cache.clone())
@@ -246,33 +249,36 @@ def test_kvcache_step_compiles_to_one_graph_that_writes_the_cache(backend):
 
 def test_one_kvcache_graph_serves_every_batch_with_dynamic_shapes():
     """dynamic=True: the batch is a symbol too (no message holds it while tracing)."""
-    q, k_cache, v_cache, k, v, lengths, rows, cos, sin = kvcache_operands()
+    q, k_cache, v_cache, k, v, lengths, rows, cos, sin, pads = kvcache_operands()
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     compiled = torch.compile(kvcache_step, fullgraph=True, dynamic=True, backend="aot_eager")
     for batch in (3, 2):
         eager, got = (k_cache.clone(), v_cache.clone()), (k_cache.clone(), v_cache.clone())
         # copies, not views: a view's base size would be guarded too
-        first = [t[:batch].clone() for t in (q, k, v, lengths, rows)]
-        args = first[1:] + [cos, sin]
+        first = [t[:batch].clone() for t in (q, k, v, lengths, rows, pads)]
+        args = first[1:5] + [cos, sin, first[5]]
         assert_same(kvcache_step(first[0], *eager, *args) + eager,
                     compiled(first[0], *got, *args) + got)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
 def test_bad_cache_lengths_are_refused_before_the_compiled_graph_writes():
-    q, k_cache, v_cache, k, v, lengths, rows, cos, sin = kvcache_operands()
+    q, k_cache, v_cache, k, v, lengths, rows, cos, sin, pads = kvcache_operands()
     torch._dynamo.reset()
     compiled = torch.compile(kvcache_step, fullgraph=True, backend="aot_eager")
-    for lengths, rows, positions, match in (
-            ([3, 19, 0], [2, 0, 3], 20, "'cache_seqlens' plus the new tokens must lie in"),
-            ([-1, 7, 0], [2, 0, 3], 20, "'cache_seqlens' plus the new tokens must lie in"),
-            ([3, 7, 0], [2, 0, 4], 20, "'cache_batch_idx' has entries outside"),
-            ([3, 7, 9], [2, 0, 3], 10, "'rotary_cos' has fewer positions")):
+    for lengths, rows, positions, pads, match in (
+            ([3, 19, 0], [2, 0, 3], 20, [0, 0, 0], "'cache_seqlens' plus the new tokens must lie"),
+            ([-1, 7, 0], [2, 0, 3], 20, [0, 0, 0], "'cache_seqlens' plus the new tokens must lie"),
+            ([3, 7, 0], [2, 0, 4], 20, [0, 0, 0], "'cache_batch_idx' has entries outside"),
+            ([3, 7, 9], [2, 0, 3], 10, [0, 0, 0], "'rotary_cos' has fewer positions"),
+            ([3, 7, 0], [2, 0, 3], 20, [0, 10, 0], "'cache_leftpad' must lie in"),
+            ([3, 7, 0], [2, 0, 3], 20, [-1, 0, 0], "'cache_leftpad' must lie in")):
         cache = k_cache.clone()
         with pytest.raises(RuntimeError, match=match):
             compiled(q, cache, v_cache.clone(), k, v, torch.tensor(lengths, dtype=torch.int32),
-                     torch.tensor(rows, dtype=torch.int32), cos[:positions], sin[:positions])
+                     torch.tensor(rows, dtype=torch.int32), cos[:positions], sin[:positions],
+                     torch.tensor(pads, dtype=torch.int32))
         assert torch.equal(cache, k_cache)
 
 
@@ -367,6 +373,52 @@ def test_transformers_model_compiles_to_one_graph():
                              backend="aot_eager")
     got = compiled(ids)     # first: orchard.hf's checks of the model run inside the trace
     assert torch.equal(model(input_ids=ids).logits, got)
+
+
+@pytest.mark.parametrize("left_padded", [False, True], ids=["no-padding", "left-padding"])
+def test_transformers_static_cache_generate_compiles_once(left_padded):
+    """generate() over a static cache with the model's forward compiled: the cache's length
+    and the padding stay unread (orchard.hf marks the written keys in the mask, the calls
+    read the cache in place), so the prefill and the decode steps take one graph each with no
+    graph break and no recompile per step; the tokens are eager orchard's."""
+    model = tiny_llama().eval()
+    ids = torch.randint(1, 128, (2, 7), generator=torch.Generator().manual_seed(1))
+    real = torch.ones(2, 7, dtype=torch.long)
+    if left_padded:
+        real[0, :3] = 0
+    kw = dict(attention_mask=real, max_new_tokens=6, do_sample=False, pad_token_id=0,
+              cache_implementation="static")
+    want = model.generate(ids, **kw)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model.forward = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
+    orchard_ops.reset_stats()
+    assert torch.equal(model.generate(ids, **kw), want)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+    assert orchard_ops.stats()["decode_calls"] >= 5 * 2     # 5 steps, 2 layers
+
+
+def test_transformers_static_cache_mask_not_left_padded_is_refused_when_compiled():
+    """A mask over a static cache with padding between real tokens, which a compiled call
+    cannot lay out without reading it: a RuntimeError that says what to do (eagerly the call
+    unpads it, as without a cache)."""
+    from transformers import StaticCache
+    model = tiny_llama().eval()
+    ids = torch.randint(1, 128, (2, 7), generator=torch.Generator().manual_seed(1))
+    real = torch.ones(2, 7, dtype=torch.long)
+    real[1, 3] = 0
+
+    def forward(ids, real):
+        cache = StaticCache(config=model.config, max_cache_len=16)
+        return model(input_ids=ids, attention_mask=real, cache=cache).logits
+
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=real).logits
+        assert torch.equal(forward(ids, real), want)
+        torch._dynamo.reset()
+        compiled = torch.compile(forward, backend="aot_eager")
+        with pytest.raises(RuntimeError, match="must be left padding"):
+            compiled(ids, real)
 
 
 def test_transformers_packed_sequences_compile_to_one_graph():

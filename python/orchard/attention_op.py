@@ -60,12 +60,14 @@ def ops_call(dense, varlen, o, *arrays):
         kw["device"] = o.device
     if o.alibi_slopes is not None:
         kw["alibi_slopes"] = o.alibi_slopes
-    if o.seqused_k is not None:     # forward only (flash_attn_with_kvcache)
+    # forward only (flash_attn_with_kvcache): the keys used, where they start, and pages of
+    # k and v read in place
+    if o.seqused_k is not None:
         kw["seqused_k"] = o.seqused_k
-    if o.block_table is not None:   # forward only: paged k and v, read in place
+    if o.leftpad_k is not None:
+        kw["leftpad_k"] = o.leftpad_k
+    if o.block_table is not None:
         kw["block_table"] = o.block_table
-        if o.leftpad_k is not None:
-            kw["leftpad_k"] = o.leftpad_k
     if o.cu_seqlens_q is None:
         return dense(*arrays, o.scale, o.dropout_p, o.causal, **kw)
 

@@ -471,6 +471,24 @@ def _rotary(x, cos, sin, pos, interleaved):
     return torch.cat((xr.to(x.dtype), x[..., rd:]), -1)
 
 
+def _slot_rows(cache):
+    """A contiguous-layout cache (batch, seqlen_cache, nheads_k, headdim) as a varlen call's
+    keys (rows, nheads_k, headdim), and the row where each sequence's slot starts, in place
+    where its strides allow: a view stepping row by row through a sequence and from one
+    sequence's first row to the next's. A cache seen through a transpose (transformers' (batch,
+    nheads_k, seqlen_cache, headdim) memory) has its sequences nheads_k * seqlen_cache rows
+    apart: flattening it would copy the whole cache at every call."""
+    batch, capacity = cache.shape[:2]
+    s_b, s_n = cache.stride()[:2]
+    step = capacity if batch == 1 else s_b // s_n if s_n > 0 and s_b % s_n == 0 else 0
+    if step < capacity:     # sequences that overlap or lie between rows: a copy
+        return cache.flatten(0, 1), torch.arange(batch + 1) * capacity
+    rows = step * (batch - 1) + capacity
+    starts = torch.arange(batch + 1) * step
+    starts[-1] = rows
+    return cache.as_strided((rows,) + cache.shape[2:], (s_n,) + cache.stride()[2:]), starts
+
+
 @torch.no_grad()
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
                             rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
@@ -513,10 +531,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _check_shape(fn, "v", v, tuple(k.shape[:3]) + (dv,), layout)
         n = k.shape[1]
 
-    # Traced by torch.compile, a contiguous cache without left padding reads no value (that
-    # would break the graph): its lengths and rows are checked when the graph runs, before
-    # the cache is written (RuntimeError naming the argument), the rest by orchard_ops.
-    traced = torch.compiler.is_compiling() and not paged and cache_leftpad is None
+    # Traced by torch.compile, a contiguous cache reads no value (that would break the
+    # graph): its lengths, left padding and rows are checked when the graph runs, before the
+    # cache is written (RuntimeError naming the argument), the rest by orchard_ops.
+    traced = torch.compiler.is_compiling() and not paged
     in_place = cache_batch_idx is None     # the cache's first rows, read as they are
     if paged:
         if cache_batch_idx is not None:
@@ -570,6 +588,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         torch._assert_async(((lengths >= 0) & (lengths <= capacity - n)).all(),
                             "%s: 'cache_seqlens' plus the new tokens must lie in [0, "
                             "seqlen_cache]" % fn)
+        if cache_leftpad is not None:
+            _check_int32(fn, "cache_leftpad", cache_leftpad, (batch,), per_sequence)
+            torch._assert_async(((cache_leftpad >= 0) & (cache_leftpad <= lengths + n)).all(),
+                                "%s: 'cache_leftpad' must lie in [0, cache_seqlens + "
+                                "seqlen_new]" % fn)
     else:
         seqlens = lengths.tolist()
         if any(not 0 <= s <= capacity - n for s in seqlens):
@@ -644,8 +667,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     # One varlen call over the whole batch: sequence b's keys are cache rows [leftpad, seqlen
     # + n), read in place: from its pages (the native path reads block_table itself), or
-    # from its slot of the flattened cache (seqused_k says how many are used). Pages on an
-    # OpenCL device, or a reordered cache, are gathered first (a copy).
+    # from its slot of the cache's rows (seqused_k says how many are used, leftpad_k where
+    # they start). Pages on an OpenCL device, or a reordered cache, are gathered first (a
+    # copy).
     extra, used = {}, None
     if paged and _reads_pages(device):
         kc, vc = k_cache, v_cache
@@ -659,16 +683,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         starts = [0] + list(itertools.accumulate(s + n - p for s, p in zip(seqlens, leftpad)))
     else:
         slots = slice(0, batch) if in_place else rows
-        k_cache, v_cache = k_cache[slots], v_cache[slots]
+        (kc, starts), (vc, _) = _slot_rows(k_cache[slots]), _slot_rows(v_cache[slots])
         used = lengths + n
-        if cache_leftpad is None:
-            kc, vc = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
-            starts = torch.arange(batch + 1) * capacity
-        else:
-            # offsets from the first used row, where cu_seqlens_k must start
-            kc, vc = k_cache.flatten(0, 1)[leftpad[0]:], v_cache.flatten(0, 1)[leftpad[0]:]
-            starts = [b * capacity + p - leftpad[0] for b, p in enumerate(leftpad + [0])]
-            used = used - cache_leftpad
+        extra = dict(leftpad_k=cache_leftpad)
     cu_q = torch.arange(batch + 1, dtype=torch.int32) * nq
     out, lse = _forward(q.flatten(0, 1), kc, vc, opts._replace(
         cu_seqlens_q=cu_q, cu_seqlens_k=torch.as_tensor(starts, dtype=torch.int64),

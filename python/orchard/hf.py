@@ -8,8 +8,9 @@ the mask function that transformers calls once per forward to describe the mask.
 function returns what orchard can compute, as transformers' FlashAttention-2 integration
 does: None (causal, perhaps with the layer's sliding window), a 2-D (batch, keys) padding
 mask, which the attention function unpads onto orchard's varlen path (or, for left padding
-without gradients, as in generate(), reads in place), or the sequence ids (batch,
-seqlen) of packed sequences. Any other mask (a caller's own 4-D mask, a mask function
+without gradients, as in generate(), reads in place; over a static cache the mask also marks
+the unwritten keys, so that torch.compile need not read their count), or the sequence ids
+(batch, seqlen) of packed sequences. Any other mask (a caller's own 4-D mask, a mask function
 orchard does not know) is materialised for transformers' sdpa attention, which then computes
 those calls, with one warning per reason.
 """
@@ -220,12 +221,16 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     compute transformers' 4-D sdpa mask marked orchard_fallback (the reason)."""
     if "config" in kwargs:
         _refuse_unsupported(kwargs["config"])
-    q_offset, kv_offset = int(q_offset), int(kv_offset)
-    # Keys past the last query are a static cache's unwritten rows: the attention drops them.
+    # A static cache gives its length as a tensor, so that compiled decode steps share one
+    # graph: its mask keeps the cache's length and marks the keys past the last query (its
+    # unwritten rows) as padding, their count left unread (_mark_written).
+    static = isinstance(q_offset, torch.Tensor)
+    kv_offset = int(kv_offset)
+    q_offset = q_offset if static else int(q_offset)
     n_keys = q_offset + q_length - kv_offset
     try:
         ids = _packed_ids(mask_function)
-        if not q_length <= n_keys <= kv_length:
+        if not static and not q_length <= n_keys <= kv_length:
             raise _Unsupported("queries at positions %d to %d over keys at %d to %d" % (
                 q_offset, q_offset + q_length - 1, kv_offset, kv_offset + kv_length - 1))
     except _Unsupported as e:
@@ -245,20 +250,38 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
         ids = ids.to(torch.int64, copy=True)
         ids.orchard_packed = True
         return ids
+    if static or n_keys < kv_length:
+        # keys past the last query: a static cache's unwritten rows
+        return _mark_written(batch_size, kv_length, kv_offset, n_keys, attention_mask,
+                             kwargs.get("device"))
     if attention_mask is None:
-        if n_keys == kv_length:
-            return None
-        return torch.ones(batch_size, n_keys, dtype=torch.bool, device=kwargs.get("device"))
+        return None
     if attention_mask.shape[1] == n_keys:
         # already cut to these keys: this function's own result, which generate() makes in
-        # advance for a static cache and the model then passes here again
+        # advance for a static cache (a full sliding-window layer) and the model passes here
         padding = attention_mask.bool()
     else:
         padding = attention_mask[:, kv_offset:kv_offset + n_keys].bool()
     if padding.shape[1] < n_keys:     # as sdpa: positions past the 2-D mask are padding
         padding = torch.nn.functional.pad(padding, (0, n_keys - padding.shape[1]), value=False)
-    if n_keys == kv_length and bool(padding.all()):
-        return None
+    return None if bool(padding.all()) else padding
+
+
+def _mark_written(batch_size, kv_length, kv_offset, n_keys, attention_mask, device):
+    """A static cache's (batch, kv_length) bool mask: the real tokens of attention_mask (over
+    positions from 0, or this function's own result, which generate() makes in advance and the
+    model passes here again) among the first n_keys, the written keys. It carries n_keys (a
+    tensor once the cache holds tokens) as orchard_written."""
+    written = torch.arange(kv_length, device=device) < n_keys
+    if attention_mask is None:
+        padding = written.expand(batch_size, kv_length).clone()
+    else:
+        if attention_mask.shape[1] != kv_length:
+            attention_mask = attention_mask[:, kv_offset:kv_offset + kv_length]
+            attention_mask = torch.nn.functional.pad(
+                attention_mask, (0, kv_length - attention_mask.shape[1]), value=False)
+        padding = attention_mask.bool() & written
+    padding.orchard_written = n_keys
     return padding
 
 
@@ -342,6 +365,8 @@ def _fallback(reason, module, query, key, value, mask, causal, window, dropout, 
               softcap, kwargs):
     """transformers' sdpa attention, or the model's own eager attention for a softcap or
     attention sinks (sdpa has neither), on the mask orchard was given, materialised."""
+    if getattr(mask, "orchard_written", None) is not None:   # a static cache's written keys
+        mask = mask[:, :int(mask.orchard_written)]
     if mask is None or mask.dim() == 2:
         if mask is not None and not getattr(mask, "orchard_packed", False):
             key, value = key[:, :, :mask.shape[1]], value[:, :, :mask.shape[1]]
@@ -377,6 +402,28 @@ def _lengths(cu, longest):
     if isinstance(longest, torch.Tensor):
         longest = int(longest)      # a value read: torch.compile breaks the graph here
     return cu.to(torch.int32), longest
+
+
+def _left_padded(q, k, v, mask, written, scaling, causal, window, softcap):
+    """Attention read in place from the keys and values (no gradient, no dropout: generate())
+    where each row of the (batch, keys) mask is left padding, then real tokens up to the
+    written keys (a count, a tensor for a static cache), then unwritten ones; None for another
+    mask. Unpadding would copy all keys and values at every step (3x the time of a 4,096-key
+    decode step, measured). Traced by torch.compile the mask is not read (the graph would
+    break): checked when the graph runs."""
+    real = mask.sum(1, dtype=torch.int32)
+    leftpad = written - real
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    fits = (mask == ((positions >= leftpad[:, None]) & (positions < written))).all()
+    if torch.compiler.is_compiling():
+        torch._assert_async(fits, "orchard.hf: compiled, a padding mask over a static cache "
+                            "must be left padding (each row's real tokens one run up to the "
+                            "last query): left-pad, or run this call eagerly")
+    elif not bool(fits):
+        return None
+    return flash_attn_with_kvcache(q, k, v, cache_seqlens=leftpad + real, cache_leftpad=leftpad,
+                                   softmax_scale=scaling, causal=causal, window_size=window,
+                                   softcap=softcap)
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -418,20 +465,22 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     packed = getattr(mask, "orchard_packed", False)
 
     if mask is not None and not packed:
-        k, v = k[:, :mask.shape[1]], v[:, :mask.shape[1]]
         mask = mask.bool()
-        if bool(mask.all()):
-            return flash_attn_func(q, k, v, **options), None
-        if (not dropout and bool((mask[:, 1:] >= mask[:, :-1]).all())
-                and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))):
-            # Left padding only, no gradient (generate()): orchard reads each row's keys from
-            # its first real token in place, where unpadding would copy all keys and values
-            # every step (3x the time of a 4,096-key decode step, measured).
-            leftpad = (~mask).sum(1, dtype=torch.int32)
-            return flash_attn_with_kvcache(
-                q, k, v, cache_seqlens=mask.shape[1], cache_leftpad=leftpad,
-                softmax_scale=scaling, causal=causal, window_size=window,
-                softcap=options["softcap"]), None
+        # a static cache's mask (_mark_written) counts its written keys, else all are
+        written = getattr(attention_mask, "orchard_written", None)
+        if written is None:
+            k, v = k[:, :mask.shape[1]], v[:, :mask.shape[1]]
+            if bool(mask.all()):
+                return flash_attn_func(q, k, v, **options), None
+        if not dropout and not (torch.is_grad_enabled()
+                                and any(t.requires_grad for t in (q, k, v))):
+            out = _left_padded(q, k, v, mask, mask.shape[1] if written is None else written,
+                               scaling, causal, window, options["softcap"])
+            if out is not None:
+                return out, None
+        if written is not None:     # (a value read: a compiled call breaks its graph here)
+            n = int(written)
+            mask, k, v = mask[:, :n], k[:, :n], v[:, :n]
         # unpad: the queries are the last nq positions of the keys' sequence
         k, _, cu_k, max_k, _ = unpad_input(k, mask)
         q, idx_q, cu_q, max_q, _ = unpad_input(q, mask[:, -nq:])
