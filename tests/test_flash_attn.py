@@ -847,6 +847,10 @@ def test_kvcache_empty_batch_and_no_queries():
     out = flash_attn_with_kvcache(torch.randn(1, 0, 2, 8), k_cache, v_cache,
                                   torch.ones(1, 1, 2, 8), torch.ones(1, 1, 2, 8), cache_seqlens=3)
     assert out.shape == (1, 0, 2, 8) and k_cache[0, 3].eq(1).all() and v_cache[0, 3].eq(1).all()
+    # a cache of no rows, contiguous or seen through a transpose: no keys, zeros
+    for empty in (torch.randn(3, 0, 2, 8), torch.randn(3, 2, 0, 8).transpose(1, 2)):
+        out = flash_attn_with_kvcache(torch.randn(3, 1, 2, 8), empty, empty, cache_seqlens=0)
+        assert out.shape == (3, 1, 2, 8) and not out.any()
 
 
 def test_varlen_empty_batch(device):

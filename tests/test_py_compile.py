@@ -421,6 +421,23 @@ def test_transformers_static_cache_mask_not_left_padded_is_refused_when_compiled
             compiled(ids, real)
 
 
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_transformers_right_padding_compiles_with_a_graph_break(use_cache):
+    """Without a static cache, a padding mask that is not left padding is read (a graph
+    break, as in transformers' FlashAttention-2 integration) and unpadded: eager's logits."""
+    model = tiny_llama().eval()
+    ids = torch.randint(1, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    real = torch.ones(2, 8, dtype=torch.long)
+    real[0, 5:] = 0
+    real[1, 2] = 0
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=real, use_cache=use_cache).logits
+        torch._dynamo.reset()
+        compiled = torch.compile(model.forward, backend="aot_eager")
+        got = compiled(input_ids=ids, attention_mask=real, use_cache=use_cache).logits
+    assert torch.equal(got, want)
+
+
 def test_transformers_packed_sequences_compile_to_one_graph():
     """Packed sequences given as transformers' FlashAttention keywords (cu_seq_lens_q/k with
     max_length_q/k, as DataCollatorWithFlattening makes them): one graph, forward and

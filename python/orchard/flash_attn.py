@@ -481,7 +481,7 @@ def _slot_rows(cache):
     batch, capacity = cache.shape[:2]
     s_b, s_n = cache.stride()[:2]
     step = capacity if batch == 1 else s_b // s_n if s_n > 0 and s_b % s_n == 0 else 0
-    if step < capacity:     # sequences that overlap or lie between rows: a copy
+    if capacity == 0 or step < capacity:    # no rows, or rows that overlap: a flat copy
         return cache.flatten(0, 1), torch.arange(batch + 1) * capacity
     rows = step * (batch - 1) + capacity
     starts = torch.arange(batch + 1) * step

@@ -404,18 +404,18 @@ def _lengths(cu, longest):
     return cu.to(torch.int32), longest
 
 
-def _left_padded(q, k, v, mask, written, scaling, causal, window, softcap):
+def _left_padded(q, k, v, mask, written, static, scaling, causal, window, softcap):
     """Attention read in place from the keys and values (no gradient, no dropout: generate())
     where each row of the (batch, keys) mask is left padding, then real tokens up to the
     written keys (a count, a tensor for a static cache), then unwritten ones; None for another
     mask. Unpadding would copy all keys and values at every step (3x the time of a 4,096-key
-    decode step, measured). Traced by torch.compile the mask is not read (the graph would
-    break): checked when the graph runs."""
+    decode step, measured). Over a static cache traced by torch.compile the mask is not read
+    (the graph would break at every step): checked when the graph runs."""
     real = mask.sum(1, dtype=torch.int32)
     leftpad = written - real
     positions = torch.arange(mask.shape[1], device=mask.device)
     fits = (mask == ((positions >= leftpad[:, None]) & (positions < written))).all()
-    if torch.compiler.is_compiling():
+    if static and torch.compiler.is_compiling():
         torch._assert_async(fits, "orchard.hf: compiled, a padding mask over a static cache "
                             "must be left padding (each row's real tokens one run up to the "
                             "last query): left-pad, or run this call eagerly")
@@ -475,7 +475,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         if not dropout and not (torch.is_grad_enabled()
                                 and any(t.requires_grad for t in (q, k, v))):
             out = _left_padded(q, k, v, mask, mask.shape[1] if written is None else written,
-                               scaling, causal, window, options["softcap"])
+                               written is not None, scaling, causal, window, options["softcap"])
             if out is not None:
                 return out, None
         if written is not None:     # (a value read: a compiled call breaks its graph here)
