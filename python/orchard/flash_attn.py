@@ -471,22 +471,28 @@ def _rotary(x, cos, sin, pos, interleaved):
     return torch.cat((xr.to(x.dtype), x[..., rd:]), -1)
 
 
-def _slot_rows(cache):
-    """A contiguous-layout cache (batch, seqlen_cache, nheads_k, headdim) as a varlen call's
-    keys (rows, nheads_k, headdim), and the row where each sequence's slot starts, in place
-    where its strides allow: a view stepping row by row through a sequence and from one
-    sequence's first row to the next's. A cache seen through a transpose (transformers' (batch,
-    nheads_k, seqlen_cache, headdim) memory) has its sequences nheads_k * seqlen_cache rows
-    apart: flattening it would copy the whole cache at every call."""
-    batch, capacity = cache.shape[:2]
-    s_b, s_n = cache.stride()[:2]
-    step = capacity if batch == 1 else s_b // s_n if s_n > 0 and s_b % s_n == 0 else 0
-    if capacity == 0 or step < capacity:    # no rows, or rows that overlap: a flat copy
-        return cache.flatten(0, 1), torch.arange(batch + 1) * capacity
-    rows = step * (batch - 1) + capacity
-    starts = torch.arange(batch + 1) * step
-    starts[-1] = rows
-    return cache.as_strided((rows,) + cache.shape[2:], (s_n,) + cache.stride()[2:]), starts
+def _slot_rows(k_cache, v_cache):
+    """Contiguous-layout caches (batch, seqlen_cache, nheads_k, headdim) as a varlen call's
+    keys and values (rows, nheads_k, headdim), and the row where each sequence's slot starts,
+    in place where their strides allow: views stepping row by row through a sequence and from
+    one sequence's first row to the next's. A cache seen through a transpose (transformers'
+    (batch, nheads_k, seqlen_cache, headdim) memory) has its sequences nheads_k * seqlen_cache
+    rows apart: flattening it would copy the whole cache at every call."""
+    batch, capacity = k_cache.shape[:2]
+
+    def step(cache):    # rows from one sequence's first to the next's; 0: no such step
+        s_b, s_n = cache.stride()[:2]
+        return capacity if batch == 1 else s_b // s_n if s_n > 0 and s_b % s_n == 0 else 0
+
+    rows_apart = step(k_cache)
+    if capacity == 0 or rows_apart < capacity or step(v_cache) != rows_apart:
+        # no rows, rows that overlap, or two layouts: flat copies
+        return (k_cache.flatten(0, 1), v_cache.flatten(0, 1),
+                torch.arange(batch + 1) * capacity)
+    rows = rows_apart * (batch - 1) + capacity
+    k_rows, v_rows = (c.as_strided((rows,) + c.shape[2:], (c.stride(1),) + c.stride()[2:])
+                      for c in (k_cache, v_cache))
+    return k_rows, v_rows, torch.arange(0, (batch + 1) * rows_apart, rows_apart).clamp_(max=rows)
 
 
 @torch.no_grad()
@@ -551,7 +557,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                   "(pass cache_batch_idx to choose rows)" % (k_cache.shape[0], batch))
     # traced, the batch may be a symbol, which a message cannot hold
     per_sequence = "(batch_size,)" if traced else "(batch_size,) = (%d,)" % batch
-    rows = torch.arange(batch)
+    rows = None     # the sequences' cache rows (cache_batch_idx); None: the first batch rows
     if cache_batch_idx is not None:
         name = "cache_batch_idx"
         if traced:
@@ -650,7 +656,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if rotary_cos is not None:
             k = _rotary(k, rotary_cos, rotary_sin, pos, rotary_interleaved)
         at = ((block_table.long().gather(1, pos // page), pos % page) if paged
-              else (rows[:, None], pos))
+              else ((torch.arange(batch) if rows is None else rows)[:, None], pos))
         k_cache[at] = k
         v_cache[at] = v
     if rotary_cos is not None:
@@ -683,7 +689,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         starts = [0] + list(itertools.accumulate(s + n - p for s, p in zip(seqlens, leftpad)))
     else:
         slots = slice(0, batch) if in_place else rows
-        (kc, starts), (vc, _) = _slot_rows(k_cache[slots]), _slot_rows(v_cache[slots])
+        kc, vc, starts = _slot_rows(k_cache[slots], v_cache[slots])
         used = lengths + n
         extra = dict(leftpad_k=cache_leftpad)
     cu_q = torch.arange(batch + 1, dtype=torch.int32) * nq
@@ -691,5 +697,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cu_seqlens_q=cu_q, cu_seqlens_k=torch.as_tensor(starts, dtype=torch.int64),
         seqused_k=used, **extra))
     out = out.unflatten(0, (batch, nq))
-    lse = lse.unflatten(1, (batch, nq)).transpose(0, 1).contiguous()
-    return (out, lse) if return_softmax_lse else out
+    if not return_softmax_lse:
+        return out
+    return out, lse.unflatten(1, (batch, nq)).transpose(0, 1).contiguous()
