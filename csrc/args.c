@@ -487,11 +487,33 @@ static int check_max_seqlen(or_call *c, PyObject *given, const char *name, npy_i
     return 0;
 }
 
-/* seqused_k as an int64 array of B key counts, each within its sequence's slot of
- * cu_seqlens_k; returns the largest, or -1. */
+/* The sequences of a call: varlen, one per entry of cu_seqlens_k after the first; dense, one
+ * per index of q's dimensions before the heads ((B, H, N, D): B). */
+static npy_intp sequences(const or_call *c)
+{
+    if (c->varlen)
+        return PyArray_DIM(c->cu_k, 0) - 1;
+    PyArrayObject *q = c->arr[OR_Q];
+    npy_intp n = 1;
+    for (int i = 0; i < PyArray_NDIM(q) - 3; i++)
+        n *= PyArray_DIM(q, i);
+    return n;
+}
+
+/* The keys of sequence b's slot: its span of cu_seqlens_k, or dense, all of k's rows. */
+static int64_t slot_keys(const or_call *c, npy_intp b)
+{
+    if (!c->varlen)
+        return PyArray_DIM(c->arr[OR_K], PyArray_NDIM(c->arr[OR_K]) - 2);
+    const int64_t *ck = PyArray_DATA(c->cu_k);
+    return ck[b + 1] - ck[b];
+}
+
+/* seqused_k as an int64 array of B key counts, each within its sequence's slot (slot_keys);
+ * returns the largest, or -1. */
 static npy_intp check_seqused_k(or_call *c, PyObject *obj)
 {
-    const npy_intp nseq = PyArray_DIM(c->cu_k, 0) - 1;
+    const npy_intp nseq = sequences(c);
     PyArrayObject *raw = (PyArrayObject *)PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
     if (raw == NULL)
         return -1;
@@ -510,13 +532,13 @@ static npy_intp check_seqused_k(or_call *c, PyObject *obj)
     Py_DECREF(raw);
     if (c->used_k == NULL)
         return -1;
-    const int64_t *used = PyArray_DATA(c->used_k), *ck = PyArray_DATA(c->cu_k);
+    const int64_t *used = PyArray_DATA(c->used_k);
     npy_intp max_len = 0;
     for (npy_intp b = 0; b < nseq; b++) {
-        if (used[b] < 0 || used[b] > ck[b + 1] - ck[b]) {
+        if (used[b] < 0 || used[b] > slot_keys(c, b)) {
             PyErr_Format(PyExc_ValueError, "%s(): 'seqused_k'[%zd] = %lld must lie in [0, %lld], "
-                         "the keys of that sequence in cu_seqlens_k", c->func, b,
-                         (long long)used[b], (long long)(ck[b + 1] - ck[b]));
+                         "the keys of that sequence in %s", c->func, b, (long long)used[b],
+                         (long long)slot_keys(c, b), c->varlen ? "cu_seqlens_k" : "k");
             return -1;
         }
         max_len = used[b] > max_len ? used[b] : max_len;
@@ -610,14 +632,16 @@ static PyArrayObject *int64_array(or_call *c, PyObject *obj, const char *name, i
     return a;
 }
 
-/* leftpad_k and block_table of a varlen forward, against the sequences' key counts: each
- * sequence's left padding lies within its keys, and every page a sequence reads is listed and
- * exists. */
-int or_check_leftpad_pages(or_call *c, const or_opts *o)
+/* seqused_k of a dense forward (a varlen one's: or_check_varlen), then leftpad_k and
+ * block_table (varlen only) of a forward, against the sequences' key counts: each sequence's
+ * left padding lies within its keys, and every page a sequence reads is listed and exists. */
+int or_check_key_ranges(or_call *c, const or_opts *o)
 {
+    if (!c->varlen && o->seqused_k != Py_None && check_seqused_k(c, o->seqused_k) < 0)
+        return -1;
     if (o->block_table == Py_None && o->leftpad_k == Py_None)
         return 0;
-    const npy_intp nseq = PyArray_DIM(c->cu_k, 0) - 1, page = c->p.pages.rows;
+    const npy_intp nseq = sequences(c), page = c->p.pages.rows;
     if (o->block_table != Py_None
         && !(c->pages = int64_array(c, o->block_table, "block_table", 2, nseq,
                                     "(batch_size, max_num_pages), one row per sequence")))
@@ -625,13 +649,12 @@ int or_check_leftpad_pages(or_call *c, const or_opts *o)
     if (o->leftpad_k != Py_None
         && !(c->leftpad = int64_array(c, o->leftpad_k, "leftpad_k", 1, nseq, "(batch_size,)")))
         return -1;
-    const int64_t *ck = PyArray_DATA(c->cu_k);
     const int64_t *tbl = c->pages ? PyArray_DATA(c->pages) : NULL;
     const int64_t *used = c->used_k ? PyArray_DATA(c->used_k) : NULL;
     const int64_t *lp = c->leftpad ? PyArray_DATA(c->leftpad) : NULL;
     const npy_intp width = tbl ? PyArray_DIM(c->pages, 1) : 0;
     for (npy_intp b = 0; b < nseq; b++) {
-        const int64_t len = used ? used[b] : ck[b + 1] - ck[b], first = lp ? lp[b] : 0;
+        const int64_t len = used ? used[b] : slot_keys(c, b), first = lp ? lp[b] : 0;
         if (first < 0 || first > len) {
             PyErr_Format(PyExc_ValueError, "%s(): 'leftpad_k'[%zd] = %lld must lie in [0, %lld], "
                          "the keys of that sequence", c->func, b, (long long)first,

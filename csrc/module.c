@@ -132,7 +132,7 @@ static PyObject *attention(PyObject *module, or_call *c, or_opts *o, PyObject **
         || (o->block_table != Py_None && or_check_paged_kv(c) < 0)
         || or_check_qkv(c) < 0 || or_check_scale(c, o) < 0
         || (c->varlen && or_check_varlen(c, o, cuq, cuk) < 0)
-        || or_check_leftpad_pages(c, o) < 0)
+        || or_check_key_ranges(c, o) < 0)
         goto done;
     or_dtype dt = c->p.view[OR_Q].dtype;
     or_out_shapes(c, oshape, lshape, &ond, &lnd);
@@ -169,13 +169,14 @@ static const int BWD_SLOTS[] = {OR_DO, OR_Q, OR_K, OR_V, OR_O, OR_LSE};
 
 static PyObject *flash_attn_fwd(PyObject *module, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"q", "k", "v", "scale", "dropout_p", "causal", OPTION_KWLIST, NULL};
+    static char *kwlist[] = {"q", "k", "v", "scale", "dropout_p", "causal", OPTION_KWLIST,
+                             "seqused_k", "leftpad_k", NULL};
     or_opts o = OPTS_INIT;
     PyObject *x[3];
     or_call c = {.func = "flash_attn_fwd"};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|OOO" OPTION_FORMAT ":flash_attn_fwd", kwlist,
-                                     &x[0], &x[1], &x[2], &o.scale, &o.dropout_p, &o.causal,
-                                     OPTION_ARGS))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|OOO" OPTION_FORMAT "OO:flash_attn_fwd",
+                                     kwlist, &x[0], &x[1], &x[2], &o.scale, &o.dropout_p,
+                                     &o.causal, OPTION_ARGS, &o.seqused_k, &o.leftpad_k))
         return NULL;
     return attention(module, &c, &o, x, FWD_SLOTS, 3, NULL, NULL);
 }
@@ -534,10 +535,13 @@ static PyObject *build_info(PyObject *module, PyObject *unused)
 
 PyDoc_STRVAR(fwd_doc,
 "flash_attn_fwd(q, k, v, scale=None, dropout_p=0.0, causal=False, *, window=(-1, -1),\n"
-"               alibi_slopes=None, softcap=0.0, seed=0, device=None) -> (out, lse)\n\n"
+"               alibi_slopes=None, softcap=0.0, seed=0, device=None, seqused_k=None,\n"
+"               leftpad_k=None) -> (out, lse)\n\n"
 "Exact attention softmax(scale * q k^T + bias, masked) v in O(N) memory.\n"
 "q (..., Nq, D), k (..., Nk, D), v (..., Nk, Dv); 4-D k/v may have fewer heads (GQA).\n"
-"out has q's dtype; lse (..., Nq) is float32 (float64 for float64 input).");
+"out has q's dtype; lse (..., Nq) is float32 (float64 for float64 input).\n"
+"A KV cache: sequence b (an index of the dimensions before the heads, (B, H, N, D): B) uses\n"
+"keys leftpad_k[b] (default 0) to seqused_k[b] (default Nk) of its Nk rows.");
 PyDoc_STRVAR(bwd_doc,
 "flash_attn_bwd(dout, q, k, v, out, lse, scale=None, dropout_p=0.0, causal=False, *,\n"
 "               window=(-1, -1), alibi_slopes=None, softcap=0.0, seed=0, device=None)\n"

@@ -93,7 +93,8 @@ int or_new_output(or_call *c, int slot, int nd, const npy_intp *shape, or_dtype 
     return c->arr[slot] ? 0 : -1;
 }
 
-/* Dense layout: views over the leading dims, constant lengths. */
+/* Dense layout: views over the leading dims, constant lengths; a forward over a KV cache
+ * (seqused_k, leftpad_k) gives unit (b, h) keys leftpad[b] to used[b] of its rows. */
 static int dense_tables(or_call *c)
 {
     PyArrayObject *q = c->arr[OR_Q];
@@ -105,9 +106,12 @@ static int dense_tables(or_call *c)
     if (!(c->nq = or_alloc_units(n, sizeof(or_ssize)))
         || !(c->nk = or_alloc_units(n, sizeof(or_ssize))))
         return -1;
+    const int64_t *used = c->used_k ? PyArray_DATA(c->used_k) : NULL;
+    const int64_t *lp = c->leftpad ? PyArray_DATA(c->leftpad) : NULL;
+    const or_ssize h = c->heads, hkv = h / c->p.prm.group;
     for (or_ssize u = 0; u < n; u++) {
         c->nq[u] = PyArray_DIM(q, nd - 2);
-        c->nk[u] = PyArray_DIM(c->arr[OR_K], nd - 2);
+        c->nk[u] = (used ? used[u / h] : PyArray_DIM(c->arr[OR_K], nd - 2)) - (lp ? lp[u / h] : 0);
     }
     for (int s = 0; s < OR_NSLOTS; s++) {
         if (c->arr[s] == NULL)
@@ -117,11 +121,14 @@ static int dense_tables(or_call *c)
         if (!(c->offs[s] = or_lead_offsets(c->arr[s], nlead)))
             return -1;
         c->p.view[s].row_stride = PyArray_STRIDE(c->arr[s], nlead);
+        if (lp != NULL && (s == OR_K || s == OR_V))     /* keys from the left padding on */
+            for (or_ssize w = 0; w < n / c->p.prm.group; w++)
+                c->offs[s][w] += (or_ssize)lp[w / hkv] * c->p.view[s].row_stride;
     }
     return 0;
 }
 
-/* Paged k and v (or_check_leftpad_pages): kv unit (b, h) reads sequence b's row of pages from its
+/* Paged k and v (or_check_key_ranges): kv unit (b, h) reads sequence b's row of pages from its
  * leftpad on, at head h's offset within a page row. */
 static int paged_tables(or_call *c, or_ssize nseq, or_ssize hkv)
 {

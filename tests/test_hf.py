@@ -510,6 +510,33 @@ def test_the_mask_function_reads_transformers_masks():
     assert got.shape == (2, 1, 5, 5) and "chunked attention" in got.orchard_fallback
 
 
+def test_a_forward_reads_its_padding_mask_once():
+    """The mask function's padding mask keeps its reading (left padding) for the forward's
+    other layers; given back to the mask function (already cut) it gives a new view, so what is
+    kept never lands on the caller's tensor; a caller's own mask is read at every call. The
+    results: attention over each row's real tokens."""
+    real = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    mask = hf.attention_mask(2, 4, 4, attention_mask=real)
+    assert mask is not real and mask.orchard_left_padding is None
+    again = hf.attention_mask(2, 4, 4, attention_mask=mask)
+    assert again is not mask and again.orchard_left_padding is None
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 4, 8, generator=g) for _ in range(3))
+    module = torch.nn.Module()
+    with torch.no_grad():
+        first, _ = hf.attention_forward(module, q, k, v, mask)
+        noted = mask.orchard_left_padding
+        assert noted[0].tolist() == [2, 0] and noted[1] is None and bool(noted[2])
+        second, _ = hf.attention_forward(module, q, k, v, mask)
+        assert mask.orchard_left_padding is noted and torch.equal(first, second)
+        callers, _ = hf.attention_forward(module, q, k, v, real)
+        assert not hasattr(real, "orchard_left_padding") and torch.equal(first, callers)
+    for b, start in enumerate((2, 0)):
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[b:b + 1, :, start:], k[b:b + 1, :, start:], v[b:b + 1, :, start:], is_causal=True)
+        assert_close(first[b, start:], ref[0].transpose(0, 1))
+
+
 def test_llama_benchmark_runs_at_tiny_size():
     """benchmarks/hf_llama.py (the README's figure) at a tiny size: it runs, every attention
     call of the orchard model's step is on orchard, and it prints its table."""

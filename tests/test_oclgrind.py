@@ -65,8 +65,9 @@ cases = [
     (np.float64, (1, 1, 1, 16, 120, 5, 3), dict(causal=True)),
     (np.float16, (2, 3, 1, 1, 200, 16, 8), dict()),
 ]
-chosen = [int(a) for a in sys.argv[1:]] or range(len(cases) + 1)     # the last: varlen
-assert all(c <= len(cases) for c in chosen), chosen
+# past the cases: varlen, then a dense forward over a KV cache
+chosen = [int(a) for a in sys.argv[1:]] or range(len(cases) + 2)
+assert all(c <= len(cases) + 1 for c in chosen), chosen
 for dtype, (b, h, hkv, nq, nk, d, dv), kw in (cases[c] for c in chosen if c < len(cases)):
     q, do = randn(b, h, nq, d, dtype=dtype), randn(b, h, nq, dv, dtype=dtype)
     k, v = randn(b, hkv, nk, d, dtype=dtype), randn(b, hkv, nk, dv, dtype=dtype)
@@ -86,6 +87,17 @@ if len(cases) in chosen:
     grads = o.flash_attn_varlen_bwd(do, q, k, v, out, lse, cu_q, cu_k, device="opencl:0", **kw)
     check((out, lse), ref_varlen_fwd(q, k, v, cu_q, cu_k, **kw), 1e-4)
     check(grads, ref_varlen_bwd(do, q, k, v, cu_q, cu_k, **kw), 1e-4)
+
+if len(cases) + 1 in chosen:
+    # row b's keys leftpad_k[b] to seqused_k[b] (none in row 1)
+    q, k, v = randn(2, 2, 1, 8), randn(2, 1, 30, 8), randn(2, 1, 30, 8)
+    used, pads = np.array([30, 12]), np.array([4, 12])
+    out, lse = o.flash_attn_fwd(q, k, v, causal=True, seqused_k=used, leftpad_k=pads,
+                                device="opencl:0")
+    for b in range(2):
+        row, keys = slice(b, b + 1), slice(pads[b], used[b])
+        check((out[row], lse[row]), ref_fwd(q[row].astype(np.float64), k[row, :, keys],
+                                            v[row, :, keys], causal=True), 1e-4)
 print("kernels ok")
 """
 
@@ -119,7 +131,7 @@ def test_kernels_clean_under_oclgrind(tmp_path, mode, family, vector):
             # (plugins/Uninitialized.cpp allocates one only where none is), so a later buffer at
             # the same address reads as uninitialised past the old one's size, as the split-KV
             # decode's scratch does in a process's second decode call
-            runs = [[str(c)] for c in range(len(re.findall(r"^    \(np\.", SCRIPT, re.M)) + 1)]
+            runs = [[str(c)] for c in range(len(re.findall(r"^    \(np\.", SCRIPT, re.M)) + 2)]
         env.update(ORCHARD_CL_TRANSFERS=1, ORCHARD_CL_OPTIONS="-cl-opt-disable")
     for cases in runs:
         r = subprocess.run(["oclgrind", *checks, sys.executable, str(script), *cases],

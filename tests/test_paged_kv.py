@@ -3,7 +3,10 @@ flash_attn_varlen_func against the same cache laid out contiguously and against 
 reference, for page sizes from 1 to past the cache, scrambled and shared pages, ragged and
 left-padded sequences, GQA, decode and prefill, every native kernel set; that no copy of the
 pages is made; that bad tables are refused; that OpenCL devices get the pages gathered; and
-left padding (leftpad_k) of contiguous keys on every device."""
+left padding (leftpad_k) of contiguous keys, and a dense call's seqused_k and leftpad_k, on
+every device."""
+
+import re
 
 import numpy as np
 import pytest
@@ -263,6 +266,54 @@ def test_leftpad_k_on_contiguous_keys(device):
                 causal=True, device=device)
             assert torch.equal(out[b * nq:(b + 1) * nq], one)
             assert torch.equal(lse[:, b * nq:(b + 1) * nq], one_lse)
+
+
+@pytest.mark.parametrize("side_by_side", [False, True])
+def test_seqused_and_leftpad_k_of_a_dense_call(device, side_by_side):
+    """A dense forward over a KV cache: sequence b uses keys leftpad_k[b] to seqused_k[b] of
+    its rows, on every device, GQA, decode step and prefill, caches (B, Hkv, N, D) and
+    FlashAttention's (B, N, Hkv, D) seen through a transpose (heads side by side): the
+    result of the keys sliced out, bit for bit, and of the float64 reference; lse included."""
+    g = torch.Generator().manual_seed(6)
+    cap, used, pads = 40, [33, 40, 7, 0], [5, 0, 7, 0]
+    shape = (4, cap, HK, D) if side_by_side else (4, HK, cap, D)
+    k, v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    if side_by_side:
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    for nq in (1, 20):
+        q = torch.randn(4, H, nq, D, generator=g)
+        out, lse = orchard_ops.flash_attn_fwd(q, k, v, None, 0.0, True, device=device,
+                                              seqused_k=torch.tensor(used),
+                                              leftpad_k=torch.tensor(pads, dtype=torch.int32))
+        for b, (n, p) in enumerate(zip(used, pads)):
+            keys, values = k[b:b + 1, :, p:n], v[b:b + 1, :, p:n]
+            one, one_lse = orchard_ops.flash_attn_fwd(q[b:b + 1], keys, values, None, 0.0, True,
+                                                      device=device)
+            assert torch.equal(out[b:b + 1], one) and torch.equal(lse[b:b + 1], one_lse)
+            ref, ref_lse = ref_fwd(q[b:b + 1].numpy(), keys.numpy(), values.numpy(), causal=True)
+            assert_close(out[b:b + 1], ref, "float32", what="out of sequence %d" % b)
+            assert_close(lse[b:b + 1], ref_lse, "float32", kind="lse",
+                         what="lse of sequence %d" % b)
+
+
+def test_seqused_and_leftpad_k_of_a_dense_call_refused():
+    """Counts outside a sequence's rows, the wrong number of them, and the backward (which
+    has no such options) are refused, naming the argument."""
+    q, k = torch.randn(2, H, 1, D), torch.randn(2, HK, 10, D)
+    for kw, words in ((dict(seqused_k=torch.tensor([11, 1])), "'seqused_k'[0] = 11 must lie in "
+                       "[0, 10]"),
+                      (dict(seqused_k=torch.tensor([4, 4]), leftpad_k=torch.tensor([0, 5])),
+                       "'leftpad_k'[1] = 5 must lie in [0, 4]"),
+                      (dict(leftpad_k=torch.tensor([-1, 0])), "'leftpad_k'[0] = -1"),
+                      (dict(seqused_k=torch.tensor([1, 1, 1])), "'seqused_k' must be a 1-D "
+                       "integer array of 2 key counts"),
+                      (dict(leftpad_k=torch.tensor([0.5, 0.5])), "'leftpad_k' must be an "
+                       "integer array (batch_size,)")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            orchard_ops.flash_attn_fwd(q, k, k, **kw)
+    out, lse = orchard_ops.flash_attn_fwd(q, k, k)
+    with pytest.raises(TypeError, match="seqused_k"):
+        orchard_ops.flash_attn_bwd(out, q, k, k, out, lse, seqused_k=torch.tensor([1, 1]))
 
 
 def test_unused_table_entries_are_not_read():

@@ -471,28 +471,28 @@ def _rotary(x, cos, sin, pos, interleaved):
     return torch.cat((xr.to(x.dtype), x[..., rd:]), -1)
 
 
-def _slot_rows(k_cache, v_cache):
-    """Contiguous-layout caches (batch, seqlen_cache, nheads_k, headdim) as a varlen call's
-    keys and values (rows, nheads_k, headdim), and the row where each sequence's slot starts,
-    in place where their strides allow: views stepping row by row through a sequence and from
-    one sequence's first row to the next's. A cache seen through a transpose (transformers'
-    (batch, nheads_k, seqlen_cache, headdim) memory) has its sequences nheads_k * seqlen_cache
-    rows apart: flattening it would copy the whole cache at every call."""
-    batch, capacity = k_cache.shape[:2]
+def _cache_call(q, kc, vc, starts, opts, **extra):
+    """(out (batch, seqlen_q, nheads, headdim_v), lse (batch, nheads, seqlen_q)) of q (batch,
+    seqlen_q, nheads, headdim) over keys kc and values vc (rows, nheads_k, headdim) where
+    sequence b's start at row starts[b]: one varlen call for the whole batch; extra: the
+    options saying which of them it uses (leftpad_k, block_table). The arguments are checked:
+    the caller's work."""
+    batch, nq = q.shape[:2]
+    cu_q = torch.arange(batch + 1, dtype=torch.int32) * nq
+    out, lse = _forward(q.flatten(0, 1), kc, vc, opts._replace(
+        cu_seqlens_q=cu_q, cu_seqlens_k=torch.as_tensor(starts, dtype=torch.int64), **extra))
+    return out.unflatten(0, (batch, nq)), lse.unflatten(1, (batch, nq)).transpose(0, 1)
 
-    def step(cache):    # rows from one sequence's first to the next's; 0: no such step
-        s_b, s_n = cache.stride()[:2]
-        return capacity if batch == 1 else s_b // s_n if s_n > 0 and s_b % s_n == 0 else 0
 
-    rows_apart = step(k_cache)
-    if capacity == 0 or rows_apart < capacity or step(v_cache) != rows_apart:
-        # no rows, rows that overlap, or two layouts: flat copies
-        return (k_cache.flatten(0, 1), v_cache.flatten(0, 1),
-                torch.arange(batch + 1) * capacity)
-    rows = rows_apart * (batch - 1) + capacity
-    k_rows, v_rows = (c.as_strided((rows,) + c.shape[2:], (c.stride(1),) + c.stride()[2:])
-                      for c in (k_cache, v_cache))
-    return k_rows, v_rows, torch.arange(0, (batch + 1) * rows_apart, rows_apart).clamp_(max=rows)
+def _read_cache(q, k_cache, v_cache, used, leftpad, opts):
+    """(out (batch, seqlen_q, nheads, headdim_v), lse (batch, nheads, seqlen_q)) of q (batch,
+    seqlen_q, nheads, headdim) over sequence b's rows [leftpad[b], used[b]) (leftpad None: 0)
+    of caches k_cache, v_cache (batch, seqlen_cache, nheads_k, headdim): one dense call, which
+    reads them in place whatever their strides (transformers' caches are (batch, nheads_k,
+    seqlen_cache, headdim) in memory). The arguments are checked: the caller's work."""
+    out, lse = _forward(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
+                        opts._replace(seqused_k=used, leftpad_k=leftpad))
+    return out.transpose(1, 2).contiguous(), lse
 
 
 @torch.no_grad()
@@ -671,32 +671,24 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                                                    dtype=lse_dtype)
         return (out, lse) if return_softmax_lse else out
 
-    # One varlen call over the whole batch: sequence b's keys are cache rows [leftpad, seqlen
-    # + n), read in place: from its pages (the native path reads block_table itself), or
-    # from its slot of the cache's rows (seqused_k says how many are used, leftpad_k where
-    # they start). Pages on an OpenCL device, or a reordered cache, are gathered first (a
-    # copy).
-    extra, used = {}, None
+    # One call over the whole batch: sequence b's keys are cache rows [leftpad, seqlen + n),
+    # read in place: from its pages (a varlen call: the native path reads block_table
+    # itself), or from its row of the cache (a dense call). Pages on an OpenCL device, or a
+    # reordered cache, are gathered first (a copy).
     if paged and _reads_pages(device):
-        kc, vc = k_cache, v_cache
         starts = [0] + list(itertools.accumulate(s + n for s in seqlens))
-        extra = dict(block_table=block_table, leftpad_k=cache_leftpad)
+        out, lse = _cache_call(q, k_cache, v_cache, starts, opts, block_table=block_table,
+                               leftpad_k=cache_leftpad)
     elif paged:
         index = torch.cat([(torch.tensor(table[b], dtype=torch.long)[:, None] * page
                             + torch.arange(page)).flatten()[p:s + n]
                            for b, (s, p) in enumerate(zip(seqlens, leftpad))])
-        kc, vc = k_cache.flatten(0, 1)[index], v_cache.flatten(0, 1)[index]
         starts = [0] + list(itertools.accumulate(s + n - p for s, p in zip(seqlens, leftpad)))
+        out, lse = _cache_call(q, k_cache.flatten(0, 1)[index], v_cache.flatten(0, 1)[index],
+                               starts, opts)
     else:
-        slots = slice(0, batch) if in_place else rows
-        kc, vc, starts = _slot_rows(k_cache[slots], v_cache[slots])
-        used = lengths + n
-        extra = dict(leftpad_k=cache_leftpad)
-    cu_q = torch.arange(batch + 1, dtype=torch.int32) * nq
-    out, lse = _forward(q.flatten(0, 1), kc, vc, opts._replace(
-        cu_seqlens_q=cu_q, cu_seqlens_k=torch.as_tensor(starts, dtype=torch.int64),
-        seqused_k=used, **extra))
-    out = out.unflatten(0, (batch, nq))
-    if not return_softmax_lse:
-        return out
-    return out, lse.unflatten(1, (batch, nq)).transpose(0, 1).contiguous()
+        if not in_place or k_cache.shape[0] != batch:
+            slots = slice(0, batch) if in_place else rows
+            k_cache, v_cache = k_cache[slots], v_cache[slots]
+        out, lse = _read_cache(q, k_cache, v_cache, lengths + n, cache_leftpad, opts)
+    return (out, lse.contiguous()) if return_softmax_lse else out
