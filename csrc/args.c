@@ -427,7 +427,7 @@ int or_check_like(or_call *c, int slot, const npy_intp *shape, int nd)
 static PyArrayObject *check_cu_seqlens(or_call *c, PyObject *obj, const char *name,
                                        npy_intp total, npy_intp *max_len)
 {
-    PyArrayObject *raw = (PyArrayObject *)PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
+    PyArrayObject *raw = or_values(obj, c->func, name);
     if (raw == NULL)
         return NULL;
     if (!PyArray_ISINTEGER(raw) || PyArray_NDIM(raw) != 1 || PyArray_DIM(raw, 0) < 1) {
@@ -514,7 +514,7 @@ static int64_t slot_keys(const or_call *c, npy_intp b)
 static npy_intp check_seqused_k(or_call *c, PyObject *obj)
 {
     const npy_intp nseq = sequences(c);
-    PyArrayObject *raw = (PyArrayObject *)PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
+    PyArrayObject *raw = or_values(obj, c->func, "seqused_k");
     if (raw == NULL)
         return -1;
     if (!PyArray_ISINTEGER(raw) || PyArray_NDIM(raw) != 1 || PyArray_DIM(raw, 0) != nseq) {
@@ -613,7 +613,7 @@ int or_check_paged_kv(or_call *c)
 static PyArrayObject *int64_array(or_call *c, PyObject *obj, const char *name, int nd,
                                   npy_intp n, const char *layout)
 {
-    PyArrayObject *raw = (PyArrayObject *)PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
+    PyArrayObject *raw = or_values(obj, c->func, name);
     if (raw == NULL)
         return NULL;
     if (!PyArray_ISINTEGER(raw) || PyArray_NDIM(raw) != nd || PyArray_DIM(raw, 0) != n) {

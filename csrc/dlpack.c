@@ -71,9 +71,33 @@ static int torch_tensor(PyObject *obj, PyObject **torch)
     return is;
 }
 
+/* The NumPy type of a DLPack integer, bool or float element, or -1. */
+static int numpy_type(DLDataType t)
+{
+    static const int ints[] = {NPY_INT8, NPY_INT16, NPY_INT32, NPY_INT64},
+                     uints[] = {NPY_UINT8, NPY_UINT16, NPY_UINT32, NPY_UINT64},
+                     floats[] = {-1, NPY_FLOAT16, NPY_FLOAT32, NPY_FLOAT64};
+    const int i = t.bits == 8 ? 0 : t.bits == 16 ? 1 : t.bits == 32 ? 2 : t.bits == 64 ? 3 : -1;
+    if (t.lanes != 1 || i < 0)
+        return -1;
+    switch (t.code) {
+    case 0:     /* kDLInt */
+        return ints[i];
+    case 1:     /* kDLUInt */
+        return uints[i];
+    case 2:     /* kDLFloat */
+        return floats[i];
+    case 6:     /* kDLBool */
+        return i == 0 ? NPY_BOOL : -1;
+    }
+    return -1;
+}
+
 /* The NumPy view of a DLPack producer's memory, with its dtype; NULL with TypeError or
- * ValueError naming the argument. A torch tensor is exported with torch.to_dlpack, a C
- * function (its __dlpack__ method costs ten times as much, 2.6 against 0.3 us here). */
+ * ValueError naming the argument. dt NULL: an array of integers, booleans or floats (the
+ * index arrays and ALiBi slopes), any of NumPy's types. A torch tensor is exported with
+ * torch.to_dlpack, a C function (its __dlpack__ method costs ten times as much, 2.6 against
+ * 0.3 us here). */
 PyArrayObject *or_from_dlpack(PyObject *obj, const char *func, const char *name, or_dtype *dt)
 {
     PyObject *torch;
@@ -113,21 +137,22 @@ PyArrayObject *or_from_dlpack(PyObject *obj, const char *func, const char *name,
     const DLTensor *t = &m->dl_tensor;
     PyObject *owner = NULL;
     PyArrayObject *a = NULL;
-    int found = -1;
-    for (int i = 0; i < OR_NDTYPES && found < 0; i++)
+    int found = -1, typenum = dt ? -1 : numpy_type(t->dtype);
+    for (int i = 0; dt && i < OR_NDTYPES && found < 0; i++)
         if (t->dtype.code == or_dtypes[i].dlpack && t->dtype.bits == 8 * or_dtypes[i].itemsize
             && t->dtype.lanes == 1)
-            found = i;
+            typenum = or_dtypes[found = i].typenum;
     if (t->device.device_type != DL_CPU) {
         PyErr_Format(PyExc_ValueError, "%s(): argument '%s' is in device memory (DLPack device "
                      "type %d): orchard reads host memory, pass CPU tensors", func, name,
                      (int)t->device.device_type);
         goto done;
     }
-    if (found < 0) {
-        PyErr_Format(PyExc_TypeError, "%s(): argument '%s' must be a float16, float32, float64 or "
-                     "bfloat16 array, not DLPack type code %d with %d bits", func, name,
-                     (int)t->dtype.code, (int)t->dtype.bits);
+    if (typenum < 0) {
+        PyErr_Format(PyExc_TypeError, "%s(): argument '%s' must be %s array, not DLPack type "
+                     "code %d with %d bits", func, name, dt ? "a float16, float32, float64 or "
+                     "bfloat16" : "an integer, bool or float", (int)t->dtype.code,
+                     (int)t->dtype.bits);
         goto done;
     }
     if (t->ndim < 0 || t->ndim > NPY_MAXDIMS) {
@@ -136,7 +161,7 @@ PyArrayObject *or_from_dlpack(PyObject *obj, const char *func, const char *name,
         goto done;
     }
     npy_intp dims[NPY_MAXDIMS], strides[NPY_MAXDIMS];
-    const int itemsize = or_dtypes[found].itemsize;
+    const int itemsize = t->dtype.bits / 8;
     int empty = 0;
     for (int i = t->ndim - 1; i >= 0; i--) {   /* sizes and strides a producer got wrong */
         int64_t step = 1, bytes = 0;            /* elements, then bytes, to the next index */
@@ -173,9 +198,10 @@ PyArrayObject *or_from_dlpack(PyObject *obj, const char *func, const char *name,
             m->deleter(m);
         goto done;
     }
-    *dt = (or_dtype)found;
+    if (dt)
+        *dt = (or_dtype)found;
     a = (PyArrayObject *)PyArray_NewFromDescr(
-        &PyArray_Type, PyArray_DescrFromType(or_dtypes[found].typenum), t->ndim, dims, strides,
+        &PyArray_Type, PyArray_DescrFromType(typenum), t->ndim, dims, strides,
         (char *)t->data + t->byte_offset, 0, NULL);
     if (a != NULL && PyArray_SetBaseObject(a, owner) < 0)   /* steals owner */
         Py_CLEAR(a);
@@ -184,6 +210,22 @@ PyArrayObject *or_from_dlpack(PyObject *obj, const char *func, const char *name,
 done:
     Py_DECREF(capsule);
     return a;
+}
+
+/* obj's values as a NumPy array, for the index arrays and ALiBi slopes: a torch tensor read
+ * in place through DLPack, anything else as NumPy reads it. A torch tensor's __array__ is
+ * Python code: a decode step's seqused_k and leftpad_k added 27 us to its call that way, 6 us
+ * this way (calls timed between other torch operations, as in a model). */
+PyArrayObject *or_values(PyObject *obj, const char *func, const char *name)
+{
+    PyObject *torch;
+    const int is_torch = torch_tensor(obj, &torch);
+    Py_XDECREF(torch);
+    if (is_torch < 0)
+        return NULL;
+    PyArrayObject *a = is_torch ? or_from_dlpack(obj, func, name, NULL)
+                                : (PyArrayObject *)PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
+    return a ? a : or_unreadable(func, name, is_torch);
 }
 
 /* A result as a torch tensor over the same memory when `like` (the call's first operand) is a

@@ -216,28 +216,34 @@ PyArrayObject *or_staged_copy(PyArrayObject *a, int typenum, size_t align)
     return c;
 }
 
+/* NULL, after argument `name` failed to read as an array: with its error where that is a
+ * MemoryError, no Exception (KeyboardInterrupt in an __array__) or, with own_words, a
+ * TypeError or ValueError of dlpack.c's (they name the argument); else a TypeError naming
+ * the argument, with the error's words. */
+PyArrayObject *or_unreadable(const char *func, const char *name, int own_words)
+{
+    if (PyErr_ExceptionMatches(PyExc_MemoryError) || !PyErr_ExceptionMatches(PyExc_Exception)
+        || (own_words && (PyErr_ExceptionMatches(PyExc_TypeError)
+                          || PyErr_ExceptionMatches(PyExc_ValueError))))
+        return NULL;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_Format(PyExc_TypeError, "%s(): argument '%s' cannot be viewed as an array (%S)",
+                 func, name, value ? value : Py_None);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    return NULL;
+}
+
 PyArrayObject *or_operand(PyObject *obj, const char *func, const char *name, or_counters *ct,
                           size_t align, or_dtype *dt)
 {
     const int dlpack = !PyArray_Check(obj) && PyObject_HasAttrString(obj, "__dlpack__");
     PyArrayObject *a = dlpack ? or_from_dlpack(obj, func, name, dt)
                               : (PyArrayObject *)PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
-    if (a == NULL) {
-        /* MemoryError, what is not an Exception (KeyboardInterrupt in an __array__), and
-         * dlpack.c's own errors (they name the argument) pass through */
-        if (PyErr_ExceptionMatches(PyExc_MemoryError) || !PyErr_ExceptionMatches(PyExc_Exception)
-            || (dlpack && (PyErr_ExceptionMatches(PyExc_TypeError)
-                           || PyErr_ExceptionMatches(PyExc_ValueError))))
-            return NULL;
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        PyErr_Format(PyExc_TypeError, "%s(): argument '%s' cannot be viewed as an array (%S)",
-                     func, name, value ? value : Py_None);
-        Py_XDECREF(type);
-        Py_XDECREF(value);
-        Py_XDECREF(tb);
-        return NULL;
-    }
+    if (a == NULL)
+        return or_unreadable(func, name, dlpack);
     if (!dlpack && or_dtype_of(a, dt) < 0) {
         PyObject *names = dtype_names();
         if (names != NULL)

@@ -196,7 +196,7 @@ static int alibi_table(or_call *c, PyObject *obj)
         return 0;
     /* integers or floats as given, then as float64: a forced cast would also take booleans,
      * and complex slopes without their imaginary parts */
-    PyArrayObject *a = (PyArrayObject *)PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
+    PyArrayObject *a = or_values(obj, c->func, "alibi_slopes");
     if (a != NULL && !PyArray_ISINTEGER(a) && !PyArray_ISFLOAT(a))
         Py_CLEAR(a);
     if (a != NULL)

@@ -28,6 +28,7 @@ typedef struct {
 PyObject *or_device_error(or_module_state *st, const char *func, int device, const or_error *err);
 
 /* marshal.c */
+PyArrayObject *or_unreadable(const char *func, const char *name, int own_words);
 PyArrayObject *or_operand(PyObject *obj, const char *func, const char *name, or_counters *ct,
                           size_t align, or_dtype *dt);
 void or_extent(PyArrayObject *a, char **lo, size_t *nbytes);
@@ -42,6 +43,7 @@ PyObject *or_shape_str(PyArrayObject *a);
 
 /* dlpack.c */
 PyArrayObject *or_from_dlpack(PyObject *obj, const char *func, const char *name, or_dtype *dt);
+PyArrayObject *or_values(PyObject *obj, const char *func, const char *name);
 PyObject *or_result_like(PyObject *like, PyArrayObject *a, or_dtype dt);
 
 /* cpu_info.c */

@@ -134,6 +134,30 @@ def test_varlen_cu_seqlens_as_lists(ops, device, rng):
     assert_close(out, ref_varlen_fwd(q, k, v, cq, ck)[0], np.float64, "out")
 
 
+def test_varlen_index_arrays_as_torch_tensors(ops, rng):
+    """cu_seqlens, seqused_k, leftpad_k and ALiBi slopes as torch tensors (read in place
+    through DLPack) of any integer dtype and any strides give what NumPy arrays give; a tensor
+    of another kind is refused naming the argument."""
+    torch = pytest.importorskip("torch")
+    q, k, v, _, cq, ck = packed(rng, np.float32, [3, 5], [6, 4])
+    slopes = np.array([0.5, 0.25, 0.125, 0.0625])
+    kw = dict(causal=True, seqused_k=np.array([5, 4]), leftpad_k=np.array([1, 0]))
+    want = ops.flash_attn_varlen_fwd(q, k, v, cq, ck, alibi_slopes=slopes, **kw)
+    for dtype in (torch.int32, torch.int64, torch.uint8, torch.int16):
+        every_other = lambda a: torch.tensor(np.repeat(a, 2)).to(dtype)[::2]    # stride 2
+        got = ops.flash_attn_varlen_fwd(
+            q, k, v, every_other(cq), every_other(ck), alibi_slopes=torch.tensor(slopes),
+            **{name: every_other(a) for name, a in kw.items() if name != "causal"}, causal=True)
+        assert all(np.array_equal(g, w) for g, w in zip(got, want)), dtype
+    for bad, error, words in ((torch.tensor([0, 3, 8]).bool(), ValueError, "1-D integer array"),
+                              (torch.tensor([0, 3, 8]).to(torch.complex64), TypeError,
+                               "'cu_seqlens_q' must be an integer, bool or float array"),
+                              (torch.empty(3, device="meta"), TypeError,
+                               "'cu_seqlens_q' cannot be viewed as an array")):
+        with pytest.raises(error, match=words):
+            ops.flash_attn_varlen_fwd(q, k, v, bad, ck)
+
+
 def test_varlen_empty_total(ops, device, rng):
     q, k, v, do, cq, ck = packed(rng, np.float32, [0, 0, 0], [0, 2, 0])
     out, lse = ops.flash_attn_varlen_fwd(q, k, v, cq, ck, device=device)
