@@ -5,16 +5,21 @@ orchard_ops.flash_attn_fwd on the same tensors seen as (batch, nheads, seqlen, h
 the torch layer adds: its checks, layout views and autograd; target at most 15 us), and
 against orchard_ops on the same data as NumPy arrays (which adds orchard_ops' DLPack
 hand-over of tensors in and out): forward without autograd, and forward + backward with q, k,
-v requiring gradients.
+v requiring gradients. Then a decode step's call as a model makes it, between other torch
+operations (a few small matrix products, which leave the caches to them): orchard_ops on torch
+tensors with and without a KV cache's seqused_k and leftpad_k, on NumPy arrays, and torch's
+scaled_dot_product_attention, medians over --between rounds.
 
-    ORCHARD_NUM_THREADS=1 python benchmarks/flash_attn_overhead.py [--repeats N]
+    ORCHARD_NUM_THREADS=1 python benchmarks/flash_attn_overhead.py [--repeats N] [--between N]
 
 One thread keeps the figure steady on a busy machine: waking the thread pool then costs
 more than the tiny kernel, and varies.
 """
 import argparse
 import os
+import statistics
 import sys
+import time
 import timeit
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
@@ -39,6 +44,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15, help="timed runs (fastest taken)")
     parser.add_argument("--number", type=int, default=1000, help="calls per timed run")
+    parser.add_argument("--between", type=int, default=300,
+                        help="rounds of the calls between other operations")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -71,6 +78,38 @@ def main():
                                          ours_b - ops_b))
     print("torch layer overhead: %.1f us per forward call (target <= 15); with the DLPack "
           "hand-over: %.1f us" % (ours - ops_t, ours - ops))
+    between_operations(device, args.between)
+
+
+def between_operations(device, rounds):
+    """A decode step's call (batch 2, 4 heads over 2, 64 cached keys, D 64) after a few small
+    matrix products, as between a model's layers: median microseconds per call."""
+    q, k, v = torch.randn(2, 4, 1, 64), torch.randn(2, 2, 64, 64), torch.randn(2, 2, 64, 64)
+    qa, ka, va = q.numpy(), k.numpy(), v.numpy()
+    used, leftpad = torch.tensor([60, 64]), torch.tensor([8, 0], dtype=torch.int32)
+    x, a, b = torch.randn(2, 256), torch.randn(256, 688), torch.randn(1024, 256)
+    calls = {
+        "orchard_ops, tensors": lambda: orchard_ops.flash_attn_fwd(q, k, v, causal=True,
+                                                                   device=device),
+        "orchard_ops, tensors, seqused_k and leftpad_k": lambda: orchard_ops.flash_attn_fwd(
+            q, k, v, causal=True, seqused_k=used, leftpad_k=leftpad, device=device),
+        "orchard_ops, NumPy arrays": lambda: orchard_ops.flash_attn_fwd(qa, ka, va, causal=True,
+                                                                        device=device),
+        "torch scaled_dot_product_attention": lambda: torch.nn.functional
+        .scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+    }
+    times = {name: [] for name in calls}
+    with torch.no_grad():
+        for _ in range(rounds):
+            for name, fn in calls.items():
+                for _ in range(3):
+                    torch.nn.functional.silu(x @ a), x @ b.t()
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+    print("between other operations (batch 2, 4 heads over 2, 64 keys, D 64), median us per call:")
+    for name, t in times.items():
+        print("  %-48s %6.1f" % (name, statistics.median(t) * 1e6))
 
 
 if __name__ == "__main__":

@@ -214,8 +214,8 @@ done:
 
 /* obj's values as a NumPy array, for the index arrays and ALiBi slopes: a torch tensor read
  * in place through DLPack, anything else as NumPy reads it. A torch tensor's __array__ is
- * Python code: a decode step's seqused_k and leftpad_k added 27 us to its call that way, 6 us
- * this way (calls timed between other torch operations, as in a model). */
+ * Python code: a decode step's seqused_k and leftpad_k added 17 us to its call that way, 6 us
+ * this way (benchmarks/flash_attn_overhead.py, calls between other torch operations). */
 PyArrayObject *or_values(PyObject *obj, const char *func, const char *name)
 {
     PyObject *torch;
