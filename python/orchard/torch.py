@@ -121,7 +121,7 @@ def _fail(fn, name, why, error=ValueError):
 
 def _number(fn, name, x):
     """x, a real number (Python's or NumPy's), as a float; else TypeError naming it."""
-    if type(x) is float:    # the common case, first: the ABC check costs a call 1-2 us
+    if type(x) is float:    # the common case, first: the ABC checks take 0.7 us more
         return x
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
         _fail(fn, name, "must be a number, got %r" % (x,), TypeError)
