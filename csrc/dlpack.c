@@ -149,10 +149,10 @@ PyArrayObject *or_from_dlpack(PyObject *obj, const char *func, const char *name,
         goto done;
     }
     if (typenum < 0) {
-        PyErr_Format(PyExc_TypeError, "%s(): argument '%s' must be %s array, not DLPack type "
-                     "code %d with %d bits", func, name, dt ? "a float16, float32, float64 or "
-                     "bfloat16" : "an integer, bool or float", (int)t->dtype.code,
-                     (int)t->dtype.bits);
+        PyErr_Format(PyExc_TypeError, "%s(): argument '%s' must be %s, not DLPack type code %d "
+                     "with %d bits", func, name, dt ? "a float16, float32, float64 or bfloat16 "
+                     "array" : "an array of integers, booleans or floats (a bfloat16 tensor: "
+                     "convert it first)", (int)t->dtype.code, (int)t->dtype.bits);
         goto done;
     }
     if (t->ndim < 0 || t->ndim > NPY_MAXDIMS) {

@@ -196,13 +196,13 @@ static int alibi_table(or_call *c, PyObject *obj)
         return 0;
     /* integers or floats as given, then as float64: a forced cast would also take booleans,
      * and complex slopes without their imaginary parts */
-    PyArrayObject *a = or_values(obj, c->func, "alibi_slopes");
-    if (a != NULL && !PyArray_ISINTEGER(a) && !PyArray_ISFLOAT(a))
-        Py_CLEAR(a);
-    if (a != NULL)
-        Py_SETREF(a, (PyArrayObject *)PyArray_FromAny(
-                         (PyObject *)a, PyArray_DescrFromType(NPY_FLOAT64), 0, 0,
-                         NPY_ARRAY_CARRAY | NPY_ARRAY_FORCECAST, NULL));
+    PyArrayObject *raw = or_values(obj, c->func, "alibi_slopes"), *a = NULL;
+    if (raw == NULL)
+        return -1;      /* its error names the argument */
+    if (PyArray_ISINTEGER(raw) || PyArray_ISFLOAT(raw))
+        a = (PyArrayObject *)PyArray_FromAny((PyObject *)raw, PyArray_DescrFromType(NPY_FLOAT64),
+                                             0, 0, NPY_ARRAY_CARRAY | NPY_ARRAY_FORCECAST, NULL);
+    Py_DECREF(raw);
     if (a == NULL) {
         if (!PyErr_Occurred() || or_bad_value()) {
             PyErr_Format(PyExc_TypeError, "%s(): 'alibi_slopes' must be an array of integers or "

@@ -151,11 +151,15 @@ def test_varlen_index_arrays_as_torch_tensors(ops, rng):
         assert all(np.array_equal(g, w) for g, w in zip(got, want)), dtype
     for bad, error, words in ((torch.tensor([0, 3, 8]).bool(), ValueError, "1-D integer array"),
                               (torch.tensor([0, 3, 8]).to(torch.complex64), TypeError,
-                               "'cu_seqlens_q' must be an integer, bool or float array"),
+                               "'cu_seqlens_q' must be an array of integers, booleans or floats"),
                               (torch.empty(3, device="meta"), TypeError,
                                "'cu_seqlens_q' cannot be viewed as an array")):
         with pytest.raises(error, match=words):
             ops.flash_attn_varlen_fwd(q, k, v, bad, ck)
+    # the slopes' own words reach the caller (they are not replaced by a generic message)
+    with pytest.raises(ValueError, match="'alibi_slopes' is a torch tensor with its negative bit"):
+        ops.flash_attn_varlen_fwd(q, k, v, cq, ck, alibi_slopes=torch._neg_view(
+            torch.tensor(slopes)))
 
 
 def test_varlen_empty_total(ops, device, rng):
