@@ -297,7 +297,7 @@ int or_load_operands(or_call *c, PyObject **objs, const int *slots, int n)
             c->dev[s] = Py_NewRef(objs[i]);
             c->arr[s] = or_device_array_layout(objs[i], &c->dt[s]);
         } else {
-            c->arr[s] = or_operand(objs[i], c->func, slot_name[s], c->ct, align, &c->dt[s]);
+            c->arr[s] = or_operand(c->st, objs[i], c->func, slot_name[s], c->ct, align, &c->dt[s]);
         }
         if (c->arr[s] == NULL)
             return -1;
@@ -427,7 +427,7 @@ int or_check_like(or_call *c, int slot, const npy_intp *shape, int nd)
 static PyArrayObject *check_cu_seqlens(or_call *c, PyObject *obj, const char *name,
                                        npy_intp total, npy_intp *max_len)
 {
-    PyArrayObject *raw = or_values(obj, c->func, name);
+    PyArrayObject *raw = or_values(c->st, obj, c->func, name);
     if (raw == NULL)
         return NULL;
     if (!PyArray_ISINTEGER(raw) || PyArray_NDIM(raw) != 1 || PyArray_DIM(raw, 0) < 1) {
@@ -514,7 +514,7 @@ static int64_t slot_keys(const or_call *c, npy_intp b)
 static npy_intp check_seqused_k(or_call *c, PyObject *obj)
 {
     const npy_intp nseq = sequences(c);
-    PyArrayObject *raw = or_values(obj, c->func, "seqused_k");
+    PyArrayObject *raw = or_values(c->st, obj, c->func, "seqused_k");
     if (raw == NULL)
         return -1;
     if (!PyArray_ISINTEGER(raw) || PyArray_NDIM(raw) != 1 || PyArray_DIM(raw, 0) != nseq) {
@@ -613,7 +613,7 @@ int or_check_paged_kv(or_call *c)
 static PyArrayObject *int64_array(or_call *c, PyObject *obj, const char *name, int nd,
                                   npy_intp n, const char *layout)
 {
-    PyArrayObject *raw = or_values(obj, c->func, name);
+    PyArrayObject *raw = or_values(c->st, obj, c->func, name);
     if (raw == NULL)
         return NULL;
     if (!PyArray_ISINTEGER(raw) || PyArray_NDIM(raw) != nd || PyArray_DIM(raw, 0) != n) {

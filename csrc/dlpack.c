@@ -45,29 +45,78 @@ static void release_managed(PyObject *capsule)
         m->deleter(m);
 }
 
-/* Whether obj is a torch.Tensor: 1, with torch (a new reference: the checks below run Python
- * code, which could drop sys.modules' own), 0 (*torch NULL), or -1 with an exception. torch
- * is never imported here: a tensor implies it. */
-static int torch_tensor(PyObject *obj, PyObject **torch)
+/* What the hand-over calls of torch, read from sys.modules["torch"] once per module into the
+ * tuple st->torch (looked up by name at every call, they had cost 4 us of a 14 us call on
+ * three tensors: benchmarks/flash_attn_overhead.py). A call holds its own reference to the
+ * tuple: the Python code it runs (a check, an export) could make orchard read another module.
+ * T_TENSOR is None for a module without tensors (a stand-in without Tensor, to_dlpack,
+ * from_numpy, Tensor.view or the dtypes), whose objects are read as any DLPack producer's;
+ * T_IS_NEG is None in a torch from before lazy negation; T_DTYPE + i torch's dtype i, None for
+ * the ones NumPy has. */
+enum { T_MODULE, T_TENSOR, T_TO_DLPACK, T_FROM_NUMPY, T_VIEW, T_IS_NEG, T_DTYPE,
+       T_SIZE = T_DTYPE + OR_NDTYPES };
+#define TORCH(t, i) PyTuple_GET_ITEM(t, i)
+
+/* The tuple for `module`, or NULL with an exception. */
+static PyObject *read_torch(PyObject *module)
 {
-    PyObject *module = PyArray_Check(obj) ? NULL
-                       : PyDict_GetItemString(PyImport_GetModuleDict(), "torch");
-    *torch = NULL;
-    if (module == NULL || module == Py_None)    /* None: torch blocked in sys.modules */
-        return 0;
-    Py_INCREF(module);
+    PyObject *t = PyTuple_New(T_SIZE);
+    if (t == NULL)
+        return NULL;
+    PyObject **item = &PyTuple_GET_ITEM(t, 0);  /* a new tuple's items, all NULL */
+    item[T_MODULE] = Py_NewRef(module);
     PyObject *tensor = PyObject_GetAttrString(module, "Tensor");
-    if (tensor == NULL) {                       /* a torch module without tensors: none here */
+    int ok = tensor != NULL
+             && (item[T_TO_DLPACK] = PyObject_GetAttrString(module, "to_dlpack")) != NULL
+             && (item[T_FROM_NUMPY] = PyObject_GetAttrString(module, "from_numpy")) != NULL
+             && (item[T_VIEW] = PyObject_GetAttrString(tensor, "view")) != NULL;
+    for (int i = 0; ok && i < OR_NDTYPES; i++)
+        ok = or_dtypes[i].numpy
+             || (item[T_DTYPE + i] = PyObject_GetAttrString(module, or_dtypes[i].name)) != NULL;
+    if (ok)
+        item[T_IS_NEG] = PyObject_GetAttrString(tensor, "is_neg");
+    if (PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            Py_XDECREF(tensor);
+            Py_DECREF(t);
+            return NULL;
+        }
         PyErr_Clear();
-        Py_DECREF(module);
-        return 0;
     }
-    const int is = PyObject_IsInstance(obj, tensor);
-    Py_DECREF(tensor);
-    if (is == 1)
-        *torch = module;
+    if (ok)
+        item[T_TENSOR] = tensor;
     else
-        Py_DECREF(module);
+        Py_XDECREF(tensor);
+    for (int i = 0; i < T_SIZE; i++)
+        if (item[i] == NULL)
+            item[i] = Py_NewRef(Py_None);
+    return t;
+}
+
+/* Whether obj is a torch.Tensor: 1 with *torch a new reference to st->torch, 0 (*torch NULL),
+ * or -1 with an exception. torch is never imported here: a tensor implies it. */
+static int torch_tensor(or_module_state *st, PyObject *obj, PyObject **torch)
+{
+    *torch = NULL;
+    if (PyArray_Check(obj))
+        return 0;
+    PyObject *module = PyDict_GetItemWithError(PyImport_GetModuleDict(), st->torch_name);
+    if (module == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    if (module == Py_None)      /* torch blocked in sys.modules */
+        return 0;
+    if (st->torch == NULL || TORCH(st->torch, T_MODULE) != module) {
+        PyObject *fresh = read_torch(module);
+        if (fresh == NULL)
+            return -1;
+        Py_XSETREF(st->torch, fresh);
+    }
+    PyObject *t = Py_NewRef(st->torch), *tensor = TORCH(t, T_TENSOR);
+    const int is = tensor != Py_None ? PyObject_IsInstance(obj, tensor) : 0;
+    if (is == 1)
+        *torch = t;
+    else
+        Py_DECREF(t);
     return is;
 }
 
@@ -98,31 +147,29 @@ static int numpy_type(DLDataType t)
  * index arrays and ALiBi slopes), any of NumPy's types. A torch tensor is exported with
  * torch.to_dlpack, a C function (its __dlpack__ method costs ten times as much, 2.6 against
  * 0.3 us here). */
-PyArrayObject *or_from_dlpack(PyObject *obj, const char *func, const char *name, or_dtype *dt)
+PyArrayObject *or_from_dlpack(or_module_state *st, PyObject *obj, const char *func,
+                              const char *name, or_dtype *dt)
 {
     PyObject *torch;
-    const int is_torch = torch_tensor(obj, &torch);
+    const int is_torch = torch_tensor(st, obj, &torch);
     if (is_torch < 0)
         return NULL;
-    if (is_torch) {     /* torch exports a lazily negated view's memory without its sign */
-        PyObject *neg = PyObject_CallMethod(obj, "is_neg", NULL);
-        int lazy = neg == NULL ? -1 : PyObject_IsTrue(neg);
+    if (is_torch && TORCH(torch, T_IS_NEG) != Py_None) {
+        /* torch exports a lazily negated view's memory without its sign */
+        PyObject *neg = PyObject_CallOneArg(TORCH(torch, T_IS_NEG), obj);
+        const int lazy = neg == NULL ? -1 : PyObject_IsTrue(neg);
         Py_XDECREF(neg);
-        if (lazy < 0 && PyErr_ExceptionMatches(PyExc_AttributeError)) {  /* a torch without */
-            PyErr_Clear();
-            lazy = 0;
-        }
+        if (lazy > 0)
+            PyErr_Format(PyExc_ValueError, "%s(): argument '%s' is a torch tensor with its "
+                         "negative bit set (a lazily negated view, which DLPack does not "
+                         "carry): pass %s.resolve_neg()", func, name, name);
         if (lazy != 0) {
-            if (lazy > 0)
-                PyErr_Format(PyExc_ValueError, "%s(): argument '%s' is a torch tensor with its "
-                             "negative bit set (a lazily negated view, which DLPack does not "
-                             "carry): pass %s.resolve_neg()", func, name, name);
             Py_DECREF(torch);
             return NULL;
         }
     }
-    PyObject *capsule = is_torch ? PyObject_CallMethod(torch, "to_dlpack", "O", obj)
-                                 : PyObject_CallMethod(obj, "__dlpack__", NULL);
+    PyObject *capsule = is_torch ? PyObject_CallOneArg(TORCH(torch, T_TO_DLPACK), obj)
+                                 : PyObject_CallMethodNoArgs(obj, st->dlpack_name);
     Py_XDECREF(torch);
     if (capsule == NULL)
         return NULL;
@@ -216,14 +263,14 @@ done:
  * in place through DLPack, anything else as NumPy reads it. A torch tensor's __array__ is
  * Python code: a decode step's seqused_k and leftpad_k added 17 us to its call that way, 6 us
  * this way (benchmarks/flash_attn_overhead.py, calls between other torch operations). */
-PyArrayObject *or_values(PyObject *obj, const char *func, const char *name)
+PyArrayObject *or_values(or_module_state *st, PyObject *obj, const char *func, const char *name)
 {
     PyObject *torch;
-    const int is_torch = torch_tensor(obj, &torch);
+    const int is_torch = torch_tensor(st, obj, &torch);
     Py_XDECREF(torch);
     if (is_torch < 0)
         return NULL;
-    PyArrayObject *a = is_torch ? or_from_dlpack(obj, func, name, NULL)
+    PyArrayObject *a = is_torch ? or_from_dlpack(st, obj, func, name, NULL)
                                 : (PyArrayObject *)PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
     return a ? a : or_unreadable(func, name, is_torch);
 }
@@ -231,22 +278,16 @@ PyArrayObject *or_values(PyObject *obj, const char *func, const char *name)
 /* A result as a torch tensor over the same memory when `like` (the call's first operand) is a
  * torch tensor (torch in, torch out), else `a` itself; bfloat16 results, held as uint16 bits,
  * are viewed as torch.bfloat16. A new reference, or NULL with an exception. */
-PyObject *or_result_like(PyObject *like, PyArrayObject *a, or_dtype dt)
+PyObject *or_result_like(or_module_state *st, PyObject *like, PyArrayObject *a, or_dtype dt)
 {
     PyObject *torch;
-    const int is_torch = torch_tensor(like, &torch);
-    if (is_torch <= 0) {
-        if (is_torch < 0)
-            return NULL;
-        Py_INCREF(a);
-        return (PyObject *)a;
-    }
-    PyObject *t = PyObject_CallMethod(torch, "from_numpy", "O", (PyObject *)a);
-    if (t != NULL && !or_dtypes[dt].numpy) {
-        PyObject *type = PyObject_GetAttrString(torch, or_dtypes[dt].name);
-        Py_SETREF(t, type ? PyObject_CallMethod(t, "view", "O", type) : NULL);
-        Py_XDECREF(type);
-    }
+    const int is_torch = torch_tensor(st, like, &torch);
+    if (is_torch <= 0)
+        return is_torch < 0 ? NULL : Py_NewRef(a);
+    PyObject *t = PyObject_CallOneArg(TORCH(torch, T_FROM_NUMPY), (PyObject *)a);
+    if (t != NULL && !or_dtypes[dt].numpy)
+        Py_SETREF(t, PyObject_CallFunctionObjArgs(TORCH(torch, T_VIEW), t,
+                                                  TORCH(torch, T_DTYPE + dt), NULL));
     Py_DECREF(torch);
     return t;
 }

@@ -236,11 +236,11 @@ PyArrayObject *or_unreadable(const char *func, const char *name, int own_words)
     return NULL;
 }
 
-PyArrayObject *or_operand(PyObject *obj, const char *func, const char *name, or_counters *ct,
-                          size_t align, or_dtype *dt)
+PyArrayObject *or_operand(or_module_state *st, PyObject *obj, const char *func,
+                          const char *name, or_counters *ct, size_t align, or_dtype *dt)
 {
-    const int dlpack = !PyArray_Check(obj) && PyObject_HasAttrString(obj, "__dlpack__");
-    PyArrayObject *a = dlpack ? or_from_dlpack(obj, func, name, dt)
+    const int dlpack = !PyArray_Check(obj) && PyObject_HasAttr(obj, st->dlpack_name);
+    PyArrayObject *a = dlpack ? or_from_dlpack(st, obj, func, name, dt)
                               : (PyArrayObject *)PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
     if (a == NULL)
         return or_unreadable(func, name, dlpack);

@@ -103,7 +103,7 @@ static PyObject *run(or_call *c, or_module_state *st, int backward)
     for (int i = 0; result != NULL && i < count; i++) {
         PyObject *r = c->dev[first + i] != NULL
                           ? Py_NewRef(c->dev[first + i])
-                          : or_result_like(c->like, c->arr[first + i], c->dt[first + i]);
+                          : or_result_like(c->st, c->like, c->arr[first + i], c->dt[first + i]);
         if (r == NULL)
             Py_CLEAR(result);
         else
@@ -626,7 +626,9 @@ static int module_exec(PyObject *module)
     if (st->oom == NULL)
         return -1;
     st->device_array = or_device_array_type(module);
-    if (st->device_array == NULL)
+    st->torch_name = PyUnicode_InternFromString("torch");
+    st->dlpack_name = PyUnicode_InternFromString("__dlpack__");
+    if (st->device_array == NULL || st->torch_name == NULL || st->dlpack_name == NULL)
         return -1;
     if (PyModule_AddObjectRef(module, "OrchardError", st->error) < 0
         || PyModule_AddObjectRef(module, "OrchardOutOfMemory", st->oom) < 0
@@ -643,6 +645,9 @@ static int module_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->error);
     Py_VISIT(st->oom);
     Py_VISIT(st->device_array);
+    Py_VISIT(st->torch_name);
+    Py_VISIT(st->dlpack_name);
+    Py_VISIT(st->torch);
     return 0;
 }
 
@@ -652,6 +657,9 @@ static int module_clear(PyObject *module)
     Py_CLEAR(st->error);
     Py_CLEAR(st->oom);
     Py_CLEAR(st->device_array);
+    Py_CLEAR(st->torch_name);
+    Py_CLEAR(st->dlpack_name);
+    Py_CLEAR(st->torch);
     return 0;
 }
 

@@ -196,7 +196,7 @@ static int alibi_table(or_call *c, PyObject *obj)
         return 0;
     /* integers or floats as given, then as float64: a forced cast would also take booleans,
      * and complex slopes without their imaginary parts */
-    PyArrayObject *raw = or_values(obj, c->func, "alibi_slopes"), *a = NULL;
+    PyArrayObject *raw = or_values(c->st, obj, c->func, "alibi_slopes"), *a = NULL;
     if (raw == NULL)
         return -1;      /* its error names the argument */
     if (PyArray_ISINTEGER(raw) || PyArray_ISFLOAT(raw))

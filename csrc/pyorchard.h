@@ -22,6 +22,8 @@ typedef struct {
     PyObject *error;            /* OrchardError(RuntimeError) */
     PyObject *oom;              /* OrchardOutOfMemory(OrchardError, MemoryError) */
     PyTypeObject *device_array; /* DeviceArray (device_array.c) */
+    PyObject *torch_name, *dlpack_name;     /* "torch", "__dlpack__", interned */
+    PyObject *torch;            /* what dlpack.c calls of torch, read once per module */
 } or_module_state;
 /* Raises OrchardError, or OrchardOutOfMemory for the out-of-memory codes, for a failed device
  * call of func on device index `device`; returns NULL. */
@@ -29,8 +31,8 @@ PyObject *or_device_error(or_module_state *st, const char *func, int device, con
 
 /* marshal.c */
 PyArrayObject *or_unreadable(const char *func, const char *name, int own_words);
-PyArrayObject *or_operand(PyObject *obj, const char *func, const char *name, or_counters *ct,
-                          size_t align, or_dtype *dt);
+PyArrayObject *or_operand(or_module_state *st, PyObject *obj, const char *func,
+                          const char *name, or_counters *ct, size_t align, or_dtype *dt);
 void or_extent(PyArrayObject *a, char **lo, size_t *nbytes);
 PyArrayObject *or_staged_copy(PyArrayObject *a, int typenum, size_t align);
 PyArrayObject *or_new_aligned(int nd, const npy_intp *dims, int typenum, size_t align,
@@ -42,9 +44,10 @@ or_ssize *or_varlen_offsets(PyArrayObject *a, const int64_t *cu, or_ssize nseq, 
 PyObject *or_shape_str(PyArrayObject *a);
 
 /* dlpack.c */
-PyArrayObject *or_from_dlpack(PyObject *obj, const char *func, const char *name, or_dtype *dt);
-PyArrayObject *or_values(PyObject *obj, const char *func, const char *name);
-PyObject *or_result_like(PyObject *like, PyArrayObject *a, or_dtype dt);
+PyArrayObject *or_from_dlpack(or_module_state *st, PyObject *obj, const char *func,
+                              const char *name, or_dtype *dt);
+PyArrayObject *or_values(or_module_state *st, PyObject *obj, const char *func, const char *name);
+PyObject *or_result_like(or_module_state *st, PyObject *like, PyArrayObject *a, or_dtype dt);
 
 /* cpu_info.c */
 PyObject *or_cpu_device_info(void);

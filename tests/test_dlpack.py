@@ -217,8 +217,9 @@ def test_dlpack_producer_errors_name_the_argument(ops):
 
 
 def test_torch_module_dropped_during_the_tensor_check():
-    # orchard holds its own reference to sys.modules["torch"] while it asks whether an operand
-    # is a tensor (Python code runs then): here that code drops the module (it crashed)
+    # orchard holds its own references to sys.modules["torch"] and what it calls of it while it
+    # asks whether an operand is a tensor (Python code runs then): here that code drops the
+    # module (it crashed)
     code = """if True:
         import gc, sys, types
         import numpy as np, orchard_ops
@@ -228,11 +229,12 @@ def test_torch_module_dropped_during_the_tensor_check():
                 gc.collect()
                 return True
         class Tensor(metaclass=Meta):
-            pass
+            view = lambda self, dtype: self
         fake = types.ModuleType("torch")
         fake.Tensor = Tensor
         fake.to_dlpack = lambda t: np.ones((1, 2, 4), np.float32).__dlpack__()
         fake.from_numpy = lambda a: a
+        fake.bfloat16 = None
         sys.modules["torch"] = fake
         del fake
         class Producer:
@@ -244,3 +246,47 @@ def test_torch_module_dropped_during_the_tensor_check():
     r = run_python(code)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "(1, 2, 4)"
+
+
+def test_torch_module_replaced_while_a_call_reads_a_tensor():
+    """What orchard calls of torch stays alive through a call that, in the Python code the call
+    runs (here a tensor subclass's is_neg), makes orchard read another torch module."""
+    code = """if True:
+        import sys, types, torch, orchard_ops
+        seen = []
+        class Odd(torch.Tensor):
+            @classmethod
+            def __torch_function__(cls, func, types_, args=(), kwargs=None):
+                if func is torch.Tensor.is_neg and not seen:
+                    sys.modules["torch"] = types.ModuleType("torch")
+                    x = torch.ones(1, 2, 4, 8)
+                    seen.append(type(orchard_ops.flash_attn_fwd(x, x, x)[0]).__name__)
+                    sys.modules["torch"] = torch
+                return super().__torch_function__(func, types_, args, kwargs or {})
+        q = torch.ones(1, 2, 4, 8).as_subclass(Odd)
+        out, lse = orchard_ops.flash_attn_fwd(q, q, q)
+        print(*seen, type(out).__name__, float(out.sum()))
+    """
+    r = run_python(code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["ndarray", "Tensor", "64.0"]
+
+
+def test_torch_module_replaced_is_read_again():
+    """orchard reads what it calls of torch once per module in sys.modules["torch"]: a module
+    put in its place is read afresh (one without tensors gives NumPy results), and torch's
+    back gives tensors again."""
+    code = """if True:
+        import sys, types
+        import torch, orchard_ops
+        q = torch.ones(1, 2, 4, 8)
+        kinds = [type(orchard_ops.flash_attn_fwd(q, q, q)[0]).__name__]
+        sys.modules["torch"] = types.ModuleType("torch")
+        kinds.append(type(orchard_ops.flash_attn_fwd(q, q, q)[0]).__name__)
+        sys.modules["torch"] = torch
+        kinds.append(type(orchard_ops.flash_attn_fwd(q, q, q)[0]).__name__)
+        print(*kinds)
+    """
+    r = run_python(code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["Tensor", "ndarray", "Tensor"]

@@ -635,6 +635,11 @@ def test_bad_dense_input_names_the_argument():
     for error, name, call in bad:
         with pytest.raises(error, match=name):
             call()
+    # the options a model repeats are checked once and kept: a value equal to a kept one, of a
+    # type orchard refuses, is still refused
+    flash_attn_func(q, k, v, causal=True)
+    with pytest.raises(TypeError, match="'causal' must be a bool, got 1.0"):
+        flash_attn_func(q, k, v, causal=1.0)
 
 
 def test_bad_varlen_input_names_the_argument():

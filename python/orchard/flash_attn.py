@@ -7,6 +7,7 @@ float16, bfloat16, float32 and float64, plus a device= keyword (an orchard devic
 orchard is always deterministic (deterministic= is accepted) and splits the keys itself
 (num_splits= is accepted). Every call goes through orchard.torch._attention.
 """
+import functools
 import itertools
 import math
 import numbers
@@ -98,6 +99,27 @@ def _options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size, sof
              alibi_slopes, batch, device, **varlen):
     """Every option checked, under the names the caller used, before anything is computed or
     written (flash_attn_with_kvcache writes its cache only after this)."""
+    if not (dropout_p or alibi_slopes is not None or varlen or torch.compiler.is_compiling()):
+        # What a model's layers and steps repeat (no seed to draw, no tensor to read) is checked
+        # once: 2.3 us of a decode step's 40 (benchmarks/flash_attn_overhead.py), more between
+        # a model's other operations. A window's bounds depend on seqlen_k, nothing else does.
+        try:
+            return _plain_options(fn, seqlen_k if tuple(window_size) != (-1, -1) else 0,
+                                  softmax_scale, causal, tuple(window_size), softcap, device)
+        except TypeError:   # an unhashable argument, or one of a wrong type: said below
+            pass
+    return _checked_options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size,
+                            softcap, alibi_slopes, batch, device, **varlen)
+
+
+@functools.lru_cache(maxsize=256, typed=True)    # typed: causal=1.0 is refused, True is not
+def _plain_options(fn, seqlen_k, softmax_scale, causal, window_size, softcap, device):
+    return _checked_options(fn, None, seqlen_k, 0.0, softmax_scale, causal, window_size, softcap,
+                            None, None, device)
+
+
+def _checked_options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
+                     alibi_slopes, batch, device, **varlen):
     dropout_p = _number(fn, "dropout_p", dropout_p)
     if not 0.0 <= dropout_p < 1.0:
         _fail(fn, "dropout_p", "must be in [0, 1), got %r" % (dropout_p,))

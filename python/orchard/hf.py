@@ -172,8 +172,11 @@ def _record_window(config, window):
 def _window_for(module):
     """The window of a layer that passed none: its own attribute (Qwen2-MoE keeps it), else
     the one every causal mask made for its model had, else None."""
-    if getattr(module, "sliding_window", None) is not None:
-        return module.sliding_window
+    # not getattr(module, "sliding_window", None): for the layers without one (most),
+    # nn.Module's __getattr__ raised and caught an AttributeError, 3 us of every call
+    window = vars(module).get("sliding_window", getattr(type(module), "sliding_window", None))
+    if window is not None:
+        return window
     config = getattr(module, "config", None)
     ref, windows = _windows_made.get(id(config), (None, set()))
     if ref is not None and ref() is config and len(windows) == 1:
@@ -313,8 +316,8 @@ def _has_gaps(padding):
 def _why_not(query, key, value, mask, sliding_window, kwargs):
     """None when orchard computes this call, else the reason it cannot; ValueError for a 2-D
     mask that does not fit the call."""
-    tensors = (query, key, value)
-    if any(not t.is_cpu or t.layout != torch.strided for t in tensors):
+    if not (query.is_cpu and key.is_cpu and value.is_cpu) or not (
+            query.layout == key.layout == value.layout == torch.strided):
         return "tensors on %s (orchard computes dense CPU tensors)" % query.device
     if query.dtype not in _ROUTABLE_DTYPES:
         return "dtype %s" % query.dtype
