@@ -106,7 +106,9 @@ static int torch_tensor(or_module_state *st, PyObject *obj, PyObject **torch)
     if (module == Py_None)      /* torch blocked in sys.modules */
         return 0;
     if (st->torch == NULL || TORCH(st->torch, T_MODULE) != module) {
+        Py_INCREF(module);      /* sys.modules' may go in any collection read_torch starts */
         PyObject *fresh = read_torch(module);
+        Py_DECREF(module);
         if (fresh == NULL)
             return -1;
         Py_XSETREF(st->torch, fresh);

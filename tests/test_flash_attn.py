@@ -637,9 +637,16 @@ def test_bad_dense_input_names_the_argument():
             call()
     # the options a model repeats are checked once and kept: a value equal to a kept one, of a
     # type orchard refuses, is still refused
-    flash_attn_func(q, k, v, causal=True)
-    with pytest.raises(TypeError, match="'causal' must be a bool, got 1.0"):
-        flash_attn_func(q, k, v, causal=1.0)
+    flash_attn_func(q, k, v, causal=True, window_size=(2, 2))
+    for error, name, call in [
+            (TypeError, "'causal' must be a bool, got 1.0",
+             lambda: flash_attn_func(q, k, v, causal=1.0, window_size=(2, 2))),
+            (TypeError, "'window_size' must be a pair of ints",
+             lambda: flash_attn_func(q, k, v, causal=True, window_size=(2.0, 2.0))),
+            (TypeError, "'dropout_p' must be a number, got None",
+             lambda: flash_attn_func(q, k, v, causal=True, window_size=(2, 2), dropout_p=None))]:
+        with pytest.raises(error, match=name):
+            call()
 
 
 def test_bad_varlen_input_names_the_argument():

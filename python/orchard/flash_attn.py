@@ -99,14 +99,16 @@ def _options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size, sof
              alibi_slopes, batch, device, **varlen):
     """Every option checked, under the names the caller used, before anything is computed or
     written (flash_attn_with_kvcache writes its cache only after this)."""
-    if not (dropout_p or alibi_slopes is not None or varlen or torch.compiler.is_compiling()):
+    if (type(dropout_p) is float and dropout_p == 0.0 and alibi_slopes is None and not varlen
+            and not torch.compiler.is_compiling()):
         # What a model's layers and steps repeat (no seed to draw, no tensor to read) is checked
         # once: 2.3 us of a decode step's 40 (benchmarks/flash_attn_overhead.py), more between
         # a model's other operations. A window's bounds depend on seqlen_k, nothing else does.
         try:
-            return _plain_options(fn, seqlen_k if tuple(window_size) != (-1, -1) else 0,
-                                  softmax_scale, causal, tuple(window_size), softcap, device)
-        except TypeError:   # an unhashable argument, or one of a wrong type: said below
+            window = tuple(operator.index(w) for w in window_size)  # typed keys: ints alone
+            return _plain_options(fn, seqlen_k if window != (-1, -1) else 0, softmax_scale,
+                                  causal, window, softcap, device)
+        except (TypeError, ValueError):     # unhashable, or refused: said below
             pass
     return _checked_options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size,
                             softcap, alibi_slopes, batch, device, **varlen)

@@ -174,7 +174,9 @@ def _window_for(module):
     the one every causal mask made for its model had, else None."""
     # not getattr(module, "sliding_window", None): for the layers without one (most),
     # nn.Module's __getattr__ raised and caught an AttributeError, 3 us of every call
-    window = vars(module).get("sliding_window", getattr(type(module), "sliding_window", None))
+    window = vars(module).get("sliding_window")
+    if window is None and hasattr(type(module), "sliding_window"):   # a property, say
+        window = module.sliding_window
     if window is not None:
         return window
     config = getattr(module, "config", None)
