@@ -105,7 +105,8 @@ def _options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size, sof
         # once: 2.3 us of a decode step's 40 (benchmarks/flash_attn_overhead.py), more between
         # a model's other operations. A window's bounds depend on seqlen_k, nothing else does.
         try:
-            window = tuple(operator.index(w) for w in window_size)  # typed keys: ints alone
+            left, right = window_size
+            window = operator.index(left), operator.index(right)    # typed keys: ints alone
             return _plain_options(fn, seqlen_k if window != (-1, -1) else 0, softmax_scale,
                                   causal, window, softcap, device)
         except (TypeError, ValueError):     # unhashable, or refused: said below
