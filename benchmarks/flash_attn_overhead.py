@@ -2,7 +2,7 @@
 
 Times flash_attn_func(q, k, v) on (batch, seqlen, nheads, headdim) torch tensors against
 orchard_ops.flash_attn_fwd on the same tensors seen as (batch, nheads, seqlen, headdim) (what
-the torch layer adds: its checks, layout views and autograd; target at most 15 us), and
+the torch layer adds: its checks and autograd; target at most 15 us), and
 against orchard_ops on the same data as NumPy arrays (which adds orchard_ops' DLPack
 hand-over of tensors in and out): forward without autograd, and forward + backward with q, k,
 v requiring gradients. Then a decode step's call as a model makes it, between other torch

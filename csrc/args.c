@@ -95,6 +95,25 @@ static int real_arg(or_call *c, const char *name, PyObject *obj, double *out)
 }
 
 /* Checks the options that do not depend on shapes and stores them in c->p. */
+/* A flag: a bool (Python's or NumPy's) or the int 0 or 1; truthiness would read the string
+ * "False" as true. */
+static int flag_arg(or_call *c, const char *name, PyObject *obj, int *out)
+{
+    long long flag = -1;
+    if (PyBool_Check(obj) || PyArray_IsScalar(obj, Bool))
+        flag = PyObject_IsTrue(obj);
+    else if ((PyLong_Check(obj) || PyArray_IsScalar(obj, Integer))
+             && or_as_integer(obj, &flag) < 0 && PyErr_Occurred())
+        return -1;
+    if (flag != 0 && flag != 1) {
+        PyErr_Format(PyExc_TypeError, "%s(): '%s' must be a bool, got %.100R", c->func, name,
+                     obj);
+        return -1;
+    }
+    *out = (int)flag;
+    return 0;
+}
+
 int or_check_options(or_call *c, const or_opts *o)
 {
     or_problem *p = &c->p;
@@ -136,20 +155,11 @@ int or_check_options(or_call *c, const or_opts *o)
     /* past any sequence's length a window is unbounded: so, and the mask's sums never overflow */
     p->prm.left = lr[0] > OR_WINDOW_MAX ? -1 : (or_ssize)lr[0];
     p->prm.right = lr[1] > OR_WINDOW_MAX ? -1 : (or_ssize)lr[1];
-    /* causal: a bool (Python's or NumPy's) or the int 0 or 1; truthiness would read the string
-     * "False" as causal */
-    long long flag = -1;
-    if (PyBool_Check(o->causal) || PyArray_IsScalar(o->causal, Bool))
-        flag = PyObject_IsTrue(o->causal);
-    else if ((PyLong_Check(o->causal) || PyArray_IsScalar(o->causal, Integer))
-             && or_as_integer(o->causal, &flag) < 0 && PyErr_Occurred())
+    int causal;
+    if (flag_arg(c, "causal", o->causal, &causal) < 0
+        || flag_arg(c, "seqlen_first", o->seqlen_first, &c->seqlen_first) < 0)
         return -1;
-    if (flag != 0 && flag != 1) {
-        PyErr_Format(PyExc_TypeError, "%s(): 'causal' must be a bool, got %.100R", c->func,
-                     o->causal);
-        return -1;
-    }
-    if (flag)
+    if (causal)
         p->prm.right = 0;
 
     if (o->seed == NULL)
@@ -287,10 +297,29 @@ static int native_if_automatic(or_call *c)
     c->ct = or_device_counters(0);
     return 1;
 }
+/* The (..., nheads, seqlen, headdim) view of a seqlen_first operand or result, a new
+ * reference; NULL with the exception set. */
+PyArrayObject *or_swap_seq_heads(or_call *c, int slot, PyArrayObject *a)
+{
+    const int nd = PyArray_NDIM(a);
+    if (nd < 3) {
+        PyErr_Format(PyExc_ValueError, "%s(): with seqlen_first=True, argument '%s' must be "
+                     "(..., seqlen, nheads, headdim), got %d dimension%s", c->func,
+                     slot_name[slot], nd, nd == 1 ? "" : "s");
+        return NULL;
+    }
+    return (PyArrayObject *)PyArray_SwapAxes(a, nd - 3, nd - 2);
+}
+
 /* Converts the input operands named in `slots` and checks that they share q's dtype. */
 int or_load_operands(or_call *c, PyObject **objs, const int *slots, int n)
 {
     const size_t align = or_device_align(c->device.index);
+    if (c->seqlen_first && c->resident) {
+        PyErr_Format(PyExc_TypeError, "%s(): seqlen_first=True takes host arrays or tensors, "
+                     "not DeviceArrays (their layout is fixed on the device)", c->func);
+        return -1;
+    }
     for (int i = 0; i < n; i++) {
         int s = slots[i];
         if (c->resident) {
@@ -301,6 +330,12 @@ int or_load_operands(or_call *c, PyObject **objs, const int *slots, int n)
         }
         if (c->arr[s] == NULL)
             return -1;
+        if (c->seqlen_first && s != OR_LSE) {
+            PyArrayObject *view = or_swap_seq_heads(c, s, c->arr[s]);
+            if (view == NULL)
+                return -1;
+            Py_SETREF(c->arr[s], view);
+        }
     }
     const or_dtype dt = c->dt[OR_Q], lse = or_dtypes[dt].lse;
     c->p.view[OR_Q].dtype = dt;

@@ -101,9 +101,17 @@ static PyObject *run(or_call *c, or_module_state *st, int backward)
     const int first = backward ? OR_DQ : OR_O, count = backward ? 3 : 2;
     PyObject *result = PyTuple_New(count);
     for (int i = 0; result != NULL && i < count; i++) {
-        PyObject *r = c->dev[first + i] != NULL
-                          ? Py_NewRef(c->dev[first + i])
-                          : or_result_like(c->st, c->like, c->arr[first + i], c->dt[first + i]);
+        const int s = first + i;
+        PyObject *r = NULL;
+        if (c->dev[s] != NULL) {
+            r = Py_NewRef(c->dev[s]);
+        } else if (c->seqlen_first && s != OR_LSE) {   /* back in the operands' axis order */
+            PyArrayObject *a = or_swap_seq_heads(c, s, c->arr[s]);
+            r = a == NULL ? NULL : or_result_like(c->st, c->like, a, c->dt[s]);
+            Py_XDECREF(a);
+        } else {
+            r = or_result_like(c->st, c->like, c->arr[s], c->dt[s]);
+        }
         if (r == NULL)
             Py_CLEAR(result);
         else
@@ -162,7 +170,7 @@ done:
 #define OPTION_ARGS &o.window, &o.alibi, &o.softcap, &o.seed, &o.device
 #define OPTS_INIT {.scale = Py_None, .causal = Py_False, .alibi = Py_None, .device = Py_None, \
                    .max_q = Py_None, .max_k = Py_None, .seqused_k = Py_None, \
-                   .block_table = Py_None, .leftpad_k = Py_None}
+                   .block_table = Py_None, .leftpad_k = Py_None, .seqlen_first = Py_False}
 
 static const int FWD_SLOTS[] = {OR_Q, OR_K, OR_V};
 static const int BWD_SLOTS[] = {OR_DO, OR_Q, OR_K, OR_V, OR_O, OR_LSE};
@@ -170,13 +178,14 @@ static const int BWD_SLOTS[] = {OR_DO, OR_Q, OR_K, OR_V, OR_O, OR_LSE};
 static PyObject *flash_attn_fwd(PyObject *module, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"q", "k", "v", "scale", "dropout_p", "causal", OPTION_KWLIST,
-                             "seqused_k", "leftpad_k", NULL};
+                             "seqused_k", "leftpad_k", "seqlen_first", NULL};
     or_opts o = OPTS_INIT;
     PyObject *x[3];
     or_call c = {.func = "flash_attn_fwd"};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|OOO" OPTION_FORMAT "OO:flash_attn_fwd",
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|OOO" OPTION_FORMAT "OOO:flash_attn_fwd",
                                      kwlist, &x[0], &x[1], &x[2], &o.scale, &o.dropout_p,
-                                     &o.causal, OPTION_ARGS, &o.seqused_k, &o.leftpad_k))
+                                     &o.causal, OPTION_ARGS, &o.seqused_k, &o.leftpad_k,
+                                     &o.seqlen_first))
         return NULL;
     return attention(module, &c, &o, x, FWD_SLOTS, 3, NULL, NULL);
 }
@@ -184,13 +193,13 @@ static PyObject *flash_attn_fwd(PyObject *module, PyObject *args, PyObject *kw)
 static PyObject *flash_attn_bwd(PyObject *module, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"dout", "q", "k", "v", "out", "lse", "scale", "dropout_p", "causal",
-                             OPTION_KWLIST, NULL};
+                             OPTION_KWLIST, "seqlen_first", NULL};
     or_opts o = OPTS_INIT;
     PyObject *x[6];
     or_call c = {.func = "flash_attn_bwd"};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|OOO" OPTION_FORMAT ":flash_attn_bwd",
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|OOO" OPTION_FORMAT "O:flash_attn_bwd",
                                      kwlist, &x[0], &x[1], &x[2], &x[3], &x[4], &x[5], &o.scale,
-                                     &o.dropout_p, &o.causal, OPTION_ARGS))
+                                     &o.dropout_p, &o.causal, OPTION_ARGS, &o.seqlen_first))
         return NULL;
     return attention(module, &c, &o, x, BWD_SLOTS, 6, NULL, NULL);
 }
@@ -536,16 +545,19 @@ static PyObject *build_info(PyObject *module, PyObject *unused)
 PyDoc_STRVAR(fwd_doc,
 "flash_attn_fwd(q, k, v, scale=None, dropout_p=0.0, causal=False, *, window=(-1, -1),\n"
 "               alibi_slopes=None, softcap=0.0, seed=0, device=None, seqused_k=None,\n"
-"               leftpad_k=None) -> (out, lse)\n\n"
+"               leftpad_k=None, seqlen_first=False) -> (out, lse)\n\n"
 "Exact attention softmax(scale * q k^T + bias, masked) v in O(N) memory.\n"
 "q (..., Nq, D), k (..., Nk, D), v (..., Nk, Dv); 4-D k/v may have fewer heads (GQA).\n"
 "out has q's dtype; lse (..., Nq) is float32 (float64 for float64 input).\n"
+"seqlen_first=True: q, k, v and out are (..., N, H, D), as FlashAttention-2's, read in\n"
+"place (messages name their (..., H, N, D) views); lse stays (..., H, Nq).\n"
 "A KV cache: sequence b (an index of the dimensions before the heads, (B, H, N, D): B) uses\n"
 "keys leftpad_k[b] (default 0) to seqused_k[b] (default Nk) of its Nk rows.");
 PyDoc_STRVAR(bwd_doc,
 "flash_attn_bwd(dout, q, k, v, out, lse, scale=None, dropout_p=0.0, causal=False, *,\n"
-"               window=(-1, -1), alibi_slopes=None, softcap=0.0, seed=0, device=None)\n"
-"-> (dq, dk, dv)\n\nGradients of flash_attn_fwd; pass the same options and seed.");
+"               window=(-1, -1), alibi_slopes=None, softcap=0.0, seed=0, device=None,\n"
+"               seqlen_first=False) -> (dq, dk, dv)\n\n"
+"Gradients of flash_attn_fwd; pass the same options and seed.");
 PyDoc_STRVAR(varlen_fwd_doc,
 "flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,\n"
 "                      max_seqlen_k=None, scale=None, dropout_p=0.0, causal=False, *, ...,\n"

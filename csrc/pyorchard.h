@@ -80,6 +80,7 @@ typedef struct {
     PyObject *scale, *window, *alibi, *seed, *device, *max_q, *max_k, *seqused_k;
     PyObject *block_table, *leftpad_k;      /* paged K and V, left padding (varlen fwd), or None */
     PyObject *dropout_p, *softcap, *causal;
+    PyObject *seqlen_first;     /* dense operands (..., seqlen, nheads, headdim) */
 } or_opts;
 
 /* One attention call in flight: what it owns and the problem handed to the kernels. */
@@ -91,6 +92,9 @@ typedef struct {
     PyObject *like;                 /* the first operand: results come back as its kind */
     or_module_state *st;
     int resident;                   /* the operands are DeviceArrays: so are the results */
+    int seqlen_first;               /* arr[] holds (..., nheads, seqlen, headdim) views of
+                                     * operands (..., seqlen, nheads, headdim), lse aside;
+                                     * results are given back in the operands' axis order */
     PyObject *dev[OR_NSLOTS];       /* each DeviceArray operand or result, else NULL */
     or_ssize *offs[OR_NSLOTS];
     PyArrayObject *cu_q, *cu_k;     /* int64 copies of cu_seqlens */
@@ -123,6 +127,7 @@ int or_int_arg(const char *func, const char *name, PyObject *obj, long long lo, 
 int or_check_options(or_call *c, const or_opts *o);
 int or_call_device(or_call *c, PyObject *device, PyObject **objs, const int *slots, int n);
 int or_load_operands(or_call *c, PyObject **objs, const int *slots, int n);
+PyArrayObject *or_swap_seq_heads(or_call *c, int slot, PyArrayObject *a);
 int or_check_qkv(or_call *c);
 int or_check_scale(or_call *c, const or_opts *o);
 int or_check_varlen(or_call *c, const or_opts *o, PyObject *cuq_obj, PyObject *cuk_obj);

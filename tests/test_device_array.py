@@ -218,6 +218,9 @@ def test_mixed_and_misplaced_operands(ops, rng):
         ops.flash_attn_fwd(d, ops.to_device(q[..., :8], DEV), d)
     with pytest.raises(ValueError, match=r"'cu_seqlens_q' must be a 1-D integer array"):
         ops.flash_attn_varlen_fwd(*(ops.to_device(q[0], DEV),) * 3, d, d)
+    with pytest.raises(TypeError, match=r"flash_attn_bwd\(\): seqlen_first=True takes host "
+                                        r"arrays or tensors, not DeviceArrays"):
+        ops.flash_attn_bwd(d, d, d, d, out, lse, seqlen_first=True)
 
 
 @pytest.mark.skipif(len(OPENCL_IDS) < 2, reason="one OpenCL device listed")

@@ -159,6 +159,10 @@ CASES = [
     ("scale_int_past_double", "", "fwd(q, k, v, scale=10**400)", [VE], ["scale"]),
     ("softcap_int_past_double", "", "fwd(q, k, v, softcap=10**400)", [VE], ["softcap"]),
     ("device_nul", "", "fwd(q, k, v, device='cpu\\0x')", [VE], ["device"]),
+    ("seqlen_first_not_bool", "", "fwd(q, k, v, seqlen_first='no')", [TE], ["seqlen_first"]),
+    ("seqlen_first_2d", "", "fwd(q[0, 0], k[0, 0], v[0, 0], seqlen_first=True)", [VE], ["q"]),
+    ("seqlen_first_bwd_2d_dout", "",
+     "bwd(do[0, 0], q, k, v, out, lse, seqlen_first=True)", [VE], ["dout"]),
     # an interrupt inside a conversion passes through, not as the argument's TypeError
     ("interrupt_in_array", KI, "fwd(KI(), k, v)", ["KeyboardInterrupt"], []),
     ("interrupt_in_scale", KI, "fwd(q, k, v, scale=KI())", ["KeyboardInterrupt"], []),

@@ -209,7 +209,15 @@ def test_strided_inputs_are_read_in_place():
     out = flash_attn_func(q, k, v, causal=True, device="cpu")
     assert orchard_ops.stats()["staged_buffers"] == 0
     want = flash_attn_func(q.contiguous(), k.contiguous(), v.contiguous(), causal=True)
-    assert torch.equal(out, want)
+    assert torch.equal(out, want) and out.is_contiguous()
+    # (batch, nheads, seqlen, headdim) memory seen as FlashAttention-2's layout: out is
+    # contiguous in that layout all the same, and so are the gradients' shapes
+    qh, kh, vh = (x.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+                  for x in (q, k, v))
+    out = flash_attn_func(qh, kh, vh, causal=True, device="cpu")
+    assert torch.equal(out, want) and out.is_contiguous()
+    out.sum().backward()
+    assert all(x.grad.shape == x.shape for x in (qh, kh, vh))
 
 
 def test_return_values_and_keywords():

@@ -101,6 +101,36 @@ def test_bnhd_transposed_is_zero_copy(ops, device, rng, dtype):
     assert st["staged_buffers"] == 0, st
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=["f16", "f32", "f64"])
+def test_seqlen_first_reads_bnhd_as_it_lies(ops, device, rng, dtype):
+    """seqlen_first=True: (B, N, H, D) operands in place, GQA heads, every option; the same
+    results bit for bit as their (B, H, N, D) views, out and gradients (B, N, H, D) in the
+    operands' memory order, lse (B, H, N)."""
+    q, do = randn(rng, (2, 7, 4, 16), dtype), randn(rng, (2, 7, 4, 8), dtype)
+    k, v = randn(rng, (2, 9, 2, 16), dtype), randn(rng, (2, 9, 2, 8), dtype)
+    kw = dict(causal=True, window=(5, 0), softcap=2.0, dropout_p=0.2, seed=3,
+              alibi_slopes=np.array([0.5, 0.25, 0.1, 0.05]), device=device)
+    t = lambda x: x.transpose(0, 2, 1, 3)
+    (out, lse), st, _ = delta(ops, lambda: ops.flash_attn_fwd(q, k, v, seqlen_first=True, **kw),
+                              device)
+    assert st["zero_copy_buffers"] == 3 and st["staged_buffers"] == 0, st
+    want_out, want_lse = ops.flash_attn_fwd(t(q), t(k), t(v), **kw)
+    assert out.shape == (2, 7, 4, 8) and out.flags.c_contiguous and lse.shape == (2, 4, 7)
+    np.testing.assert_array_equal(out, t(want_out))
+    np.testing.assert_array_equal(lse, want_lse)
+    grads = ops.flash_attn_bwd(do, q, k, v, out, lse, seqlen_first=True, **kw)
+    want = ops.flash_attn_bwd(t(do), t(q), t(k), t(v), want_out, want_lse, **kw)
+    for g, w, x in zip(grads, want, (q, k, v)):
+        assert g.shape == x.shape and g.flags.c_contiguous
+        np.testing.assert_array_equal(g, t(w))
+    # a 3-D operand is (seqlen, nheads, headdim) (GQA heads need 4-D k and v)
+    kw.update(alibi_slopes=None, dropout_p=0.0)
+    k4, v4 = (np.repeat(x, 2, axis=2) for x in (k, v))
+    out3, lse3 = ops.flash_attn_fwd(q[1], k4[1], v4[1], seqlen_first=True, **kw)
+    assert out3.shape == (7, 4, 8) and lse3.shape == (4, 7)
+    np.testing.assert_array_equal(out3, ops.flash_attn_fwd(q, k, v, seqlen_first=True, **kw)[0][1])
+
+
 def test_broadcast_batch_strides_zero_copy(ops, device, rng):
     """Stride-0 batch dims (np.broadcast_to) with a contiguous last dim are used in place."""
     q = randn(rng, (2, 3, 5, 8), np.float32)

@@ -21,20 +21,22 @@ import torch.autograd.forward_ad as forward_ad
 import orchard_ops
 
 # Everything one attention call needs besides q, k, v. cu_seqlens_q/k (int32 tensors) select
-# the packed (total, H, D) layout; otherwise tensors are (..., N, D) with optional GQA heads.
+# the packed (total, H, D) layout; otherwise tensors are (..., N, D) with optional GQA heads,
+# or with seqlen_first (..., N, H, D), lse (..., H, N) either way.
 # seed is an int, or while torch.compile traces a 0-d int64 tensor (orchard.torch._seed).
 _Options = collections.namedtuple(
     "_Options", "scale dropout_p causal window alibi_slopes softcap seed device "
-                "cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k seqused_k block_table leftpad_k",
+                "cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k seqused_k block_table leftpad_k "
+                "seqlen_first",
     defaults=(None, 0.0, False, (-1, -1), None, 0.0, 0, None, None, None, None, None, None, None,
-              None))
+              None, False))
 
 # The custom ops' schema type of each option
 _SCHEMA_TYPES = {"scale": "float?", "dropout_p": "float", "causal": "bool", "window": "SymInt[]",
                  "alibi_slopes": "Tensor?", "softcap": "float", "seed": "Tensor?",
                  "device": "str?", "cu_seqlens_q": "Tensor?", "cu_seqlens_k": "Tensor?",
                  "max_seqlen_q": "SymInt?", "max_seqlen_k": "SymInt?", "seqused_k": "Tensor?",
-                 "block_table": "Tensor?", "leftpad_k": "Tensor?"}
+                 "block_table": "Tensor?", "leftpad_k": "Tensor?", "seqlen_first": "bool"}
 
 
 def refuse(why):
@@ -68,6 +70,8 @@ def ops_call(dense, varlen, o, *arrays):
         kw["leftpad_k"] = o.leftpad_k
     if o.block_table is not None:
         kw["block_table"] = o.block_table
+    if o.seqlen_first:
+        kw["seqlen_first"] = True
     if o.cu_seqlens_q is None:
         return dense(*arrays, o.scale, o.dropout_p, o.causal, **kw)
 
@@ -165,7 +169,12 @@ def _fwd(q, k, v, *options):
 def _fwd_fake(q, k, v, *options):
     o = _Options(*options)
     out = _empty_like_layout(q.shape[:-1] + v.shape[-1:], q, q.dtype)
-    lse_shape = q.shape[:-1] if o.cu_seqlens_q is None else (q.shape[1], q.shape[0])
+    if o.cu_seqlens_q is not None:
+        lse_shape = (q.shape[1], q.shape[0])
+    elif o.seqlen_first:
+        lse_shape = q.shape[:-3] + (q.shape[-2], q.shape[-3])
+    else:
+        lse_shape = q.shape[:-1]
     return out, q.new_empty(lse_shape, dtype=_lse_dtype(q))
 
 

@@ -96,9 +96,10 @@ def _cu_seqlens(fn, name, t, total):
 
 
 def _options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
-             alibi_slopes, batch, device, **varlen):
+             alibi_slopes, batch, device, seqlen_first=False, **varlen):
     """Every option checked, under the names the caller used, before anything is computed or
-    written (flash_attn_with_kvcache writes its cache only after this)."""
+    written (flash_attn_with_kvcache writes its cache only after this). seqlen_first: q, k, v
+    are (batch, seqlen, nheads, headdim), read so by orchard_ops."""
     if (type(dropout_p) is float and dropout_p == 0.0 and alibi_slopes is None and not varlen
             and not torch.compiler.is_compiling()):
         # What a model's layers and steps repeat (no seed to draw, no tensor to read) is checked
@@ -108,21 +109,22 @@ def _options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size, sof
             left, right = window_size
             window = operator.index(left), operator.index(right)    # typed keys: ints alone
             return _plain_options(fn, seqlen_k if window != (-1, -1) else 0, softmax_scale,
-                                  causal, window, softcap, device)
+                                  causal, window, softcap, device, seqlen_first)
         except (TypeError, ValueError):     # unhashable, or refused: said below
             pass
     return _checked_options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size,
-                            softcap, alibi_slopes, batch, device, **varlen)
+                            softcap, alibi_slopes, batch, device, seqlen_first, **varlen)
 
 
 @functools.lru_cache(maxsize=256, typed=True)    # typed: causal=1.0 is refused, True is not
-def _plain_options(fn, seqlen_k, softmax_scale, causal, window_size, softcap, device):
+def _plain_options(fn, seqlen_k, softmax_scale, causal, window_size, softcap, device,
+                   seqlen_first):
     return _checked_options(fn, None, seqlen_k, 0.0, softmax_scale, causal, window_size, softcap,
-                            None, None, device)
+                            None, None, device, seqlen_first)
 
 
 def _checked_options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
-                     alibi_slopes, batch, device, **varlen):
+                     alibi_slopes, batch, device, seqlen_first=False, **varlen):
     dropout_p = _number(fn, "dropout_p", dropout_p)
     if not 0.0 <= dropout_p < 1.0:
         _fail(fn, "dropout_p", "must be in [0, 1), got %r" % (dropout_p,))
@@ -173,7 +175,7 @@ def _checked_options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_s
             raise type(e)("%s: %s" % (fn, str(e).replace("resolve_device(): ", ""))) from None
     return _Options(scale=softmax_scale, dropout_p=dropout_p, causal=_flag(fn, "causal", causal),
                     window=window, alibi_slopes=alibi_slopes, softcap=softcap,
-                    seed=_seed(dropout_p), device=device, **varlen)
+                    seed=_seed(dropout_p), device=device, seqlen_first=seqlen_first, **varlen)
 
 
 # ----------------------------------------------------------------------------- S_dmask
@@ -259,15 +261,17 @@ def _dense(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
         _check_shape(fn, "v", v, tuple(ks[:3]) + (None,), layout)
         _check_heads(fn, q, k, v, 2)
         _check_seqlens(fn, q=q, k=k)
+    # orchard_ops reads the (batch, seqlen, nheads, headdim) operands as they lie: no transposes
+    # (1.4 us each)
     opts = _options(fn, q, k.shape[1], dropout_p, softmax_scale, causal, window_size, softcap,
-                    alibi_slopes, q.shape[0], device)
-    # orchard reads the (batch, nheads, seqlen, headdim) views in place.
-    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    out, lse = _attention(qt, kt, vt, opts)
-    out = out.transpose(1, 2).contiguous()
+                    alibi_slopes, q.shape[0], device, seqlen_first=True)
+    out, lse = _attention(q, k, v, opts)
+    out = out.contiguous()      # in q's memory order: contiguous unless q's axes were permuted
     if not return_attn_probs:
         return out
-    return out, lse, _dense_probs(qt, kt, opts, q.dtype) if opts.dropout_p > 0 else _no_probs(q)
+    if opts.dropout_p == 0:
+        return out, lse, _no_probs(q)
+    return out, lse, _dense_probs(q.transpose(1, 2), k.transpose(1, 2), opts, q.dtype)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -515,9 +519,9 @@ def _read_cache(q, k_cache, v_cache, used, leftpad, opts):
     of caches k_cache, v_cache (batch, seqlen_cache, nheads_k, headdim): one dense call, which
     reads them in place whatever their strides (transformers' caches are (batch, nheads_k,
     seqlen_cache, headdim) in memory). The arguments are checked: the caller's work."""
-    out, lse = _forward(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
-                        opts._replace(seqused_k=used, leftpad_k=leftpad))
-    return out.transpose(1, 2).contiguous(), lse
+    out, lse = _forward(q, k_cache, v_cache,
+                        opts._replace(seqused_k=used, leftpad_k=leftpad, seqlen_first=True))
+    return out.contiguous(), lse
 
 
 @torch.no_grad()
