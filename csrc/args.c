@@ -267,13 +267,31 @@ int or_call_device(or_call *c, PyObject *device, PyObject **objs, const int *slo
     return 0;
 }
 
+/* "(2, 128, 8, 64)": dims of operand `slot` (its view in arr[], or a shape it must have) in
+ * the caller's axis order, for messages: seqlen_first views' axes -3 and -2 swapped back. */
+static PyObject *caller_shape(or_call *c, int slot, int nd, const npy_intp *dims)
+{
+    npy_intp d[NPY_MAXDIMS];
+    memcpy(d, dims, sizeof(npy_intp) * (size_t)nd);
+    if (c->seqlen_first && slot != OR_LSE && nd >= 3) {
+        d[nd - 3] = dims[nd - 2];
+        d[nd - 2] = dims[nd - 3];
+    }
+    return or_dims_str(nd, d);
+}
+
+PyObject *or_operand_shape(or_call *c, int slot)
+{
+    return caller_shape(c, slot, PyArray_NDIM(c->arr[slot]), PyArray_DIMS(c->arr[slot]));
+}
+
 /* ValueError "func(): argument 'name' what (q has shape .., k .., v ..)". */
 static int shape_error(or_call *c, const char *name, const char *what)
 {
     PyObject *shapes[3] = {NULL, NULL, NULL};
     int made = 0;       /* stop at a MemoryError, and let it stand */
     for (int s = OR_Q; s <= OR_V && made == s - OR_Q; s++) {
-        shapes[s - OR_Q] = c->arr[s] ? or_shape_str(c->arr[s]) : Py_NewRef(Py_None);
+        shapes[s - OR_Q] = c->arr[s] ? or_operand_shape(c, s) : Py_NewRef(Py_None);
         made += shapes[s - OR_Q] != NULL;
     }
     if (made == 3)
@@ -412,10 +430,17 @@ int or_check_qkv(or_call *c)
         if (PyArray_DIM(v, i) != PyArray_DIM(k, i))
             return shape_error(c, "v", "must have the batch and head dimensions of k");
     }
-    if (!c->varlen && PyArray_DIM(q, seq) > OR_MAX_SEQ_LEN)
-        return shape_error(c, "q", "must have fewer than 2**32 query rows (dimension -2)");
-    if (!c->varlen && PyArray_DIM(k, seq) > OR_MAX_SEQ_LEN)
-        return shape_error(c, "k", "must have fewer than 2**32 keys (dimension -2)");
+    const int seq_dim = c->seqlen_first ? -3 : -2;     /* in the caller's axis order */
+    char what[64];
+    if (!c->varlen && PyArray_DIM(q, seq) > OR_MAX_SEQ_LEN) {
+        snprintf(what, sizeof(what), "must have fewer than 2**32 query rows (dimension %d)",
+                 seq_dim);
+        return shape_error(c, "q", what);
+    }
+    if (!c->varlen && PyArray_DIM(k, seq) > OR_MAX_SEQ_LEN) {
+        snprintf(what, sizeof(what), "must have fewer than 2**32 keys (dimension %d)", seq_dim);
+        return shape_error(c, "k", what);
+    }
     c->p.prm.group = 1;
     c->heads = nd >= 3 ? PyArray_DIM(q, c->varlen ? 1 : nd - 3) : 1;
     if (c->heads > OR_MAX_HEADS)
@@ -438,22 +463,12 @@ int or_check_like(or_call *c, int slot, const npy_intp *shape, int nd)
         ok = PyArray_DIM(a, i) == shape[i];
     if (ok)
         return 0;
-    PyObject *want = PyTuple_New(nd);
-    if (want == NULL)
-        return -1;
-    for (int i = 0; i < nd; i++) {
-        PyObject *n = PyLong_FromSsize_t(shape[i]);
-        if (n == NULL) {
-            Py_DECREF(want);
-            return -1;
-        }
-        PyTuple_SET_ITEM(want, i, n);
-    }
-    PyObject *got = or_shape_str(a);
+    PyObject *want = caller_shape(c, slot, nd, shape);
+    PyObject *got = want != NULL ? or_operand_shape(c, slot) : NULL;
     if (got != NULL)    /* else its MemoryError stands */
         PyErr_Format(PyExc_ValueError, "%s(): argument '%s' must have shape %S, got %S", c->func,
                      slot_name[slot], want, got);
-    Py_DECREF(want);
+    Py_XDECREF(want);
     Py_XDECREF(got);
     return -1;
 }

@@ -335,11 +335,16 @@ or_ssize *or_varlen_offsets(PyArrayObject *a, const int64_t *cu, or_ssize nseq, 
 /* "(2, 8, 128, 64)" for messages and logs. */
 PyObject *or_shape_str(PyArrayObject *a)
 {
-    PyObject *t = PyTuple_New(PyArray_NDIM(a));
+    return or_dims_str(PyArray_NDIM(a), PyArray_DIMS(a));
+}
+
+PyObject *or_dims_str(int nd, const npy_intp *dims)
+{
+    PyObject *t = PyTuple_New(nd);
     if (t == NULL)
         return NULL;
-    for (int i = 0; i < PyArray_NDIM(a); i++) {
-        PyObject *d = PyLong_FromSsize_t(PyArray_DIM(a, i));
+    for (int i = 0; i < nd; i++) {
+        PyObject *d = PyLong_FromSsize_t(dims[i]);
         if (d == NULL) {
             Py_DECREF(t);
             return NULL;

@@ -80,7 +80,7 @@ static PyObject *run(or_call *c, or_module_state *st, int backward)
     OR_COUNT(c->ct, bwd_calls, backward);
 
     if (or_env_flag("ORCHARD_DEBUG_FLASH_ATN")) {
-        PyObject *qs = or_shape_str(c->arr[OR_Q]), *ks = or_shape_str(c->arr[OR_K]);
+        PyObject *qs = or_operand_shape(c, OR_Q), *ks = or_operand_shape(c, OR_K);
         PyObject *id = or_device_id(c->device.index);
         if (qs == NULL || ks == NULL || id == NULL) {
             Py_XDECREF(qs);
@@ -550,7 +550,7 @@ PyDoc_STRVAR(fwd_doc,
 "q (..., Nq, D), k (..., Nk, D), v (..., Nk, Dv); 4-D k/v may have fewer heads (GQA).\n"
 "out has q's dtype; lse (..., Nq) is float32 (float64 for float64 input).\n"
 "seqlen_first=True: q, k, v and out are (..., N, H, D), as FlashAttention-2's, read in\n"
-"place (messages name their (..., H, N, D) views); lse stays (..., H, Nq).\n"
+"place; lse stays (..., H, Nq).\n"
 "A KV cache: sequence b (an index of the dimensions before the heads, (B, H, N, D): B) uses\n"
 "keys leftpad_k[b] (default 0) to seqused_k[b] (default Nk) of its Nk rows.");
 PyDoc_STRVAR(bwd_doc,

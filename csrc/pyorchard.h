@@ -42,6 +42,7 @@ or_ssize *or_lead_offsets(PyArrayObject *a, int nlead);
 or_ssize *or_varlen_offsets(PyArrayObject *a, const int64_t *cu, or_ssize nseq, or_ssize heads,
                             int seq_axis, int head_axis);
 PyObject *or_shape_str(PyArrayObject *a);
+PyObject *or_dims_str(int nd, const npy_intp *dims);
 
 /* dlpack.c */
 PyArrayObject *or_from_dlpack(or_module_state *st, PyObject *obj, const char *func,
@@ -128,6 +129,7 @@ int or_check_options(or_call *c, const or_opts *o);
 int or_call_device(or_call *c, PyObject *device, PyObject **objs, const int *slots, int n);
 int or_load_operands(or_call *c, PyObject **objs, const int *slots, int n);
 PyArrayObject *or_swap_seq_heads(or_call *c, int slot, PyArrayObject *a);
+PyObject *or_operand_shape(or_call *c, int slot);
 int or_check_qkv(or_call *c);
 int or_check_scale(or_call *c, const or_opts *o);
 int or_check_varlen(or_call *c, const or_opts *o, PyObject *cuq_obj, PyObject *cuk_obj);

@@ -123,6 +123,12 @@ def test_seqlen_first_reads_bnhd_as_it_lies(ops, device, rng, dtype):
     for g, w, x in zip(grads, want, (q, k, v)):
         assert g.shape == x.shape and g.flags.c_contiguous
         np.testing.assert_array_equal(g, t(w))
+    # shapes in messages as passed: out in the other layout is named so
+    with pytest.raises(ValueError, match=r"'out' must have shape \(2, 7, 4, 8\), got \(2, 4, 7, 8\)"):
+        ops.flash_attn_bwd(do, q, k, v, np.ascontiguousarray(t(out)), lse, seqlen_first=True, **kw)
+    with pytest.raises(ValueError, match=r"'k' must have the head dim .* \(q has shape "
+                                         r"\(2, 7, 4, 16\), k \(2, 9, 2, 8\)"):
+        ops.flash_attn_fwd(q, v, v, seqlen_first=True, **kw)
     # a 3-D operand is (seqlen, nheads, headdim) (GQA heads need 4-D k and v)
     kw.update(alibi_slopes=None, dropout_p=0.0)
     k4, v4 = (np.repeat(x, 2, axis=2) for x in (k, v))
