@@ -81,6 +81,19 @@ def test_custom_ops_pass_torch_opcheck(case):
                           (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse) + args)
 
 
+def test_kv_cache_call_passes_opcheck_and_has_no_backward():
+    """A forward over a KV cache (flash_attn_with_kvcache's, which runs under no_grad): the
+    custom op checks out without gradients; with them, backward says why it cannot run."""
+    q, k, v = randn(2, 3, 2, 8), randn(2, 3, 20, 8, seed=1), randn(2, 3, 20, 8, seed=2)
+    opts = _Options(causal=True, seqused_k=torch.tensor([7, 20], dtype=torch.int32),
+                    leftpad_k=torch.tensor([3, 0], dtype=torch.int32))
+    args = tuple(_op_arguments(opts))
+    torch.library.opcheck(torch.ops.orchard.attention_fwd.default, (q, k, v) + args)
+    out, _ = torch.ops.orchard.attention_fwd(q.requires_grad_(), k, v, *args)
+    with pytest.raises(NotImplementedError, match=r"KV cache \(seqused_k, leftpad_k given\)"):
+        out.sum().backward()
+
+
 # ----------------------------------------------------------------------------- whole graphs
 
 Q, K, V = randn(2, 33, 4, 32), randn(2, 40, 2, 32, seed=1), randn(2, 40, 2, 16, seed=2)

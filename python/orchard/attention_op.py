@@ -205,6 +205,13 @@ def _backward(ctx, dout, _dlse):
     options = list(ctx.options)
     for i, t in zip(ctx.tensor_options, tensors):
         options[i] = t
+    o = _Options(*options)
+    cache = [f for f in ("seqused_k", "leftpad_k", "block_table") if getattr(o, f) is not None]
+    if cache:
+        # as FlashAttention-2's flash_attn_with_kvcache, which has no backward either
+        raise NotImplementedError(
+            "orchard attention: no backward for a call over a KV cache (%s given): its "
+            "forward is for inference; run it under torch.no_grad()" % ", ".join(cache))
     dq, dk, dv = torch.ops.orchard.attention_bwd(dout, q, k, v, out, lse, *options)
     return (dq, dk, dv) + (None,) * len(options)
 
