@@ -639,6 +639,18 @@ def test_bad_dense_input_names_the_argument():
         (TypeError, "flash_attn_func: 'device'", lambda: flash_attn_func(q, k, v, device=0)),
         (ValueError, "'qkv'", lambda: flash_attn_qkvpacked_func(torch.randn(1, 4, 2, 2, 8))),
         (ValueError, "'kv'", lambda: flash_attn_kvpacked_func(q, torch.randn(1, 5, 3, 2, 8))),
+        # a packed argument named as passed, with its own shape and layout
+        (ValueError, r"'kv' must be \(batch_size, seqlen_k, 2, nheads_k, headdim\), got shape "
+                     r"\(1, 5, 2, 2, 9\): dimension 4 is 9",
+         lambda: flash_attn_kvpacked_func(q, torch.randn(1, 5, 2, 2, 9))),
+        (ValueError, "'kv' has 3 heads, which must divide the 2 heads of q",
+         lambda: flash_attn_kvpacked_func(q, torch.randn(1, 5, 2, 3, 8))),
+        (ValueError, "'qkv' has 0 heads", lambda: flash_attn_qkvpacked_func(
+            torch.randn(1, 4, 3, 0, 8))),
+        (ValueError, "'qkv' has headdim 300", lambda: flash_attn_varlen_qkvpacked_func(
+            torch.randn(4, 3, 2, 300), torch.tensor([0, 4], dtype=torch.int32), 4)),
+        (ValueError, "'kv' has 3 heads", lambda: flash_attn_varlen_kvpacked_func(
+            q[0], torch.randn(4, 2, 3, 8), *[torch.tensor([0, 4], dtype=torch.int32)] * 2, 4, 4)),
     ]
     for error, name, call in bad:
         with pytest.raises(error, match=name):
@@ -741,7 +753,12 @@ def test_bad_kvcache_input_names_the_argument_and_writes_nothing():
                  pq, huge(pk_cache)[:, :2**31], huge(pv_cache)[:, :2**31],
                  **drop(pkw, "k", "v", "rotary_cos", "rotary_sin"))),
             (ValueError, "'q' has seqlen 4294967296", lambda: flash_attn_with_kvcache(
-                huge(q), k_cache, v_cache, cache_seqlens=1))]:
+                huge(q), k_cache, v_cache, cache_seqlens=1)),
+            (ValueError, "'k_cache' has 3 heads, which must divide the 4 heads of q",
+             lambda: flash_attn_with_kvcache(torch.randn(2, 1, 4, 16), torch.randn(2, 8, 3, 16),
+                                             torch.randn(2, 8, 3, 16))),
+            (ValueError, "'v_cache' has headdim 300", lambda: flash_attn_with_kvcache(
+                torch.randn(2, 1, 4, 16), torch.randn(2, 8, 2, 16), torch.randn(2, 8, 2, 300)))]:
         with pytest.raises(error, match=name):
             call()
     for error, name, args in bad:

@@ -192,14 +192,16 @@ def test_one_varlen_graph_serves_every_packing_with_dynamic_shapes():
 
 
 def test_bad_offsets_are_refused_when_the_compiled_graph_runs():
-    """Traced, orchard_ops checks the offsets and the max_seqlen, as orchard.flash_attn does
-    in eager mode."""
+    """Traced, the custom op's implementation (orchard_ops for offsets that end at the last
+    row) checks the offsets and the max_seqlen, as orchard.flash_attn does in eager mode."""
     q = randn(10, 2, 8)
     torch._dynamo.reset()
     compiled = torch.compile(flash_attn_varlen_func, fullgraph=True, backend="aot_eager")
-    for cu, longest, match in (([0, 6, 4], 6, "'cu_seqlens_q' must start at 0, never decrease "
-                                                "and end at 10"),     # q's rows, none cut off
-                               ([0, 4, 11], 7, "'cu_seqlens_q' must start at 0, never decrease"),
+    at_most = "'cu_seqlens_q' must start at 0, never decrease and end at most at 10"
+    for cu, longest, match in (([0, 6, 4], 6, at_most + r" \(the number of tokens\), got "
+                                                 r"\[0, 6, 4\]"),
+                               ([0, 4, 11], 7, at_most),
+                               ([1, 4, 10], 6, "'cu_seqlens_q' must start at 0"),
                                ([0, 4, 10], 5, "'max_seqlen_q' must be an int >= 6")):
         cu = torch.tensor(cu, dtype=torch.int32)
         with pytest.raises(ValueError, match=match):

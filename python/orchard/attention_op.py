@@ -89,8 +89,15 @@ def ops_call(dense, varlen, o, *arrays):
         return call(*arrays)    # orchard_ops says what is wrong
     nq = int(cu_q[-1])
     nk = k.shape[0] if o.block_table is not None else int(cu_k[-1])   # pages: all
-    if nq == q.shape[0] and nk == k.shape[0] or not _offsets(cu_q, cu_k):
-        return call(*arrays)    # nothing to cut, or offsets orchard_ops refuses as given
+    if nq == q.shape[0] and nk == k.shape[0]:
+        return call(*arrays)    # nothing to cut
+    for name, cu, n, total in (("cu_seqlens_q", cu_q, nq, q.shape[0]),
+                               ("cu_seqlens_k", cu_k, nk, k.shape[0])):
+        # (orchard_ops, which takes no padding rows, would say "end at" the total)
+        if n > total or not _offsets(cu):
+            raise ValueError("orchard attention: '%s' must start at 0, never decrease and end "
+                             "at most at %d (the number of tokens), got %s"
+                             % (name, total, cu.tolist()))
     if len(arrays) == 3:                # forward: q, k, v -> out, lse
         out, lse = call(q[:nq], k[:nk], arrays[2][:nk])
         return _pad_rows(out, q.shape[0]), _pad_rows(lse, q.shape[0], 1, -math.inf)

@@ -48,13 +48,15 @@ def _check_shape(fn, name, t, shape, layout):
                   "make it %d" % (layout, tuple(t.shape), i, n, s))
 
 
-def _check_heads(fn, q, k, v, head_axis):
+def _check_heads(fn, q, k, v, head_axis, names=("q", "k", "v")):
+    """names: the arguments q, k and v came in (a packed one, a cache)."""
     h, hk = q.shape[head_axis], k.shape[head_axis]
     if h == 0:
-        _fail(fn, "q", "has 0 heads (orchard needs at least one)")
+        _fail(fn, names[0], "has 0 heads (orchard needs at least one)")
     if hk == 0 or h % hk:
-        _fail(fn, "k", "has %d heads, which must divide the %d heads of q" % (hk, h))
-    for name, d in (("q", q.shape[-1]), ("v", v.shape[-1])):
+        _fail(fn, names[1], "has %d heads, which must divide the %d heads of %s"
+              % (hk, h, names[0]))
+    for name, d in ((names[0], q.shape[-1]), (names[2], v.shape[-1])):
         if not 1 <= d <= _MAX_HEAD_DIM:
             _fail(fn, name, "has headdim %d; orchard takes 1 to %d" % (d, _MAX_HEAD_DIM))
 
@@ -294,6 +296,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     _check_tensors(fn, qkv=qkv)
     _check_shape(fn, "qkv", qkv, (None, None, 3, None, None),
                  "(batch_size, seqlen, 3, nheads, headdim)")
+    _check_heads(fn, qkv, qkv, qkv, -2, ("qkv",) * 3)
     return _dense(fn, *qkv.unbind(2), dropout_p, softmax_scale, causal, window_size, softcap,
                   alibi_slopes, return_attn_probs, device)
 
@@ -304,8 +307,10 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     """flash_attn_func on q and kv (batch, seqlen_k, 2, nheads_k, headdim)."""
     fn = "flash_attn_kvpacked_func"
     _check_tensors(fn, q=q, kv=kv)
-    _check_shape(fn, "kv", kv, (None, None, 2, None, None),
+    _check_shape(fn, "q", q, (None,) * 4, "(batch_size, seqlen, nheads, headdim)")
+    _check_shape(fn, "kv", kv, (q.shape[0], None, 2, None, q.shape[3]),
                  "(batch_size, seqlen_k, 2, nheads_k, headdim)")
+    _check_heads(fn, q, kv, kv, -2, ("q", "kv", "kv"))
     return _dense(fn, q, *kv.unbind(2), dropout_p, softmax_scale, causal, window_size, softcap,
                   alibi_slopes, return_attn_probs, device)
 
@@ -461,6 +466,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     fn = "flash_attn_varlen_qkvpacked_func"
     _check_tensors(fn, qkv=qkv)
     _check_shape(fn, "qkv", qkv, (None, 3, None, None), "(total, 3, nheads, headdim)")
+    _check_heads(fn, qkv, qkv, qkv, -2, ("qkv",) * 3)
     return _varlen(fn, *qkv.unbind(1), cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                    dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                    return_attn_probs, None, device, suffixes=("", ""))
@@ -474,7 +480,9 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     """flash_attn_varlen_func on q and kv (total_k, 2, nheads_k, headdim)."""
     fn = "flash_attn_varlen_kvpacked_func"
     _check_tensors(fn, q=q, kv=kv)
-    _check_shape(fn, "kv", kv, (None, 2, None, None), "(total_k, 2, nheads_k, headdim)")
+    _check_shape(fn, "q", q, (None,) * 3, "(total_q, nheads, headdim)")
+    _check_shape(fn, "kv", kv, (None, 2, None, q.shape[2]), "(total_k, 2, nheads_k, headdim)")
+    _check_heads(fn, q, kv, kv, -2, ("q", "kv", "kv"))
     return _varlen(fn, q, *kv.unbind(1), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                    return_attn_probs, None, device)
@@ -558,7 +566,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                     else "(batch_size_cache, seqlen_cache, nheads_k, headdim)")
     _check_shape(fn, "k_cache", k_cache, (None, None, None, d), cache_layout)
     _check_shape(fn, "v_cache", v_cache, tuple(k_cache.shape[:3]) + (None,), cache_layout)
-    _check_heads(fn, q, k_cache, v_cache, 2)
+    _check_heads(fn, q, k_cache, v_cache, 2, ("q", "k_cache", "v_cache"))
     hk, dv = k_cache.shape[2], v_cache.shape[3]
     n = 0
     if k is not None:
