@@ -363,6 +363,21 @@ def test_a_window_the_layer_does_not_pass_is_applied(model_type, extra):
     assert orchard_ops.stats()["fwd_calls"] == 2
 
 
+def test_a_full_layer_that_passes_no_window_keeps_none():
+    """Exaone 4 keeps its model's window on every layer and passes sliding_window=None for
+    its full-attention ones: those ran with the window on orchard (0.2-0.5 off sdpa, without
+    a word) while a None passed was read as none passed."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.for_model("exaone4", sliding_window=4, num_key_value_heads=2, **SMALL,
+                                  layer_types=["full_attention", "sliding_attention"])
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model = copy.deepcopy(ref)
+    model.set_attn_implementation("orchard")
+    ids = tokens(2, 16)
+    assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+
+
 def test_a_window_the_layer_keeps_as_a_property():
     """A layer's own window is read without nn.Module's __getattr__ (whose AttributeError for
     the layers without one cost 3 us a call), whether an attribute or a property."""

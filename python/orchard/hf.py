@@ -465,8 +465,13 @@ def _dense(query, key, value, options):
     return out.transpose(1, 2).contiguous()
 
 
+# sliding_window's default: a layer that passes none (Qwen2-MoE, PhiMoE) is told apart from one
+# that passes None for a full-attention layer while keeping its model's window (Exaone 4)
+_NOT_PASSED = object()
+
+
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                      sliding_window=None, softcap=None, is_causal=None, **kwargs):
+                      sliding_window=_NOT_PASSED, softcap=None, is_causal=None, **kwargs):
     """transformers' attention function for "orchard" (AttentionInterface): query (B, H, Nq,
     D), key and value (B, Hkv, Nk, D) with Hkv dividing H, attention_mask from
     attention_mask() or the caller. Returns (out (B, Nq, H, Dv), None). Causal masks are
@@ -479,7 +484,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                       "weights, so none are returned (attn_implementation='eager' returns "
                       "them)", stacklevel=3)
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
-    if sliding_window is None:
+    if sliding_window is _NOT_PASSED:
         # a layer with a window that does not pass it on (Qwen2-MoE, PhiMoE): its mask, which
         # orchard's mask function left out, applied it
         sliding_window = _window_for(module)
