@@ -58,6 +58,8 @@ def files(tmp_path_factory):
         "binary.yaml": b"\x89PNG\r\n\x1a\n\x00\xff",
         "short.json": json.dumps({"vocab_size": 256, "sequences": [list(range(200))]}),
         "bools.json": json.dumps([[1, 2, True] + list(range(300))]),
+        "huge_id.json": json.dumps([list(range(300)) + [2 ** 63]]),
+        "nested.json": json.dumps([[1, list(range(300))]]),
         "vocab_bool.json": json.dumps({"vocab_size": True, "sequences": [list(range(300))]}),
         "deep.json": "[" * 100000 + "]" * 100000,
         "damaged.pt": b"not a checkpoint",
@@ -68,6 +70,7 @@ def files(tmp_path_factory):
     (folder / "empty_src" / "blob.bin").write_bytes(b"\0\1\2")
     (folder / "kept.json").write_text('{"vocab_size": 256, "sequences": [[1, 2]]}')
     (folder / "kept.png").write_text("a plot to keep\n")
+    (folder / "link.png").symlink_to(folder / "kept.json")     # --plot onto --json's file
     import torch
     torch.save({"w": torch.zeros(2)}, str(folder / "statedict.pt"))     # a model's state dict
     torch.save(torch.zeros(3), str(folder / "tensor.pt"))
@@ -119,6 +122,8 @@ def expected_cases(f):
          ["--plot", "exists", "--overwrite", "kept.png"]),
         ("bench", ["--quick", "--json", str(f["dir"] / "same.png"), "--plot",
                    str(f["dir"] / "same.png")], {}, ["--plot", "same file as --json", "same.png"]),
+        ("bench", ["--quick", "--overwrite", "--json", str(f["dir"] / "kept.json"), "--plot",
+                   str(f["dir"] / "link.png")], {}, ["--plot", "same file as --json", "link.png"]),
         ("bench", ["--quick", "--json", ""], {}, ["--json", "''"]),
         ("bench", ["--quick", "--plot", ""], {}, ["--plot", "''"]),
         ("bench", ["--dtypes", "float32,float8"], {}, ["--dtypes", "'float32,float8'"]),
@@ -163,6 +168,8 @@ def expected_cases(f):
         ("train", [], {"ORCHARD_CL_VECTOR": "3"}, ["ORCHARD_CL_VECTOR", "'3'", "4, 8 or 16"]),
         ("devices", [], {"ORCHARD_CL_BLOCK_Q": "abc"}, ["ORCHARD_CL_BLOCK_Q", "'abc'"]),
         ("tune", [], {"ORCHARD_CL_BLOCK_K": "0"}, ["ORCHARD_CL_BLOCK_K", "1..4096"]),
+        ("tune", ["--candidates", "64x64", "32x32", "64x64"], {},
+         ["--candidates", "each once", "got 64x64 more than once"]),
     ] if OPENCL_IDS else []) + [
         ("tune", ["--device", "cpu"], {}, ["--device", "OpenCL", "'cpu'"]),
         ("tune", ["--device", "cpu", "--candidates", "96x96"], {}, ["--device", "OpenCL", "'cpu'"]),
@@ -188,6 +195,12 @@ def expected_cases(f):
          [f["short.json"], "fewer than one batch"]),
         ("train", tiny[:2] + ["--sequences", f["bools.json"], "--device", "cpu"], {},
          ["argument --sequences:", f["bools.json"], "item 2 is True"]),
+        ("train", tiny[:2] + ["--sequences", f["huge_id.json"], "--device", "cpu"], {},
+         ["argument --sequences:", f["huge_id.json"], "token id 9223372036854775808",
+          "below 2**63"]),
+        # a value in the wrong place shown cut short, not whole
+        ("train", tiny[:2] + ["--sequences", f["nested.json"], "--device", "cpu"], {},
+         ["argument --sequences:", f["nested.json"], "item 1 is [0, 1, 2, 3, 4, 5, ...]"]),
         ("train", tiny[:2] + ["--sequences", f["vocab_bool.json"], "--device", "cpu"], {},
          ["argument --sequences:", f["vocab_bool.json"], "'vocab_size' must be a positive "
           "integer, got True"]),
@@ -343,15 +356,15 @@ def test_a_new_run_does_not_replace_a_checkpoint(files, tmp_path):
                               "--device", "cpu", "--output", str(out)], {}]])[0]
     assert r["code"] == 2
     assert r["stderr"].splitlines() == [
-        "orchard-train: error: --output %s already holds a checkpoint (%s); continue it with "
-        "--resume %s, or pass --overwrite to start again, or choose another --output"
-        % (out, out / "checkpoint.pt", out)]
+        "orchard-train: error: argument --output: already holds a checkpoint (%s); continue "
+        "it with --resume %s, or pass --overwrite to replace it, or choose another folder "
+        "(got %r)" % (out / "checkpoint.pt", out, str(out))]
     assert (out / "checkpoint.pt").read_bytes() == b"a run of many steps"
     assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
     (out / "checkpoint.pt").unlink()    # metrics alone: a run that never saved, or the user's
     r = run_cases([["train", ["--config", files["config"], "--sequences", files["sequences"],
                               "--device", "cpu", "--output", str(out)], {}]])[0]
-    assert r["code"] == 2 and "already holds metrics" in r["stderr"], r
+    assert r["code"] == 2 and "already holds the metrics" in r["stderr"], r
     assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 
@@ -363,7 +376,9 @@ def test_resuming_into_another_runs_folder_does_not_replace_its_checkpoint(tmp_p
         (tmp_path / run / "checkpoint.pt").write_bytes(b"run " + run.encode())
     r = run_cases([["train", ["--resume", str(tmp_path / "A"), "--output", str(tmp_path / "B"),
                               "--device", "cpu"], {}]])[0]
-    assert r["code"] == 2 and "already holds a checkpoint" in r["stderr"], r
+    # (the advice is not to continue B's run, which is not the one resumed)
+    assert r["code"] == 2 and "argument --output: already holds a checkpoint" in r["stderr"]
+    assert "continue it" not in r["stderr"], r
     assert (tmp_path / "B" / "checkpoint.pt").read_bytes() == b"run B"
 
 

@@ -89,18 +89,23 @@ def default_config():
 
 
 def _yaml_float_hint(value, types):
-    """A hint for a number YAML read as a string: PyYAML follows YAML 1.1, where 1e-3 (no dot
-    in the mantissa) is not a float."""
+    """A hint for a number YAML read as a string: PyYAML follows YAML 1.1, where an exponent
+    needs a dot in the mantissa and a sign (1e-3 and 1.0e3 are text, 1.0e-3 and 1.0e+3
+    floats)."""
     if not isinstance(value, str) or float not in (types if isinstance(types, tuple) else ()):
         return ""
     try:
         float(value)
     except ValueError:
         return ""
-    mantissa, _, exponent = value.lower().partition("e")
-    if not exponent or "." in mantissa:
+    mantissa, _, exponent = value.strip().lower().partition("e")
+    if not exponent:
         return ""
-    return " (YAML reads it as text: write %s.0e%s)" % (mantissa, exponent)
+    if "." not in mantissa:
+        mantissa += ".0"
+    if exponent[0] not in "+-":
+        exponent = "+" + exponent
+    return " (YAML reads it as text: write %se%s)" % (mantissa, exponent)
 
 
 def _type_names(types):

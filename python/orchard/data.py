@@ -10,6 +10,7 @@ import array
 import hashlib
 import json
 import os
+import reprlib
 import sysconfig
 
 from .atomic import write_atomically
@@ -59,9 +60,13 @@ def load_sequences(path):
         bad = next((i for i, t in enumerate(seq)
                     if not isinstance(t, int) or isinstance(t, bool) or t < 0), None)
         if bad is not None:
+            # (reprlib: a list or string in the wrong place is shown cut short, not whole)
             raise DataError("%s: sequence %d holds something other than non-negative integer "
-                            "token ids: item %d is %r" % (path, n, bad, seq[bad]))
+                            "token ids: item %d is %s" % (path, n, bad, reprlib.repr(seq[bad])))
         top = max(top, max(seq, default=-1))
+        if top >= 2 ** 63:      # torch's int64 tokens, and the digest's, hold none larger
+            raise DataError("%s: sequence %d holds token id %d; ids must be below 2**63"
+                            % (path, n, top))
     if vocab_size is None:
         vocab_size = top + 1
     elif top >= vocab_size:

@@ -200,8 +200,8 @@ def main(argv=None):
         raise UsageError("%s needs torch (pip install '.[torch]')" % " and ".join(needs_torch))
     if args.plot and not os.path.splitext(args.plot)[1]:
         args.plot += ".png"     # what matplotlib writes for a name without a suffix
-    if args.plot and args.json not in (None, "-") and os.path.abspath(args.json) == \
-            os.path.abspath(args.plot):
+    if args.plot and args.json not in (None, "-") and os.path.realpath(args.json) == \
+            os.path.realpath(args.plot):
         raise UsageError("argument --plot: the same file as --json (got %r)" % args.plot)
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path not in (None, "-") and os.path.exists(path) and not args.overwrite:

@@ -117,14 +117,16 @@ def check_output(args):
     if continued or args.overwrite:
         return
     if os.path.exists(path):
-        raise UsageError("--output %s already holds a checkpoint (%s); continue it with "
-                         "--resume %s, or pass --overwrite to start again, or choose another "
-                         "--output" % (args.output, path, args.output))
+        # (resuming another run into this folder: continuing this one is not the advice)
+        advice = "" if args.resume else "continue it with --resume %s, or " % args.output
+        raise UsageError("argument --output: already holds a checkpoint (%s); %spass "
+                         "--overwrite to replace it, or choose another folder (got %r)"
+                         % (path, advice, args.output))
     metrics = os.path.join(args.output, "metrics.jsonl")
     if os.path.exists(metrics):
-        raise UsageError("--output %s already holds metrics (%s) of a run without a "
-                         "checkpoint; pass --overwrite to start again, or choose another "
-                         "--output" % (args.output, metrics))
+        raise UsageError("argument --output: already holds the metrics (%s) of a run without a "
+                         "checkpoint; pass --overwrite to replace them, or choose another "
+                         "folder (got %r)" % (metrics, args.output))
 
 
 def resume_command(args, distributed):

@@ -49,13 +49,19 @@ def main(argv=None):
     parser.add_argument("--repeats", type=integer(1), default=3, metavar="N",
                         help="Timed calls per candidate (its best is kept).")
     parser.add_argument("--json", action="store_true",
-                        help="Print the timings and the choice as one JSON object.")
+                        help="Print the timings and the choice as one JSON object, the "
+                             "timings keyed by the block sizes that ran (a candidate the "
+                             "kernel family rounds runs as another; the faster is kept).")
     args = parser.parse_args(argv)
     try:
         default = default_candidates(args.device)
     except ValueError as exc:
         raise UsageError("argument --device: %s" % exc) from None
     candidates = args.candidates or default
+    repeated = sorted({c for c in candidates if candidates.count(c) > 1})
+    if repeated:
+        raise UsageError("argument --candidates: each once (got %s more than once)"
+                         % ", ".join("%dx%d" % c for c in repeated))
 
     log = (lambda line: None) if args.quiet else (lambda line: print(line, file=sys.stderr))
     log("timing block sizes on %s, causal forward + backward at B,H,N,D = %s, float32"
