@@ -453,6 +453,28 @@ def test_transformers_right_padding_compiles_with_a_graph_break(use_cache):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["one-sequence-a-row", "packed"])
+def test_transformers_forward_without_a_cache_compiles_around_its_mask(packed):
+    """use_cache=False (a training forward): compiled, transformers makes every mask a
+    packed-sequence one, a closure Dynamo cannot read. orchard reads it eagerly (one graph
+    break where the mask is made; one sequence a row is plain causal); before, Dynamo failed
+    there and ran the whole forward eagerly around seven smaller graphs."""
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (2, 20))
+    kw = dict(use_cache=False)
+    if packed:
+        kw["position_ids"] = torch.cat([torch.arange(8), torch.arange(12)])[None].expand(2, -1)
+    want = model(input_ids=ids, **kw).logits
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    orchard_ops.reset_stats()
+    got = torch.compile(model, backend="aot_eager")(input_ids=ids, **kw).logits
+    assert torch.equal(got, want)
+    assert orchard_ops.stats()["fwd_calls"] == 2        # both layers on orchard
+    if not packed:      # (packed: graph breaks where the layers read the sequences' offsets)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 4
+
+
 def test_transformers_packed_sequences_compile_to_one_graph():
     """Packed sequences given as transformers' FlashAttention keywords (cu_seq_lens_q/k with
     max_length_q/k, as DataCollatorWithFlattening makes them): one graph, forward and

@@ -206,7 +206,10 @@ def _packed_ids(mask_function):
             if _REMAP is not None and _code(causal) is _REMAP:
                 causal = _free_vars(causal)["mask_function"]
             if _code(causal) is not _PACKED and _packed_ids(causal) is None:
-                return _free_vars(packed)["packed_sequence_mask"]
+                ids = _free_vars(packed)["packed_sequence_mask"]
+                # transformers' compiled forwards without a cache make this mask whatever
+                # the sequences: one a row is plain causal
+                return None if bool((ids[:, -1] == 0).all()) else ids
     if _code(fn) is _OR:
         raise _Unsupported("a causal mask widened by an or_mask_function (for example "
                            "bidirectional attention within image tokens)")
@@ -214,6 +217,19 @@ def _packed_ids(mask_function):
         raise _Unsupported("a bidirectional (non-causal) mask")
     raise _Unsupported("a mask function orchard does not know (%s)"
                        % getattr(fn, "__qualname__", type(fn).__name__))
+
+
+# Dynamo cannot read a closure's cells: traced, a mask function that is one (a sliding window,
+# packed sequences: transformers' compiled forwards without a cache make that mask) is read
+# eagerly, one graph break per mask made
+@torch.compiler.disable
+def _read_mask_function(fn):
+    """(packed-sequence ids or None, window or None, None), or (None, None, why orchard cannot
+    compute the mask)."""
+    try:
+        return _packed_ids(fn), _window_of(fn), None
+    except _Unsupported as e:
+        return None, None, str(e)
 
 
 def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
@@ -234,7 +250,11 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     q_offset = q_offset if static else int(q_offset)
     n_keys = q_offset + q_length - kv_offset
     try:
-        ids = _packed_ids(mask_function)
+        ids = window = None
+        if mask_function is not masking_utils.causal_mask_function:
+            ids, window, why = _read_mask_function(mask_function)
+            if why is not None:
+                raise _Unsupported(why)
         if not static and not q_length <= n_keys <= kv_length:
             raise _Unsupported("queries at positions %d to %d over keys at %d to %d" % (
                 q_offset, q_offset + q_length - 1, kv_offset, kv_offset + kv_length - 1))
@@ -250,7 +270,7 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
         mask.orchard_fallback = str(e)
         return mask
     if ids is None and "config" in kwargs:
-        _record_window(kwargs["config"], _window_of(mask_function))
+        _record_window(kwargs["config"], window)
     if ids is not None:
         ids = ids.to(torch.int64, copy=True)
         ids.orchard_packed = True
