@@ -950,3 +950,26 @@ def test_bert_padding_round_trip_and_varlen_as_fa2_users_call_it():
         assert not out[b, ~keep].any()
     (dq,) = torch.autograd.grad(out.sum(), q)
     assert not dq[~mask.bool()].any() and dq[mask.bool()].abs().sum() > 0
+
+
+def test_unpad_input_for_concatenated_sequences_as_fa2_users_call_it():
+    """Rows holding several sequences end to end, their lengths listed first in each row of
+    attention_mask_in_length: the varlen call over them equals each sequence run alone."""
+    from orchard.bert_padding import pad_input, unpad_input_for_concatenated_sequences
+
+    lengths = torch.tensor([[2, 3, 0, 0, 0, 0], [4, 0, 0, 0, 0, 0], [1, 1, 4, 0, 0, 0]])
+    q, k, v = (randn(3, 6, 2, 8, seed=s) for s in (1, 2, 3))
+    qu, idx, cu, longest = unpad_input_for_concatenated_sequences(q, lengths)
+    assert idx.tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 9, 12, 13, 14, 15, 16, 17]
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 2, 5, 9, 10, 11, 15] and longest == 4
+    ku, vu = (unpad_input_for_concatenated_sequences(t, lengths)[0] for t in (k, v))
+    out = pad_input(flash_attn_varlen_func(qu, ku, vu, cu, cu, longest, longest, causal=True),
+                    idx, 3, 6)
+    for b, row in enumerate(lengths.tolist()):
+        start = 0
+        for n in filter(None, row):
+            alone = flash_attn_func(*(t[b:b + 1, start:start + n] for t in (q, k, v)),
+                                    causal=True)
+            torch.testing.assert_close(out[b, start:start + n], alone[0])
+            start += n
+        assert not out[b, start:].any()

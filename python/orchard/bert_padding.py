@@ -3,7 +3,8 @@ flash_attn_varlen_func (`from orchard.bert_padding import unpad_input, pad_input
 torch, differentiable, the flattened token order of FlashAttention-2's (batch-major)."""
 import torch
 
-__all__ = ["index_first_axis", "index_put_first_axis", "unpad_input", "pad_input"]
+__all__ = ["index_first_axis", "index_put_first_axis", "unpad_input",
+           "unpad_input_for_concatenated_sequences", "pad_input"]
 
 
 def index_first_axis(x, indices):
@@ -30,6 +31,23 @@ def unpad_input(hidden_states, attention_mask, unused_mask=None):
     # boolean indexing gathers from a strided view in place (no copy of the whole batch)
     return (hidden_states[taken], taken.flatten().nonzero().flatten(), cu_seqlens,
             int(seqlens.max()) if seqlens.numel() else 0, used.sum(-1, dtype=torch.int32))
+
+
+def unpad_input_for_concatenated_sequences(hidden_states, attention_mask_in_length):
+    """The tokens of hidden_states (batch, seqlen, ...) whose rows each hold sequences end to
+    end, their lengths in attention_mask_in_length (batch, seqlen): row b's lengths first,
+    then zeros (for [[2, 3, 0, 0, 0], ...] row 0 holds a sequence of 2 tokens, then one of 3,
+    then padding). Returns (tokens (total, ...), their indices in the flattened batch
+    (total,), cu_seqlens (sequences + 1,) int32 over every row's sequences in order, the
+    longest sequence (int)), as flash_attn's."""
+    lengths = attention_mask_in_length
+    taken = (torch.arange(lengths.shape[1], device=lengths.device)
+             < lengths.sum(-1, keepdim=True))
+    seqlens = lengths.flatten()
+    seqlens = seqlens[seqlens > 0].to(torch.int32)
+    cu_seqlens = torch.nn.functional.pad(seqlens.cumsum(0, dtype=torch.int32), (1, 0))
+    return (hidden_states[taken], taken.flatten().nonzero().flatten(), cu_seqlens,
+            int(seqlens.max()) if seqlens.numel() else 0)
 
 
 def pad_input(hidden_states, indices, batch, seqlen):
