@@ -382,6 +382,31 @@ def test_resuming_into_another_runs_folder_does_not_replace_its_checkpoint(tmp_p
     assert (tmp_path / "B" / "checkpoint.pt").read_bytes() == b"run B"
 
 
+def test_a_folder_another_run_is_writing_to_is_refused(files, tmp_path):
+    """Two orchard-train runs on one --output would write their checkpoints and metrics over
+    each other's: while one holds the folder (here this process, as a run does), another is
+    refused, even with --overwrite, and the folder is left as it is; once it is let go, the
+    run goes ahead."""
+    from orchard.cli.train import hold_output
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoint.pt").write_bytes(b"the running run's")
+    argv = ["--config", files["config"], "--sequences", files["sequences"], "--device", "cpu",
+            "--output", str(out), "--overwrite", "--max-steps", "1"]
+    lock = hold_output(str(tmp_path / "." / "run"))     # the same folder, spelled otherwise
+    try:
+        r = run_cases([["train", argv, {}]])[0]
+    finally:
+        os.close(lock)
+    assert r["code"] == 2 and r["stderr"].splitlines() == [
+        "orchard-train: error: argument --output: another orchard-train (process %d) is "
+        "writing to it; wait for that run to end, or choose another folder (got %r)"
+        % (os.getpid(), str(out))], r
+    assert (out / "checkpoint.pt").read_bytes() == b"the running run's"
+    r = run_cases([["train", argv, {}]])[0]
+    assert r["code"] == 0, r
+
+
 def test_help_gives_each_default_once_in_sentences_with_examples():
     results = run_cases([[module, ["--help"], {}] for module in SCRIPTS])
     for module, r in zip(SCRIPTS, results):

@@ -13,10 +13,12 @@ GPT (orchard.hf_causal_lm). Data parallel: `torchrun --nproc-per-node 2 -m orcha
 """
 import copy
 import gc
+import hashlib
 import logging
 import os
 import shlex
 import sys
+import tempfile
 
 from .args import (SEED_MAX, Parser, UsageError, console_script, debug_requested, device,
                    folder_problem, integer, logs_held_until_checked, path, reading, writing)
@@ -127,6 +129,36 @@ def check_output(args):
         raise UsageError("argument --output: already holds the metrics (%s) of a run without a "
                          "checkpoint; pass --overwrite to replace them, or choose another "
                          "folder (got %r)" % (metrics, args.output))
+
+
+def hold_output(output):
+    """Refuses an --output that another orchard-train is writing to (two runs would write their
+    checkpoints and metrics over each other's); else a lock, held until it is closed or the
+    process ends (a kill included), or None where there is none to take. The lock is a file
+    in the temporary folder named for the output's real path, so a folder not made yet is
+    held too."""
+    try:
+        import fcntl
+    except ImportError:     # not POSIX
+        return None
+    key = hashlib.sha256(os.path.realpath(output).encode()).hexdigest()[:32]
+    folder = os.path.join(tempfile.gettempdir(), "orchard-runs-%d" % os.getuid())
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        fd = os.open(os.path.join(folder, key + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:         # no temporary folder to write: run without
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise UsageError("argument --output: another orchard-train (process %s) is writing "
+                         "to it; wait for that run to end, or choose another folder (got %r)"
+                         % (holder, output)) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, b"%d\n" % os.getpid(), 0)
+    return fd
 
 
 def resume_command(args, distributed):
@@ -312,8 +344,20 @@ def main(argv=None):
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
     setup_logging(rank, args.quiet)
-    trainer = None
+    trainer = lock = None
     try:
+        refused = None
+        if rank == 0:   # the one that writes
+            try:
+                lock = hold_output(args.output)
+            except UsageError as exc:
+                refused = str(exc)
+        if distributed:     # every rank ends, not only the one refused
+            box = [refused]
+            dist.broadcast_object_list(box, src=0)
+            refused = box[0]
+        if refused:
+            raise UsageError(refused)
         # the setup's notes only once the run is known to start: a mistake in the input is
         # reported in one line
         with logs_held_until_checked(log, debug_requested(sys.argv[1:] if argv is None
@@ -337,6 +381,8 @@ def main(argv=None):
             dist.barrier()
         return code
     finally:
+        if lock is not None:
+            os.close(lock)
         if distributed:
             # DDP keeps the process group alive in reference cycles; freed only at exit, after
             # torch's own teardown, gloo aborted the process ("terminate called without an
