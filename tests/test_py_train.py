@@ -298,6 +298,19 @@ def test_torchrun_two_processes_agree(run_files, tmp_path):
     assert "batch 8 = 2 process(es) x micro-batch 4" in result.stderr
     assert sorted(os.listdir(tmp_path)) == ["checkpoint.pt", "metrics.jsonl"]
     assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2, 3, 4]
+    # a folder another run is writing to: rank 0 is refused, and every rank ends (none waits
+    # in a collective for it)
+    from orchard.cli.train import hold_output
+    lock = hold_output(str(tmp_path))
+    try:
+        result = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                             "2", "-m", "orchard.cli.train", "--config", config, "--sequences",
+                             sequences, "--output", str(tmp_path), "--overwrite", "--max-steps",
+                             "4", "--device", "cpu"], timeout=120, OMP_NUM_THREADS="1")
+    finally:
+        os.close(lock)
+    assert result.returncode != 0
+    assert result.stderr.count("another orchard-train (process %d)" % os.getpid()) == 2
 
 
 @pytest.mark.parametrize("module, words", [
