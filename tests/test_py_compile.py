@@ -475,6 +475,33 @@ def test_transformers_forward_without_a_cache_compiles_around_its_mask(packed):
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 4
 
 
+def test_transformers_window_only_the_mask_holds_is_applied_when_compiled():
+    """PhiMoE neither passes nor keeps its window: orchard takes the one its masks had. Its
+    compiled forward without a cache wraps the window's mask in a packed-sequence one; read
+    through that wrapper, the window is recorded (it was lost, and the compiled forward and
+    the eager ones after it ran without a window, 0.39 off sdpa)."""
+    pytest.importorskip("transformers")
+    import orchard.hf  # noqa: F401  (registers "orchard")
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.for_model("phimoe", sliding_window=4, num_key_value_heads=2,
+                                  vocab_size=128, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4,
+                                  max_position_embeddings=128, num_local_experts=4,
+                                  num_experts_per_tok=2)
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="orchard").eval()
+    model.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(input_ids=ids, use_cache=False).logits
+        torch._dynamo.reset()
+        got = torch.compile(model, backend="aot_eager")(input_ids=ids, use_cache=False).logits
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
+        torch.testing.assert_close(model(input_ids=ids, use_cache=False).logits, want,
+                                   rtol=0, atol=2e-5)
+
+
 def test_transformers_packed_sequences_compile_to_one_graph():
     """Packed sequences given as transformers' FlashAttention keywords (cu_seq_lens_q/k with
     max_length_q/k, as DataCollatorWithFlattening makes them): one graph, forward and

@@ -144,12 +144,18 @@ _REMAP = (_code(masking_utils.remap_positions_for_packed_sequence(None, None))
 
 
 def _window_of(mask_function):
-    """The window of a sliding-window causal mask function, None for any other."""
+    """The window of a sliding-window causal mask function, also inside the packed-sequence
+    mask transformers' compiled forwards make of it; None for any other."""
     if _code(mask_function) is _AND:
         parts = _free_vars(mask_function)["mask_functions"]
         if (len(parts) == 2 and parts[1] is masking_utils.causal_mask_function
                 and _code(parts[0]) is _WINDOW):
             return _free_vars(parts[0])["sliding_window"]
+        if len(parts) == 2 and _PACKED in {_code(f) for f in parts}:
+            inner = parts[1] if _code(parts[0]) is _PACKED else parts[0]
+            if _REMAP is not None and _code(inner) is _REMAP:
+                inner = _free_vars(inner)["mask_function"]
+            return _window_of(inner)
     return None
 
 
