@@ -63,7 +63,8 @@ def test_errors_name_the_key_and_the_file(tmp_path, text, key):
     assert "'%s'" % key in str(info.value) and path in str(info.value)
 
 
-@pytest.mark.parametrize("text, hint", [("1e-3", "1.0e-3"), ("1.0e3", "1.0e+3")])
+@pytest.mark.parametrize("text, hint", [("1e-3", "1.0e-3"), ("1.0e3", "1.0e+3"),
+                                        ("+.5e-3", "+0.5e-3")])
 def test_a_number_yaml_reads_as_text_gets_a_hint(tmp_path, text, hint):
     """YAML 1.1 floats with an exponent need a dot and a sign; the hint writes both."""
     with pytest.raises(ConfigError, match=r"got str '%s' \(YAML reads it as text: write %s\)"
@@ -71,6 +72,12 @@ def test_a_number_yaml_reads_as_text_gets_a_hint(tmp_path, text, hint):
         load_config(write(tmp_path, "training:\n  learning_rate: %s\n" % text))
     assert load_config(write(tmp_path, "training:\n  learning_rate: %s\n" % hint))[
         "training"]["learning_rate"] == float(text)
+
+
+def test_a_number_in_quotes_gets_a_hint(tmp_path):
+    with pytest.raises(ConfigError, match=r"got str '1.0e-3' \(a number in quotes is text: "
+                                          r"write it without them\)"):
+        load_config(write(tmp_path, 'training:\n  learning_rate: "1.0e-3"\n'))
 
 
 def test_a_key_given_twice_is_an_error(tmp_path):

@@ -91,21 +91,33 @@ def default_config():
 def _yaml_float_hint(value, types):
     """A hint for a number YAML read as a string: PyYAML follows YAML 1.1, where an exponent
     needs a dot in the mantissa and a sign (1e-3 and 1.0e3 are text, 1.0e-3 and 1.0e+3
-    floats)."""
+    floats), and a quoted number is text."""
+    import yaml
+
     if not isinstance(value, str) or float not in (types if isinstance(types, tuple) else ()):
         return ""
     try:
-        float(value)
+        number = float(value)
     except ValueError:
         return ""
-    mantissa, _, exponent = value.strip().lower().partition("e")
-    if not exponent:
-        return ""
+    text = value.strip()
+    if isinstance(yaml.safe_load(text), (int, float)):
+        return " (a number in quotes is text: write it without them)"
+    mantissa, _, exponent = text.lower().partition("e")
     if "." not in mantissa:
         mantissa += ".0"
-    if exponent[0] not in "+-":
+    if mantissa.lstrip("+-").startswith("."):       # YAML 1.1 wants a digit before the dot
+        mantissa = mantissa.replace(".", "0.", 1)
+    if exponent and exponent[0] not in "+-":
         exponent = "+" + exponent
-    return " (YAML reads it as text: write %se%s)" % (mantissa, exponent)
+    for suggestion in (mantissa + ("e" + exponent if exponent else ""), repr(number)):
+        try:
+            loaded = yaml.safe_load(suggestion)
+        except yaml.YAMLError:
+            continue
+        if isinstance(loaded, float) and loaded == number:
+            return " (YAML reads it as text: write %s)" % suggestion
+    return ""
 
 
 def _type_names(types):

@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import shlex
+import stat
 import sys
 import tempfile
 
@@ -135,17 +136,24 @@ def hold_output(output):
     """Refuses an --output that another orchard-train is writing to (two runs would write their
     checkpoints and metrics over each other's); else a lock, held until it is closed or the
     process ends (a kill included), or None where there is none to take. The lock is a file
-    in the temporary folder named for the output's real path, so a folder not made yet is
-    held too."""
+    named for the output's real path in this user's own folder of the temporary folder, so
+    a folder not made yet is held too."""
     try:
         import fcntl
     except ImportError:     # not POSIX
         return None
     key = hashlib.sha256(os.path.realpath(output).encode()).hexdigest()[:32]
-    folder = os.path.join(tempfile.gettempdir(), "orchard-runs-%d" % os.getuid())
     try:
+        folder = os.path.join(tempfile.gettempdir(), "orchard-runs-%d" % os.getuid())
         os.makedirs(folder, mode=0o700, exist_ok=True)
-        fd = os.open(os.path.join(folder, key + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        st = os.lstat(folder)
+        # another user's folder (made first in a shared /tmp) could point the lock at any
+        # file: only our own, closed to others, and never through a symbolic link
+        if (not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid()
+                or st.st_mode & 0o077):
+            return None
+        fd = os.open(os.path.join(folder, key + ".lock"),
+                     os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError:         # no temporary folder to write: run without
         return None
     try:
