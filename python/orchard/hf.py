@@ -143,6 +143,18 @@ _REMAP = (_code(masking_utils.remap_positions_for_packed_sequence(None, None))
           if hasattr(masking_utils, "remap_positions_for_packed_sequence") else None)
 
 
+def _packed_parts(parts):
+    """(the packed-sequence part, the causal part) of an and_masks' two parts, or None. The
+    parts come in either order (5.24 swapped them); the causal part is plain up to
+    transformers 5.17, wrapped by _REMAP later (unwrapped here)."""
+    if len(parts) != 2 or _PACKED not in {_code(f) for f in parts}:
+        return None
+    packed, causal = parts if _code(parts[0]) is _PACKED else parts[::-1]
+    if _REMAP is not None and _code(causal) is _REMAP:
+        causal = _free_vars(causal)["mask_function"]
+    return packed, causal
+
+
 def _window_of(mask_function):
     """The window of a sliding-window causal mask function, also inside the packed-sequence
     mask transformers' compiled forwards make of it; None for any other."""
@@ -151,11 +163,9 @@ def _window_of(mask_function):
         if (len(parts) == 2 and parts[1] is masking_utils.causal_mask_function
                 and _code(parts[0]) is _WINDOW):
             return _free_vars(parts[0])["sliding_window"]
-        if len(parts) == 2 and _PACKED in {_code(f) for f in parts}:
-            inner = parts[1] if _code(parts[0]) is _PACKED else parts[0]
-            if _REMAP is not None and _code(inner) is _REMAP:
-                inner = _free_vars(inner)["mask_function"]
-            return _window_of(inner)
+        packed = _packed_parts(parts)
+        if packed is not None:
+            return _window_of(packed[1])
     return None
 
 
@@ -205,12 +215,9 @@ def _packed_ids(mask_function):
                 return None     # the layer passes its sliding_window to the attention function
             if _code(parts[0]) is _CHUNKED:
                 raise _Unsupported("chunked attention (attention_chunk_size)")
-        # packed sequences: the ids' part and a causal part, in either order (5.24 swapped
-        # them); the causal part is plain up to transformers 5.17, wrapped by _REMAP later
-        if len(parts) == 2 and _PACKED in {_code(f) for f in parts}:
-            packed, causal = parts if _code(parts[0]) is _PACKED else parts[::-1]
-            if _REMAP is not None and _code(causal) is _REMAP:
-                causal = _free_vars(causal)["mask_function"]
+        packed = _packed_parts(parts)      # packed sequences: the ids' part and a causal one
+        if packed is not None:
+            packed, causal = packed
             if _code(causal) is not _PACKED and _packed_ids(causal) is None:
                 ids = _free_vars(packed)["packed_sequence_mask"]
                 # transformers' compiled forwards without a cache make this mask whatever
