@@ -259,6 +259,22 @@ def test_autocast_bfloat16_runs_on_orchard(no_fallback):
     assert all(torch.isfinite(g).all() for g in grads.values())
 
 
+def test_autocast_computes_float32_inputs_in_its_dtype():
+    """q, k and v all in float32 under autocast (a model whose layer norm feeds them): orchard
+    computes in the autocast dtype, as sdpa does (autocast casts its inputs) and transformers'
+    FlashAttention-2 integration does; without autocast, in float32."""
+    module = torch.nn.Module()
+    module.is_causal = True
+    q, k, v = (torch.randn(2, 4, 9, 16) for _ in range(3))
+    for autocast in (True, False):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out, _ = hf.attention_forward(module, q, k, v, None, scaling=0.25)
+            want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                    scale=0.25)
+        assert out.dtype == want.dtype == (torch.bfloat16 if autocast else torch.float32)
+        assert_close(out.float(), want.transpose(1, 2).float(), tol=2e-2 if autocast else 1e-5)
+
+
 def test_attention_dropout_against_the_reference():
     """Dropout in training: the attention function with the model's dropout equals the
     float64 reference with orchard's keep-mask of the call's seed."""

@@ -240,6 +240,41 @@ def test_routing_leaves_other_semantics_to_torch():
     assert router.routed == 2
 
 
+def test_routed_calls_under_autocast_take_its_dtype_as_torch_does():
+    """Under CPU autocast torch runs scaled_dot_product_attention in the lower precision,
+    casting its inputs in the dispatcher, below the router: a routed call is cast alike, so
+    float32 inputs (a layer norm's output), and q, k in float32 with v in bfloat16 (rotary
+    embeddings), give what torch gives, in bfloat16, with float32 gradients for float32
+    leaves; float64, which autocast leaves alone, stays float64."""
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    model = Attend()
+    router = patch_model(model)
+    for dtypes in ((torch.float32,) * 3, (torch.float32, torch.float32, torch.bfloat16),
+                   (torch.float64,) * 3):
+        leaves = [t.to(d).detach().requires_grad_() for t, d in
+                  zip(qkv((2, 4, 16, 8), (2, 4, 16, 8), seed=3), dtypes)]
+        results = []
+        for run in (model, Attend()):       # routed, then torch's own
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = run(*leaves)
+            out.float().square().sum().backward()
+            results.append((out, [t.grad.clone() for t in leaves]))
+            for t in leaves:
+                t.grad = None
+        (out, grads), (want, want_grads) = results
+        assert out.dtype == want.dtype == (torch.float64 if dtypes[0] == torch.float64
+                                           else torch.bfloat16), dtypes
+        tol = 1e-10 if out.dtype == torch.float64 else 2e-2
+        torch.testing.assert_close(out, want, atol=tol, rtol=tol)
+        for g, w, t in zip(grads, want_grads, leaves):
+            assert g.dtype == t.dtype
+            torch.testing.assert_close(g, w, atol=10 * tol, rtol=10 * tol)
+    assert router.routed == 3 and not router.left_to_torch
+
+
 def test_patched_model_trains_with_dropout_reproducibly():
     def run():
         model = tiny_gpt(dropout=0.1)

@@ -38,7 +38,7 @@ if int(transformers.__version__.split(".")[0]) != 5:
 
 from orchard.bert_padding import pad_input, unpad_input
 from orchard.flash_attn import _options, _read_cache, flash_attn_varlen_func
-from orchard.torch import _MAX_HEAD_DIM, _ROUTABLE_DTYPES, _attention
+from orchard.torch import _MAX_HEAD_DIM, _ROUTABLE_DTYPES, _as_autocast, _attention
 
 __all__ = ["register", "attention_forward", "attention_mask", "computes_attention_itself",
            "unsupported_reason"]
@@ -523,12 +523,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         sliding_window = _window_for(module)
     # transformers' sliding window counts the query itself: kv > q - sliding_window.
     window = (-1, -1) if sliding_window is None else (sliding_window - 1, sliding_window - 1)
+    # Under autocast, in its dtype, as sdpa (autocast casts its inputs) and transformers'
+    # FlashAttention-2 integration compute (rotary embeddings leave q and k in float32 and v in
+    # the half dtype, a layer norm before them all three in float32).
+    query, key, value = _as_autocast(query, key, value)
     if len({query.dtype, key.dtype, value.dtype}) > 1:
-        # Under autocast, rotary embeddings leave q and k in float32 and v in the half dtype:
-        # as transformers' FlashAttention-2 integration, compute in the autocast dtype.
-        target = (torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu")
-                  else value.dtype)
-        query, key, value = query.to(target), key.to(target), value.to(target)
+        query, key = query.to(value.dtype), key.to(value.dtype)
     mask = attention_mask
     reason = _why_not(query, key, value, mask, sliding_window, kwargs)
     if reason is not None:

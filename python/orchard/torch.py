@@ -184,6 +184,18 @@ def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
 
 
+def _as_autocast(*tensors):
+    """The tensors as torch's CPU autocast hands them to scaled_dot_product_attention, which it
+    runs in the lower precision: CPU floating-point tensors other than float64 in the autocast
+    dtype (a differentiable cast: float32 leaves get float32 gradients); as they are without
+    autocast."""
+    if not torch.is_autocast_enabled("cpu"):
+        return tensors
+    dtype = torch.get_autocast_dtype("cpu")
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.device.type == "cpu"
+                 and t.is_floating_point() and t.dtype != torch.float64 else t for t in tensors)
+
+
 def _why_not_routable(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     """None when orchard computes exactly what torch would; else the reason it cannot."""
     tensors = (q, k, v)
@@ -240,6 +252,9 @@ class AttentionRouter(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             q, k, v, mask, dropout_p, is_causal, scale, gqa = _sdpa_arguments(*args, **kwargs)
+            # autocast acts below this mode, in the dispatcher: cast as it would (a call left
+            # to torch gets the arguments as they were, and autocast then casts them)
+            q, k, v = _as_autocast(q, k, v)
             reason = _why_not_routable(q, k, v, mask, dropout_p, is_causal, scale, gqa)
             if reason is None:
                 self.routed += 1
