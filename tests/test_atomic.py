@@ -67,3 +67,61 @@ def test_a_fifo_is_written_in_place_not_replaced(tmp_path):
         os.close(reader)
     assert stat.S_ISFIFO(os.stat(fifo).st_mode) and os.listdir(tmp_path) == ["pipe"]
 
+
+
+def test_an_interrupt_just_after_the_rename_stays_an_interrupt(tmp_path, monkeypatch):
+    """A Ctrl-C that lands between the rename and the folder's sync finds the temporary file
+    gone (renamed): it reaches the caller as it came, not as the FileNotFoundError of removing
+    that file, and the new file is in place."""
+    path = tmp_path / "checkpoint.pt"
+    path.write_bytes(b"old")
+    rename = os.replace
+
+    def rename_then_interrupt(src, dst):
+        rename(src, dst)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", rename_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        write_atomically(str(path), lambda f: f.write(b"new"))
+    assert path.read_bytes() == b"new" and os.listdir(tmp_path) == ["checkpoint.pt"]
+
+
+def test_a_ctrl_c_inside_a_checkpoint_write_stays_a_ctrl_c(tmp_path, monkeypatch):
+    """torch.save's zip writer turns whatever a write raises into a RuntimeError ("unexpected
+    pos"): a Ctrl-C that lands in a write (a second one, while the first one's checkpoint is
+    saved) reaches the caller as a KeyboardInterrupt (the console scripts' "interrupted",
+    status 130), the previous checkpoint in place and no temporary file left."""
+    torch = pytest.importorskip("torch")
+    from orchard.checkpoint import save_checkpoint
+
+    path = tmp_path / "checkpoint.pt"
+    path.write_bytes(b"the previous checkpoint")
+    fdopen = os.fdopen
+
+    class Interrupted:
+        """A file whose second write is interrupted."""
+
+        def __init__(self, f):
+            self.f, self.writes = f, 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            self.writes += 1
+            if self.writes == 2:
+                raise KeyboardInterrupt
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    monkeypatch.setattr(os, "fdopen", lambda fd, mode: Interrupted(fdopen(fd, mode)))
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint({"w": torch.zeros(1000)}, str(path))
+    assert path.read_bytes() == b"the previous checkpoint"
+    assert os.listdir(tmp_path) == ["checkpoint.pt"]

@@ -71,6 +71,7 @@ def files(tmp_path_factory):
     (folder / "kept.json").write_text('{"vocab_size": 256, "sequences": [[1, 2]]}')
     (folder / "kept.png").write_text("a plot to keep\n")
     (folder / "link.png").symlink_to(folder / "kept.json")     # --plot onto --json's file
+    (folder / "dangling").symlink_to(folder / "nowhere")       # an --output to nothing
     import torch
     torch.save({"w": torch.zeros(2)}, str(folder / "statedict.pt"))     # a model's state dict
     torch.save(torch.zeros(3), str(folder / "tensor.pt"))
@@ -254,6 +255,13 @@ def expected_cases(f):
          ["--output", "tiny.yaml is a file"]),
         ("train", tiny + ["--output", str(f["dir"] / "u3")], {},
          ["--output", "metrics.jsonl", "folder"]),
+        ("train", tiny + ["--output", str(f["dir"] / "dangling")], {},
+         ["--output", "dangling is a symbolic link to nothing"]),
+        # "--option=--", which argparse gives no value unchecked: "--" is the value
+        ("train", ["--config=--"], {}, ["--config", "--: no such config file"]),
+        ("train", ["--resume=--", "--device", "cpu"], {}, ["--resume", "--: cannot read"]),
+        ("generate", ["--checkpoint=--"], {}, ["--checkpoint", "--: cannot read"]),
+        ("bench", ["--shapes=--"], {}, ["--shapes", "(got '--')"]),
     ] + ([
         # transformers models: an encoder's config, a damaged weights file
         ("train", tiny + ["--hf-config", str(f["dir"] / "bert.json"), "--output",
@@ -366,6 +374,42 @@ def test_a_new_run_does_not_replace_a_checkpoint(files, tmp_path):
                               "--device", "cpu", "--output", str(out)], {}]])[0]
     assert r["code"] == 2 and "already holds the metrics" in r["stderr"], r
     assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_overwrite_clears_the_previous_run_as_the_new_one_starts(files, tmp_path):
+    """A run that takes a folder removes the temporary files a killed run's writes left
+    (orchard.atomic), and with --overwrite the previous run's checkpoint and metrics, before
+    its first step: killed before its first checkpoint, it leaves no other run's checkpoint
+    beside its metrics. The folder's other files stay; --resume of the folder's own run keeps
+    its checkpoint."""
+    import argparse
+    from orchard.cli.train import take_output
+
+    def folder(name):
+        out = tmp_path / name
+        out.mkdir()
+        for f in ("checkpoint.pt", "metrics.jsonl", ".checkpoint.pt.0123abcd.tmp",
+                  ".metrics.jsonl.4567cdef.tmp", "notes.txt", ".other.tmp"):
+            (out / f).write_bytes(b"old")
+        return out
+
+    stale = {".checkpoint.pt.0123abcd.tmp", ".metrics.jsonl.4567cdef.tmp"}
+    run_files = {"checkpoint.pt", "metrics.jsonl"}
+    everything = stale | run_files | {"notes.txt", ".other.tmp"}
+    for overwrite, resume, gone in ((False, False, stale), (True, False, stale | run_files),
+                                    (True, True, stale)):
+        out = folder("%s_%s" % (overwrite, resume))
+        take_output(argparse.Namespace(output=str(out), overwrite=overwrite,
+                                       resume=str(out) if resume else None))
+        assert set(os.listdir(out)) == everything - gone, (overwrite, resume)
+    out = folder("run")
+    r = run_cases([["train", ["--config", files["config"], "--sequences", files["sequences"],
+                              "--device", "cpu", "--output", str(out), "--overwrite",
+                              "--max-steps", "1"], {}]])[0]
+    assert r["code"] == 0, r
+    assert set(os.listdir(out)) == run_files | {"notes.txt", ".other.tmp"}
+    from orchard.checkpoint import load_checkpoint
+    assert load_checkpoint(str(out))["step"] == 1
 
 
 def test_resuming_into_another_runs_folder_does_not_replace_its_checkpoint(tmp_path):

@@ -7,6 +7,7 @@ permissions of any new file (0666 less the umask), or keeps those of the file it
 A symbolic link's target is replaced, not the link (as a shell's `>` writes through it); a
 device, FIFO or socket (`/dev/stdout`, a named pipe) cannot be replaced and is written in place.
 """
+import contextlib
 import os
 import secrets
 import stat
@@ -33,7 +34,9 @@ def write_atomically(path, write):
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        os.unlink(tmp)
+        # (gone already where an interrupt came just after the rename)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
         raise
     # The rename itself lives in the folder's metadata: sync it too, or a power loss could
     # bring back the old name.

@@ -16,8 +16,9 @@ from .config import ConfigError, first_line
 
 
 class _Writes:
-    """A file's write(), keeping the OSError it raised: torch.save's zip writer reports a
-    failed write (a full disk) as a RuntimeError ("unexpected pos") that names no cause."""
+    """A file's write(), keeping what it raised: torch.save's zip writer reports a failed write
+    (a full disk) as a RuntimeError ("unexpected pos") that names no cause, and a Ctrl-C that
+    lands in a write (a second one, while the first one's checkpoint is saved) so too."""
 
     def __init__(self, f):
         self.f, self.error = f, None
@@ -25,7 +26,7 @@ class _Writes:
     def write(self, data):
         try:
             return self.f.write(data)
-        except OSError as exc:
+        except BaseException as exc:
             self.error = exc
             raise
 

@@ -153,6 +153,17 @@ class Parser(argparse.ArgumentParser):
                                  help="Log only warnings and errors to stderr; results still "
                                       "go to stdout.")
 
+    def _get_values(self, action, arg_strings):
+        # "--option=--": argparse (Python 3.11's at least) drops the "--" as the end of the
+        # options and gives the option no value, unchecked ([]); it is the option's value
+        if (arg_strings == ["--"] and action.option_strings
+                and action.nargs not in (argparse.PARSER, argparse.REMAINDER)):
+            values = [self._get_value(action, "--")]
+            for value in values:
+                self._check_value(action, value)
+            return values[0] if action.nargs in (None, argparse.OPTIONAL) else values
+        return super()._get_values(action, arg_strings)
+
     def error(self, message):
         # One line, not argparse's usage block: the message names the argument and value.
         self.exit(EXIT_USAGE, "%s: error: %s\n" % (self.prog, message))
@@ -249,8 +260,10 @@ def folder_problem(folder):
     removing a temporary file in its nearest existing ancestor: permission bits alone do not
     say it for root or a read-only file system."""
     existing = os.path.abspath(folder)
-    while not os.path.exists(existing):
+    while not os.path.lexists(existing):
         existing = os.path.dirname(existing)
+    if not os.path.exists(existing):
+        return "%s is a symbolic link to nothing (its target is missing or a loop)" % existing
     if not os.path.isdir(existing):
         return "%s is a file" % existing
     try:

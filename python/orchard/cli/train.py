@@ -11,6 +11,7 @@ decision). --hf-config / --hf-model train a transformers causal LM instead of th
 GPT (orchard.hf_causal_lm). Data parallel: `torchrun --nproc-per-node 2 -m orchard.cli.train
 ...` (gloo); rank 0 writes the checkpoint and metrics.
 """
+import contextlib
 import copy
 import gc
 import hashlib
@@ -100,8 +101,6 @@ def check_output(args):
     """--output is a folder (or can be made one) whose checkpoint.pt and metrics.jsonl can be
     files, and no run replaces another run's checkpoint unless asked to (--resume continues
     the one in its own folder)."""
-    from ..checkpoint import checkpoint_path
-
     if not args.output:
         raise UsageError("argument --output: must name a folder (got %r)" % args.output)
     if os.path.exists(args.output) and not os.path.isdir(args.output):
@@ -115,9 +114,7 @@ def check_output(args):
             raise UsageError("argument --output: %s there is a folder, not a file (got %r)"
                              % (name, args.output))
     path = os.path.join(args.output, "checkpoint.pt")
-    continued = args.resume and os.path.realpath(checkpoint_path(args.resume)) == \
-        os.path.realpath(path)
-    if continued or args.overwrite:
+    if continues_its_own_run(args) or args.overwrite:
         return
     if os.path.exists(path):
         # (resuming another run into this folder: continuing this one is not the advice)
@@ -130,6 +127,31 @@ def check_output(args):
         raise UsageError("argument --output: already holds the metrics (%s) of a run without a "
                          "checkpoint; pass --overwrite to replace them, or choose another "
                          "folder (got %r)" % (metrics, args.output))
+
+
+def continues_its_own_run(args):
+    """--resume names the checkpoint of the --output folder itself."""
+    from ..checkpoint import checkpoint_path
+
+    return bool(args.resume) and os.path.realpath(checkpoint_path(args.resume)) == \
+        os.path.realpath(os.path.join(args.output, "checkpoint.pt"))
+
+
+def take_output(args):
+    """The folder, held, for a run whose input is checked: the temporary files of a killed
+    run's writes (orchard.atomic) go, and with --overwrite the previous run's checkpoint and
+    metrics, so that a crash before the new run's first checkpoint leaves no other run's
+    checkpoint beside its metrics (--resume and orchard-generate would take it for its own)."""
+    if not os.path.isdir(args.output):
+        return
+    old = [name for name in os.listdir(args.output) if name.endswith(".tmp")
+           and name.startswith((".checkpoint.pt.", ".metrics.jsonl."))]
+    if args.overwrite and not continues_its_own_run(args):
+        old += [name for name in ("checkpoint.pt", "metrics.jsonl")
+                if os.path.isfile(os.path.join(args.output, name))]
+    for name in old:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(args.output, name))
 
 
 def hold_output(output):
@@ -372,6 +394,8 @@ def main(argv=None):
                                                           else list(argv))):
             trainer = build_trainer(args)
         with writing("--output", args.output):     # checkpoints and metrics
+            if rank == 0:
+                take_output(args)
             code = trainer.run(args.epochs, args.max_steps)
         if code == 130 and rank == 0:
             log.info("resume with: %s", resume_command(args, distributed))
