@@ -256,7 +256,7 @@ def expected_cases(f):
         ("train", tiny + ["--output", str(f["dir"] / "u3")], {},
          ["--output", "metrics.jsonl", "folder"]),
         ("train", tiny + ["--output", str(f["dir"] / "dangling")], {},
-         ["--output", "dangling is a symbolic link to nothing"]),
+         ["--output", "dangling is a symbolic link whose target cannot be reached"]),
         # "--option=--", which argparse gives no value unchecked: "--" is the value
         ("train", ["--config=--"], {}, ["--config", "--: no such config file"]),
         ("train", ["--resume=--", "--device", "cpu"], {}, ["--resume", "--: cannot read"]),
@@ -399,8 +399,11 @@ def test_overwrite_clears_the_previous_run_as_the_new_one_starts(files, tmp_path
     for overwrite, resume, gone in ((False, False, stale), (True, False, stale | run_files),
                                     (True, True, stale)):
         out = folder("%s_%s" % (overwrite, resume))
-        take_output(argparse.Namespace(output=str(out), overwrite=overwrite,
-                                       resume=str(out) if resume else None))
+        args = argparse.Namespace(output=str(out), overwrite=overwrite,
+                                  resume=str(out) if resume else None)
+        take_output(args, held=False)   # another host's run may be writing: temporaries stay
+        assert set(os.listdir(out)) == everything - (gone - stale), (overwrite, resume)
+        take_output(args, held=True)
         assert set(os.listdir(out)) == everything - gone, (overwrite, resume)
     out = folder("run")
     r = run_cases([["train", ["--config", files["config"], "--sequences", files["sequences"],
@@ -410,6 +413,13 @@ def test_overwrite_clears_the_previous_run_as_the_new_one_starts(files, tmp_path
     assert set(os.listdir(out)) == run_files | {"notes.txt", ".other.tmp"}
     from orchard.checkpoint import load_checkpoint
     assert load_checkpoint(str(out))["step"] == 1
+    # a run that trains no step (resumed at its stopping point) removes nothing, --overwrite
+    # or not: the folder's run stays as it was
+    other = folder("other")
+    r = run_cases([["train", ["--resume", str(out), "--output", str(other), "--overwrite",
+                              "--max-steps", "1", "--device", "cpu"], {}]])[0]
+    assert r["code"] == 0 and "nothing to train" in r["stderr"], r
+    assert set(os.listdir(other)) == everything
 
 
 def test_resuming_into_another_runs_folder_does_not_replace_its_checkpoint(tmp_path):

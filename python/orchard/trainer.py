@@ -329,8 +329,9 @@ class Trainer:
         if self.rank == 0 and self.step and (self.history or os.path.exists(
                 os.path.join(self.output_dir, METRICS_NAME))):
             # A resumed run's curve so far, as of the checkpoint: steps logged after it are
-            # redone. A new run (--overwrite included) replaces the file at its first log
-            # step, not with an empty file now (a run that fails first keeps the old one).
+            # redone. A new run replaces the file at its first log step, not with an empty
+            # file now (a run that fails first keeps the old one; orchard-train --overwrite
+            # removes it as the run starts).
             self._save_metrics()
         tokens_per_step = train["batch_size"] * self.cfg["model"]["context"]
         log.info("training %s parameters on %s: %d steps (%d per epoch), batch %d = %d "

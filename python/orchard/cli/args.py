@@ -263,7 +263,8 @@ def folder_problem(folder):
     while not os.path.lexists(existing):
         existing = os.path.dirname(existing)
     if not os.path.exists(existing):
-        return "%s is a symbolic link to nothing (its target is missing or a loop)" % existing
+        return ("%s is a symbolic link whose target cannot be reached (missing, a loop, or "
+                "behind a folder this user cannot search)" % existing)
     if not os.path.isdir(existing):
         return "%s is a file" % existing
     try:

@@ -137,14 +137,15 @@ def continues_its_own_run(args):
         os.path.realpath(os.path.join(args.output, "checkpoint.pt"))
 
 
-def take_output(args):
-    """The folder, held, for a run whose input is checked: the temporary files of a killed
-    run's writes (orchard.atomic) go, and with --overwrite the previous run's checkpoint and
+def take_output(args, held):
+    """The folder, for a run whose input is checked and that trains: where it is held (a
+    lock: no other run of this host writes there) the temporary files of a killed run's
+    writes (orchard.atomic) go, and with --overwrite the previous run's checkpoint and
     metrics, so that a crash before the new run's first checkpoint leaves no other run's
     checkpoint beside its metrics (--resume and orchard-generate would take it for its own)."""
     if not os.path.isdir(args.output):
         return
-    old = [name for name in os.listdir(args.output) if name.endswith(".tmp")
+    old = [name for name in os.listdir(args.output) if held and name.endswith(".tmp")
            and name.startswith((".checkpoint.pt.", ".metrics.jsonl."))]
     if args.overwrite and not continues_its_own_run(args):
         old += [name for name in ("checkpoint.pt", "metrics.jsonl")
@@ -394,8 +395,9 @@ def main(argv=None):
                                                           else list(argv))):
             trainer = build_trainer(args)
         with writing("--output", args.output):     # checkpoints and metrics
-            if rank == 0:
-                take_output(args)
+            # (a run that trains no step, at or past its stopping point, removes nothing)
+            if rank == 0 and trainer.step < trainer.stopping_point(args.epochs, args.max_steps):
+                take_output(args, lock is not None)
             code = trainer.run(args.epochs, args.max_steps)
         if code == 130 and rank == 0:
             log.info("resume with: %s", resume_command(args, distributed))
