@@ -422,6 +422,23 @@ def test_overwrite_clears_the_previous_run_as_the_new_one_starts(files, tmp_path
     assert set(os.listdir(other)) == everything
 
 
+def test_resuming_on_data_beyond_the_models_vocabulary_names_the_file(files, tmp_path):
+    out, wide = tmp_path / "run", tmp_path / "wide.json"
+    base = ["--config", files["config"], "--device", "cpu", "--max-steps", "1"]
+    r = run_cases([["train", base + ["--sequences", files["sequences"], "--output", str(out)],
+                    {}]])[0]
+    assert r["code"] == 0, r
+    vocab = json.load(open(files["sequences"]))["vocab_size"]
+    wide.write_text(json.dumps({"vocab_size": vocab + 50,
+                                "sequences": [list(range(vocab + 50))] * 4}))
+    r = run_cases([["train", ["--resume", str(out), "--sequences", str(wide), "--max-steps",
+                              "2", "--device", "cpu"], {}]])[0]
+    assert r["code"] == 2 and r["stderr"].splitlines()[-1] == (
+        "orchard-train: error: argument --sequences: %s: token ids up to %d, but the model of "
+        "the checkpoint %s has a vocabulary of %d" % (wide, vocab + 49, out / "checkpoint.pt",
+                                                      vocab)), r
+
+
 def test_resuming_into_another_runs_folder_does_not_replace_its_checkpoint(tmp_path):
     """--resume A --output B continues A in B: refused where B holds another run's
     checkpoint (as a new run would be), unless --overwrite."""

@@ -133,8 +133,9 @@ def test_pretrained_folder_is_loaded_and_its_vocabulary_checked(fast_config, tmp
     build_model(None, config.to_json_string()).hf.save_pretrained(str(tmp_path / "small"))
     assert train.main(["--hf-model", str(tmp_path / "small"), "--output", str(tmp_path / "x"),
                        "--device", "cpu"]) == 2
-    assert ("orchard-train: error: the data has token ids up to 255 but the model of %s has a "
-            "vocabulary of 100" % (tmp_path / "small")) in capsys.readouterr().err
+    assert ("orchard-train: error: the built-in data (no --sequences): token ids up to 255, "
+            "but the model of %s has a vocabulary of 100" % (tmp_path / "small")
+            ) in capsys.readouterr().err
 
     # weights of another model (one layer fewer than the config's): an error, not a model
     # trained from partly random weights
@@ -165,7 +166,8 @@ def test_pretrained_folder_is_loaded_and_its_vocabulary_checked(fast_config, tmp
     assert train.main(["--hf-model", str(tmp_path / "llama"), "--output", str(tmp_path / "y"),
                        "--device", "cpu"]) == 2
     err = capsys.readouterr().err
-    assert "orchard-train: error: the data is bytes" in err and "tokenizer.json" in err, err
+    assert "orchard-train: error: the built-in data (no --sequences): bytes" in err, err
+    assert "tokenizer.json" in err, err
     assert not (tmp_path / "y").exists()
 
 

@@ -289,16 +289,19 @@ def build_trainer(args):
     hf_config = state.get("hf_config") if state is not None else None
     tokenizer = [name for name in TOKENIZER_FILES
                  if args.hf_model and os.path.exists(os.path.join(args.hf_model, name))]
+    # what the data's errors name: the file, or the data orchard carries
+    data = ("argument --sequences: %s" % args.sequences if args.sequences
+            else "the built-in data (no --sequences)")
     if tokenizer and data_info["byte_level"]:
-        raise DataError("the data is bytes (a vocabulary of 256), but %s has a tokenizer (%s) "
-                        "whose token ids orchard does not map bytes to: prepare the sequences "
-                        "with that tokenizer" % (hf_path, tokenizer[0]))
+        raise DataError("%s: bytes (a vocabulary of 256), but %s has a tokenizer (%s) whose "
+                        "token ids orchard does not map bytes to: prepare the sequences with "
+                        "that tokenizer" % (data, hf_path, tokenizer[0]))
     if hf is not None:
         if vocab_size > hf.vocab_size:
             if args.hf_model:
-                raise DataError("the data has token ids up to %d but the model of %s has "
-                                "a vocabulary of %d" % (vocab_size - 1, hf_path,
-                                                         hf.vocab_size))
+                raise DataError("%s: token ids up to %d, but the model of %s has a "
+                                "vocabulary of %d" % (data, vocab_size - 1, hf_path,
+                                                      hf.vocab_size))
             log.info("%s: vocab_size %d -> %d: the data's vocabulary", hf_path,
                      hf.vocab_size, vocab_size)
             hf.vocab_size = vocab_size
@@ -319,9 +322,10 @@ def build_trainer(args):
                  orchard_ops.default_device(), backend.device)
     if vocab_size > requested["model"]["vocab_size"]:
         if state is not None:
-            raise DataError("the data has token ids up to %d but the checkpoint's model "
-                             "has a vocabulary of %d"
-                             % (vocab_size - 1, requested["model"]["vocab_size"]))
+            raise DataError("%s: token ids up to %d, but the model of the checkpoint %s "
+                            "has a vocabulary of %d" % (data, vocab_size - 1,
+                                                        checkpoint_path(args.resume),
+                                                        requested["model"]["vocab_size"]))
         log.info("config model.vocab_size: %d -> %d: the data's vocabulary",
                  requested["model"]["vocab_size"], vocab_size)
         requested["model"]["vocab_size"] = vocab_size
