@@ -8,9 +8,22 @@ A symbolic link's target is replaced, not the link (as a shell's `>` writes thro
 device, FIFO or socket (`/dev/stdout`, a named pipe) cannot be replaced and is written in place.
 """
 import contextlib
+import glob
 import os
 import secrets
 import stat
+
+
+def _temporary(name, part):
+    """The name of a temporary file of a write to `name` in its folder."""
+    return ".%s.%s.tmp" % (name, part)
+
+
+def leftovers(path):
+    """The temporary files of writes to `path` that never finished (a killed process's): only
+    for a caller that knows no write to it is under way."""
+    folder, name = os.path.split(os.path.abspath(path))
+    return glob.glob(os.path.join(glob.escape(folder), _temporary(glob.escape(name), "*")))
 
 
 def write_atomically(path, write):
@@ -22,7 +35,7 @@ def write_atomically(path, write):
     path = os.path.realpath(path)
     folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, ".%s.%s.tmp" % (os.path.basename(path), secrets.token_hex(8)))
+    tmp = os.path.join(folder, _temporary(os.path.basename(path), secrets.token_hex(8)))
     # os.open applies the umask to 0o666, as open() does (tempfile.mkstemp makes 0o600 files)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     try:

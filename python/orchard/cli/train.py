@@ -143,16 +143,15 @@ def take_output(args, held):
     writes (orchard.atomic) go, and with --overwrite the previous run's checkpoint and
     metrics, so that a crash before the new run's first checkpoint leaves no other run's
     checkpoint beside its metrics (--resume and orchard-generate would take it for its own)."""
-    if not os.path.isdir(args.output):
-        return
-    old = [name for name in os.listdir(args.output) if held and name.endswith(".tmp")
-           and name.startswith((".checkpoint.pt.", ".metrics.jsonl."))]
+    from ..atomic import leftovers
+
+    files = [os.path.join(args.output, name) for name in ("checkpoint.pt", "metrics.jsonl")]
+    old = [tmp for path in files for tmp in leftovers(path)] if held else []
     if args.overwrite and not continues_its_own_run(args):
-        old += [name for name in ("checkpoint.pt", "metrics.jsonl")
-                if os.path.isfile(os.path.join(args.output, name))]
-    for name in old:
+        old += [path for path in files if os.path.isfile(path)]
+    for path in old:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(args.output, name))
+            os.unlink(path)
 
 
 def hold_output(output):
