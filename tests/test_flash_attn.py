@@ -252,6 +252,17 @@ def test_one_unbounded_window_side_reaches_seqlen_k_as_fa2():
     assert lse[0, 0, :7].eq(-math.inf).all() and lse[0, 0, 7:].isfinite().all()
 
 
+def test_softcap_at_or_below_zero_is_none_as_fa2():
+    # FlashAttention-2: "Anything > 0 activates softcapping attention" (flash_api.cpp sets 0
+    # otherwise), so ported code passing a negative one computes plain attention
+    q, k, v = randn(2, 5, 2, 8), randn(2, 7, 2, 8, seed=1), randn(2, 7, 2, 8, seed=2)
+    plain = flash_attn_func(q, k, v, causal=True)
+    for softcap in (-2.0, -math.inf):
+        assert torch.equal(flash_attn_func(q, k, v, causal=True, softcap=softcap), plain)
+        assert torch.equal(flash_attn_with_kvcache(q, k, v, causal=True, softcap=softcap), plain)
+    assert not torch.equal(flash_attn_func(q, k, v, causal=True, softcap=2.0), plain)
+
+
 def test_S_dmask_normalises_to_the_probabilities_as_fa2_tests_do():
     # Several key blocks, so the per-block scaling matters.
     nk = 2 * _get_block_size_n(None, 8, True, False) + 7
@@ -629,7 +640,15 @@ def test_bad_dense_input_names_the_argument():
         (TypeError, "'alibi_slopes'",
          lambda: flash_attn_func(q, k, v, alibi_slopes=torch.ones(2, dtype=torch.complex64))),
         (TypeError, "'softcap'", lambda: flash_attn_func(q, k, v, softcap="x")),
-        (ValueError, "'softcap'", lambda: flash_attn_func(q, k, v, softcap=-5.0)),
+        (ValueError, "'softcap'", lambda: flash_attn_func(q, k, v, softcap=math.inf)),
+        # finite in float64, not in float32 (the kernels' type here): named by the caller's
+        # names, not orchard_ops' ('scale')
+        (ValueError, "flash_attn_func: 'softcap' must be finite in float32",
+         lambda: flash_attn_func(q, k, v, softcap=1e39)),
+        (ValueError, "flash_attn_func: 'softmax_scale' must be finite in float32",
+         lambda: flash_attn_func(q, k, v, softmax_scale=-1e39)),
+        (ValueError, "flash_attn_func: 'alibi_slopes' must be finite in float32",
+         lambda: flash_attn_func(q, k, v, alibi_slopes=torch.tensor([1e39, 1], dtype=float))),
         (TypeError, "'dropout_p'", lambda: flash_attn_func(q, k, v, dropout_p="0.1")),
         (TypeError, "'window_size'", lambda: flash_attn_func(q, k, v, window_size="12")),
         (TypeError, "'window_size'", lambda: flash_attn_func(q, k, v, window_size=(1.7, 0))),
@@ -740,6 +759,10 @@ def test_bad_kvcache_input_names_the_argument_and_writes_nothing():
         # the options orchard_ops checks too: checked before the cache is written
         (ValueError, "'softmax_scale'", dict(kw, softmax_scale=float("nan"))),
         (ValueError, "'softcap'", dict(kw, softcap=float("nan"))),
+        (ValueError, "'softmax_scale' must be finite in float32", dict(kw, softmax_scale=1e39)),
+        (ValueError, "'softcap' must be finite in float32", dict(kw, softcap=1e39)),
+        (ValueError, "'alibi_slopes' must be finite in float32",
+         dict(kw, alibi_slopes=torch.tensor([0.5, 1e39, 1, 1], dtype=float))),
         (ValueError, "'device'", dict(kw, device="cuda")),
         (TypeError, "'device'", dict(kw, device=0)),
         (TypeError, "'num_splits'", dict(kw, num_splits="x")),

@@ -12,6 +12,7 @@ import itertools
 import math
 import numbers
 import operator
+import sys
 
 import torch
 
@@ -26,6 +27,7 @@ __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_
 
 _INT32 = torch.int32
 _MAX_SEQLEN = 2**32 - 1     # orchard's dropout stream numbers rows and keys with 32 bits
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)    # the kernels' type but for float64
 
 
 def _get_block_size_n(device=None, head_dim=None, is_dropout=False, is_causal=False):
@@ -111,7 +113,8 @@ def _options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size, sof
             left, right = window_size
             window = operator.index(left), operator.index(right)    # typed keys: ints alone
             return _plain_options(fn, seqlen_k if window != (-1, -1) else 0, softmax_scale,
-                                  causal, window, softcap, device, seqlen_first)
+                                  causal, window, softcap, device, seqlen_first,
+                                  q.dtype == torch.float64)
         except (TypeError, ValueError):     # unhashable, or refused: said below
             pass
     return _checked_options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size,
@@ -120,23 +123,29 @@ def _options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size, sof
 
 @functools.lru_cache(maxsize=256, typed=True)    # typed: causal=1.0 is refused, True is not
 def _plain_options(fn, seqlen_k, softmax_scale, causal, window_size, softcap, device,
-                   seqlen_first):
+                   seqlen_first, wide):
     return _checked_options(fn, None, seqlen_k, 0.0, softmax_scale, causal, window_size, softcap,
-                            None, None, device, seqlen_first)
+                            None, None, device, seqlen_first, wide)
 
 
 def _checked_options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
-                     alibi_slopes, batch, device, seqlen_first=False, **varlen):
+                     alibi_slopes, batch, device, seqlen_first=False, wide=None, **varlen):
+    """wide: the operands are float64 (else the kernels compute in float32, whose range the
+    numbers must fit); None: q's dtype says."""
+    wide = q.dtype == torch.float64 if wide is None else wide
+    bound, in_type = (sys.float_info.max, "") if wide else (
+        _FLOAT32_MAX, " in float32, the kernels' type for these inputs")
     dropout_p = _number(fn, "dropout_p", dropout_p)
     if not 0.0 <= dropout_p < 1.0:
         _fail(fn, "dropout_p", "must be in [0, 1), got %r" % (dropout_p,))
     if softmax_scale is not None:
         softmax_scale = _number(fn, "softmax_scale", softmax_scale)
-        if not -math.inf < softmax_scale < math.inf:   # isfinite, in words dynamic=True traces
-            _fail(fn, "softmax_scale", "must be finite, got %r" % (softmax_scale,))
+        if not -bound <= softmax_scale <= bound:     # NaN too; in words dynamic=True traces
+            _fail(fn, "softmax_scale", "must be finite%s, got %r" % (in_type, softmax_scale))
     softcap = _number(fn, "softcap", softcap)
-    if not 0.0 <= softcap < math.inf:
-        _fail(fn, "softcap", "must be a finite number >= 0 (0: no softcap), got %r" % (softcap,))
+    if not softcap <= bound:     # NaN too
+        _fail(fn, "softcap", "must be finite%s (<= 0: no softcap), got %r" % (in_type, softcap))
+    softcap = max(softcap, 0.0)     # as FlashAttention-2: only a positive softcap caps
     try:
         left, right = (operator.index(w) for w in window_size)
     except (TypeError, ValueError):
@@ -165,8 +174,9 @@ def _checked_options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_s
         # no gradient reaches the slopes (as FlashAttention-2); orchard_ops reads float32/64
         alibi_slopes = alibi_slopes.detach()
         # traced, orchard_ops checks them when the graph runs (a value read would break it)
-        if not torch.compiler.is_compiling() and not torch.isfinite(alibi_slopes).all():
-            _fail(fn, "alibi_slopes", "must be finite, got %s" % alibi_slopes.tolist())
+        if not torch.compiler.is_compiling() and not (alibi_slopes.abs() <= bound).all():
+            _fail(fn, "alibi_slopes", "must be finite%s, got %s"
+                  % (in_type, alibi_slopes.tolist()))
         if alibi_slopes.dtype not in (torch.float32, torch.float64):
             alibi_slopes = alibi_slopes.to(torch.float32)
     # traced, orchard_ops checks the device when the graph runs (the C call would break it)
