@@ -7,7 +7,8 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
 from orchard.model import GPT, GPTConfig  # noqa: E402
-from orchard.torch import flash_attention, patch_model, unpatch_model  # noqa: E402
+import orchard.torch  # noqa: E402
+from orchard.torch import AttentionRouter, flash_attention, patch_model, unpatch_model  # noqa: E402
 
 
 def qkv(shape_q, shape_kv, dtype=torch.float64, seed=0):
@@ -273,6 +274,21 @@ def test_routed_calls_under_autocast_take_its_dtype_as_torch_does():
             assert g.dtype == t.dtype
             torch.testing.assert_close(g, w, atol=10 * tol, rtol=10 * tol)
     assert router.routed == 3 and not router.left_to_torch
+
+
+def test_calls_left_to_torch_under_autocast_are_not_cast_by_the_router(monkeypatch):
+    """A call the router leaves to torch (a mask) reaches torch as it came, and autocast casts
+    it there: the router makes no copy of its own to throw away."""
+    casts = []
+    real = orchard.torch._as_autocast
+    monkeypatch.setattr(orchard.torch, "_as_autocast", lambda *t: casts.append(t) or real(*t))
+    q, k, v = qkv((1, 2, 8, 4), (1, 2, 8, 4), torch.float32, seed=4)
+    mask = torch.ones(8, 8, dtype=torch.bool).tril()
+    with AttentionRouter() as router, torch.autocast("cpu", dtype=torch.bfloat16):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        routed = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.dtype == routed.dtype == torch.bfloat16
+    assert router.left_to_torch == {"attn_mask": 1} and router.routed == 1 and len(casts) == 1
 
 
 def test_patched_model_trains_with_dropout_reproducibly():

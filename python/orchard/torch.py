@@ -184,16 +184,23 @@ def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
 
 
+def _autocast_target():
+    """The dtype torch's CPU autocast runs scaled_dot_product_attention in, or None."""
+    return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+
+
+def _cast_by_autocast(t, target):
+    """Whether CPU autocast to target casts t: a CPU floating-point tensor other than float64."""
+    return (target is not None and isinstance(t, torch.Tensor) and t.device.type == "cpu"
+            and t.is_floating_point() and t.dtype != torch.float64)
+
+
 def _as_autocast(*tensors):
     """The tensors as torch's CPU autocast hands them to scaled_dot_product_attention, which it
-    runs in the lower precision: CPU floating-point tensors other than float64 in the autocast
-    dtype (a differentiable cast: float32 leaves get float32 gradients); as they are without
-    autocast."""
-    if not torch.is_autocast_enabled("cpu"):
-        return tensors
-    dtype = torch.get_autocast_dtype("cpu")
-    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.device.type == "cpu"
-                 and t.is_floating_point() and t.dtype != torch.float64 else t for t in tensors)
+    runs in the lower precision (a differentiable cast: float32 leaves get float32 gradients);
+    as they are without autocast."""
+    target = _autocast_target()
+    return tuple(t.to(target) if _cast_by_autocast(t, target) else t for t in tensors)
 
 
 def _why_not_routable(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
@@ -205,7 +212,9 @@ def _why_not_routable(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gq
         return "attn_mask"
     if any(t.device.type != "cpu" or t.layout != torch.strided or t.is_nested for t in tensors):
         return "not a dense CPU tensor"
-    if q.dtype not in _ROUTABLE_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+    target = _autocast_target()     # the dtypes torch would compute in: autocast casts below
+    dtypes = {target if _cast_by_autocast(t, target) else t.dtype for t in tensors}
+    if len(dtypes) > 1 or dtypes.pop() not in _ROUTABLE_DTYPES:
         return "dtype"
     if q.dim() < 2 or k.dim() != q.dim() or v.dim() != q.dim():
         return "rank"
@@ -252,14 +261,13 @@ class AttentionRouter(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             q, k, v, mask, dropout_p, is_causal, scale, gqa = _sdpa_arguments(*args, **kwargs)
-            # autocast acts below this mode, in the dispatcher: cast as it would (a call left
-            # to torch gets the arguments as they were, and autocast then casts them)
-            q, k, v = _as_autocast(q, k, v)
             reason = _why_not_routable(q, k, v, mask, dropout_p, is_causal, scale, gqa)
             if reason is None:
                 self.routed += 1
-                return flash_attention(q, k, v, causal=is_causal, dropout_p=dropout_p,
-                                       scale=scale, device=self.device)
+                # autocast acts below this mode, in the dispatcher: cast as it would (a call
+                # left to torch gets the arguments as they were, and autocast casts them)
+                return flash_attention(*_as_autocast(q, k, v), causal=is_causal,
+                                       dropout_p=dropout_p, scale=scale, device=self.device)
             self.left_to_torch[reason] += 1
         return func(*args, **kwargs)
 
