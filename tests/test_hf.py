@@ -423,6 +423,10 @@ def test_a_window_the_layer_keeps_as_a_property():
     ("doge", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2),
      "transformers marks DogeModel as not supporting FlashAttention-2"),
+    # adds its ALiBi bias to the 4-D mask it builds: orchard's 2-D one made it non-causal
+    # (batch 1, padded) or failed inside the model
+    ("falcon", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, alibi=True),
+     "FalconConfig with alibi=True adds its ALiBi position bias to the attention mask"),
 ])
 def test_models_flash_attention_2_does_not_serve_are_refused(model_type, sizes, why):
     """Each of these ran on "orchard" with later tokens leaking into earlier positions, without
@@ -434,6 +438,51 @@ def test_models_flash_attention_2_does_not_serve_are_refused(model_type, sizes, 
     model = AutoModelForCausalLM.from_config(config, attn_implementation="orchard").eval()
     with pytest.raises(ValueError, match="orchard.hf: " + why):
         model(input_ids=tokens(2, 12))
+
+
+def test_falcon_without_alibi_runs_on_orchard(no_fallback):
+    from transformers import FalconConfig, FalconForCausalLM
+    MODELS["falcon"] = (FalconForCausalLM, FalconConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4), "sdpa")
+    try:
+        ref, model = pair("falcon")
+    finally:
+        del MODELS["falcon"]
+    ids, mask = tokens(3, 12), padding("left")
+    real = mask.bool()
+    assert_close(model(input_ids=ids, attention_mask=mask).logits[real],
+                 ref(input_ids=ids, attention_mask=mask).logits[real])
+
+
+def test_gemma4_kv_shared_layers_cut_masks_so_padding_falls_back(fresh_warnings):
+    """Gemma 4's text model cuts every mask to the positions it keeps (generate()'s last one)
+    before its KV-shared layers, indexing them as 4-D tensors unless the attention is
+    FlashAttention: orchard's 2-D masks failed there (IndexError) in any padded forward and
+    over a static cache. Those masks now fall back to sdpa, named; without one the model
+    runs on orchard."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+    MODELS["gemma4-kv-shared"] = (Gemma4ForCausalLM, Gemma4TextConfig(
+        num_key_value_heads=2, head_dim=16, global_head_dim=16, sliding_window=4,
+        vocab_size_per_layer_input=VOCAB,
+        hidden_size_per_layer_input=16, layer_types=["sliding_attention", "full_attention"] * 2,
+        num_kv_shared_layers=2, **dict(SMALL, num_hidden_layers=4)), "sdpa")
+    try:
+        ref, model = pair("gemma4-kv-shared")
+    finally:
+        del MODELS["gemma4-kv-shared"]
+    ids, mask = tokens(3, 12), padding("left")
+    orchard_ops.reset_stats()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="orchard.hf")
+        assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+    assert orchard_ops.stats()["fwd_calls"] == 4
+    real = mask.bool()
+    with pytest.warns(UserWarning, match="Gemma4TextModel cuts every mask"):
+        got = model(input_ids=ids, attention_mask=mask).logits[real]
+    assert_close(got, ref(input_ids=ids, attention_mask=mask).logits[real])
+    for kw in (dict(attention_mask=mask), dict(cache_implementation="static")):
+        want = ref.generate(ids, max_new_tokens=4, do_sample=False, **kw)
+        assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False, **kw), want)
 
 
 def test_a_model_outside_the_attention_interface_is_refused():

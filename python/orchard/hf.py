@@ -89,8 +89,14 @@ def unsupported_reason(config):
     attention in their own code, nor those whose class says _supports_flash_attn = False
     (their attention needs more than that description: a decoder self-attention causal only
     through its mask (BigBirdPegasus), a mask built on the causal one (Doge), a position bias
-    (T5), a mask tensor read by the model (DeepSeek V3.2's indexer), chunked layers (Llama 4))."""
-    return _unsupported(type(config))
+    (T5), a mask tensor read by the model (DeepSeek V3.2's indexer), chunked layers (Llama 4)),
+    nor those that add an ALiBi bias to the mask (Falcon with alibi=True: transformers refuses
+    FlashAttention-2 there)."""
+    why = _unsupported(type(config))
+    if why is None and getattr(config, "alibi", False) is True:
+        why = ("%s with alibi=True adds its ALiBi position bias to the attention mask, which "
+               "orchard (as FlashAttention-2) does not read" % type(config).__name__)
+    return why
 
 
 @functools.lru_cache(maxsize=None)
@@ -253,24 +259,25 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     the real tokens. Returns None, a (batch, keys) bool padding mask over the keys up to the
     last query, packed-sequence ids marked orchard_packed, or for a mask orchard cannot
     compute transformers' 4-D sdpa mask marked orchard_fallback (the reason)."""
-    if "config" in kwargs:
-        _refuse_unsupported(kwargs["config"])
+    config = kwargs.get("config")
+    if config is not None:
+        _refuse_unsupported(config)
     # A static cache gives its length as a tensor, so that compiled decode steps share one
     # graph: its mask keeps the cache's length and marks the keys past the last query (its
     # unwritten rows) as padding, their count left unread (_mark_written).
     static = isinstance(q_offset, torch.Tensor)
     kv_offset = int(kv_offset)
     q_offset = q_offset if static else int(q_offset)
-    n_keys = q_offset + q_length - kv_offset
+    cuts = config is not None and _cuts_masks(config)
     try:
-        ids = window = None
-        if mask_function is not masking_utils.causal_mask_function:
-            ids, window, why = _read_mask_function(mask_function)
-            if why is not None:
-                raise _Unsupported(why)
-        if not static and not q_length <= n_keys <= kv_length:
-            raise _Unsupported("queries at positions %d to %d over keys at %d to %d" % (
-                q_offset, q_offset + q_length - 1, kv_offset, kv_offset + kv_length - 1))
+        mask = _orchard_mask(batch_size, q_length, kv_length, q_offset, kv_offset, static,
+                             mask_function, attention_mask, config, kwargs.get("device"))
+        if mask is not None and cuts:
+            raise _Unsupported(
+                "%s cuts every mask to the positions it keeps before its KV-shared layers, as "
+                "4-D tensors (except for FlashAttention), which orchard's masks are not"
+                % _model_class(type(config)).__name__)
+        return mask
     except _Unsupported as e:
         # a real mask to mark, also where sdpa would skip it (a bidirectional mask without
         # padding, which an encoder's is)
@@ -280,18 +287,35 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
             batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
             kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
             allow_is_causal_skip=False, allow_is_bidirectional_skip=False, **kwargs)
+        if cuts and mask._base is not None:
+            # an expanded view: a view the model cuts from it would name the view's base, not
+            # it, and lose the mark (a byte a query-key pair, once a forward)
+            mask = mask.clone()
         mask.orchard_fallback = str(e)
         return mask
-    if ids is None and "config" in kwargs:
-        _record_window(kwargs["config"], window)
+
+
+def _orchard_mask(batch_size, q_length, kv_length, q_offset, kv_offset, static, mask_function,
+                  attention_mask, config, device):
+    """attention_mask's answer where orchard computes the mask; _Unsupported where not."""
+    n_keys = q_offset + q_length - kv_offset
+    ids = window = None
+    if mask_function is not masking_utils.causal_mask_function:
+        ids, window, why = _read_mask_function(mask_function)
+        if why is not None:
+            raise _Unsupported(why)
+    if not static and not q_length <= n_keys <= kv_length:
+        raise _Unsupported("queries at positions %d to %d over keys at %d to %d" % (
+            q_offset, q_offset + q_length - 1, kv_offset, kv_offset + kv_length - 1))
+    if ids is None and config is not None:
+        _record_window(config, window)
     if ids is not None:
         ids = ids.to(torch.int64, copy=True)
         ids.orchard_packed = True
         return ids
     if static or n_keys < kv_length:
         # keys past the last query: a static cache's unwritten rows
-        return _mark_written(batch_size, kv_length, kv_offset, n_keys, attention_mask,
-                             kwargs.get("device"))
+        return _mark_written(batch_size, kv_length, kv_offset, n_keys, attention_mask, device)
     if attention_mask is None:
         return None
     if attention_mask.shape[1] == n_keys:
@@ -307,6 +331,15 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
         return None
     padding.orchard_left_padding = None
     return padding
+
+
+@torch.compiler.assume_constant_result     # as unsupported_reason
+def _cuts_masks(config):
+    """Whether the model of config cuts its masks to the kept positions, indexing them as 4-D
+    tensors: transformers' Gemma 4 text model with KV-shared layers
+    (_maybe_slice_kv_shared_inputs, which only FlashAttention and flex attention skip)."""
+    return bool(getattr(config, "num_kv_shared_layers", 0)) and hasattr(
+        _model_class(type(config)), "_maybe_slice_kv_shared_inputs")
 
 
 def _mark_written(batch_size, kv_length, kv_offset, n_keys, attention_mask, device):
@@ -368,8 +401,11 @@ def _why_not(query, key, value, mask, sliding_window, kwargs):
     if mask is None or getattr(mask, "orchard_packed", False):
         return None
     if mask.dim() != 2:
-        return getattr(mask, "orchard_fallback", "a %d-D attention mask passed by the caller"
-                       % mask.dim())
+        # orchard's mask function marks the 4-D masks it makes, or the base of a view a model
+        # cuts from one (Gemma 4)
+        return (getattr(mask, "orchard_fallback", None)
+                or getattr(mask._base, "orchard_fallback", None)
+                or "a %d-D attention mask passed by the caller" % mask.dim())
     if not query.shape[2] <= mask.shape[1] <= key.shape[2] or mask.shape[0] != query.shape[0]:
         raise ValueError("orchard.hf: 'attention_mask' of shape %s does not fit %d queries of "
                          "batch %d over %d keys: a 2-D mask marks the keys, the queries being "
