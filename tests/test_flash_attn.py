@@ -649,6 +649,11 @@ def test_bad_dense_input_names_the_argument():
          lambda: flash_attn_func(q, k, v, softmax_scale=-1e39)),
         (ValueError, "flash_attn_func: 'alibi_slopes' must be finite in float32",
          lambda: flash_attn_func(q, k, v, alibi_slopes=torch.tensor([1e39, 1], dtype=float))),
+        *[(ValueError, "flash_attn_func: 'alibi_slopes' must be finite", lambda dtype=dtype:
+           flash_attn_func(q, k, v, alibi_slopes=torch.tensor([math.inf, 1], dtype=dtype)))
+          for dtype in (torch.float16, torch.bfloat16, torch.float32)],
+        (ValueError, "flash_attn_func: 'alibi_slopes' must be finite", lambda: flash_attn_func(
+            q.double(), k.double(), v.double(), alibi_slopes=torch.tensor([math.inf, 1]))),
         (TypeError, "'dropout_p'", lambda: flash_attn_func(q, k, v, dropout_p="0.1")),
         (TypeError, "'window_size'", lambda: flash_attn_func(q, k, v, window_size="12")),
         (TypeError, "'window_size'", lambda: flash_attn_func(q, k, v, window_size=(1.7, 0))),
@@ -763,6 +768,9 @@ def test_bad_kvcache_input_names_the_argument_and_writes_nothing():
         (ValueError, "'softcap' must be finite in float32", dict(kw, softcap=1e39)),
         (ValueError, "'alibi_slopes' must be finite in float32",
          dict(kw, alibi_slopes=torch.tensor([0.5, 1e39, 1, 1], dtype=float))),
+        *[(ValueError, "with_kvcache: 'alibi_slopes' must be finite",
+           dict(kw, alibi_slopes=torch.tensor([0.5, math.inf, 1, 1], dtype=dtype)))
+          for dtype in (torch.float16, torch.bfloat16)],
         (ValueError, "'device'", dict(kw, device="cuda")),
         (TypeError, "'device'", dict(kw, device=0)),
         (TypeError, "'num_splits'", dict(kw, num_splits="x")),

@@ -471,18 +471,26 @@ def test_gemma4_kv_shared_layers_cut_masks_so_padding_falls_back(fresh_warnings)
     finally:
         del MODELS["gemma4-kv-shared"]
     ids, mask = tokens(3, 12), padding("left")
-    orchard_ops.reset_stats()
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="orchard.hf")
-        assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits)
-    assert orchard_ops.stats()["fwd_calls"] == 4
+        for keep in (0, 3):     # 3: the KV-shared layers see the last 3 queries, on orchard
+            orchard_ops.reset_stats()
+            assert_close(model(input_ids=ids, logits_to_keep=keep).logits,
+                         ref(input_ids=ids, logits_to_keep=keep).logits)
+            assert orchard_ops.stats()["fwd_calls"] == 4
     real = mask.bool()
-    with pytest.warns(UserWarning, match="Gemma4TextModel cuts every mask"):
+    with pytest.warns(UserWarning, match="Gemma4TextModel cuts its masks"):
         got = model(input_ids=ids, attention_mask=mask).logits[real]
     assert_close(got, ref(input_ids=ids, attention_mask=mask).logits[real])
+    # the cut masks' layers named the same reason (their masks are new tensors, unmarked)
+    assert not any("passed by the caller" in reason for reason in hf._warned)
     for kw in (dict(attention_mask=mask), dict(cache_implementation="static")):
         want = ref.generate(ids, max_new_tokens=4, do_sample=False, **kw)
+        orchard_ops.reset_stats()
         assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False, **kw), want)
+        # a decode step's single query cuts nothing: its 2-D mask runs on orchard (and, over
+        # the static cache, the prefill's sliding layers, whose masks are None)
+        assert orchard_ops.stats()["fwd_calls"] >= 3 * 4, kw
 
 
 def test_a_model_outside_the_attention_interface_is_refused():

@@ -224,7 +224,9 @@ def test_routing_leaves_other_semantics_to_torch():
                     F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
                     F.scaled_dot_product_attention(q, k[:, :, :5], v[:, :, :5], is_causal=True),
                     F.scaled_dot_product_attention(q, k, v, scale=0.5, dropout_p=0.0),
-                    F.scaled_dot_product_attention(q, k, v, scale=math.inf))
+                    F.scaled_dot_product_attention(q, k, v, scale=math.inf),
+                    # finite, but not in float32, the kernels' type: orchard would refuse it
+                    F.scaled_dot_product_attention(q, k, v, scale=1e39))
 
     q, k, v = qkv((1, 2, 8, 4), (1, 2, 8, 4), torch.float32)
     mask = torch.ones(8, 8, dtype=torch.bool).tril()
@@ -234,7 +236,7 @@ def test_routing_leaves_other_semantics_to_torch():
     for got, want in zip(model(q, k, v, mask), expected):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, equal_nan=True)
     assert router.routed == 2
-    assert router.left_to_torch == {"attn_mask": 1, "is_causal with Nq != Nk": 1, "scale": 1}
+    assert router.left_to_torch == {"attn_mask": 1, "is_causal with Nq != Nk": 1, "scale": 2}
     assert "routed to orchard: 2" in router.summary()
     # Outside the patched model, torch's own function runs.
     F.scaled_dot_product_attention(q, k, v)

@@ -12,14 +12,13 @@ import itertools
 import math
 import numbers
 import operator
-import sys
 
 import torch
 
 import orchard_ops
 from orchard.attention_op import _Options
 from orchard.torch import (_MAX_HEAD_DIM, _attention, _check_tensors, _dropout_keep,
-                           _fail, _flag, _forward, _number, _seed)
+                           _fail, _flag, _forward, _largest_option, _number, _seed)
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
            "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
@@ -27,7 +26,6 @@ __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_
 
 _INT32 = torch.int32
 _MAX_SEQLEN = 2**32 - 1     # orchard's dropout stream numbers rows and keys with 32 bits
-_FLOAT32_MAX = float(torch.finfo(torch.float32).max)    # the kernels' type but for float64
 
 
 def _get_block_size_n(device=None, head_dim=None, is_dropout=False, is_causal=False):
@@ -113,8 +111,7 @@ def _options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size, sof
             left, right = window_size
             window = operator.index(left), operator.index(right)    # typed keys: ints alone
             return _plain_options(fn, seqlen_k if window != (-1, -1) else 0, softmax_scale,
-                                  causal, window, softcap, device, seqlen_first,
-                                  q.dtype == torch.float64)
+                                  causal, window, softcap, device, seqlen_first, q.dtype)
         except (TypeError, ValueError):     # unhashable, or refused: said below
             pass
     return _checked_options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size,
@@ -123,18 +120,17 @@ def _options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size, sof
 
 @functools.lru_cache(maxsize=256, typed=True)    # typed: causal=1.0 is refused, True is not
 def _plain_options(fn, seqlen_k, softmax_scale, causal, window_size, softcap, device,
-                   seqlen_first, wide):
+                   seqlen_first, dtype):
     return _checked_options(fn, None, seqlen_k, 0.0, softmax_scale, causal, window_size, softcap,
-                            None, None, device, seqlen_first, wide)
+                            None, None, device, seqlen_first, dtype)
 
 
 def _checked_options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
-                     alibi_slopes, batch, device, seqlen_first=False, wide=None, **varlen):
-    """wide: the operands are float64 (else the kernels compute in float32, whose range the
-    numbers must fit); None: q's dtype says."""
-    wide = q.dtype == torch.float64 if wide is None else wide
-    bound, in_type = (sys.float_info.max, "") if wide else (
-        _FLOAT32_MAX, " in float32, the kernels' type for these inputs")
+                     alibi_slopes, batch, device, seqlen_first=False, dtype=None, **varlen):
+    """dtype: the operands' (None: q's), whose kernels' type bounds the numbers."""
+    dtype = q.dtype if dtype is None else dtype
+    bound = _largest_option(dtype)
+    in_type = "" if dtype == torch.float64 else " in float32, the kernels' type for these inputs"
     dropout_p = _number(fn, "dropout_p", dropout_p)
     if not 0.0 <= dropout_p < 1.0:
         _fail(fn, "dropout_p", "must be in [0, 1), got %r" % (dropout_p,))
@@ -174,7 +170,9 @@ def _checked_options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_s
         # no gradient reaches the slopes (as FlashAttention-2); orchard_ops reads float32/64
         alibi_slopes = alibi_slopes.detach()
         # traced, orchard_ops checks them when the graph runs (a value read would break it)
-        if not torch.compiler.is_compiling() and not (alibi_slopes.abs() <= bound).all():
+        # in float64: the bound in a narrower dtype would be inf, and let inf through
+        if (not torch.compiler.is_compiling()
+                and not (alibi_slopes.double().abs() <= bound).all()):
             _fail(fn, "alibi_slopes", "must be finite%s, got %s"
                   % (in_type, alibi_slopes.tolist()))
         if alibi_slopes.dtype not in (torch.float32, torch.float64):

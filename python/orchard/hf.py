@@ -60,7 +60,7 @@ def _model_class(config_type):
 def computes_attention_itself(config):
     """The name of the transformers model class of `config` where that class computes its
     attention in its own code rather than through transformers' attention interface (Bloom,
-    XGLM, TrOCR, Falcon, GPT-J, ...): attn_implementation="orchard" never reaches its
+    XGLM, TrOCR, MPT, ...): attn_implementation="orchard" never reaches its
     attention, and the masks orchard's mask function describes (None for causal) would leave
     it unmasked. None for any other model, or one transformers does not map (custom code)."""
     return _computes_itself(type(config))
@@ -268,15 +268,13 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     static = isinstance(q_offset, torch.Tensor)
     kv_offset = int(kv_offset)
     q_offset = q_offset if static else int(q_offset)
-    cuts = config is not None and _cuts_masks(config)
     try:
         mask = _orchard_mask(batch_size, q_length, kv_length, q_offset, kv_offset, static,
                              mask_function, attention_mask, config, kwargs.get("device"))
-        if mask is not None and cuts:
-            raise _Unsupported(
-                "%s cuts every mask to the positions it keeps before its KV-shared layers, as "
-                "4-D tensors (except for FlashAttention), which orchard's masks are not"
-                % _model_class(type(config)).__name__)
+        # a model may cut the masks of a forward of several queries (Gemma 4's)
+        cut = config is not None and q_length > 1 and _cut_reason(config)
+        if mask is not None and cut:
+            raise _Unsupported(cut)
         return mask
     except _Unsupported as e:
         # a real mask to mark, also where sdpa would skip it (a bidirectional mask without
@@ -287,10 +285,6 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
             batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
             kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
             allow_is_causal_skip=False, allow_is_bidirectional_skip=False, **kwargs)
-        if cuts and mask._base is not None:
-            # an expanded view: a view the model cuts from it would name the view's base, not
-            # it, and lose the mark (a byte a query-key pair, once a forward)
-            mask = mask.clone()
         mask.orchard_fallback = str(e)
         return mask
 
@@ -334,12 +328,18 @@ def _orchard_mask(batch_size, q_length, kv_length, q_offset, kv_offset, static, 
 
 
 @torch.compiler.assume_constant_result     # as unsupported_reason
-def _cuts_masks(config):
-    """Whether the model of config cuts its masks to the kept positions, indexing them as 4-D
-    tensors: transformers' Gemma 4 text model with KV-shared layers
-    (_maybe_slice_kv_shared_inputs, which only FlashAttention and flex attention skip)."""
-    return bool(getattr(config, "num_kv_shared_layers", 0)) and hasattr(
-        _model_class(type(config)), "_maybe_slice_kv_shared_inputs")
+def _cut_reason(config):
+    """Why the model of config needs 4-D masks in a forward of several queries, or None:
+    transformers' Gemma 4 text model with KV-shared layers cuts its masks to the positions it
+    keeps before those layers, indexing them as 4-D tensors (_maybe_slice_kv_shared_inputs,
+    which only FlashAttention and flex attention skip); the cut masks are new tensors,
+    without orchard's marks."""
+    cls = _model_class(type(config))
+    if not (getattr(config, "num_kv_shared_layers", 0)
+            and hasattr(cls, "_maybe_slice_kv_shared_inputs")):
+        return None
+    return ("%s cuts its masks to the positions it keeps before its KV-shared layers, as 4-D "
+            "tensors (except for FlashAttention), which orchard's masks are not" % cls.__name__)
 
 
 def _mark_written(batch_size, kv_length, kv_offset, n_keys, attention_mask, device):
@@ -381,7 +381,7 @@ def _has_gaps(padding):
     return bool(((n > 0) & (last - first + 1 != n)).any())
 
 
-def _why_not(query, key, value, mask, sliding_window, kwargs):
+def _why_not(query, key, value, mask, sliding_window, config, kwargs):
     """None when orchard computes this call, else the reason it cannot; ValueError for a 2-D
     mask that does not fit the call."""
     if not (query.is_cpu and key.is_cpu and value.is_cpu) or not (
@@ -401,10 +401,11 @@ def _why_not(query, key, value, mask, sliding_window, kwargs):
     if mask is None or getattr(mask, "orchard_packed", False):
         return None
     if mask.dim() != 2:
-        # orchard's mask function marks the 4-D masks it makes, or the base of a view a model
-        # cuts from one (Gemma 4)
+        # orchard's mask function marks the 4-D masks it makes; those a model cut from them
+        # are new tensors, unmarked (read on the tensor it cut, `_base`, the mark is lost
+        # under torch.compile)
         return (getattr(mask, "orchard_fallback", None)
-                or getattr(mask._base, "orchard_fallback", None)
+                or config is not None and _cut_reason(config)
                 or "a %d-D attention mask passed by the caller" % mask.dim())
     if not query.shape[2] <= mask.shape[1] <= key.shape[2] or mask.shape[0] != query.shape[0]:
         raise ValueError("orchard.hf: 'attention_mask' of shape %s does not fit %d queries of "
@@ -545,8 +546,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     D), key and value (B, Hkv, Nk, D) with Hkv dividing H, attention_mask from
     attention_mask() or the caller. Returns (out (B, Nq, H, Dv), None). Causal masks are
     bottom-right aligned (a decode step's queries are the last positions)."""
-    if getattr(module, "config", None) is not None:
-        _refuse_unsupported(module.config)  # a model that makes no mask reaches orchard here
+    config = getattr(module, "config", None)
+    if config is not None:
+        _refuse_unsupported(config)     # a model that makes no mask reaches orchard here
     if kwargs.get("output_attentions") and "output_attentions" not in _warned:
         _warned.add("output_attentions")     # as sdpa and flash_attention_2 say, once
         warnings.warn("orchard.hf: output_attentions=True: orchard never forms the attention "
@@ -566,7 +568,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if len({query.dtype, key.dtype, value.dtype}) > 1:
         query, key = query.to(value.dtype), key.to(value.dtype)
     mask = attention_mask
-    reason = _why_not(query, key, value, mask, sliding_window, kwargs)
+    reason = _why_not(query, key, value, mask, sliding_window, config, kwargs)
     if reason is not None:
         return _fallback(reason, module, query, key, value, mask, causal, window, dropout,
                          scaling, softcap, kwargs)

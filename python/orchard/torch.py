@@ -11,6 +11,7 @@ import collections
 import inspect
 import math
 import numbers
+import sys
 import threading
 
 import numpy
@@ -27,6 +28,12 @@ from orchard.attention_op import _Options, ops_call
 
 _ROUTABLE_DTYPES = (torch.float16, torch.float32, torch.float64, torch.bfloat16)
 _MAX_HEAD_DIM = orchard_ops.build_info()["max_head_dim"]
+
+
+def _largest_option(dtype):
+    """The largest magnitude orchard_ops takes for a scale, softcap or ALiBi slope at operands
+    of dtype: its kernels compute in float32 for every dtype but float64."""
+    return sys.float_info.max if dtype == torch.float64 else float(torch.finfo(torch.float32).max)
 
 
 def _seed(dropout_p):
@@ -214,7 +221,7 @@ def _why_not_routable(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gq
         return "not a dense CPU tensor"
     target = _autocast_target()     # the dtypes torch would compute in: autocast casts below
     dtypes = {target if _cast_by_autocast(t, target) else t.dtype for t in tensors}
-    if len(dtypes) > 1 or dtypes.pop() not in _ROUTABLE_DTYPES:
+    if len(dtypes) > 1 or next(iter(dtypes)) not in _ROUTABLE_DTYPES:
         return "dtype"
     if q.dim() < 2 or k.dim() != q.dim() or v.dim() != q.dim():
         return "rank"
@@ -232,7 +239,8 @@ def _why_not_routable(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gq
         return "is_causal with Nq != Nk"
     if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
         return "dropout_p"
-    if scale is not None and not (isinstance(scale, numbers.Real) and math.isfinite(scale)):
+    if scale is not None and not (isinstance(scale, numbers.Real)
+                                  and abs(scale) <= _largest_option(dtypes.pop())):
         return "scale"      # orchard refuses it; torch computes something
     return _traced_or_transform(q, k, v)
 
