@@ -7,6 +7,7 @@ import math
 import pytest
 
 torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
 
 import orchard_ops  # noqa: E402
 from orchard.attention_op import _Options, _op_arguments  # noqa: E402
@@ -365,6 +366,46 @@ def test_patched_model_compiles_to_one_graph_that_routes_to_orchard():
         got = torch.autograd.grad(compiled(x)[0].sum(), list(model.parameters()))
         assert all(torch.equal(e, g) for e, g in zip(eager, got))
         assert router.routed == calls and not router.left_to_torch
+
+
+def test_make_fx_records_orchard_as_its_op():
+    """make_fx traces through a torch dispatch mode, not Dynamo: orchard's kernels, called
+    directly, ran unseen and the graph held the traced call's result as a constant (a second
+    input got the first's output); now the graph holds orchard's op, forward and backward."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(q, k, v):
+        out = flash_attention(q, k, v, causal=True)
+        return out, torch.autograd.grad(out.square().sum(), (q, k, v))
+
+    q, k, v = (torch.randn(1, 2, 6, 8, requires_grad=True) for _ in range(3))
+    graph = make_fx(step)(q, k, v)
+    assert "orchard.attention_fwd" in graph.code and "orchard.attention_bwd" in graph.code
+    q2 = torch.randn(1, 2, 6, 8, requires_grad=True)
+    out, grads = graph(q2, k, v)
+    want, want_grads = step(q2, k, v)
+    assert torch.equal(out, want) and all(torch.equal(g, w) for g, w in zip(grads, want_grads))
+
+
+def test_patched_model_exports_with_orchard_in_the_program():
+    """torch.export (non-strict, its default) read the root module's forward.__code__, which
+    the patched forward lacked, and then traced with fake tensors, which orchard's kernels
+    cannot read: both fail no more."""
+    class Attend(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return F.scaled_dot_product_attention(self.proj(x), x, x, is_causal=True)
+
+    model = Attend()
+    router = patch_model(model)
+    x = torch.randn(2, 3, 16, 8)
+    program = torch.export.export(model, (x,))
+    assert "orchard.attention_fwd" in str(program.graph)
+    x2 = torch.randn(2, 3, 16, 8)
+    assert torch.equal(program.module()(x2), model(x2)) and router.routed >= 1
 
 
 def tiny_llama():

@@ -36,14 +36,23 @@ def _largest_option(dtype):
     return sys.float_info.max if dtype == torch.float64 else float(torch.finfo(torch.float32).max)
 
 
+def _recording():
+    """Whether torch records a graph of its operations: torch.compile traces, or a torch
+    dispatch mode is active (make_fx, torch.export, a fake tensor mode, a user's mode). orchard
+    is then its custom op (orchard.attention_op), a node of the graph: its kernels, called
+    directly, would run unseen, and the graph would hold this call's result as a constant."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+
+
 def _seed(dropout_p):
     """The dropout seed of one call, drawn from torch's default generator so that
     torch.manual_seed reproduces the mask."""
     if dropout_p == 0.0:
         return 0
     seed = torch.randint(0, 2**63 - 1, (), dtype=torch.int64)
-    # traced, the draw stays in the graph (int() would break it; orchard.attention_op reads it)
-    return seed if torch.compiler.is_compiling() else int(seed)
+    # recorded, the draw stays in the graph (int() would break it or make it a constant;
+    # orchard.attention_op reads it)
+    return seed if _recording() else int(seed)
 
 
 def _transform_in_use(q, k, v):
@@ -65,7 +74,7 @@ def _refuse_transforms(q, k, v):
 
 
 def _forward(q, k, v, opts):
-    if torch.compiler.is_compiling():
+    if _recording():
         return attention_op.traced(q, k, v, opts)
     _refuse_transforms(q, k, v)
     return ops_call(orchard_ops.flash_attn_fwd, orchard_ops.flash_attn_varlen_fwd, opts, q, k, v)
@@ -108,7 +117,7 @@ def _attention(q, k, v, opts):
                            "run outside torch's graph, so the trace would replay this call's "
                            "result for every input; use torch.compile or eager mode")
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        if torch.compiler.is_compiling():   # one graph node each way, the gradient's included
+        if _recording():    # one graph node each way, the gradient's included
             return attention_op.traced(q, k, v, opts)
         _refuse_transforms(q, k, v)     # before apply, which fails on them with torch's words
         return _FlashAttention.apply(q, k, v, opts)
@@ -373,6 +382,10 @@ class _RoutedForward:
         if self.previous is not None:
             return self.previous(*args, **kwargs)
         return type(self.module).forward(self.module, *args, **kwargs)
+
+    @property
+    def __code__(self):     # what torch.export reads off a root module's forward
+        return (self.previous or type(self.module).forward).__code__
 
     @property
     def __signature__(self):    # what transformers and Trainer read off model.forward
