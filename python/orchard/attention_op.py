@@ -8,9 +8,9 @@ one graph node each way (fullgraph=True works):
 <options> are _Options' fields, in its order; the schema is written from _Options, once.
 Their fake implementations give what orchard_ops returns: out, dq, dk, dv in the memory axis
 order of their operand (q, q, k, v), as csrc/problem.c or_new_output lays them out, lse in C
-order. orchard.torch takes the custom ops only while torch.compile traces: in eager mode the
-dispatcher would add about 11 us to every call, and both paths run ops_call, so their results
-are the same.
+order. orchard.torch takes the custom ops only while torch records a graph (torch.compile, or
+a torch dispatch mode: make_fx, torch.export, fake tensors): in eager mode the dispatcher would
+add about 11 us to every call, and both paths run ops_call, so their results are the same.
 """
 import collections
 import math
@@ -23,7 +23,7 @@ import orchard_ops
 # Everything one attention call needs besides q, k, v. cu_seqlens_q/k (int32 tensors) select
 # the packed (total, H, D) layout; otherwise tensors are (..., N, D) with optional GQA heads,
 # or with seqlen_first (..., N, H, D), lse (..., H, N) either way.
-# seed is an int, or while torch.compile traces a 0-d int64 tensor (orchard.torch._seed).
+# seed is an int, or while torch records a graph a 0-d int64 tensor (orchard.torch._seed).
 _Options = collections.namedtuple(
     "_Options", "scale dropout_p causal window alibi_slopes softcap seed device "
                 "cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k seqused_k block_table leftpad_k "
@@ -45,6 +45,16 @@ def refuse(why):
         "orchard attention does not run under %s: its kernels read the tensors' memory and "
         "have no batching rule or forward derivative; use torch's "
         "scaled_dot_product_attention there (patch_model falls back to it)" % why)
+
+
+def refuse_second_derivative():
+    """RuntimeError where a backward runs with grad mode on: under create_graph=True, which
+    asks for the gradients' own graph. orchard's backward has none, and gradients without one
+    would make a second derivative (a gradient penalty) silently wrong."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("orchard attention has no second derivative: its backward ran "
+                           "with create_graph=True (a gradient of a gradient, such as a "
+                           "gradient penalty); compute such terms with torch's attention")
 
 
 def ops_call(dense, varlen, o, *arrays):
@@ -208,6 +218,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dout, _dlse):
+    refuse_second_derivative()
     q, k, v, out, lse, *tensors = ctx.saved_tensors
     options = list(ctx.options)
     for i, t in zip(ctx.tensor_options, tensors):

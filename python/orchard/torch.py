@@ -4,8 +4,8 @@ scaled_dot_product_attention calls to it.
 orchard_ops reads and writes host memory, so this works on CPU tensors of float16, bfloat16,
 float32 and float64: it reads them in place (DLPack) and returns its results as tensors, with
 no copy either way. _attention is the one path from torch to orchard_ops; orchard.flash_attn
-uses it too. While torch.compile traces, that path is orchard.attention_op's custom ops, one
-graph node each way.
+uses it too. While torch records a graph (torch.compile, a torch dispatch mode: _recording),
+that path is orchard.attention_op's custom ops, one graph node each way.
 """
 import collections
 import inspect
@@ -74,9 +74,10 @@ def _refuse_transforms(q, k, v):
 
 
 def _forward(q, k, v, opts):
+    if not torch.compiler.is_compiling():   # (Dynamo handles torch.func itself)
+        _refuse_transforms(q, k, v)
     if _recording():
         return attention_op.traced(q, k, v, opts)
-    _refuse_transforms(q, k, v)
     return ops_call(orchard_ops.flash_attn_fwd, orchard_ops.flash_attn_varlen_fwd, opts, q, k, v)
 
 
@@ -95,13 +96,7 @@ class _FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        # Grad mode is on here only under create_graph=True, which asks for the gradients'
-        # own graph: orchard's backward has none, and gradients without one would make a
-        # second derivative (a gradient penalty) silently wrong.
-        if torch.is_grad_enabled():
-            raise RuntimeError("orchard attention has no second derivative: its backward ran "
-                               "with create_graph=True (a gradient of a gradient, such as a "
-                               "gradient penalty); compute such terms with torch's attention")
+        attention_op.refuse_second_derivative()
         q, k, v, out, lse = ctx.saved_tensors
         # autograd may hand a lazily negated view (the gradient through a complex conj),
         # which DLPack does not carry: resolved here, as the user cannot
@@ -117,9 +112,10 @@ def _attention(q, k, v, opts):
                            "run outside torch's graph, so the trace would replay this call's "
                            "result for every input; use torch.compile or eager mode")
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        if not torch.compiler.is_compiling():
+            _refuse_transforms(q, k, v)     # before apply, which fails on them in torch's words
         if _recording():    # one graph node each way, the gradient's included
             return attention_op.traced(q, k, v, opts)
-        _refuse_transforms(q, k, v)     # before apply, which fails on them with torch's words
         return _FlashAttention.apply(q, k, v, opts)
     # No graph to record: autograd's bookkeeping (about 7 us a call) is skipped.
     return _forward(q, k, v, opts)
@@ -385,7 +381,8 @@ class _RoutedForward:
 
     @property
     def __code__(self):     # what torch.export reads off a root module's forward
-        return (self.previous or type(self.module).forward).__code__
+        forward = self.previous or type(self.module).forward
+        return getattr(forward, "func", forward).__code__   # a partial's (accelerate's hooks)
 
     @property
     def __signature__(self):    # what transformers and Trainer read off model.forward
