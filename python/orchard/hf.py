@@ -272,8 +272,8 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
         mask = _orchard_mask(batch_size, q_length, kv_length, q_offset, kv_offset, static,
                              mask_function, attention_mask, config, kwargs.get("device"))
         # a model may cut the masks of a forward of several queries (Gemma 4's)
-        cut = config is not None and q_length > 1 and _cut_reason(config)
-        if mask is not None and cut:
+        cut = mask is not None and q_length > 1 and config is not None and _cut_reason(config)
+        if cut:
             raise _Unsupported(cut)
         return mask
     except _Unsupported as e:

@@ -30,10 +30,13 @@ _ROUTABLE_DTYPES = (torch.float16, torch.float32, torch.float64, torch.bfloat16)
 _MAX_HEAD_DIM = orchard_ops.build_info()["max_head_dim"]
 
 
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
 def _largest_option(dtype):
     """The largest magnitude orchard_ops takes for a scale, softcap or ALiBi slope at operands
     of dtype: its kernels compute in float32 for every dtype but float64."""
-    return sys.float_info.max if dtype == torch.float64 else float(torch.finfo(torch.float32).max)
+    return sys.float_info.max if dtype == torch.float64 else _FLOAT32_MAX
 
 
 def _recording():
@@ -74,6 +77,8 @@ def _refuse_transforms(q, k, v):
 
 
 def _forward(q, k, v, opts):
+    """(out, lse) by orchard_ops without autograd's bookkeeping; while torch records, its
+    custom op (differentiable: one graph node each way, the gradient's included)."""
     if not torch.compiler.is_compiling():   # (Dynamo handles torch.func itself)
         _refuse_transforms(q, k, v)
     if _recording():
@@ -111,11 +116,9 @@ def _attention(q, k, v, opts):
         raise RuntimeError("orchard attention cannot be traced by torch.jit.trace: its kernels "
                            "run outside torch's graph, so the trace would replay this call's "
                            "result for every input; use torch.compile or eager mode")
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        if not torch.compiler.is_compiling():
-            _refuse_transforms(q, k, v)     # before apply, which fails on them in torch's words
-        if _recording():    # one graph node each way, the gradient's included
-            return attention_op.traced(q, k, v, opts)
+    if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+            and not _recording()):
+        _refuse_transforms(q, k, v)     # before apply, which fails on them in torch's words
         return _FlashAttention.apply(q, k, v, opts)
     # No graph to record: autograd's bookkeeping (about 7 us a call) is skipped.
     return _forward(q, k, v, opts)
