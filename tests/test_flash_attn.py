@@ -717,6 +717,10 @@ def test_bad_varlen_input_names_the_argument():
         (TypeError, "flash_attn_varlen_func: 'max_seqlen_k' must be an int",
          lambda: flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 4.0)),
         (TypeError, "'max_seqlen_k'", lambda: flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, True)),
+        (TypeError, "'max_seqlen_k' must be an int, got tensor\\(4\\.\\)",
+         lambda: flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, torch.tensor(4.0))),
+        (TypeError, "'max_seqlen_q'", lambda: flash_attn_varlen_func(
+            q, k, v, cu_q, cu_k, torch.tensor([3, 3]), 4)),
         (ValueError, "flash_attn_varlen_qkvpacked_func: 'max_seqlen' must be at least 3",
          lambda: flash_attn_varlen_qkvpacked_func(torch.stack((q, q, q), 1), cu_q, 2)),
         (TypeError, "'block_table'", lambda: flash_attn_varlen_func(
@@ -735,6 +739,17 @@ def test_bad_varlen_input_names_the_argument():
     for error, name, call in bad:
         with pytest.raises(error, match=name):
             call()
+
+
+def test_varlen_max_seqlen_of_one_integer_element_as_fa2():
+    """FlashAttention-2's int parameters take anything with __index__: transformers 4.44-4.47
+    passed max_seqlen as a 0-d tensor (position_ids.max() + 1)."""
+    q, k, v, cu_q, cu_k = varlen_inputs(torch.float32, [2, 3], [3, 4])
+    want = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 4)
+    got = flash_attn_varlen_func(q, k, v, cu_q, cu_k, torch.tensor(3), torch.tensor([4]))
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="'max_seqlen_k' must be at least 4"):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, torch.tensor(3, dtype=torch.int32))
 
 
 def test_bad_kvcache_input_names_the_argument_and_writes_nothing():

@@ -369,13 +369,20 @@ def _paged_gather(fn, k, v, cu_k, block_table, d, gather):
 
 
 def _check_max_seqlen(fn, name, x, longest):
-    """TypeError / ValueError naming it unless x is None or an int at least `longest`."""
+    """x as an int (None stays None); TypeError / ValueError naming it unless it is an integer
+    at least `longest`. Anything with __index__ is one, as for FlashAttention-2's int
+    parameters: transformers 4.44-4.47 passed one-element integer tensors."""
     if x is None:
-        return
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        return None
+    try:
+        n = None if isinstance(x, bool) else operator.index(x)
+    except (TypeError, RuntimeError):   # RuntimeError: a tensor of several elements
+        n = None
+    if n is None:
         _fail(fn, name, "must be an int, got %r" % (x,), TypeError)
-    if x < longest:
-        _fail(fn, name, "must be at least %d, the longest sequence, got %d" % (longest, x))
+    if n < longest:
+        _fail(fn, name, "must be at least %d, the longest sequence, got %d" % (longest, n))
+    return n
 
 
 def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
@@ -396,8 +403,8 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         _check_shape(fn, "k", k, (None, None, q.shape[2]), layout)
         _check_shape(fn, "v", v, tuple(k.shape[:2]) + (None,), layout)
         _check_entries(fn, cu_names, cu_seqlens_q.shape[0], cu_seqlens_k.shape[0])
-        for x, suffix in zip((max_seqlen_q, max_seqlen_k), suffixes):
-            _check_max_seqlen(fn, "max_seqlen" + suffix, x, 0)
+        max_seqlen_q, max_seqlen_k = (_check_max_seqlen(fn, "max_seqlen" + suffix, x, 0)
+                                      for x, suffix in zip((max_seqlen_q, max_seqlen_k), suffixes))
         cu_q = cu_k = None      # read only for S_dmask with dropout, below
         batch = cu_seqlens_q.shape[0] - 1
     else:
@@ -416,10 +423,9 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 block_table = None
         _check_entries(fn, cu_names, len(cu_q), len(cu_k))
         longest = [max((b - a for a, b in zip(cu, cu[1:])), default=0) for cu in (cu_q, cu_k)]
-        for x, suffix, n in zip((max_seqlen_q, max_seqlen_k), suffixes, longest):
-            _check_max_seqlen(fn, "max_seqlen" + suffix, x, n)
-        max_seqlen_q, max_seqlen_k = (n if x is None else x
-                                      for x, n in zip((max_seqlen_q, max_seqlen_k), longest))
+        max_seqlen_q, max_seqlen_k = (
+            n if x is None else _check_max_seqlen(fn, "max_seqlen" + suffix, x, n)
+            for x, suffix, n in zip((max_seqlen_q, max_seqlen_k), suffixes, longest))
         batch = len(cu_q) - 1
     _check_heads(fn, q, k, v, -2)
     opts = _options(fn, q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
