@@ -47,6 +47,13 @@ int or_as_integer(PyObject *obj, long long *out)
     return 0;
 }
 
+/* The exception for an integer argument obj that is bad (a bool, or or_as_integer failed) or
+ * out of range: TypeError for a bool or what is no int, ValueError for an int too large. */
+static PyObject *int_error(PyObject *obj, int bad)
+{
+    return bad && (!PyLong_Check(obj) || PyBool_Check(obj)) ? PyExc_TypeError : PyExc_ValueError;
+}
+
 int or_int_arg(const char *func, const char *name, PyObject *obj, long long lo, long long hi,
                long long *out)
 {
@@ -55,8 +62,7 @@ int or_int_arg(const char *func, const char *name, PyObject *obj, long long lo, 
     if (!bad && *out >= lo && *out <= hi)
         return 0;
     if (!PyErr_Occurred())
-        PyErr_Format(bad && (!PyLong_Check(obj) || PyBool_Check(obj)) ? PyExc_TypeError
-                     : PyExc_ValueError, "%s(): '%s' must be an int in %lld..%lld, got %.100R",
+        PyErr_Format(int_error(obj, bad), "%s(): '%s' must be an int in %lld..%lld, got %.100R",
                      func, name, lo, hi, obj);
     return -1;
 }
@@ -78,13 +84,17 @@ static int real_arg(or_call *c, const char *name, PyObject *obj, double *out)
     *out = 0.0;
     if (obj == NULL)
         return 0;
-    if (!PyBool_Check(obj)) {
+    if (!PyBool_Check(obj) && !PyArray_IsScalar(obj, Bool)) {
         *out = PyFloat_AsDouble(obj);
         if (!(*out == -1.0 && PyErr_Occurred()))
             return 0;
         if (PyErr_ExceptionMatches(PyExc_OverflowError)) {     /* an int past float's range */
             PyErr_Clear();
-            *out = INFINITY;
+            int sign = 0;
+            PyLong_AsLongLongAndOverflow(obj, &sign);
+            if (PyErr_Occurred() && !or_bad_value())
+                return -1;
+            *out = sign < 0 ? -INFINITY : INFINITY;
             return 0;
         }
         if (!or_bad_value())
@@ -143,11 +153,13 @@ int or_check_options(or_call *c, const or_opts *o)
         PyObject *item = PySequence_GetItem(o->window, i);
         if (item == NULL)
             return -1;
-        int bad = or_as_integer(item, &lr[i]) < 0;
+        /* a bool is an int to Python, but not a bound */
+        const int bad = PyBool_Check(item) || or_as_integer(item, &lr[i]) < 0;
+        PyObject *error = int_error(item, bad);
         Py_DECREF(item);
         if (bad || lr[i] < -1) {
             if (!PyErr_Occurred())
-                PyErr_Format(PyExc_ValueError, "%s(): 'window' entries must be ints >= -1 (-1 = "
+                PyErr_Format(error, "%s(): 'window' entries must be ints >= -1 (-1 = "
                              "unbounded), got %R", c->func, o->window);
             return -1;
         }
@@ -473,6 +485,26 @@ int or_check_like(or_call *c, int slot, const npy_intp *shape, int nd)
     return -1;
 }
 
+/* raw (an integer array; its reference is taken) as a C-ordered int64 copy of nd dimensions;
+ * ValueError naming it where a value of an unsigned array lies past int64's range, which the
+ * cast would wrap to a negative number (a message would show that number). */
+static PyArrayObject *as_int64(or_call *c, PyArrayObject *raw, const char *name, int nd)
+{
+    PyArrayObject *a = (PyArrayObject *)PyArray_FromAny(
+        (PyObject *)raw, PyArray_DescrFromType(NPY_INT64), nd, nd,
+        NPY_ARRAY_CARRAY | NPY_ARRAY_FORCECAST, NULL);
+    const int64_t *v = a != NULL && PyArray_ISUNSIGNED(raw) ? PyArray_DATA(a) : NULL;
+    for (npy_intp i = 0; v != NULL && i < PyArray_SIZE(a); i++)
+        if (v[i] < 0) {
+            PyErr_Format(PyExc_ValueError, "%s(): '%s' must hold values below 2**63, got %llu "
+                         "at flat index %zd", c->func, name, (unsigned long long)v[i], i);
+            Py_CLEAR(a);
+            break;
+        }
+    Py_DECREF(raw);
+    return a;
+}
+
 /* cu_seqlens as a validated int64 array of B + 1 offsets ending at `total`. */
 static PyArrayObject *check_cu_seqlens(or_call *c, PyObject *obj, const char *name,
                                        npy_intp total, npy_intp *max_len)
@@ -486,10 +518,7 @@ static PyArrayObject *check_cu_seqlens(or_call *c, PyObject *obj, const char *na
         Py_DECREF(raw);
         return NULL;
     }
-    PyArrayObject *cu = (PyArrayObject *)PyArray_FromAny(
-        (PyObject *)raw, PyArray_DescrFromType(NPY_INT64), 1, 1,
-        NPY_ARRAY_CARRAY | NPY_ARRAY_FORCECAST, NULL);
-    Py_DECREF(raw);
+    PyArrayObject *cu = as_int64(c, raw, name, 1);
     if (cu == NULL)
         return NULL;
     const int64_t *v = PyArray_DATA(cu);
@@ -528,10 +557,11 @@ static int check_max_seqlen(or_call *c, PyObject *given, const char *name, npy_i
     if (given == Py_None)
         return 0;
     long long m;
-    if (or_as_integer(given, &m) < 0 || m < actual) {
+    const int bad = PyBool_Check(given) || or_as_integer(given, &m) < 0;
+    if (bad || m < actual) {
         if (!PyErr_Occurred())
-            PyErr_Format(PyExc_ValueError, "%s(): '%s' must be an int >= %zd, the longest "
-                         "sequence, got %.100R", c->func, name, actual, given);
+            PyErr_Format(int_error(given, bad), "%s(): '%s' must be an int >= "
+                         "%zd, the longest sequence, got %.100R", c->func, name, actual, given);
         return -1;
     }
     return 0;
@@ -576,10 +606,7 @@ static npy_intp check_seqused_k(or_call *c, PyObject *obj)
         Py_DECREF(raw);
         return -1;
     }
-    c->used_k = (PyArrayObject *)PyArray_FromAny(
-        (PyObject *)raw, PyArray_DescrFromType(NPY_INT64), 1, 1,
-        NPY_ARRAY_CARRAY | NPY_ARRAY_FORCECAST, NULL);
-    Py_DECREF(raw);
+    c->used_k = as_int64(c, raw, "seqused_k", 1);
     if (c->used_k == NULL)
         return -1;
     const int64_t *used = PyArray_DATA(c->used_k);
@@ -675,11 +702,7 @@ static PyArrayObject *int64_array(or_call *c, PyObject *obj, const char *name, i
         Py_DECREF(raw);
         return NULL;
     }
-    PyArrayObject *a = (PyArrayObject *)PyArray_FromAny(
-        (PyObject *)raw, PyArray_DescrFromType(NPY_INT64), nd, nd,
-        NPY_ARRAY_CARRAY | NPY_ARRAY_FORCECAST, NULL);
-    Py_DECREF(raw);
-    return a;
+    return as_int64(c, raw, name, nd);
 }
 
 /* seqused_k of a dense forward (a varlen one's: or_check_varlen), then leftpad_k and

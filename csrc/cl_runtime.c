@@ -654,8 +654,6 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
     /* ORCHARD_CL_LOCAL_MEM=bytes: a device with that much local memory, to test the rules */
     facts.local_mem = (unsigned long long)env_int("ORCHARD_CL_LOCAL_MEM", (int)facts.local_mem);
 #endif
-    if (or_cl_environment_problem(err->msg, sizeof(err->msg)))
-        return OR_EDEVICE;
     for (;;) {      /* the family's blocks: defaults, a tuned record, the environment, its rule */
         const or_cl_family *f = &or_cl_families[family];
         vw = vector_width(&dev->info, family);
@@ -722,6 +720,10 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
 int or_cl_get_program(int i, or_dtype dt, int d, int dv, or_counters *ct, or_cl_program *out,
                       or_error *err)
 {
+    /* at every call, not only where a program is built: a value set after the first call of
+     * a head dim stops that one's calls too */
+    if (or_cl_environment_problem(err->msg, sizeof(err->msg)))
+        return OR_EDEVICE;
     int rc;
     device_t *dev = lock_device(i, &rc, err);
     if (dev == NULL)

@@ -109,24 +109,6 @@ PyObject *or_device_id(int index)
     return index == 0 ? PyUnicode_FromString("cpu") : PyUnicode_FromFormat("opencl:%d", index - 1);
 }
 
-/* The best OpenCL device for "opencl": GPUs first, then the most compute units. */
-static int best_opencl(int gpus_only)
-{
-    int best = -1;
-#ifdef ORCHARD_HAVE_OPENCL
-    for (int d = 1; d < or_device_count(); d++) {
-        const or_cl_info *in = cl_info(d), *b = best > 0 ? cl_info(best) : NULL;
-        int gpu = strcmp(in->kind, "gpu") == 0;
-        if (gpus_only && !gpu)
-            continue;
-        if (b == NULL || (gpu && strcmp(b->kind, "gpu") != 0)
-            || (gpu == (strcmp(b->kind, "gpu") == 0) && in->compute_units > b->compute_units))
-            best = d;
-    }
-#endif
-    return best;
-}
-
 static int contains_nocase(const char *hay, const char *needle)
 {
     size_t n = strlen(needle);
@@ -134,6 +116,34 @@ static int contains_nocase(const char *hay, const char *needle)
         if (strncasecmp(hay, needle, n) == 0)
             return 1;
     return n == 0;
+}
+
+#ifdef ORCHARD_HAVE_OPENCL
+/* How an OpenCL device ranks for "opencl": a real device above a simulator (Oclgrind calls
+ * itself a GPU, and runs a call thousands of times slower), a GPU above any other kind. */
+static int cl_rank(const or_cl_info *in)
+{
+    return (contains_nocase(in->platform, "oclgrind") ? 0 : 2) + (strcmp(in->kind, "gpu") == 0);
+}
+#endif
+
+/* The best OpenCL device for "opencl" (highest cl_rank, then the most compute units), or
+ * with gpus_only the best real GPU (-1: none). */
+static int best_opencl(int gpus_only)
+{
+    int best = -1;
+#ifdef ORCHARD_HAVE_OPENCL
+    for (int d = 1; d < or_device_count(); d++) {
+        const or_cl_info *in = cl_info(d), *b = best > 0 ? cl_info(best) : NULL;
+        const int rank = cl_rank(in);
+        if (gpus_only && rank != 3)
+            continue;
+        if (b == NULL || rank > cl_rank(b)
+            || (rank == cl_rank(b) && in->compute_units > b->compute_units))
+            best = d;
+    }
+#endif
+    return best;
 }
 
 /* The index a device string names, or -1. */
@@ -205,8 +215,14 @@ int or_resolve_device(const char *func, PyObject *device, or_device_choice *out)
     }
     Py_ssize_t len = 4;
     const char *name = device == Py_None ? "auto" : PyUnicode_AsUTF8AndSize(device, &len);
-    if (name == NULL)
+    if (name == NULL) {     /* a lone surrogate: no device's name */
+        if (PyErr_ExceptionMatches(PyExc_UnicodeEncodeError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "%s(): 'device' must be valid UTF-8 text, got %R",
+                         func, device);
+        }
         return -1;
+    }
     if ((size_t)len != strlen(name)) {     /* C would read "cpu\0x" as "cpu" */
         PyErr_Format(PyExc_ValueError, "%s(): 'device' must not hold a NUL character, got %R",
                      func, device);

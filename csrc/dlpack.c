@@ -252,10 +252,24 @@ PyArrayObject *or_from_dlpack(or_module_state *st, PyObject *obj, const char *fu
     a = (PyArrayObject *)PyArray_NewFromDescr(
         &PyArray_Type, PyArray_DescrFromType(typenum), t->ndim, dims, strides,
         (char *)t->data + t->byte_offset, 0, NULL);
-    if (a != NULL && PyArray_SetBaseObject(a, owner) < 0)   /* steals owner */
+    if (a != NULL && PyArray_SetBaseObject(a, owner) < 0) {     /* steals owner */
         Py_CLEAR(a);
-    else if (a == NULL)
+    } else if (a == NULL) {
+        /* NumPy's error (a shape past its bounds: "array is too big") named for the argument,
+         * and kept while the producer's deleter, which may run Python code, releases it */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
         Py_DECREF(owner);
+        if (type != NULL && PyErr_GivenExceptionMatches(type, PyExc_ValueError)) {
+            PyErr_Format(PyExc_ValueError, "%s(): argument '%s' has a DLPack shape NumPy cannot "
+                         "hold (%S)", func, name, value != NULL ? value : Py_None);
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+        } else {
+            PyErr_Restore(type, value, tb);
+        }
+    }
 done:
     Py_DECREF(capsule);
     return a;

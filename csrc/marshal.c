@@ -236,10 +236,27 @@ PyArrayObject *or_unreadable(const char *func, const char *name, int own_words)
     return NULL;
 }
 
+/* 1 where obj has the attribute, 0 where it has not, -1 with the exception of a failed look-up
+ * (PyObject_HasAttr would swallow a KeyboardInterrupt or MemoryError raised by a property). */
+static int has_attr(PyObject *obj, PyObject *name)
+{
+    PyObject *got = PyObject_GetAttr(obj, name);
+    if (got != NULL) {
+        Py_DECREF(got);
+        return 1;
+    }
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+        return -1;
+    PyErr_Clear();
+    return 0;
+}
+
 PyArrayObject *or_operand(or_module_state *st, PyObject *obj, const char *func,
                           const char *name, or_counters *ct, size_t align, or_dtype *dt)
 {
-    const int dlpack = !PyArray_Check(obj) && PyObject_HasAttr(obj, st->dlpack_name);
+    const int dlpack = PyArray_Check(obj) ? 0 : has_attr(obj, st->dlpack_name);
+    if (dlpack < 0)
+        return NULL;
     PyArrayObject *a = dlpack ? or_from_dlpack(st, obj, func, name, dt)
                               : (PyArrayObject *)PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
     if (a == NULL)

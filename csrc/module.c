@@ -491,6 +491,11 @@ static PyObject *set_native_isa(PyObject *module, PyObject *name)
         if (!PyErr_Occurred())
             PyErr_Format(PyExc_TypeError, "set_native_isa: name must be a str, not %s",
                          Py_TYPE(name)->tp_name);
+        else if (PyErr_ExceptionMatches(PyExc_UnicodeEncodeError)) {   /* a lone surrogate */
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "set_native_isa(): name must be valid UTF-8 text, "
+                         "got %R", name);
+        }
         return NULL;
     }
     if ((size_t)len != strlen(s)) {

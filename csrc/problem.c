@@ -8,6 +8,10 @@
 
 void or_call_clear(or_call *c)
 {
+    /* releasing an operand may run Python code (a DLPack producer's deleter, a base object's
+     * __del__), which must neither see nor replace the call's exception */
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
     for (int s = 0; s < OR_NSLOTS; s++) {
         Py_CLEAR(c->arr[s]);
         Py_CLEAR(c->dev[s]);
@@ -28,6 +32,7 @@ void or_call_clear(or_call *c)
     PyMem_Free(c->slopes);
     c->nq = c->nk = NULL;
     c->slopes = NULL;
+    PyErr_Restore(type, value, tb);
 }
 
 /* The shapes of out and lse implied by q and v. */

@@ -5,6 +5,7 @@ quotes, e.g. 'k'")."""
 
 import json
 
+import numpy as np
 import pytest
 
 from conftest import run_python
@@ -102,6 +103,9 @@ CASES = [
     ("window_3", "", "fwd(q, k, v, window=(1, 2, 3))", [TE, VE], ["window"]),
     ("window_str", "", "fwd(q, k, v, window='ab')", [TE, VE], ["window"]),
     ("window_float", "", "fwd(q, k, v, window=(1.5, 2))", [TE, VE], ["window"]),
+    ("window_bool", "", "fwd(q, k, v, window=(True, False))", [TE], ["window"]),
+    ("scale_numpy_bool", "", "fwd(q, k, v, scale=np.True_)", [TE], ["scale"]),
+    ("softcap_numpy_bool", "", "fwd(q, k, v, softcap=np.True_)", [TE], ["softcap"]),
     ("alibi_wrong_H", "", "fwd(q, k, v, alibi_slopes=np.ones(3))", [VE], ["alibi_slopes"]),
     ("alibi_wrong_BH", "", "fwd(q, k, v, alibi_slopes=np.ones((2, 2)))", [VE], ["alibi_slopes"]),
     ("alibi_3d", "", "fwd(q, k, v, alibi_slopes=np.ones((1, 2, 1)))", [VE], ["alibi_slopes"]),
@@ -140,6 +144,9 @@ CASES = [
      "vbwd(dop, qp, kp, vp, vout, vlse, cq2, ck2)", [VE], ["cu_seqlens_q"]),
     ("max_seqlen_q_small", "", "vfwd(qp, kp, vp, cq, ck, max_seqlen_q=2)", [VE], ["max_seqlen_q"]),
     ("max_seqlen_k_small", "", "vfwd(qp, kp, vp, cq, ck, None, 3)", [VE], ["max_seqlen_k"]),
+    ("max_seqlen_q_float", "", "vfwd(qp, kp, vp, cq, ck, max_seqlen_q=5.0)", [TE],
+     ["max_seqlen_q"]),
+    ("max_seqlen_k_bool", "", "vfwd(qp, kp, vp, cq, ck, None, True)", [TE], ["max_seqlen_k"]),
     ("varlen_q_4d", "qp = a(5, 2, 1, 8)", "vfwd(qp, kp, vp, cq, ck)", [VE], ["q"]),
     ("varlen_H_not_multiple", "qp = a(5, 3, 8)", "vfwd(qp, kp, vp, cq, ck)", [VE], ["k"]),
     ("lse_wrong_shape", "lse = lse[..., :-1]", "bwd(do, q, k, v, out, lse)", [VE], ["lse"]),
@@ -171,6 +178,9 @@ CASES = [
     ("interrupt_in_window", KI, "fwd(q, k, v, window=KI())", ["KeyboardInterrupt"], []),
     ("interrupt_in_mask_shape", KI, "ops.dropout_mask(KI(), (2, 6, 8), 0.5)",
      ["KeyboardInterrupt"], []),
+    ("interrupt_in_dlpack_lookup",
+     "class Q:\n    __dlpack__ = property(lambda self: (_ for _ in ()).throw(KeyboardInterrupt))",
+     "fwd(Q(), k, v)", ["KeyboardInterrupt"], []),
     ("huge_broadcast_zero_copy",
      "q, k, v = (np.broadcast_to(np.zeros((1, 1, 1, 64), np.float32), (2**16, 2**10, 1024, 64))"
      " for _ in range(3))", "fwd(q, k, v)", [ME], []),
@@ -212,3 +222,69 @@ def test_error_classes(ops):
     assert issubclass(ops.OrchardOutOfMemory, ops.OrchardError)
     assert issubclass(ops.OrchardOutOfMemory, MemoryError)
     assert isinstance(ops.__version__, str) and ops.__version__
+
+
+def test_messages_show_the_value_given(ops):
+    """The value in a message is the one passed: not wrapped by a cast to int64, not stripped of
+    its sign, not a UnicodeEncodeError for text no device or set is named by."""
+    q = np.zeros((5, 2, 8), np.float32)
+    cu = np.array([0, 5], np.int32)
+    with pytest.raises(ValueError, match=r"'cu_seqlens_k' must hold values below 2\*\*63, got "
+                                         r"18446744073709551615 at flat index 1"):
+        ops.flash_attn_varlen_fwd(q, q, q, cu, np.array([0, 2**64 - 1], np.uint64))
+    dense = np.zeros((1, 2, 5, 8), np.float32)
+    for name in ("seqused_k", "leftpad_k"):
+        with pytest.raises(ValueError, match="'%s' must hold values below 2" % name):
+            ops.flash_attn_fwd(dense, dense, dense, **{name: np.array([2**64 - 1], np.uint64)})
+    with pytest.raises(ValueError, match=r"'dropout_p' must be in \[0, 1\), got -inf"):
+        ops.flash_attn_fwd(dense, dense, dense, dropout_p=-10**400)
+    with pytest.raises(ValueError, match="'device' must be valid UTF-8 text"):
+        ops.flash_attn_fwd(dense, dense, dense, device="\ud800")
+    with pytest.raises(ValueError, match="name must be valid UTF-8 text"):
+        ops.set_native_isa("\ud800")
+
+
+@pytest.mark.parametrize("shape, error, name", [
+    ((1, 1, 4, 8), TypeError, "'k'"),                   # float16 q beside float32 k
+    ((2**40, 2**40, 4, 8), ValueError, "'q'"),          # past NumPy's bounds
+], ids=["dtype-mismatch", "shape-past-numpy"])
+def test_operand_release_keeps_the_calls_error(ops, shape, error, name):
+    """A DLPack producer's deleter that runs Python code (a ctypes callback) is called while the
+    call's error is pending; that error, naming the argument, is what reaches the caller, not a
+    SystemError."""
+    import ctypes as C
+
+    class Device(C.Structure):
+        _fields_ = [("type", C.c_int32), ("id", C.c_int32)]
+
+    class DataType(C.Structure):
+        _fields_ = [("code", C.c_uint8), ("bits", C.c_uint8), ("lanes", C.c_uint16)]
+
+    class Tensor(C.Structure):
+        _fields_ = [("data", C.c_void_p), ("device", Device), ("ndim", C.c_int32),
+                    ("dtype", DataType), ("shape", C.POINTER(C.c_int64)),
+                    ("strides", C.POINTER(C.c_int64)), ("byte_offset", C.c_uint64)]
+
+    class Managed(C.Structure):
+        pass
+
+    Deleter = C.CFUNCTYPE(None, C.POINTER(Managed))
+    Managed._fields_ = [("dl_tensor", Tensor), ("ctx", C.c_void_p), ("deleter", Deleter)]
+    deleted = []
+    deleter = Deleter(lambda m: deleted.append(1))
+    new_capsule = C.pythonapi.PyCapsule_New
+    new_capsule.restype, new_capsule.argtypes = C.py_object, [C.c_void_p, C.c_char_p, C.c_void_p]
+    half = np.zeros((1, 1, 4, 8), np.float16)
+    dims = (C.c_int64 * 4)(*shape)
+    managed = Managed()
+    managed.dl_tensor = Tensor(half.ctypes.data, Device(1, 0), 4, DataType(2, 16, 1), dims, None, 0)
+    managed.deleter = deleter
+
+    class Producer:
+        def __dlpack__(self, *args, **kwargs):
+            return new_capsule(C.addressof(managed), b"dltensor", None)
+
+    k = np.zeros((1, 1, 4, 8), np.float32)
+    with pytest.raises(error, match=name):
+        ops.flash_attn_fwd(Producer(), k, k)
+    assert deleted == [1]

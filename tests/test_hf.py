@@ -615,30 +615,43 @@ def test_the_mask_function_reads_transformers_masks():
 
 
 def test_a_forward_reads_its_padding_mask_once():
-    """The mask function's padding mask keeps its reading (left padding) for the forward's
-    other layers; given back to the mask function (already cut) it gives a new view, so what is
-    kept never lands on the caller's tensor; a caller's own mask is read at every call. The
-    results: attention over each row's real tokens."""
-    real = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
-    mask = hf.attention_mask(2, 4, 4, attention_mask=real)
-    assert mask is not real and mask.orchard_left_padding is None
-    again = hf.attention_mask(2, 4, 4, attention_mask=mask)
-    assert again is not mask and again.orchard_left_padding is None
+    """The mask function reads its padding mask once, where it is made (_Plan: left padding or
+    not, each row's padding, gaps, the real keys' and queries' indices), and the layers read
+    the plan, never the mask again (compiled, a graph break where the mask is made, none in a
+    layer); given back to the mask function (already cut) it gives a new mask and plan, so
+    nothing lands on the caller's tensor; a caller's own mask is read at every call. The
+    results: attention over each row's real tokens, read in place for left padding without
+    gradients, unpadded otherwise."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 2, 4, 8, generator=g) for _ in range(3))
     module = torch.nn.Module()
-    with torch.no_grad():
-        first, _ = hf.attention_forward(module, q, k, v, mask)
-        noted = mask.orchard_left_padding
-        assert noted[0].tolist() == [2, 0] and noted[1] is None and bool(noted[2])
-        second, _ = hf.attention_forward(module, q, k, v, mask)
-        assert mask.orchard_left_padding is noted and torch.equal(first, second)
-        callers, _ = hf.attention_forward(module, q, k, v, real)
-        assert not hasattr(real, "orchard_left_padding") and torch.equal(first, callers)
-    for b, start in enumerate((2, 0)):
-        ref = torch.nn.functional.scaled_dot_product_attention(
-            q[b:b + 1, :, start:], k[b:b + 1, :, start:], v[b:b + 1, :, start:], is_causal=True)
-        assert_close(first[b, start:], ref[0].transpose(0, 1))
+    for rows, fits, gaps in (([[0, 0, 1, 1], [1, 1, 1, 1]], True, False),
+                             ([[1, 1, 0, 0], [1, 1, 1, 1]], False, False),
+                             ([[1, 0, 1, 1], [0, 1, 1, 1]], False, True)):
+        real = torch.tensor(rows, dtype=torch.bool)
+        mask = hf.attention_mask(2, 4, 4, attention_mask=real)
+        plan = mask.orchard_plan
+        assert mask is not real and not hasattr(real, "orchard_plan")
+        assert (plan.width, plan.fits, plan.gaps) == (4, fits, gaps)
+        assert plan.leftpad.tolist() == [4 - sum(r) for r in rows]
+        assert plan.keys.cu_seqlens.tolist() == [0, sum(rows[0]), sum(rows[0]) + sum(rows[1])]
+        again = hf.attention_mask(2, 4, 4, attention_mask=mask)
+        assert again is not mask and torch.equal(again, mask)
+        with torch.no_grad():
+            first, _ = hf.attention_forward(module, q, k, v, mask)
+            callers, _ = hf.attention_forward(module, q, k, v, real)
+            mask.zero_()      # the plan, not the mask, is read
+            second, _ = hf.attention_forward(module, q, k, v, mask)
+        assert torch.equal(first, second) and torch.equal(first, callers)
+        grads = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        trained, _ = hf.attention_forward(module, *grads, mask)
+        assert torch.equal(trained.detach(), first)
+        for b, row in enumerate(rows):
+            keys = torch.tensor(row, dtype=torch.bool)
+            seen = keys[None, :] & torch.ones(4, 4, dtype=torch.bool).tril()
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                q[b], k[b], v[b], attn_mask=seen)
+            assert_close(first[b, keys], ref.transpose(0, 1)[keys])
 
 
 def test_llama_benchmark_runs_at_tiny_size():

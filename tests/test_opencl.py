@@ -68,6 +68,27 @@ def test_no_platform_still_imports(tmp_path):
     assert out == [["cpu"], "no OpenCL platform is installed (no ICD found)"]
 
 
+@pytest.mark.skipif(not (os.path.exists("/etc/OpenCL/vendors/pocl.icd")
+                         and os.path.exists("/usr/lib/oclgrind/liboclgrind-rt-icd.so")),
+                    reason="needs PoCL registered and Oclgrind's ICD library (the README's packages)")
+def test_a_simulator_is_never_the_best_device(tmp_path):
+    """Oclgrind, registered beside PoCL, calls itself a GPU: the automatic choice skips it (it
+    had picked it, every call thousands of times slower) and "opencl" takes the real device;
+    named, it is still there."""
+    (tmp_path / "pocl.icd").write_text(open("/etc/OpenCL/vendors/pocl.icd").read())
+    (tmp_path / "oclgrind.icd").write_text("/usr/lib/oclgrind/liboclgrind-rt-icd.so\n")
+    out = child("""
+        import json, orchard_ops as o
+        info = {d["id"]: d["platform"] for d in o.devices()}
+        print(json.dumps([info, o.default_device(), o.resolve_device("opencl"),
+                          o.resolve_device("opencl:oclgrind")]))
+    """, OCL_ICD_VENDORS=str(tmp_path), ORCHARD_DEVICE=None, ORCHARD_AUTO_ANY_OPENCL=None)
+    info, auto, best, named = out
+    assert sorted(info.values()) == ["Oclgrind", "Portable Computing Language", "orchard native"]
+    assert auto == "cpu"
+    assert info[best] == "Portable Computing Language" and info[named] == "Oclgrind"
+
+
 @needs_opencl
 def test_device_names(ops):
     info = [d for d in ops.devices() if d["backend"] == "opencl"]
@@ -547,6 +568,28 @@ def test_bad_opencl_environment_refused(name, value, message):
         assert err is None and all(e is None for e in listed)
     else:
         assert all(message in e for e in listed[1:]) and message in err
+
+
+@needs_opencl
+def test_bad_opencl_environment_set_later_stops_built_programs_too():
+    """A bad value set after a head dim's program was built stops that head dim's calls too
+    (it stopped only programs built after it); unset again, they run."""
+    got = child("""
+        import json, os, numpy as np, orchard_ops as o
+        q = np.ones((1, 2, 8, 16), np.float32)
+        o.flash_attn_fwd(q, q, q, device="%s")
+        os.environ["ORCHARD_CL_FAMILY"] = "blocked"
+        try:
+            o.flash_attn_fwd(q, q, q, device="%s")
+            err = None
+        except o.OrchardError as e:
+            err = str(e)
+        del os.environ["ORCHARD_CL_FAMILY"]
+        out, _ = o.flash_attn_fwd(q, q, q, device="%s")
+        print(json.dumps([err, float(out.sum())]))
+    """ % ((OPENCL_IDS[0],) * 3))
+    assert "ORCHARD_CL_FAMILY='blocked' names no kernel family" in got[0]
+    assert got[1] == 2 * 8 * 16
 
 
 @needs_opencl

@@ -430,13 +430,13 @@ def test_patched_model_exports_with_orchard_in_the_program():
     torch.testing.assert_close(program.module()(x2), unpatched(x2), atol=1e-5, rtol=1e-5)
 
 
-def tiny_llama():
+def tiny_llama(layers=2):
     pytest.importorskip("transformers")
     import orchard.hf  # noqa: F401  (registers "orchard")
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, attn_implementation="orchard"))
 
 
@@ -514,6 +514,38 @@ def test_transformers_right_padding_compiles_with_a_graph_break(use_cache):
         compiled = torch.compile(model.forward, backend="aot_eager")
         got = compiled(input_ids=ids, attention_mask=real, use_cache=use_cache).logits
     assert torch.equal(got, want)
+
+
+def test_transformers_padding_mask_is_read_once_per_forward_when_compiled():
+    """A padding mask without a static cache is read where it is made, eagerly (one graph
+    break a mask), never in a layer: the breaks do not grow with the layers. They did, about
+    eight a layer, and from the fifth layer on Dynamo's recompile limit ran the layers
+    uncompiled (a review). Left and right padding, inference and a training step: eager's
+    logits and gradients, every layer on orchard."""
+    ids = torch.randint(1, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    left, right = torch.ones(2, 8, dtype=torch.long), torch.ones(2, 8, dtype=torch.long)
+    left[0, :3] = 0
+    right[0, 5:] = 0
+    breaks = []
+    for layers in (2, 6):
+        model = tiny_llama(layers)
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        orchard_ops.reset_stats()
+        compiled = torch.compile(model.forward, backend="aot_eager")
+        for real in (left, right):
+            with torch.no_grad():
+                want = model(input_ids=ids, attention_mask=real).logits
+                assert torch.equal(compiled(input_ids=ids, attention_mask=real).logits, want)
+        loss = model(input_ids=ids, attention_mask=right, labels=ids, use_cache=False).loss
+        want = torch.autograd.grad(loss, list(model.parameters()))
+        loss = compiled(input_ids=ids, attention_mask=right, labels=ids, use_cache=False).loss
+        got = torch.autograd.grad(loss, list(model.parameters()))
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
+        assert orchard_ops.stats()["fwd_calls"] == 6 * layers     # eager and compiled, 3 each
+        breaks.append(sum(torch._dynamo.utils.counters["graph_break"].values()))
+    assert breaks[0] == breaks[1], breaks
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["one-sequence-a-row", "packed"])

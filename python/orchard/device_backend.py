@@ -207,10 +207,12 @@ class DeviceBackend:
             else:
                 why = ("%s is a CPU: orchard computes fp16 in fp32 there, so fp16 saves "
                        "memory but no time and needs loss scaling" % name
-                       if self.info["kind"] == "cpu" else "%s reports no fp16 support" % name)
+                       if self.info["kind"] == "cpu" else "%s has no fp16 arithmetic" % name)
                 change("training", "dtype", "fp32", why)
         elif train["dtype"] == "fp16" and not self.info["fp16"]:
-            change("training", "dtype", "fp32", "%s reports no fp16 support" % name)
+            change("training", "dtype", "fp32", "%s has no fp16 arithmetic: orchard would "
+                   "compute fp16 in fp32 there, saving memory but no time, and needing loss "
+                   "scaling" % name)
 
         if os.environ.get("ORCHARD_NUM_THREADS"):     # setup() keeps it: it wins over the config
             threads = orchard_ops.get_num_threads()
@@ -301,7 +303,9 @@ class DeviceBackend:
                 "float64": "fp64", "double": "fp64", "float": "fp32"}.get(name, name)
         notes = []
         if name == "fp16" and not self.info["fp16"]:
-            notes.append("%s does not support float16; use fp32" % self.device)
+            notes.append("%s has no float16 arithmetic (cl_khr_fp16): orchard reads and writes "
+                         "float16 there and computes in float32, saving memory but no time"
+                         % self.device)
         if name == "fp16":
             notes.append("float16 attention accumulates in float32; training needs loss "
                          "scaling (the trainer uses a GradScaler)")

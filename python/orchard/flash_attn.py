@@ -374,10 +374,14 @@ def _check_max_seqlen(fn, name, x, longest):
     parameters: transformers 4.44-4.47 passed one-element integer tensors."""
     if x is None:
         return None
-    try:
-        n = None if isinstance(x, bool) else operator.index(x)
-    except (TypeError, RuntimeError):   # RuntimeError: a tensor of several elements
-        n = None
+    n = None
+    if isinstance(x, numbers.Integral) and not isinstance(x, bool):
+        n = x       # as given: operator.index would specialise a traced int to its value
+    elif not isinstance(x, bool):
+        try:
+            n = operator.index(x)
+        except (TypeError, RuntimeError):   # RuntimeError: a tensor of several elements
+            pass
     if n is None:
         _fail(fn, name, "must be an int, got %r" % (x,), TypeError)
     if n < longest:

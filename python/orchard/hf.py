@@ -14,6 +14,7 @@ the unwritten keys, so that torch.compile need not read their count), or the seq
 orchard does not know) is materialised for transformers' sdpa attention, which then computes
 those calls, with one warning per reason.
 """
+import collections
 import functools
 import sys
 import warnings
@@ -321,9 +322,37 @@ def _orchard_mask(batch_size, q_length, kv_length, q_offset, kv_offset, static, 
         padding = attention_mask[:, kv_offset:kv_offset + n_keys].bool()
     if padding.shape[1] < n_keys:     # as sdpa: positions past the 2-D mask are padding
         padding = torch.nn.functional.pad(padding, (0, n_keys - padding.shape[1]), value=False)
+    return _planned(padding, q_length)
+
+
+# A padding mask's answers for every layer of a forward (orchard_plan on the mask): its keys
+# (width, an int), whether it is left padding (fits, a bool), each row's padding (leftpad (batch,) int32), whether a row
+# has padding between real tokens (gaps, a bool), and the real keys and queries (the last
+# q_length positions) as (rows, columns) indices, their cu_seqlens (int32) and longest (int).
+_Plan = collections.namedtuple("_Plan", "width fits leftpad gaps keys queries")
+_Tokens = collections.namedtuple("_Tokens", "rows columns cu_seqlens longest")
+
+
+# Eager: reading the mask's values breaks a compiled graph, here once per mask made rather
+# than at every layer (about eight breaks a layer, and the resumed frames of transformers'
+# shared wrappers hit Dynamo's recompile limit, after which the layers ran uncompiled)
+@torch.compiler.disable
+def _planned(padding, q_length):
+    """None for a (batch, keys) bool padding mask of real tokens only; else the mask, marked
+    with its _Plan as orchard_plan."""
     if bool(padding.all()):
         return None
-    padding.orchard_left_padding = None
+
+    def tokens(mask):
+        seqlens = mask.sum(1, dtype=torch.int32)
+        cu = torch.nn.functional.pad(seqlens.cumsum(0, dtype=torch.int32), (1, 0))
+        return _Tokens(*mask.nonzero(as_tuple=True), cu, int(seqlens.max()))
+
+    leftpad = padding.shape[1] - padding.sum(1, dtype=torch.int32)
+    positions = torch.arange(padding.shape[1], device=padding.device)
+    fits = bool((padding == (positions >= leftpad[:, None])).all())
+    padding.orchard_plan = _Plan(padding.shape[1], fits, leftpad, not fits and _has_gaps(padding),
+                                 tokens(padding), tokens(padding[:, -q_length:]))
     return padding
 
 
@@ -381,9 +410,22 @@ def _has_gaps(padding):
     return bool(((n > 0) & (last - first + 1 != n)).any())
 
 
-def _why_not(query, key, value, mask, sliding_window, config, kwargs):
-    """None when orchard computes this call, else the reason it cannot; ValueError for a 2-D
-    mask that does not fit the call."""
+def _gaps(mask, in_place):
+    """Whether a row of the (batch, keys) padding mask has padding between real tokens: its
+    plan's answer; for a static cache's mask in a compiled call that reads the cache in place
+    none, unread (reading it broke the graph at every sliding-window layer of every decode
+    step): that call asserts left padding when the graph runs (_left_padded)."""
+    plan = getattr(mask, "orchard_plan", None)
+    if plan is not None:
+        return plan.gaps
+    if in_place and hasattr(mask, "orchard_written") and torch.compiler.is_compiling():
+        return False
+    return _has_gaps(mask.bool())
+
+
+def _why_not(query, key, value, mask, sliding_window, in_place, config, kwargs):
+    """None when orchard computes this call (in_place: _in_place's answer), else the reason it
+    cannot; ValueError for a 2-D mask that does not fit the call."""
     if not (query.is_cpu and key.is_cpu and value.is_cpu) or not (
             query.layout == key.layout == value.layout == torch.strided):
         return "tensors on %s (orchard computes dense CPU tensors)" % query.device
@@ -413,7 +455,7 @@ def _why_not(query, key, value, mask, sliding_window, config, kwargs):
                          "the last of them" % (tuple(mask.shape), query.shape[2],
                                                query.shape[0], key.shape[2]))
     # orchard's window counts real tokens; transformers' counts positions, padding included
-    if sliding_window is not None and _has_gaps(mask.bool()):
+    if sliding_window is not None and _gaps(mask, in_place):
         return "a sliding window over a padding mask with padding between real tokens"
     return None
 
@@ -504,14 +546,29 @@ def _left_padding(attention_mask, mask, written, static):
     return leftpad, used, fits
 
 
-def _left_padded(q, k, v, attention_mask, mask, written, static, scaling, causal, window,
-                 softcap):
-    """Attention read in place from the keys and values (no gradient, no dropout: generate())
-    where each row of the (batch, keys) mask is left padding, then real tokens up to the
-    written keys, then unwritten ones (_left_padding); None for another mask. Unpadding would
-    copy all keys and values at every step (3x the time of a 4,096-key decode step,
-    measured). Over a static cache traced by torch.compile the mask is not read (the graph
-    would break at every step): checked when the graph runs."""
+def _in_place(q, k, v, dropout_p):
+    """Whether the keys and values of this call may be read in place: nothing needs a gradient
+    and there is no dropout (generate())."""
+    return not dropout_p and not (torch.is_grad_enabled()
+                                  and any(t.requires_grad for t in (q, k, v)))
+
+
+def _read_left_padded(q, k, v, used, leftpad, options):
+    """Attention of q over rows [leftpad[b], used[b]) (used None: all) of the keys and values,
+    read in place: unpadding would copy all keys and values at every step (3x the time of a
+    4,096-key decode step, measured). leftpad and used lie in range: flash_attn_with_kvcache's
+    checks would add nothing."""
+    opts = _options("orchard.hf", q, k.shape[1], 0.0, options["softmax_scale"],
+                    options["causal"], options["window_size"], options["softcap"], None,
+                    q.shape[0], None)
+    return _read_cache(q, k, v, used, leftpad, opts)[0]
+
+
+def _left_padded(q, k, v, attention_mask, mask, written, static, options):
+    """_read_left_padded where each row of the (batch, keys) mask is left padding, then real
+    tokens up to the written keys, then unwritten ones (_left_padding); None for another mask.
+    Over a static cache traced by torch.compile the mask is not read (the graph would break at
+    every step): checked when the graph runs."""
     leftpad, used, fits = _left_padding(attention_mask, mask, written, static)
     if static and torch.compiler.is_compiling():
         torch._assert_async(fits, "orchard.hf: compiled, a padding mask over a static cache "
@@ -519,10 +576,7 @@ def _left_padded(q, k, v, attention_mask, mask, written, static, scaling, causal
                             "last query): left-pad, or run this call eagerly")
     elif not bool(fits):
         return None
-    # leftpad and written in range (fits): flash_attn_with_kvcache's checks would add nothing
-    opts = _options("orchard.hf", q, k.shape[1], 0.0, scaling, causal, window, softcap, None,
-                    q.shape[0], None)
-    return _read_cache(q, k, v, used, leftpad, opts)[0]
+    return _read_left_padded(q, k, v, used, leftpad, options)
 
 
 def _dense(query, key, value, options):
@@ -533,6 +587,54 @@ def _dense(query, key, value, options):
                     options["softcap"], None, query.shape[0], None)
     out, _ = _attention(query, key, value, opts)
     return out.transpose(1, 2).contiguous()
+
+
+def _padded(query, key, value, attention_mask, options):
+    """attention_forward's call with a (batch, keys) padding mask without a _Plan (a static
+    cache's, or one a caller passed): read in place where it is left padding and nothing needs
+    a gradient, else unpadded onto the varlen path. out (B, Nq, H, Dv)."""
+    mask = attention_mask.bool()
+    # a static cache's mask (_mark_written) counts its written keys, else all are
+    written = getattr(attention_mask, "orchard_written", None)
+    if written is None:
+        if key.shape[2] != mask.shape[1]:
+            key, value = key[:, :, :mask.shape[1]], value[:, :, :mask.shape[1]]
+        if bool(mask.all()):
+            return _dense(query, key, value, options)
+    # (B, N, H, D) views of transformers' (B, H, N, D) tensors: orchard reads them in place.
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if _in_place(q, k, v, options["dropout_p"]):
+        out = _left_padded(q, k, v, attention_mask, mask,
+                           mask.shape[1] if written is None else written, written is not None,
+                           options)
+        if out is not None:
+            return out
+    if written is not None:     # (a value read: a compiled call breaks its graph here)
+        n = int(written)
+        mask, k, v = mask[:, :n], k[:, :n], v[:, :n]
+    # unpad: the queries are the last nq positions of the keys' sequence
+    batch, nq = q.shape[:2]
+    k, _, cu_k, max_k, _ = unpad_input(k, mask)
+    q, idx_q, cu_q, max_q, _ = unpad_input(q, mask[:, -nq:])
+    out = flash_attn_varlen_func(q, k, v[mask], cu_q, cu_k, max_q, max_k, **options)
+    return pad_input(out, idx_q, batch, nq)
+
+
+def _planned_attention(query, key, value, plan, options):
+    """attention_forward's call with a padding mask of orchard's mask function, from its _Plan,
+    not reading the mask (so, compiled, without a graph break): read in place where it is left
+    padding and nothing needs a gradient, else the real tokens gathered onto the varlen path
+    and their outputs put back. out (B, Nq, H, Dv)."""
+    batch, nq = query.shape[0], query.shape[2]
+    # (B, N, H, D) views of transformers' (B, H, N, D) tensors, over the mask's keys
+    q, k, v = (t.transpose(1, 2) for t in (query, key[:, :, :plan.width], value[:, :, :plan.width]))
+    if plan.fits and _in_place(q, k, v, options["dropout_p"]):
+        return _read_left_padded(q, k, v, None, plan.leftpad, options)
+    ks, qs = plan.keys, plan.queries
+    out = flash_attn_varlen_func(q[qs.rows, qs.columns], k[ks.rows, ks.columns],
+                                 v[ks.rows, ks.columns], qs.cu_seqlens, ks.cu_seqlens,
+                                 qs.longest, ks.longest, **options)
+    return pad_input(out, qs.rows * nq + qs.columns, batch, nq)
 
 
 # sliding_window's default: a layer that passes none (Qwen2-MoE, PhiMoE) is told apart from one
@@ -568,7 +670,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if len({query.dtype, key.dtype, value.dtype}) > 1:
         query, key = query.to(value.dtype), key.to(value.dtype)
     mask = attention_mask
-    reason = _why_not(query, key, value, mask, sliding_window, config, kwargs)
+    in_place = _in_place(query, key, value, dropout)
+    reason = _why_not(query, key, value, mask, sliding_window, in_place, config, kwargs)
     if reason is not None:
         return _fallback(reason, module, query, key, value, mask, causal, window, dropout,
                          scaling, softcap, kwargs)
@@ -578,32 +681,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     packed = getattr(mask, "orchard_packed", False)
 
     if mask is not None and not packed:
-        mask = mask.bool()
-        # a static cache's mask (_mark_written) counts its written keys, else all are
-        written = getattr(attention_mask, "orchard_written", None)
-        if written is None:
-            if key.shape[2] != mask.shape[1]:
-                key, value = key[:, :, :mask.shape[1]], value[:, :, :mask.shape[1]]
-            # (the mask function gives None for a mask of real tokens only)
-            if not hasattr(attention_mask, "orchard_left_padding") and bool(mask.all()):
-                return _dense(query, key, value, options), None
-        # (B, N, H, D) views of transformers' (B, H, N, D) tensors: orchard reads them in place.
-        q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-        if not dropout and not (torch.is_grad_enabled()
-                                and any(t.requires_grad for t in (q, k, v))):
-            out = _left_padded(q, k, v, attention_mask, mask,
-                               mask.shape[1] if written is None else written,
-                               written is not None, scaling, causal, window, options["softcap"])
-            if out is not None:
-                return out, None
-        if written is not None:     # (a value read: a compiled call breaks its graph here)
-            n = int(written)
-            mask, k, v = mask[:, :n], k[:, :n], v[:, :n]
-        # unpad: the queries are the last nq positions of the keys' sequence
-        k, _, cu_k, max_k, _ = unpad_input(k, mask)
-        q, idx_q, cu_q, max_q, _ = unpad_input(q, mask[:, -nq:])
-        out = flash_attn_varlen_func(q, k, v[mask], cu_q, cu_k, max_q, max_k, **options)
-        return pad_input(out, idx_q, batch, nq), None
+        plan = getattr(attention_mask, "orchard_plan", None)
+        if plan is not None:
+            return _planned_attention(query, key, value, plan, options), None
+        return _padded(query, key, value, attention_mask, options), None
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is None and packed:
