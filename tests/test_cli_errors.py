@@ -67,6 +67,7 @@ def files(tmp_path_factory):
     for name, text in texts.items():
         (folder / name).write_bytes(text if isinstance(text, bytes) else text.encode())
     (folder / "empty_src").mkdir()
+    (folder / "folder.png").mkdir()
     (folder / "empty_src" / "blob.bin").write_bytes(b"\0\1\2")
     (folder / "kept.json").write_text('{"vocab_size": 256, "sequences": [[1, 2]]}')
     (folder / "kept.png").write_text("a plot to keep\n")
@@ -77,6 +78,7 @@ def files(tmp_path_factory):
     torch.save(torch.zeros(3), str(folder / "tensor.pt"))
     from orchard.checkpoint import KEYS
     torch.save(dict({k: 0 for k in KEYS}, format=1, step=-5), str(folder / "negative.pt"))
+    torch.save(dict({k: 0 for k in KEYS}, format=1, seed=2**70), str(folder / "seed.pt"))
     (folder / "u3" / "metrics.jsonl").mkdir(parents=True)
     (folder / "bert.json").write_text(json.dumps({
         "model_type": "bert", "hidden_size": 32, "num_attention_heads": 2,
@@ -127,6 +129,9 @@ def expected_cases(f):
                    str(f["dir"] / "link.png")], {}, ["--plot", "same file as --json", "link.png"]),
         ("bench", ["--quick", "--json", ""], {}, ["--json", "''"]),
         ("bench", ["--quick", "--plot", ""], {}, ["--plot", "''"]),
+        # the file a name without a suffix writes, a folder: refused before the work, not after
+        ("bench", ["--quick", "--overwrite", "--plot", str(f["dir"] / "folder")], {},
+         ["--plot", "folder.png"]),
         ("bench", ["--dtypes", "float32,float8"], {}, ["--dtypes", "'float32,float8'"]),
         ("bench", ["--dtypes", "float32,float32"], {}, ["--dtypes", "each once",
                                                         "'float32,float32'"]),
@@ -217,6 +222,8 @@ def expected_cases(f):
          ["argument --checkpoint:", "tensor.pt", "not an orchard checkpoint"]),
         ("generate", ["--checkpoint", str(f["dir"] / "negative.pt")], {},
          ["argument --checkpoint:", "negative.pt", "step is -5"]),
+        ("train", ["--resume", str(f["dir"] / "seed.pt")], {},
+         ["argument --resume:", "seed.pt", "seed is 1180591620717411303424"]),
         ("train", ["--resume", str(f["dir"] / "tensor.pt"), "--output", str(f["dir"] / "r2"),
                    "--device", "cpu"], {}, ["argument --resume:", "tensor.pt",
                                              "not an orchard checkpoint"]),
@@ -516,6 +523,31 @@ def test_a_write_that_fails_is_one_line_naming_the_argument(files, tmp_path):
             "orchard-%s: error: argument %s: cannot write " % (script, argument)), r.stderr
         assert "File too large" in r.stderr and "Traceback" not in r.stderr
         assert not output.exists()
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("script, argv", [
+    ("devices", []),
+    ("prepare", ["SRC", "-o", "OUT", "--json"]),
+])
+def test_a_stdout_that_cannot_be_written_is_one_line(script, argv, tmp_path):
+    """stdout on a full disk (/dev/full): one line naming it, status 1 (a traceback before:
+    only a closed pipe was handled)."""
+    import subprocess
+    import sys
+    from conftest import subprocess_env
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text("text\n")
+    argv = [str(tmp_path / "src") if a == "SRC" else str(tmp_path / "t.json") if a == "OUT"
+            else a for a in argv]
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "orchard.cli." + script] + argv, stdout=full,
+                           stderr=subprocess.PIPE, text=True, env=subprocess_env(),
+                           cwd=REPO_ROOT, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.splitlines()[-1] == ("orchard-%s: error: cannot write to standard output: "
+                                         "No space left on device" % script), r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_a_second_ctrl_c_while_a_script_exits_is_ignored():

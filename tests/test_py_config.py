@@ -55,6 +55,9 @@ def test_partial_config_takes_defaults(tmp_path):
     ("device:\n  num_threads: 100000\n", "device.num_threads"),   # past orchard_ops' limit
     ("training:\n  learning_rate: .inf\n", "training.learning_rate"),
     ("training:\n  weight_decay: .nan\n", "training.weight_decay"),
+    # numbers no float or int64 holds: they passed, and failed at the first step
+    ("training:\n  grad_clip: 1%s\n" % ("0" * 400), "training.grad_clip"),
+    ("training:\n  warmup_steps: %d\n" % 2**63, "training.warmup_steps"),
 ])
 def test_errors_name_the_key_and_the_file(tmp_path, text, key):
     path = write(tmp_path, text)
@@ -78,6 +81,13 @@ def test_a_number_in_quotes_gets_a_hint(tmp_path):
     with pytest.raises(ConfigError, match=r"got str '1.0e-3' \(a number in quotes is text: "
                                           r"write it without them\)"):
         load_config(write(tmp_path, 'training:\n  learning_rate: "1.0e-3"\n'))
+
+
+def test_an_int_where_a_real_is_expected_is_read_as_a_float(tmp_path):
+    """beta1: 0 is a YAML int; torch's AdamW refused int betas with a traceback."""
+    cfg = load_config(write(tmp_path, "training:\n  beta1: 0\n  grad_clip: 1\n"))
+    assert cfg["training"]["beta1"] == 0.0 and type(cfg["training"]["beta1"]) is float
+    assert type(cfg["training"]["grad_clip"]) is float
 
 
 def test_a_key_given_twice_is_an_error(tmp_path):

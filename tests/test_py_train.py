@@ -55,6 +55,24 @@ def test_loss_falls_and_metrics_are_written(run_files, tmp_path):
     assert state["data"]["byte_level"] is True and state["config"]["model"]["n_layer"] == 2
 
 
+def test_metrics_are_written_whole_once_then_appended(run_files, tmp_path, monkeypatch):
+    """metrics.jsonl is written whole at a run's first log line (and as of a resumed
+    checkpoint), then a line is appended per log step: rewriting it whole at every line had
+    made a long run's logging quadratic."""
+    import orchard.trainer
+    whole, real = [], orchard.trainer.write_atomically
+    monkeypatch.setattr(orchard.trainer, "write_atomically",
+                        lambda path, write: (whole.append(os.path.basename(path)),
+                                             real(path, write))[1])
+    assert train_cli(run_files, tmp_path, "--max-steps", 30) == 0     # log_interval 1
+    assert whole.count("metrics.jsonl") == 1
+    assert [m["step"] for m in read_metrics(tmp_path)] == list(range(1, 31))
+    whole.clear()
+    assert train_cli(run_files, tmp_path, "--resume", tmp_path, "--max-steps", 33) == 0
+    assert whole.count("metrics.jsonl") == 1
+    assert [m["step"] for m in read_metrics(tmp_path)] == list(range(1, 34))
+
+
 def test_validation_split_is_the_end_of_the_data():
     chunks = torch.arange(200).view(100, 2)
     train_part, val = split_validation(chunks, 0.05)
@@ -128,13 +146,13 @@ def test_a_validation_loss_that_overflows_is_a_diverged_run(run_files, tmp_path,
     assert "val loss inf at step 2: the run has diverged" in caplog.text
 
 
-def interrupted_run(run_files, out, monkeypatch, step, *extra):
-    """A run that gets Ctrl-C during optimizer step `step`; returns its exit status."""
+def interrupted_run(run_files, out, monkeypatch, step, *extra, sig=signal.SIGINT):
+    """A run that gets Ctrl-C (or sig) during optimizer step `step`; returns its exit status."""
     train_step = Trainer.train_step
 
     def ctrl_c_in_step(self, *args):
         if self.step == step - 1:
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), sig)
         return train_step(self, *args)
 
     monkeypatch.setattr(Trainer, "train_step", ctrl_c_in_step)
@@ -154,6 +172,15 @@ def test_overwrite_stopped_before_its_first_log_line_keeps_no_old_metrics(run_fi
     assert interrupted_run((str(config), run_files[1]), out, monkeypatch, 2, "--overwrite",
                            "--max-steps", 8) == 130
     assert load_checkpoint(str(out))["metrics"] == [] and read_metrics(out) == []
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_143(run_files, tmp_path, monkeypatch):
+    """A scheduler's SIGTERM stops the run as Ctrl-C does, with the status a shell gives a
+    process it ended: 128 + 15 (it was 130)."""
+    out = tmp_path / "run"
+    assert interrupted_run(run_files, out, monkeypatch, 3, "--max-steps", 8,
+                           sig=signal.SIGTERM) == 143
+    assert load_checkpoint(str(out))["step"] == 3
 
 
 def test_interrupted_run_resumes_exactly(run_files, tmp_path, monkeypatch):
@@ -512,6 +539,30 @@ def test_prepare_reads_regular_files_only_and_not_its_own_output(tmp_path):
         assert json.loads(result.stdout)["tokens"] == len("hello\n")
 
 
+def test_prepare_takes_text_files_whole_and_reads_no_more_than_it_keeps(tmp_path, monkeypatch):
+    """A NUL byte anywhere makes a file binary (only the first 8 KiB were looked at); with
+    --max-bytes a file is read up to what is kept, its rest only scanned for NUL bytes a
+    chunk at a time (a large file was read whole first)."""
+    import builtins
+    import io
+    from orchard.data import text_file_sequences
+    (tmp_path / "late_nul.txt").write_bytes(b"a" * 9000 + b"\0binary")
+    (tmp_path / "text.txt").write_bytes(b"b" * 9000)
+    paths = [str(tmp_path / "late_nul.txt"), str(tmp_path / "text.txt")]
+    assert [bytes(s) for s in text_file_sequences(paths)] == [b"b" * 9000]
+    assert [bytes(s) for s in text_file_sequences(paths, max_bytes=10)] == [b"b" * 10]
+    reads, real_open = [], builtins.open
+
+    class Counted(io.BufferedReader):
+        def read(self, n=-1):
+            reads.append(n)
+            return super().read(n)
+
+    monkeypatch.setattr(builtins, "open", lambda path, mode: Counted(real_open(path, "rb", 0)))
+    text_file_sequences([str(tmp_path / "text.txt")], max_bytes=10)
+    assert reads[0] == 10 and all(0 < n <= 1 << 20 for n in reads)
+
+
 def test_generate_and_prepare(run_files, tmp_path):
     src = tmp_path / "src"
     src.mkdir()
@@ -529,6 +580,12 @@ def test_generate_and_prepare(run_files, tmp_path):
                          "print", "--max-new-tokens", "20"])
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("print") and len(result.stdout) > len("print")
+    # on a stdout of another encoding what it cannot hold (the U+FFFD of a byte that is no
+    # UTF-8) is replaced, not a traceback
+    result = run_python(["-m", "orchard.cli.generate", "--checkpoint", str(out), "--prompt",
+                         "print", "--max-new-tokens", "200", "--seed", "3"],
+                        PYTHONIOENCODING="ascii")
+    assert result.returncode == 0 and result.stdout.startswith("print"), result.stderr
     # what to expect of a model trained for two steps, before the sample
     assert re.match(r"checkpoint of step 2 of 2, validation loss [0-9.]+ \(uniform guessing: "
                     r"5\.55\): barely trained; expect near-random tokens$", result.stderr), \

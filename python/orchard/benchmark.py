@@ -9,6 +9,7 @@ the NumPy reference (orchard.reference: float64, the N x N scores materialised) 
 scaled_dot_product_attention on the CPU when torch is installed, so every ratio compares
 figures taken side by side. orchard-bench prints these; benchmarks/ adds the README's figures.
 """
+import os
 import platform
 import time
 
@@ -194,8 +195,21 @@ def plot(rows, path):
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, 120)
+
+
+def save_figure(fig, path, dpi):
+    """fig into path in the format its suffix names, replacing the file atomically (written
+    straight, a failure midway had left a cut file where an --overwrite'd plot was), and
+    closed."""
+    import matplotlib.pyplot as plt
+
+    from .atomic import write_atomically
+    try:
+        write_atomically(path, lambda f: fig.savefig(
+            f, format=os.path.splitext(path)[1][1:].lower(), dpi=dpi))
+    finally:
+        plt.close(fig)
 
 
 def training_tokens_per_s(steps=6, batch=8, seq=256, compiled=False):

@@ -94,7 +94,8 @@ def _damaged_part(path):
 
 
 def _is_int(x, least):
-    return isinstance(x, int) and not isinstance(x, bool) and x >= least
+    """Whether x is an int from least to 2**63 - 1 (what torch's seeds and counts hold)."""
+    return isinstance(x, int) and not isinstance(x, bool) and least <= x < 2**63
 
 
 def _is_record(m):

@@ -6,6 +6,7 @@ with comments and is kept equal to these defaults by a test. "auto" values are r
 device at hand by DeviceBackend.adapt_config, which reports a reason for each change.
 """
 import os
+import reprlib
 
 import orchard_ops
 
@@ -23,6 +24,17 @@ _finite = lambda v: None if 0 <= v <= 3.4028234663852886e38 else (
     "must be a number in [0, 3.4e38] (float32's range)")
 _MAX_THREADS = orchard_ops.build_info()["max_threads"]
 _threads = lambda v: None if 1 <= v <= _MAX_THREADS else "must be in 1..%d" % _MAX_THREADS
+
+
+def _number_problem(value, types):
+    """An error text for an int no int64 holds, or where a real is expected none a float
+    holds (both went through the input checks and failed at the first step, after --overwrite
+    had removed the last run), else None."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    if float in (types if isinstance(types, tuple) else ()):
+        return None if abs(value) <= 1.7976931348623157e308 else "must be a number a float holds"
+    return None if -2**63 <= value < 2**63 else "must be an int below 2**63"
 
 
 def _auto_or(check):
@@ -155,9 +167,13 @@ def validate(cfg, source="<config>"):
                 raise ConfigError("%s: key '%s' must be %s, got %s %r%s"
                                   % (source, name, _type_names(types), type(value).__name__,
                                      value, _yaml_float_hint(value, types)))
-            problem = check(value) if check else None
+            problem = _number_problem(value, types) or (check(value) if check else None)
             if problem:
-                raise ConfigError("%s: key '%s' %s, got %r" % (source, name, problem, value))
+                raise ConfigError("%s: key '%s' %s, got %s" % (source, name, problem,
+                                                              reprlib.repr(value)))
+            # a YAML int where a real is expected is one (torch's AdamW refused int betas)
+            if float in (types if isinstance(types, tuple) else ()) and isinstance(value, int):
+                value = float(value)
             merged[section][key] = value
     model = merged["model"]
     if "n_kv_head" not in (cfg.get("model") or {}):

@@ -80,8 +80,19 @@ def save_sequences(path, sequences, vocab_size=BYTE_VOCAB):
     write_atomically(path, lambda f: f.write(text.encode()))
 
 
-def _is_text(data):
-    return b"\0" not in data[:8192]
+def _text_of(path, limit):
+    """The first `limit` bytes of the file (None: all of it), or None where it is empty or
+    holds a NUL byte anywhere (no text file). Past the limit the rest is only scanned, a
+    chunk at a time: memory stays within the limit (a multi-gigabyte log was read whole)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read() if limit is None else f.read(limit)
+            rest = b"" if limit is None else f.read(1 << 20)
+            while rest and b"\0" not in rest:
+                rest = f.read(1 << 20)
+    except OSError as exc:
+        raise DataError("%s: cannot read it: %s" % (path, exc.strerror)) from None
+    return data if data and not rest and b"\0" not in data else None
 
 
 def text_file_sequences(paths, max_bytes=None):
@@ -89,15 +100,9 @@ def text_file_sequences(paths, max_bytes=None):
     max_bytes in all."""
     sequences, total = [], 0
     for path in paths:
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError as exc:
-            raise DataError("%s: cannot read it: %s" % (path, exc.strerror)) from None
-        if not data or not _is_text(data):
+        data = _text_of(path, None if max_bytes is None else max_bytes - total)
+        if data is None:
             continue
-        if max_bytes is not None:
-            data = data[:max_bytes - total]
         sequences.append(list(data))
         total += len(data)
         if max_bytes is not None and total >= max_bytes:

@@ -253,5 +253,4 @@ def plot(report, path):
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    benchmark.save_figure(fig, path, 100)

@@ -9,6 +9,7 @@ ORCHARD_DEBUG=1 shows the full traceback instead; Ctrl-C ends with status 130.
 import argparse
 import contextlib
 import functools
+import io
 import logging
 import math
 import os
@@ -349,12 +350,42 @@ def check_device_environment():
                                                             orchard_ops.devices())))
 
 
+class _WatchedStdout:
+    """sys.stdout in a console script, which notes the OSError a write or flush raised (a
+    full disk, an I/O error), so that the script tells it from other OSErrors."""
+
+    def __init__(self, stream):
+        self.stream, self.failed = stream, None
+
+    def write(self, text):
+        try:
+            return self.stream.write(text)
+        except OSError as exc:
+            self.failed = exc
+            raise
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except OSError as exc:
+            self.failed = exc
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
 def console_script(prog, uses_devices=True):
     """Decorator of a script's main(argv): the environment is checked first, and the user's
     errors end in one line and status 2 (a traceback with --verbose or ORCHARD_DEBUG)."""
     def wrap(main):
         @functools.wraps(main)
         def run(argv=None):
+            if argv is None and isinstance(sys.stdout, io.TextIOWrapper):
+                # a sample's invalid bytes (U+FFFD) or a file name that is no UTF-8, on a
+                # stdout of another encoding (latin-1), had ended in a traceback
+                sys.stdout.reconfigure(errors="replace")
+                sys.stdout = _WatchedStdout(sys.stdout)
             code = guarded(argv)
             if (argv is None and code == EXIT_INTERRUPTED
                     and threading.current_thread() is threading.main_thread()):
@@ -379,6 +410,15 @@ def console_script(prog, uses_devices=True):
                     raise
                 print("%s: interrupted" % prog, file=sys.stderr)
                 return EXIT_INTERRUPTED
+            except OSError as exc:
+                # stdout that cannot be written (a full disk, an I/O error): the one line
+                # a file's write gets, and stdout pointed at /dev/null for the exit's flush
+                if debug or exc is not getattr(sys.stdout, "failed", None):
+                    raise
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                print("%s: error: cannot write to standard output: %s"
+                      % (prog, exc.strerror or exc), file=sys.stderr)
+                return 1
             except Exception as exc:
                 user = exc if isinstance(exc, _user_errors()) else _build_options_error(exc)
                 if debug or user is None:

@@ -16,6 +16,7 @@ to 16384 per dtype, head dim, causal flag and direction, orchard beside torch SD
 naive NumPy attention, against the machine's matrix products (orchard.scaling_bench).
 Every figure is the median of --repeats timings (at least 3).
 """
+import argparse
 import importlib.util
 import json
 import os
@@ -200,6 +201,10 @@ def main(argv=None):
         raise UsageError("%s needs torch (pip install '.[torch]')" % " and ".join(needs_torch))
     if args.plot and not os.path.splitext(args.plot)[1]:
         args.plot += ".png"     # what matplotlib writes for a name without a suffix
+        try:    # the file written, checked as the name given was
+            output_file(args.plot)
+        except argparse.ArgumentTypeError as exc:
+            raise UsageError("argument --plot: %s" % exc)
     if args.plot and args.json not in (None, "-") and os.path.realpath(args.json) == \
             os.path.realpath(args.plot):
         raise UsageError("argument --plot: the same file as --json (got %r)" % args.plot)

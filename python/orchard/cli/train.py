@@ -402,7 +402,7 @@ def main(argv=None):
             if rank == 0 and trainer.step < trainer.stopping_point(args.epochs, args.max_steps):
                 take_output(args, lock is not None)
             code = trainer.run(args.epochs, args.max_steps)
-        if code == 130 and rank == 0:
+        if code > 128 and rank == 0:    # stopped by a signal
             log.info("resume with: %s", resume_command(args, distributed))
         if distributed:
             digests = [None] * dist.get_world_size()
