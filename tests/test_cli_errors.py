@@ -108,7 +108,7 @@ def expected_cases(f):
         ("generate", ["--checkpoint", "x", "--temperature", "-1"], {},
          ["--temperature", ">= 0", "'-1'"]),
         ("generate", ["--checkpoint", "x", "--temperature", "inf"], {}, ["--temperature", "'inf'"]),
-        ("generate", ["--checkpoint", "x", "--top-k", "0"], {}, ["--top-k", "'0'"]),
+        ("generate", ["--checkpoint", "x", "--top-k", "-1"], {}, ["--top-k", "'-1'"]),
         ("generate", ["--checkpoint", "x", "--max-new-tokens", "-5"], {}, ["--max-new-tokens"]),
         ("bench", ["--repeats", "0"], {}, ["--repeats", ">= 3", "'0'"]),
         ("bench", ["--repeats", "1"], {}, ["--repeats", "'1'"]),
@@ -315,7 +315,7 @@ def test_prepare_of_binary_files_alone_prints_the_error_alone(tmp_path):
 
 @pytest.mark.parametrize("script, argv", [
     ("train", ["--micro-batch", "0"]),
-    ("generate", ["--checkpoint", "x", "--top-k", "0"]),
+    ("generate", ["--checkpoint", "x", "--top-k", "-1"]),
     ("devices", ["--config", "missing.yaml"]),
     ("prepare", ["missing_folder", "-o", "x.json"]),
     ("bench", ["--shapes", "0,1,1,1"]),

@@ -581,9 +581,9 @@ def test_generate_and_prepare(run_files, tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("print") and len(result.stdout) > len("print")
     # on a stdout of another encoding what it cannot hold (the U+FFFD of a byte that is no
-    # UTF-8) is replaced, not a traceback
+    # UTF-8) is replaced, not a traceback; --top-k 0 samples among all tokens (HuggingFace's)
     result = run_python(["-m", "orchard.cli.generate", "--checkpoint", str(out), "--prompt",
-                         "print", "--max-new-tokens", "200", "--seed", "3"],
+                         "print", "--max-new-tokens", "200", "--seed", "3", "--top-k", "0"],
                         PYTHONIOENCODING="ascii")
     assert result.returncode == 0 and result.stdout.startswith("print"), result.stderr
     # what to expect of a model trained for two steps, before the sample

@@ -58,3 +58,26 @@ def write_atomically(path, write):
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+class WriteErrors:
+    """A file's write() and flush(), keeping what they raised (error): where a caller sees
+    another exception than the write's (torch.save's zip writer reports a full disk as a
+    RuntimeError that names no cause), or must tell a failed write from other errors."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data):
+        try:
+            return self.f.write(data)
+        except BaseException as exc:
+            self.error = exc
+            raise
+
+    def flush(self):
+        try:
+            self.f.flush()
+        except BaseException as exc:
+            self.error = exc
+            raise

@@ -11,32 +11,16 @@ import zipfile
 
 import torch
 
-from .atomic import write_atomically
+from .atomic import WriteErrors, write_atomically
 from .config import ConfigError, first_line
 
 
-class _Writes:
-    """A file's write(), keeping what it raised: torch.save's zip writer reports a failed write
-    (a full disk) as a RuntimeError ("unexpected pos") that names no cause, and a Ctrl-C that
-    lands in a write (a second one, while the first one's checkpoint is saved) so too."""
-
-    def __init__(self, f):
-        self.f, self.error = f, None
-
-    def write(self, data):
-        try:
-            return self.f.write(data)
-        except BaseException as exc:
-            self.error = exc
-            raise
-
-    def flush(self):
-        self.f.flush()
-
-
 def save_checkpoint(state, path):
+    # torch.save's zip writer reports a failed write (a full disk) as a RuntimeError
+    # ("unexpected pos") that names no cause, and a Ctrl-C that lands in a write (a second
+    # one, while the first one's checkpoint is saved) so too: the write's own is raised
     def save(f):
-        writes = _Writes(f)
+        writes = WriteErrors(f)
         try:
             torch.save(state, writes)
         except RuntimeError:

@@ -326,10 +326,10 @@ def _orchard_mask(batch_size, q_length, kv_length, q_offset, kv_offset, static, 
 
 
 # A padding mask's answers for every layer of a forward (orchard_plan on the mask): its keys
-# (width, an int), whether it is left padding (fits, a bool), each row's padding (leftpad (batch,) int32), whether a row
+# and queries (width, q_length: ints), whether it is left padding (fits, a bool), each row's padding (leftpad (batch,) int32), whether a row
 # has padding between real tokens (gaps, a bool), and the real keys and queries (the last
 # q_length positions) as (rows, columns) indices, their cu_seqlens (int32) and longest (int).
-_Plan = collections.namedtuple("_Plan", "width fits leftpad gaps keys queries")
+_Plan = collections.namedtuple("_Plan", "width q_length fits leftpad gaps keys queries")
 _Tokens = collections.namedtuple("_Tokens", "rows columns cu_seqlens longest")
 
 
@@ -351,8 +351,9 @@ def _planned(padding, q_length):
     leftpad = padding.shape[1] - padding.sum(1, dtype=torch.int32)
     positions = torch.arange(padding.shape[1], device=padding.device)
     fits = bool((padding == (positions >= leftpad[:, None])).all())
-    padding.orchard_plan = _Plan(padding.shape[1], fits, leftpad, not fits and _has_gaps(padding),
-                                 tokens(padding), tokens(padding[:, -q_length:]))
+    padding.orchard_plan = _Plan(padding.shape[1], q_length, fits, leftpad,
+                                 not fits and _has_gaps(padding),
+                                 tokens(padding), tokens(padding[:, padding.shape[1] - q_length:]))
     return padding
 
 
@@ -682,7 +683,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 
     if mask is not None and not packed:
         plan = getattr(attention_mask, "orchard_plan", None)
-        if plan is not None:
+        if plan is not None and plan.q_length == nq:     # (a layer of other queries reads it)
             return _planned_attention(query, key, value, plan, options), None
         return _padded(query, key, value, attention_mask, options), None
 

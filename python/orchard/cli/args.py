@@ -19,6 +19,8 @@ import sys
 import tempfile
 import threading
 
+from ..atomic import WriteErrors
+
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
@@ -350,29 +352,12 @@ def check_device_environment():
                                                             orchard_ops.devices())))
 
 
-class _WatchedStdout:
-    """sys.stdout in a console script, which notes the OSError a write or flush raised (a
-    full disk, an I/O error), so that the script tells it from other OSErrors."""
-
-    def __init__(self, stream):
-        self.stream, self.failed = stream, None
-
-    def write(self, text):
-        try:
-            return self.stream.write(text)
-        except OSError as exc:
-            self.failed = exc
-            raise
-
-    def flush(self):
-        try:
-            self.stream.flush()
-        except OSError as exc:
-            self.failed = exc
-            raise
+class _WatchedStdout(WriteErrors):
+    """sys.stdout in a console script: what a write or flush raised is kept, so that the
+    script tells a stdout it cannot write (a full disk, an I/O error) from other OSErrors."""
 
     def __getattr__(self, name):
-        return getattr(self.stream, name)
+        return getattr(self.f, name)
 
 
 def console_script(prog, uses_devices=True):
@@ -413,7 +398,7 @@ def console_script(prog, uses_devices=True):
             except OSError as exc:
                 # stdout that cannot be written (a full disk, an I/O error): the one line
                 # a file's write gets, and stdout pointed at /dev/null for the exit's flush
-                if debug or exc is not getattr(sys.stdout, "failed", None):
+                if debug or exc is not getattr(sys.stdout, "error", None):
                     raise
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
                 print("%s: error: cannot write to standard output: %s"

@@ -41,8 +41,9 @@ def main(argv=None):
     parser.add_argument("--temperature", type=number(minimum=0.0), default=0.8, metavar="T",
                         help="The softmax temperature; 0 (or one too small to divide the "
                              "logits by) always picks the most likely token.")
-    parser.add_argument("--top-k", type=integer(1), default=40, metavar="K",
-                        help="Sample among the K most likely tokens only.")
+    parser.add_argument("--top-k", type=integer(0), default=40, metavar="K",
+                        help="Sample among the K most likely tokens only; 0 samples among "
+                             "all of them, as HuggingFace's top_k=0.")
     parser.add_argument("--seed", type=integer(0, SEED_MAX), default=0, metavar="N",
                         help="The sampling seed.")
     args = parser.parse_args(argv)
