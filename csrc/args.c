@@ -90,11 +90,12 @@ static int real_arg(or_call *c, const char *name, PyObject *obj, double *out)
             return 0;
         if (PyErr_ExceptionMatches(PyExc_OverflowError)) {     /* an int past float's range */
             PyErr_Clear();
-            int sign = 0;
-            PyLong_AsLongLongAndOverflow(obj, &sign);
-            if (PyErr_Occurred() && !or_bad_value())
+            PyObject *zero = PyLong_FromLong(0);
+            int negative = zero != NULL ? PyObject_RichCompareBool(obj, zero, Py_LT) : -1;
+            Py_XDECREF(zero);
+            if (negative < 0 && !or_bad_value())
                 return -1;
-            *out = sign < 0 ? -INFINITY : INFINITY;
+            *out = negative > 0 ? -INFINITY : INFINITY;
             return 0;
         }
         if (!or_bad_value())

@@ -640,6 +640,9 @@ def test_a_forward_reads_its_padding_mask_once():
         with torch.no_grad():
             first, _ = hf.attention_forward(module, q, k, v, mask)
             callers, _ = hf.attention_forward(module, q, k, v, real)
+            # a call of fewer queries (the last two) reads the mask, not the plan of four
+            fewer, _ = hf.attention_forward(module, q[:, :, 2:], k, v, mask)
+            assert torch.equal(fewer, hf.attention_forward(module, q[:, :, 2:], k, v, real)[0])
             mask.zero_()      # the plan, not the mask, is read
             second, _ = hf.attention_forward(module, q, k, v, mask)
         assert torch.equal(first, second) and torch.equal(first, callers)

@@ -326,11 +326,14 @@ def _orchard_mask(batch_size, q_length, kv_length, q_offset, kv_offset, static, 
 
 
 # A padding mask's answers for every layer of a forward (orchard_plan on the mask): its keys
-# and queries (width, q_length: ints), whether it is left padding (fits, a bool), each row's padding (leftpad (batch,) int32), whether a row
-# has padding between real tokens (gaps, a bool), and the real keys and queries (the last
-# q_length positions) as (rows, columns) indices, their cu_seqlens (int32) and longest (int).
+# and queries (width, q_length: the mask's shape), whether it is left padding (fits, a bool),
+# each row's padding (leftpad (batch,) int32), whether a row has padding between real tokens
+# (gaps, a bool), and the real keys and queries (the last q_length positions) as (rows,
+# columns) indices and their cu_seqlens (int32). No value read from the mask is a Python int:
+# compiled, the graph would be guarded on it (the longest sequence of each batch had
+# recompiled it batch after batch), so the varlen calls take the shape as max_seqlen.
 _Plan = collections.namedtuple("_Plan", "width q_length fits leftpad gaps keys queries")
-_Tokens = collections.namedtuple("_Tokens", "rows columns cu_seqlens longest")
+_Tokens = collections.namedtuple("_Tokens", "rows columns cu_seqlens")
 
 
 # Eager: reading the mask's values breaks a compiled graph, here once per mask made rather
@@ -344,9 +347,8 @@ def _planned(padding, q_length):
         return None
 
     def tokens(mask):
-        seqlens = mask.sum(1, dtype=torch.int32)
-        cu = torch.nn.functional.pad(seqlens.cumsum(0, dtype=torch.int32), (1, 0))
-        return _Tokens(*mask.nonzero(as_tuple=True), cu, int(seqlens.max()))
+        cu = torch.nn.functional.pad(mask.sum(1).cumsum(0, dtype=torch.int32), (1, 0))
+        return _Tokens(*mask.nonzero(as_tuple=True), cu)
 
     leftpad = padding.shape[1] - padding.sum(1, dtype=torch.int32)
     positions = torch.arange(padding.shape[1], device=padding.device)
@@ -634,7 +636,7 @@ def _planned_attention(query, key, value, plan, options):
     ks, qs = plan.keys, plan.queries
     out = flash_attn_varlen_func(q[qs.rows, qs.columns], k[ks.rows, ks.columns],
                                  v[ks.rows, ks.columns], qs.cu_seqlens, ks.cu_seqlens,
-                                 qs.longest, ks.longest, **options)
+                                 nq, plan.width, **options)
     return pad_input(out, qs.rows * nq + qs.columns, batch, nq)
 
 

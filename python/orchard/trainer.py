@@ -284,9 +284,12 @@ class Trainer:
     def _should_stop(self):
         if not self.distributed:
             return self.stop_requested
-        # All ranks stop after the same step, or the others would wait forever in DDP.
-        flag = torch.tensor([int(self.stop_requested)])
+        # All ranks stop after the same step, or the others would wait forever in DDP, and
+        # exit with one status: the signal a rank got (the larger, where two differ).
+        flag = torch.tensor([int(self.stop_signal) if self.stop_requested else 0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item():
+            self.stop_signal = int(flag.item())
         return bool(flag.item())
 
     def _sum_over_ranks(self, value):

@@ -372,7 +372,7 @@ def console_script(prog, uses_devices=True):
                 sys.stdout.reconfigure(errors="replace")
                 sys.stdout = _WatchedStdout(sys.stdout)
             code = guarded(argv)
-            if (argv is None and code == EXIT_INTERRUPTED
+            if (argv is None and code > 128    # stopped by Ctrl-C (or SIGTERM: 143)
                     and threading.current_thread() is threading.main_thread()):
                 # the process exits now: a second Ctrl-C would land in torch's exit handlers
                 # and print a traceback there
