@@ -500,9 +500,9 @@ def test_transformers_static_cache_mask_not_left_padded_is_refused_when_compiled
 
 
 @pytest.mark.parametrize("use_cache", [False, True])
-def test_transformers_right_padding_compiles_with_a_graph_break(use_cache):
-    """Without a static cache, a padding mask that is not left padding is read (a graph
-    break, as in transformers' FlashAttention-2 integration) and unpadded: eager's logits."""
+def test_transformers_right_padding_compiles(use_cache):
+    """Without a static cache, a padding mask that is not left padding: eager's logits
+    (use_cache=False: a graph break where transformers' packed-sequence mask is read)."""
     model = tiny_llama().eval()
     ids = torch.randint(1, 128, (2, 8), generator=torch.Generator().manual_seed(1))
     real = torch.ones(2, 8, dtype=torch.long)
@@ -516,34 +516,57 @@ def test_transformers_right_padding_compiles_with_a_graph_break(use_cache):
     assert torch.equal(got, want)
 
 
-def test_transformers_padding_mask_is_read_once_per_forward_when_compiled():
-    """A padding mask without a static cache is read where it is made, eagerly (one graph
-    break a mask), never in a layer: the breaks do not grow with the layers. They did, about
-    eight a layer, and from the fifth layer on Dynamo's recompile limit ran the layers
-    uncompiled (a review). Left and right padding, inference and a training step: eager's
-    logits and gradients, every layer on orchard."""
-    ids = torch.randint(1, 128, (2, 8), generator=torch.Generator().manual_seed(1))
-    left, right = torch.ones(2, 8, dtype=torch.long), torch.ones(2, 8, dtype=torch.long)
-    left[0, :3] = 0
-    right[0, 5:] = 0
+def test_transformers_padding_mask_compiles_to_one_graph():
+    """A forward of a query at every position with a padding mask, left, right or with gaps:
+    compiled whole (fullgraph=True), the mask never read, each row's real tokens laid out first
+    in one dense causal call (orchard.hf._sorted_attention); eager's logits on the real
+    positions and eager's gradients, every layer on orchard. It broke the graph about eight
+    times a layer, and from the fifth layer on Dynamo's recompile limit ran the layers
+    uncompiled (a review)."""
+    model = tiny_llama(3)
+    ids = torch.randint(1, 128, (3, 9), generator=torch.Generator().manual_seed(1))
+    real = torch.ones(3, 9, dtype=torch.long)
+    real[0, :3] = 0     # left padding
+    real[1, 6:] = 0     # right padding
+    real[2, 4] = 0      # a gap
+    labels = ids.masked_fill(real == 0, -100)
+    torch._dynamo.reset()
+    orchard_ops.reset_stats()
+    compiled = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=real).logits
+        got = compiled(input_ids=ids, attention_mask=real).logits
+    assert torch.equal(got[real.bool()], want[real.bool()])
+    loss = model(input_ids=ids, attention_mask=real, labels=labels).loss
+    want = torch.autograd.grad(loss, list(model.parameters()))
+    loss = compiled(input_ids=ids, attention_mask=real, labels=labels).loss
+    for g, w in zip(torch.autograd.grad(loss, list(model.parameters())), want):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
+    assert orchard_ops.stats()["fwd_calls"] == 4 * 3
+
+
+def test_transformers_padding_mask_over_a_cache_is_read_once_per_forward_when_compiled():
+    """Queries after a (dynamic) cache with a padding mask: the mask is read where it is made,
+    eagerly (one graph break a mask), never in a layer, so the breaks do not grow with the
+    layers; eager's logits."""
+    import copy
+    ids = torch.randint(1, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    real = torch.ones(2, 9, dtype=torch.long)
+    real[0, :3] = 0
+    real[1, 2] = 0
     breaks = []
     for layers in (2, 6):
-        model = tiny_llama(layers)
-        torch._dynamo.reset()
-        torch._dynamo.utils.counters.clear()
-        orchard_ops.reset_stats()
-        compiled = torch.compile(model.forward, backend="aot_eager")
-        for real in (left, right):
-            with torch.no_grad():
-                want = model(input_ids=ids, attention_mask=real).logits
-                assert torch.equal(compiled(input_ids=ids, attention_mask=real).logits, want)
-        loss = model(input_ids=ids, attention_mask=right, labels=ids, use_cache=False).loss
-        want = torch.autograd.grad(loss, list(model.parameters()))
-        loss = compiled(input_ids=ids, attention_mask=right, labels=ids, use_cache=False).loss
-        got = torch.autograd.grad(loss, list(model.parameters()))
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
-        assert orchard_ops.stats()["fwd_calls"] == 6 * layers     # eager and compiled, 3 each
+        model = tiny_llama(layers).eval()
+        with torch.no_grad():
+            cache = model(input_ids=ids[:, :6], attention_mask=real[:, :6]).past_key_values
+            want = model(input_ids=ids[:, 6:], attention_mask=real,
+                         past_key_values=copy.deepcopy(cache)).logits
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+            compiled = torch.compile(model.forward, backend="aot_eager")
+            got = compiled(input_ids=ids[:, 6:], attention_mask=real,
+                           past_key_values=copy.deepcopy(cache)).logits
+        assert torch.equal(got, want)
         breaks.append(sum(torch._dynamo.utils.counters["graph_break"].values()))
     assert breaks[0] == breaks[1], breaks
 

@@ -322,6 +322,11 @@ def _orchard_mask(batch_size, q_length, kv_length, q_offset, kv_offset, static, 
         padding = attention_mask[:, kv_offset:kv_offset + n_keys].bool()
     if padding.shape[1] < n_keys:     # as sdpa: positions past the 2-D mask are padding
         padding = torch.nn.functional.pad(padding, (0, n_keys - padding.shape[1]), value=False)
+    if torch.compiler.is_compiling() and window is None and q_length == n_keys:
+        # a query at every position and a plain causal mask: laid out without reading the
+        # mask (_sorted_attention), so the graph does not break
+        padding.orchard_sortable = True
+        return padding
     return _planned(padding, q_length)
 
 
@@ -623,6 +628,27 @@ def _padded(query, key, value, attention_mask, options):
     return pad_input(out, idx_q, batch, nq)
 
 
+def _sorted_attention(query, key, value, mask, options):
+    """attention_forward's call with a (batch, N) padding mask over N queries and N keys, causal
+    and without a window, laid out without reading the mask (compiled: no graph break, and no
+    shape that depends on it): each row's real tokens first, in their order (a stable sort),
+    one dense causal call, each output put back at its position, padded positions 0. A real
+    query then sees exactly the real keys up to it; a padded one sees other keys too, but its
+    output is dropped, and with it its share of the gradients. out (B, N, H, Dv)."""
+    batch, heads, n, _ = query.shape
+    mask = mask.bool()
+    order = torch.argsort((~mask).to(torch.uint8), dim=1, stable=True)     # real tokens first
+
+    def gathered(t):    # (B, H, N, D) rows in the order
+        return t.gather(2, order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
+
+    out = _dense(gathered(query), gathered(key), gathered(value), options)    # (B, N, H, Dv)
+    back = torch.empty_like(order).scatter_(
+        1, order, torch.arange(n, device=order.device).expand(batch, n))     # the inverse
+    out = out.gather(1, back[:, :, None, None].expand(-1, -1, out.shape[2], out.shape[3]))
+    return torch.where(mask[:, :, None, None], out, 0)
+
+
 def _planned_attention(query, key, value, plan, options):
     """attention_forward's call with a padding mask of orchard's mask function, from its _Plan,
     not reading the mask (so, compiled, without a graph break): read in place where it is left
@@ -687,6 +713,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         plan = getattr(attention_mask, "orchard_plan", None)
         if plan is not None and plan.q_length == nq:     # (a layer of other queries reads it)
             return _planned_attention(query, key, value, plan, options), None
+        if (getattr(attention_mask, "orchard_sortable", False) and causal
+                and window == (-1, -1) and nq == key.shape[2] == attention_mask.shape[1]):
+            return _sorted_attention(query, key, value, attention_mask, options), None
         return _padded(query, key, value, attention_mask, options), None
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
