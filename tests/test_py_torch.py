@@ -408,3 +408,54 @@ def test_transformer_encoder_layers_are_routed_in_training_and_inference(causal)
     with torch.no_grad():      # torch's fused inference path would bypass the module
         torch.testing.assert_close(encoder(x, **kw), want_eval, atol=1e-12, rtol=1e-12)
     assert router.routed == 4 and not router.left_to_torch, router.summary()
+
+
+def test_only_stock_multihead_attention_is_computed_as_stock():
+    """A subclass's forward (torch.ao's quantizable MHA computes with its own projections) or
+    one set on the instance before patching (an accelerate-style hook) runs as it is, its
+    scaled_dot_product_attention calls routed; both ran as stock nn.MultiheadAttention,
+    silently."""
+    import copy
+    import functools
+
+    class Doubled(torch.nn.MultiheadAttention):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)[0] * 2, None
+
+    def hooked(mha, *args, **kwargs):
+        return torch.ones(2, 3, 8), None
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8)
+    instance = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    instance.forward = functools.partial(hooked, instance)
+    for module in (Doubled(8, 2, batch_first=True), instance,
+                   torch.ao.nn.quantizable.MultiheadAttention(8, 2, batch_first=True)):
+        want = copy.deepcopy(module).eval()(x, x, x)[0]
+        patch_model(module.eval(), device="cpu")
+        with torch.no_grad():
+            assert torch.equal(module(x, x, x)[0], want), type(module).__name__
+
+
+def test_a_batched_backward_is_refused_clearly():
+    """autograd.grad(is_grads_batched=True) and a vectorized jacobian run the backward under
+    vmap, whose gradients have no memory: a NotImplementedError saying so (it was
+    flash_attn_bwd's "cannot be viewed as an array")."""
+    q = torch.randn(1, 2, 4, 8, requires_grad=True)
+    out = flash_attention(q, q, q)
+    with pytest.raises(NotImplementedError, match="batched backward"):
+        torch.autograd.grad(out, q, torch.randn(3, *out.shape), is_grads_batched=True)
+
+
+def test_a_bool_scale_is_left_to_torch():
+    """torch reads scale=True as 1.0; orchard refuses bools, so the router leaves it to torch
+    (it routed the call, which then raised)."""
+    class Attend(torch.nn.Module):
+        def forward(self, q):
+            return F.scaled_dot_product_attention(q, q, q, scale=True)
+
+    q = torch.randn(1, 2, 4, 8)
+    model = Attend()
+    router = patch_model(model, device="cpu")
+    torch.testing.assert_close(model(q), F.scaled_dot_product_attention(q, q, q, scale=1.0))
+    assert router.routed == 0

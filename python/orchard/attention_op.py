@@ -57,6 +57,16 @@ def refuse_second_derivative():
                            "gradient penalty); compute such terms with torch's attention")
 
 
+def refuse_batched(dout):
+    """NotImplementedError where a backward runs under vmap (is_grads_batched=True, a
+    vectorized jacobian): a batched gradient has no memory for the kernels to read (it ended
+    in flash_attn_bwd's "cannot be viewed as an array")."""
+    functorch = torch._C._functorch
+    if functorch.is_batchedtensor(dout) or functorch.is_legacy_batchedtensor(dout):
+        refuse("a batched backward (autograd.grad with is_grads_batched=True, a vectorized "
+               "jacobian)")
+
+
 def ops_call(dense, varlen, o, *arrays):
     """dense(*arrays, ...) or, with cu_seqlens, varlen(*arrays, ...): an orchard_ops call with
     the options o."""
@@ -219,6 +229,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, _dlse):
     refuse_second_derivative()
+    refuse_batched(dout)
     q, k, v, out, lse, *tensors = ctx.saved_tensors
     options = list(ctx.options)
     for i, t in zip(ctx.tensor_options, tensors):

@@ -102,6 +102,7 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         attention_op.refuse_second_derivative()
+        attention_op.refuse_batched(dout)
         q, k, v, out, lse = ctx.saved_tensors
         # autograd may hand a lazily negated view (the gradient through a complex conj),
         # which DLPack does not carry: resolved here, as the user cannot
@@ -247,8 +248,8 @@ def _why_not_routable(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gq
         return "is_causal with Nq != Nk"
     if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
         return "dropout_p"
-    if scale is not None and not (isinstance(scale, numbers.Real)
-                                  and abs(scale) <= _largest_option(dtypes.pop())):
+    if scale is not None and (isinstance(scale, bool) or not (
+            isinstance(scale, numbers.Real) and abs(scale) <= _largest_option(dtypes.pop()))):
         return "scale"      # orchard refuses it; torch computes something
     return _traced_or_transform(q, k, v)
 
@@ -394,7 +395,12 @@ class _RoutedForward:
         return inspect.signature(type(self.module).forward.__get__(self.module))
 
     def __call__(self, *args, **kwargs):
-        forward = self.mha if isinstance(self.module, torch.nn.MultiheadAttention) else self.original
+        # nn.MultiheadAttention's own forward only: a subclass's or an instance's (a hook's)
+        # forward computes something else (torch.ao's quantizable MHA, a scaled output), and
+        # ran as stock MHA, silently
+        stock = (self.previous is None
+                 and type(self.module).forward is torch.nn.MultiheadAttention.forward)
+        forward = self.mha if stock else self.original
         if self.router.active():
             return forward(*args, **kwargs)
         with self.router:
