@@ -47,6 +47,28 @@ int or_as_integer(PyObject *obj, long long *out)
     return 0;
 }
 
+/* The text of the str obj as UTF-8, or NULL with TypeError where obj is no str and ValueError
+ * where it holds a NUL character (C would read "cpu\0x" as "cpu") or a lone surrogate (no
+ * UTF-8); what is the argument as messages name it ("'device'"). */
+const char *or_text_arg(const char *func, const char *what, PyObject *obj)
+{
+    Py_ssize_t len = 0;
+    const char *s = PyUnicode_Check(obj) ? PyUnicode_AsUTF8AndSize(obj, &len) : NULL;
+    if (s == NULL && !PyErr_Occurred()) {
+        PyErr_Format(PyExc_TypeError, "%s(): %s must be a str, not %.100s", func, what,
+                     Py_TYPE(obj)->tp_name);
+    } else if (s == NULL && PyErr_ExceptionMatches(PyExc_UnicodeEncodeError)) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s(): %s must be valid UTF-8 text, got %R", func, what,
+                     obj);
+    } else if (s != NULL && (size_t)len != strlen(s)) {
+        PyErr_Format(PyExc_ValueError, "%s(): %s must not hold a NUL character, got %R", func,
+                     what, obj);
+        s = NULL;
+    }
+    return s;
+}
+
 /* The exception for an integer argument obj that is bad (a bool, or or_as_integer failed) or
  * out of range: TypeError for a bool or what is no int, ValueError for an int too large. */
 static PyObject *int_error(PyObject *obj, int bad)

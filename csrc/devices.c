@@ -213,21 +213,9 @@ int or_resolve_device(const char *func, PyObject *device, or_device_choice *out)
                      Py_TYPE(device)->tp_name);
         return -1;
     }
-    Py_ssize_t len = 4;
-    const char *name = device == Py_None ? "auto" : PyUnicode_AsUTF8AndSize(device, &len);
-    if (name == NULL) {     /* a lone surrogate: no device's name */
-        if (PyErr_ExceptionMatches(PyExc_UnicodeEncodeError)) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_ValueError, "%s(): 'device' must be valid UTF-8 text, got %R",
-                         func, device);
-        }
+    const char *name = device == Py_None ? "auto" : or_text_arg(func, "'device'", device);
+    if (name == NULL)
         return -1;
-    }
-    if ((size_t)len != strlen(name)) {     /* C would read "cpu\0x" as "cpu" */
-        PyErr_Format(PyExc_ValueError, "%s(): 'device' must not hold a NUL character, got %R",
-                     func, device);
-        return -1;
-    }
     if (strcmp(name, "auto") != 0) {
         out->index = lookup(name);
         return out->index >= 0 ? 0 : unknown_device(func, "'device'", name);

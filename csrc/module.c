@@ -485,24 +485,9 @@ PyDoc_STRVAR(set_native_isa_doc,
 
 static PyObject *set_native_isa(PyObject *module, PyObject *name)
 {
-    Py_ssize_t len = 0;
-    const char *s = PyUnicode_Check(name) ? PyUnicode_AsUTF8AndSize(name, &len) : NULL;
-    if (s == NULL) {
-        if (!PyErr_Occurred())
-            PyErr_Format(PyExc_TypeError, "set_native_isa: name must be a str, not %s",
-                         Py_TYPE(name)->tp_name);
-        else if (PyErr_ExceptionMatches(PyExc_UnicodeEncodeError)) {   /* a lone surrogate */
-            PyErr_Clear();
-            PyErr_Format(PyExc_ValueError, "set_native_isa(): name must be valid UTF-8 text, "
-                         "got %R", name);
-        }
+    const char *s = or_text_arg("set_native_isa", "name", name);
+    if (s == NULL)
         return NULL;
-    }
-    if ((size_t)len != strlen(s)) {
-        PyErr_Format(PyExc_ValueError, "set_native_isa(): name must not hold a NUL character, "
-                     "got %R", name);
-        return NULL;
-    }
     if (or_select_isa("set_native_isa(): name", s) < 0)
         return NULL;
     Py_RETURN_NONE;

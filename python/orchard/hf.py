@@ -355,9 +355,8 @@ def _planned(padding, q_length):
         cu = torch.nn.functional.pad(mask.sum(1).cumsum(0, dtype=torch.int32), (1, 0))
         return _Tokens(*mask.nonzero(as_tuple=True), cu)
 
-    leftpad = padding.shape[1] - padding.sum(1, dtype=torch.int32)
-    positions = torch.arange(padding.shape[1], device=padding.device)
-    fits = bool((padding == (positions >= leftpad[:, None])).all())
+    leftpad, _, fits = _left_padding(padding, padding, padding.shape[1], False)
+    fits = bool(fits)
     padding.orchard_plan = _Plan(padding.shape[1], q_length, fits, leftpad,
                                  not fits and _has_gaps(padding),
                                  tokens(padding), tokens(padding[:, padding.shape[1] - q_length:]))
@@ -597,7 +596,7 @@ def _dense(query, key, value, options):
     return out.transpose(1, 2).contiguous()
 
 
-def _padded(query, key, value, attention_mask, options):
+def _padded(query, key, value, attention_mask, options, in_place):
     """attention_forward's call with a (batch, keys) padding mask without a _Plan (a static
     cache's, or one a caller passed): read in place where it is left padding and nothing needs
     a gradient, else unpadded onto the varlen path. out (B, Nq, H, Dv)."""
@@ -611,7 +610,7 @@ def _padded(query, key, value, attention_mask, options):
             return _dense(query, key, value, options)
     # (B, N, H, D) views of transformers' (B, H, N, D) tensors: orchard reads them in place.
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    if _in_place(q, k, v, options["dropout_p"]):
+    if in_place:
         out = _left_padded(q, k, v, attention_mask, mask,
                            mask.shape[1] if written is None else written, written is not None,
                            options)
@@ -635,7 +634,6 @@ def _sorted_attention(query, key, value, mask, options):
     one dense causal call, each output put back at its position, padded positions 0. A real
     query then sees exactly the real keys up to it; a padded one sees other keys too, but its
     output is dropped, and with it its share of the gradients. out (B, N, H, Dv)."""
-    batch, heads, n, _ = query.shape
     mask = mask.bool()
     order = torch.argsort((~mask).to(torch.uint8), dim=1, stable=True)     # real tokens first
 
@@ -643,13 +641,12 @@ def _sorted_attention(query, key, value, mask, options):
         return t.gather(2, order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
 
     out = _dense(gathered(query), gathered(key), gathered(value), options)    # (B, N, H, Dv)
-    back = torch.empty_like(order).scatter_(
-        1, order, torch.arange(n, device=order.device).expand(batch, n))     # the inverse
+    back = order.argsort(dim=1)     # the inverse order
     out = out.gather(1, back[:, :, None, None].expand(-1, -1, out.shape[2], out.shape[3]))
     return torch.where(mask[:, :, None, None], out, 0)
 
 
-def _planned_attention(query, key, value, plan, options):
+def _planned_attention(query, key, value, plan, options, in_place):
     """attention_forward's call with a padding mask of orchard's mask function, from its _Plan,
     not reading the mask (so, compiled, without a graph break): read in place where it is left
     padding and nothing needs a gradient, else the real tokens gathered onto the varlen path
@@ -657,7 +654,7 @@ def _planned_attention(query, key, value, plan, options):
     batch, nq = query.shape[0], query.shape[2]
     # (B, N, H, D) views of transformers' (B, H, N, D) tensors, over the mask's keys
     q, k, v = (t.transpose(1, 2) for t in (query, key[:, :, :plan.width], value[:, :, :plan.width]))
-    if plan.fits and _in_place(q, k, v, options["dropout_p"]):
+    if plan.fits and in_place:
         return _read_left_padded(q, k, v, None, plan.leftpad, options)
     ks, qs = plan.keys, plan.queries
     out = flash_attn_varlen_func(q[qs.rows, qs.columns], k[ks.rows, ks.columns],
@@ -712,11 +709,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if mask is not None and not packed:
         plan = getattr(attention_mask, "orchard_plan", None)
         if plan is not None and plan.q_length == nq:     # (a layer of other queries reads it)
-            return _planned_attention(query, key, value, plan, options), None
+            return _planned_attention(query, key, value, plan, options, in_place), None
         if (getattr(attention_mask, "orchard_sortable", False) and causal
                 and window == (-1, -1) and nq == key.shape[2] == attention_mask.shape[1]):
             return _sorted_attention(query, key, value, attention_mask, options), None
-        return _padded(query, key, value, attention_mask, options), None
+        return _padded(query, key, value, attention_mask, options, in_place), None
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is None and packed:
