@@ -565,6 +565,21 @@ def test_kvcache_against_torch(case, dtype):
     assert_rule("lse", lse, lse64, lse_low)
 
 
+def test_kvcache_rotary_table_ends_at_the_new_keys_where_no_mask_places_queries():
+    """Neither causal nor windowed, every query is rotated at cache_seqlens (FlashAttention-2):
+    a table to the last new key's position is enough, however many queries; with a mask the
+    queries sit at the new tokens' positions and need the rows past it."""
+    q, k_cache, v_cache, kw = make_kvcache(KV_CASES["rotary window, more queries than new "
+                                                    "tokens"], torch.float32)
+    kw.update(window_size=(-1, -1), cache_seqlens=torch.tensor([5, 8], dtype=torch.int32))
+    short = dict(kw, rotary_cos=kw["rotary_cos"][:9], rotary_sin=kw["rotary_sin"][:9])
+    want = flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), **kw)
+    assert torch.equal(flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), **short),
+                       want)
+    with pytest.raises(ValueError, match="'rotary_cos' has 9 positions; these tokens need 11"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, **dict(short, causal=True))
+
+
 def test_kvcache_reads_the_cache_in_place():
     q, k_cache, v_cache, kw = make_kvcache(KV_CASES["decode one token GQA causal"],
                                            torch.float32)
@@ -918,6 +933,37 @@ def test_varlen_tokens_past_the_last_sequence_are_padding(device):
     qkv = torch.stack((q, q, q), 1).detach()
     packed = flash_attn_varlen_qkvpacked_func(qkv, cu_q, None, device=device)
     assert packed.shape == (12, 4, 16) and not packed[8:].any()
+
+
+def test_varlen_tokens_before_the_first_sequence_are_padding(device):
+    """cu_seqlens may start after the first token too (FlashAttention-2 reads sequence b from
+    row cu_seqlens[b]: a window of a larger packed buffer): the rows before it are padding as
+    those past the end are; with pages only cu_seqlens_k's differences count."""
+    q, k, v, _, _ = varlen_inputs(torch.float32, [2, 5, 3], [3, 4, 5])
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)
+    cu_q, cu_k = i32(2, 7, 10), i32(3, 7, 10)      # key rows 0-2 and 10-11 are padding
+    torch.manual_seed(7)
+    out, lse, S = flash_attn_varlen_func(q, k, v, cu_q, cu_k, None, None, causal=True,
+                                         dropout_p=0.2, return_attn_probs=True, device=device)
+    torch.manual_seed(7)
+    want, want_lse, want_S = flash_attn_varlen_func(q[2:], k[3:10], v[3:10], cu_q - 2, cu_k - 3,
+                                                    None, None, causal=True, dropout_p=0.2,
+                                                    return_attn_probs=True, device=device)
+    assert torch.equal(out[2:], want) and torch.equal(lse[:, 2:], want_lse)
+    assert torch.equal(S, want_S)
+    assert not out[:2].any() and (lse[:, :2] == -math.inf).all()
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert not dq[:2].any() and not dk[:3].any() and not dk[10:].any() and not dv[:3].any()
+    assert dq[2:].any() and dk[3:10].any()
+    # pages: sequence 1's keys in page 0, sequence 2's in page 1
+    pages = torch.stack([x.detach()[a:a + 4] for x in (k, v) for a in (3, 7)]).unflatten(0, (2, 2))
+    plain = flash_attn_varlen_func(q.detach(), k.detach(), v.detach(), cu_q, cu_k, None, None,
+                                   causal=True, device=device)
+    paged = flash_attn_varlen_func(q.detach(), pages[0], pages[1], cu_q, cu_k, None, None,
+                                   causal=True, block_table=i32(0, 1)[:, None], device=device)
+    torch.testing.assert_close(paged, plain)
+    with pytest.raises(ValueError, match="'cu_seqlens_q' must start at 0 or after"):
+        flash_attn_varlen_func(q, k, v, i32(-1, 3), cu_k[:2], None, None)
 
 
 def test_kvcache_empty_batch_and_no_queries():

@@ -119,6 +119,9 @@ CALLS = {
     # packed: three sequences (one empty), then rows past the last offset, padding
     "flash_attn_varlen_func GQA causal, padding rows": (
         flash_attn_varlen_func, PACKED, dict(max_seqlen_q=7, max_seqlen_k=7, causal=True)),
+    "flash_attn_varlen_func, padding rows before the first offset": (
+        flash_attn_varlen_func, PACKED[:3] + (CU_Q + 2, CU_K + 1),
+        dict(max_seqlen_q=7, max_seqlen_k=7, causal=True)),
     "flash_attn_varlen_func lse, window, ALiBi": (
         flash_attn_varlen_func, PACKED, dict(max_seqlen_q=7, max_seqlen_k=7, window_size=(2, 1),
                                              alibi_slopes=torch.rand(4), return_attn_probs=True)),
@@ -200,11 +203,11 @@ def test_bad_offsets_are_refused_when_the_compiled_graph_runs():
     q = randn(10, 2, 8)
     torch._dynamo.reset()
     compiled = torch.compile(flash_attn_varlen_func, fullgraph=True, backend="aot_eager")
-    at_most = "'cu_seqlens_q' must start at 0, never decrease and end at most at 10"
+    at_most = "'cu_seqlens_q' must start at 0 or after, never decrease and end at most at 10"
     for cu, longest, match in (([0, 6, 4], 6, at_most + r" \(the number of tokens\), got "
                                                  r"\[0, 6, 4\]"),
                                ([0, 4, 11], 7, at_most),
-                               ([1, 4, 10], 6, "'cu_seqlens_q' must start at 0"),
+                               ([-1, 4, 10], 6, "'cu_seqlens_q' must start at 0 or after"),
                                ([0, 4, 10], 5, "'max_seqlen_q' must be an int >= 6")):
         cu = torch.tensor(cu, dtype=torch.int32)
         with pytest.raises(ValueError, match=match):

@@ -95,45 +95,49 @@ def ops_call(dense, varlen, o, *arrays):
     if o.cu_seqlens_q is None:
         return dense(*arrays, o.scale, o.dropout_p, o.causal, **kw)
 
-    def call(*xs):
-        return varlen(*xs, o.cu_seqlens_q, o.cu_seqlens_k, o.max_seqlen_q, o.max_seqlen_k,
-                      o.scale, o.dropout_p, o.causal, **kw)
+    def call(*xs, cu_q=o.cu_seqlens_q, cu_k=o.cu_seqlens_k):
+        return varlen(*xs, cu_q, cu_k, o.max_seqlen_q, o.max_seqlen_k, o.scale, o.dropout_p,
+                      o.causal, **kw)
 
-    # Packed rows past cu_seqlens' last offset are padding (FlashAttention-2's static-shape
-    # buffers): orchard_ops gets the rows before it, the results get the padding back (out
-    # and gradients 0, lse -inf). Here rather than in orchard.flash_attn, whose traced calls
-    # cannot read the offsets: the custom ops' implementations run this.
+    # Packed rows before cu_seqlens' first offset or past its last are padding
+    # (FlashAttention-2's static-shape buffers, or a window of a larger one): orchard_ops gets
+    # the rows between, the results get the padding back (out and gradients 0, lse -inf).
+    # Here rather than in orchard.flash_attn, whose traced calls cannot read the offsets: the
+    # custom ops' implementations run this.
     q, k = arrays[:2] if len(arrays) == 3 else arrays[1:3]
     cu_q, cu_k = o.cu_seqlens_q, o.cu_seqlens_k
     if len(cu_q) == 0 or len(cu_k) == 0:
         return call(*arrays)    # orchard_ops says what is wrong
-    nq = int(cu_q[-1])
-    nk = k.shape[0] if o.block_table is not None else int(cu_k[-1])   # pages: all
-    if nq == q.shape[0] and nk == k.shape[0]:
+    paged = o.block_table is not None
+    q0, nq = int(cu_q[0]), int(cu_q[-1])
+    k0, nk = (0, k.shape[0]) if paged else (int(cu_k[0]), int(cu_k[-1]))
+    if q0 == 0 and nq == q.shape[0] and k0 == 0 and nk == k.shape[0]:
         return call(*arrays)    # nothing to cut
-    for name, cu, n, total in (("cu_seqlens_q", cu_q, nq, q.shape[0]),
-                               ("cu_seqlens_k", cu_k, nk, k.shape[0])):
-        # (orchard_ops, which takes no padding rows, would say "end at" the total)
-        if n > total or not _offsets(cu):
-            raise ValueError("orchard attention: '%s' must start at 0, never decrease and end "
-                             "at most at %d (the number of tokens), got %s"
+    for name, cu, total in (("cu_seqlens_q", cu_q, q.shape[0]),
+                            ("cu_seqlens_k", cu_k, None if paged else k.shape[0])):
+        # (orchard_ops, which takes no padding rows, would say "start at 0" and "end at")
+        if cu[0] < 0 or total is not None and cu[-1] > total or bool((cu[1:] < cu[:-1]).any()):
+            raise ValueError("orchard attention: '%s' must start at 0 or after, never decrease "
+                             "and end at most at %s (the number of tokens), got %s"
                              % (name, total, cu.tolist()))
+    cut = dict(cu_q=cu_q - q0, cu_k=cu_k - k0)
+    rows_q, rows_k = slice(q0, nq), slice(k0, nk)
     if len(arrays) == 3:                # forward: q, k, v -> out, lse
-        out, lse = call(q[:nq], k[:nk], arrays[2][:nk])
-        return _pad_rows(out, q.shape[0]), _pad_rows(lse, q.shape[0], 1, -math.inf)
+        out, lse = call(q[rows_q], k[rows_k], arrays[2][rows_k], **cut)
+        return (_pad_rows(out, q0, q.shape[0]),
+                _pad_rows(lse, q0, q.shape[0], axis=1, value=-math.inf))
     dout, q, k, v, out, lse = arrays    # backward -> dq, dk, dv
-    dq, dk, dv = call(dout[:nq], q[:nq], k[:nk], v[:nk], out[:nq], lse[:, :nq])
-    return _pad_rows(dq, q.shape[0]), _pad_rows(dk, k.shape[0]), _pad_rows(dv, k.shape[0])
+    dq, dk, dv = call(dout[rows_q], q[rows_q], k[rows_k], v[rows_k], out[rows_q],
+                      lse[:, rows_q], **cut)
+    return (_pad_rows(dq, q0, q.shape[0]), _pad_rows(dk, k0, k.shape[0]),
+            _pad_rows(dv, k0, k.shape[0]))
 
 
-def _offsets(*cus):
-    """Whether each cu_seqlens starts at 0 and never decreases."""
-    return all(cu[0] == 0 and bool((cu[1:] >= cu[:-1]).all()) for cu in cus)
-
-
-def _pad_rows(x, n, axis=0, value=0.0):
-    """x grown along axis to n, the new entries value."""
-    return torch.nn.functional.pad(x, [0, 0] * (x.dim() - 1 - axis) + [0, n - x.shape[axis]],
+def _pad_rows(x, before, n, axis=0, value=0.0):
+    """x grown along axis to n, `before` new entries ahead of it and the rest after, all
+    value."""
+    after = n - before - x.shape[axis]
+    return torch.nn.functional.pad(x, [0, 0] * (x.dim() - 1 - axis) + [before, after],
                                    value=value)
 
 

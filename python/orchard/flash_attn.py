@@ -85,15 +85,15 @@ def _int32(fn, name, t, shape, layout):
 
 
 def _cu_seqlens(fn, name, t, total):
-    """cu_seqlens as a list; it may end before the last of `total` tokens (rows past it are
-    padding, as FlashAttention-2 allows: static-shape buffers)."""
+    """cu_seqlens as a list; it may start after the first of `total` tokens and end before
+    the last (rows outside are padding, as FlashAttention-2 allows: static-shape buffers)."""
     cu = _int32(fn, name, t, (None,), "(batch_size + 1,)")
     if not cu:
         _fail(fn, name, "must have batch_size + 1 entries, got none")
-    if (cu[0] != 0 or total is not None and cu[-1] > total
+    if (cu[0] < 0 or total is not None and cu[-1] > total
             or any(a > b for a, b in zip(cu, cu[1:]))):
-        _fail(fn, name, "must start at 0, never decrease and end at most at %s (the number of "
-              "tokens), got %s" % (total, cu))
+        _fail(fn, name, "must start at 0 or after, never decrease and end at most at %s (the "
+              "number of tokens), got %s" % (total, cu))
     return cu
 
 
@@ -419,6 +419,9 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             cu_k = _cu_seqlens(fn, cu_names[1], cu_seqlens_k, k.shape[0])
         else:
             cu_k = _cu_seqlens(fn, cu_names[1], cu_seqlens_k, None)
+            if cu_k[0]:     # pages: only the offsets' differences count
+                cu_seqlens_k = cu_seqlens_k - cu_k[0]
+                cu_k = [x - cu_k[0] for x in cu_k]
             # read in place, unless gradients must reach the pages or the device is OpenCL
             in_place = _reads_pages(device) and not (torch.is_grad_enabled() and (
                 q.requires_grad or k.requires_grad or v.requires_grad))
@@ -436,7 +439,7 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     alibi_slopes, batch, device, cu_seqlens_q=cu_seqlens_q,
                     cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                     max_seqlen_k=max_seqlen_k, block_table=block_table)
-    # tokens past the last sequence are padding: out 0 and lse -inf (attention_op.ops_call)
+    # tokens outside the sequences are padding: out 0 and lse -inf (attention_op.ops_call)
     if block_table is not None:     # pages read in place: nothing to differentiate
         out, lse = _forward(q, k, v, opts)
     else:
@@ -470,7 +473,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     headdim) of any page size, read in place (gathered into a copy per call when gradients
     must reach them, or for an OpenCL device). softmax_lse is (nheads, total_q);
     S_dmask (batch, nheads, max_seqlen_q, max_seqlen_k) with dropout, else empty. cu_seqlens may
-    end before the last row: rows after it are padding (out 0, lse -inf)."""
+    start after the first row and end before the last: rows outside are padding (out 0, lse
+    -inf)."""
     return _varlen("flash_attn_varlen_func", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                    max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
                    alibi_slopes, return_attn_probs, block_table, device)
@@ -685,12 +689,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if not 1 <= 2 * rotary_cos.shape[1] <= d:
             _fail(fn, "rotary_cos", "gives rotary_dim %d; it must be in [2, headdim = %d]"
                   % (2 * rotary_cos.shape[1], d))
+        # the new keys' positions, and the queries' where masks place them (below)
+        reach = max(n, nq) if opts.causal or opts.window != (-1, -1) else n
         if traced:
-            torch._assert_async((lengths + max(n, nq) <= rotary_cos.shape[0]).all(),
+            torch._assert_async((lengths + reach <= rotary_cos.shape[0]).all(),
                                 "%s: 'rotary_cos' has fewer positions than these tokens need"
                                 % fn)
         else:
-            need = max([0] + [s + max(n, nq) for s in seqlens])
+            need = max([0] + [s + reach for s in seqlens])
             if rotary_cos.shape[0] < need:
                 _fail(fn, "rotary_cos", "has %d positions; these tokens need %d"
                       % (rotary_cos.shape[0], need))
