@@ -787,7 +787,7 @@ def test_bad_kvcache_input_names_the_argument_and_writes_nothing():
         (ValueError, "'rotary_sin'", drop(kw, "rotary_sin")),
         (ValueError, "'cache_batch_idx'", dict(kw, cache_batch_idx=i32(0, 2))),
         (ValueError, "'cache_leftpad'", dict(kw, cache_leftpad=i32(0, 11))),
-        (ValueError, "'window_size'", dict(kw, window_size=(0, -3))),
+        (TypeError, "'window_size'", dict(kw, window_size=(0, 1.5))),
         (ValueError, "'alibi_slopes'", dict(kw, alibi_slopes=torch.rand(3, 4))),
         (ValueError, "with_kvcache: 'alibi_slopes' must be finite",
          dict(kw, alibi_slopes=torch.tensor([0.5, math.nan, 1, 1]))),
@@ -933,6 +933,15 @@ def test_varlen_tokens_past_the_last_sequence_are_padding(device):
     qkv = torch.stack((q, q, q), 1).detach()
     packed = flash_attn_varlen_qkvpacked_func(qkv, cu_q, None, device=device)
     assert packed.shape == (12, 4, 16) and not packed[8:].any()
+
+
+def test_a_negative_window_bound_is_unbounded():
+    """As FlashAttention-2, any negative bound is none (-1 is the convention): (-5, 0) is
+    causal, (0, -2) sees every later key."""
+    q, k, v = (randn(1, 6, 2, 8, seed=s) for s in range(3))
+    for given, same in (((-5, 0), (-1, 0)), ((0, -2), (0, -1)), ((-3, -7), (-1, -1))):
+        assert torch.equal(flash_attn_func(q, k, v, window_size=given),
+                           flash_attn_func(q, k, v, window_size=same))
 
 
 def test_varlen_tokens_before_the_first_sequence_are_padding(device):

@@ -146,13 +146,11 @@ def _checked_options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_s
         left, right = (operator.index(w) for w in window_size)
     except (TypeError, ValueError):
         _fail(fn, "window_size", "must be a pair of ints, got %r" % (window_size,), TypeError)
-    if left < -1 or right < -1:
-        _fail(fn, "window_size", "entries must be >= -1 (-1 = unbounded), got %r"
-              % ((left, right),))
-    # As FlashAttention-2: a bound reaching past every key is none; then, with the other
-    # bound set, an unbounded side reaches seqlen_k (which leaves the rows of Nq > Nk whose
-    # window ends before the first key empty).
-    left, right = (-1 if left >= seqlen_k else left, -1 if right >= seqlen_k else right)
+    # As FlashAttention-2: a negative bound (-1 by convention) or one reaching past every key
+    # is none; then, with the other bound set, an unbounded side reaches seqlen_k (which
+    # leaves the rows of Nq > Nk whose window ends before the first key empty).
+    left, right = (-1 if left < 0 or left >= seqlen_k else left,
+                   -1 if right < 0 or right >= seqlen_k else right)
     window = (seqlen_k if left < 0 <= right else left, seqlen_k if right < 0 <= left else right)
     if alibi_slopes is not None:
         if (not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype == torch.bool
