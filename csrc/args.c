@@ -536,8 +536,11 @@ static PyArrayObject *check_cu_seqlens(or_call *c, PyObject *obj, const char *na
     if (raw == NULL)
         return NULL;
     if (!PyArray_ISINTEGER(raw) || PyArray_NDIM(raw) != 1 || PyArray_DIM(raw, 0) < 1) {
-        PyErr_Format(PyExc_ValueError, "%s(): '%s' must be a 1-D integer array of B + 1 offsets",
-                     c->func, name);
+        PyObject *got = or_values_str(raw, obj);
+        if (got != NULL)
+            PyErr_Format(PyExc_ValueError, "%s(): '%s' must be a 1-D integer array of B + 1 "
+                         "offsets, got %U", c->func, name, got);
+        Py_XDECREF(got);
         Py_DECREF(raw);
         return NULL;
     }
@@ -621,10 +624,10 @@ static npy_intp check_seqused_k(or_call *c, PyObject *obj)
     if (raw == NULL)
         return -1;
     if (!PyArray_ISINTEGER(raw) || PyArray_NDIM(raw) != 1 || PyArray_DIM(raw, 0) != nseq) {
-        PyObject *got = or_shape_str(raw);
+        PyObject *got = or_values_str(raw, obj);
         if (got != NULL)
             PyErr_Format(PyExc_ValueError, "%s(): 'seqused_k' must be a 1-D integer array of %zd "
-                         "key counts (one per sequence), got %S", c->func, nseq, got);
+                         "key counts (one per sequence), got %U", c->func, nseq, got);
         Py_XDECREF(got);
         Py_DECREF(raw);
         return -1;
@@ -686,7 +689,7 @@ int or_check_paged_kv(or_call *c)
     PyArrayObject *k = c->arr[OR_K], *v = c->arr[OR_V];
     if (PyArray_NDIM(k) != 4 || PyArray_NDIM(v) != 4 || PyArray_DIM(k, 0) < 1
         || PyArray_DIM(k, 1) < 1 || PyArray_DIM(v, 0) != PyArray_DIM(k, 0)
-        || PyArray_DIM(v, 1) != PyArray_DIM(k, 1)) {
+        || PyArray_DIM(v, 1) != PyArray_DIM(k, 1) || PyArray_DIM(v, 2) != PyArray_DIM(k, 2)) {
         PyObject *ks = or_shape_str(k), *vs = ks ? or_shape_str(v) : NULL;
         if (vs != NULL)
             PyErr_Format(PyExc_ValueError, "%s(): with a 'block_table', 'k' and 'v' must be "
@@ -717,9 +720,9 @@ static PyArrayObject *int64_array(or_call *c, PyObject *obj, const char *name, i
     if (raw == NULL)
         return NULL;
     if (!PyArray_ISINTEGER(raw) || PyArray_NDIM(raw) != nd || PyArray_DIM(raw, 0) != n) {
-        PyObject *got = or_shape_str(raw);
+        PyObject *got = or_values_str(raw, obj);
         if (got != NULL)
-            PyErr_Format(PyExc_ValueError, "%s(): '%s' must be an integer array %s, got shape %S",
+            PyErr_Format(PyExc_ValueError, "%s(): '%s' must be an integer array %s, got %U",
                          c->func, name, layout, got);
         Py_XDECREF(got);
         Py_DECREF(raw);

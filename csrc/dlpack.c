@@ -174,7 +174,7 @@ PyArrayObject *or_from_dlpack(or_module_state *st, PyObject *obj, const char *fu
                                  : PyObject_CallMethodNoArgs(obj, st->dlpack_name);
     Py_XDECREF(torch);
     if (capsule == NULL)
-        return NULL;
+        return or_unreadable(func, name, 0);
     DLManagedTensor *m = PyCapsule_IsValid(capsule, "dltensor")
                          ? PyCapsule_GetPointer(capsule, "dltensor") : NULL;
     if (m == NULL) {
@@ -200,13 +200,14 @@ PyArrayObject *or_from_dlpack(or_module_state *st, PyObject *obj, const char *fu
     if (typenum < 0) {
         PyErr_Format(PyExc_TypeError, "%s(): argument '%s' must be %s, not DLPack type code %d "
                      "with %d bits", func, name, dt ? "a float16, float32, float64 or bfloat16 "
-                     "array" : "an array of integers, booleans or floats (a bfloat16 tensor: "
-                     "convert it first)", (int)t->dtype.code, (int)t->dtype.bits);
+                     "array" : t->dtype.code == 4 ? "an array of integers or floats (a bfloat16 "
+                     "tensor: convert it first)" : "an array of integers or floats",
+                     (int)t->dtype.code, (int)t->dtype.bits);
         goto done;
     }
-    if (t->ndim < 0 || t->ndim > NPY_MAXDIMS) {
-        PyErr_Format(PyExc_ValueError, "%s(): argument '%s' has %d dimensions", func, name,
-                     (int)t->ndim);
+    if (t->ndim < 0 || t->ndim > NPY_MAXDIMS || (t->ndim > 0 && t->shape == NULL)) {
+        PyErr_Format(PyExc_ValueError, "%s(): argument '%s' has %d dimensions%s", func, name,
+                     (int)t->ndim, t->shape == NULL ? " and no DLPack shape" : "");
         goto done;
     }
     npy_intp dims[NPY_MAXDIMS], strides[NPY_MAXDIMS];

@@ -256,7 +256,7 @@ PyArrayObject *or_operand(or_module_state *st, PyObject *obj, const char *func,
 {
     const int dlpack = PyArray_Check(obj) ? 0 : has_attr(obj, st->dlpack_name);
     if (dlpack < 0)
-        return NULL;
+        return or_unreadable(func, name, 0);
     PyArrayObject *a = dlpack ? or_from_dlpack(st, obj, func, name, dt)
                               : (PyArrayObject *)PyArray_FromAny(obj, NULL, 0, 0, 0, NULL);
     if (a == NULL)
@@ -347,6 +347,21 @@ or_ssize *or_varlen_offsets(PyArrayObject *a, const int64_t *cu, or_ssize nseq, 
             offs[b * heads + h] = (or_ssize)cu[b] * PyArray_STRIDE(a, seq_axis)
                                   + h * PyArray_STRIDE(a, head_axis);
     return offs;
+}
+
+/* What an index or slope argument `obj` read as (`a`), for messages: "a float64 array of
+ * shape (2, 2)", or obj's repr where NumPy made it an object array (not an array at all). */
+PyObject *or_values_str(PyArrayObject *a, PyObject *obj)
+{
+    if (PyArray_TYPE(a) == NPY_OBJECT)
+        return PyUnicode_FromFormat("%.100R", obj);
+    PyObject *shape = or_shape_str(a);
+    if (shape == NULL)
+        return NULL;
+    PyObject *s = PyUnicode_FromFormat("a %S array of shape %U", (PyObject *)PyArray_DESCR(a),
+                                       shape);
+    Py_DECREF(shape);
+    return s;
 }
 
 /* "(2, 8, 128, 64)" for messages and logs. */

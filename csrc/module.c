@@ -273,6 +273,19 @@ static PyObject *dropout_mask(PyObject *module, PyObject *args, PyObject *kw)
         shape[i] = qd[i];
     shape[qn - 1] = kd[kn - 2];
     PyArrayObject *mask = (PyArrayObject *)PyArray_SimpleNew(qn, shape, NPY_BOOL);
+    if (mask == NULL && PyErr_ExceptionMatches(PyExc_ValueError)) {
+        /* NumPy's "array is too big", said of the arguments */
+        PyObject *type, *value, *tb, *dims = NULL;
+        PyErr_Fetch(&type, &value, &tb);
+        if ((dims = or_dims_str(qn, shape)) != NULL)
+            PyErr_Format(PyExc_ValueError, "dropout_mask(): 'q_shape' and 'k_shape' give a mask "
+                         "of shape %U, more than NumPy can hold (%S)", dims,
+                         value ? value : Py_None);
+        Py_XDECREF(dims);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+    }
     if (mask == NULL)
         return NULL;
     if (PyArray_SIZE(mask) == 0)    /* and the loop below might count to 2**60 for nothing */
@@ -412,6 +425,8 @@ static PyObject *set_num_threads(PyObject *module, PyObject *arg)
 
 static PyObject *get_num_threads(PyObject *module, PyObject *unused)
 {
+    if (or_check_environment() < 0)     /* no count to tell: every call refuses the setting */
+        return NULL;
     return PyLong_FromLong(or_get_num_threads());
 }
 

@@ -204,18 +204,20 @@ static int alibi_table(or_call *c, PyObject *obj)
     PyArrayObject *raw = or_values(c->st, obj, c->func, "alibi_slopes"), *a = NULL;
     if (raw == NULL)
         return -1;      /* its error names the argument */
-    if (PyArray_ISINTEGER(raw) || PyArray_ISFLOAT(raw))
-        a = (PyArrayObject *)PyArray_FromAny((PyObject *)raw, PyArray_DescrFromType(NPY_FLOAT64),
-                                             0, 0, NPY_ARRAY_CARRAY | NPY_ARRAY_FORCECAST, NULL);
-    Py_DECREF(raw);
-    if (a == NULL) {
-        if (!PyErr_Occurred() || or_bad_value()) {
+    if (!PyArray_ISINTEGER(raw) && !PyArray_ISFLOAT(raw)) {
+        PyObject *got = or_values_str(raw, obj);
+        if (got != NULL)
             PyErr_Format(PyExc_TypeError, "%s(): 'alibi_slopes' must be an array of integers or "
-                         "floats that NumPy can read (a bfloat16 tensor: convert it first), got "
-                         "%.100R", c->func, obj);
-        }
+                         "floats, got %U", c->func, got);
+        Py_XDECREF(got);
+        Py_DECREF(raw);
         return -1;
     }
+    a = (PyArrayObject *)PyArray_FromAny((PyObject *)raw, PyArray_DescrFromType(NPY_FLOAT64), 0,
+                                         0, NPY_ARRAY_CARRAY | NPY_ARRAY_FORCECAST, NULL);
+    Py_DECREF(raw);
+    if (a == NULL)
+        return -1;
     or_ssize n = c->p.n_units, h = c->heads, size = PyArray_SIZE(a);
     int nd = PyArray_NDIM(a), per_head = nd <= 1 && size == h, per_unit = 0;
     if (!per_head) {

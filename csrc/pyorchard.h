@@ -42,6 +42,7 @@ or_ssize *or_lead_offsets(PyArrayObject *a, int nlead);
 or_ssize *or_varlen_offsets(PyArrayObject *a, const int64_t *cu, or_ssize nseq, or_ssize heads,
                             int seq_axis, int head_axis);
 PyObject *or_shape_str(PyArrayObject *a);
+PyObject *or_values_str(PyArrayObject *a, PyObject *obj);
 PyObject *or_dims_str(int nd, const npy_intp *dims);
 
 /* dlpack.c */

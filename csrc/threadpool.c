@@ -14,6 +14,7 @@
  * speed; on torch's threads, 1.02x). ORCHARD_OPENMP=0 keeps the pool's own threads.
  */
 #define _GNU_SOURCE
+#include <ctype.h>
 #include <dlfcn.h>
 #include <limits.h>
 #include <link.h>
@@ -208,7 +209,8 @@ static void pool_init(void)
     if (env != NULL && *env != '\0') {
         char *end;
         const long given = strtol(env, &end, 10);
-        if (*end == '\0' && given >= 1 && given <= OR_MAX_THREADS)
+        if (isdigit((unsigned char)env[0]) && *end == '\0' && given >= 1
+            && given <= OR_MAX_THREADS)     /* strtol would take leading spaces and signs */
             n = (int)given;
         else
             snprintf(bad_threads_env, sizeof(bad_threads_env), "%s", env);

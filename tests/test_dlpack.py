@@ -215,6 +215,21 @@ def test_dlpack_producer_errors_name_the_argument(ops):
         with pytest.raises(TypeError, match="argument 'k': its __dlpack__\\(\\) gave"):
             ops.flash_attn_fwd(q, Producer(given), q)
 
+    class NotCallable:
+        __dlpack__ = 3
+
+    class RaisingProperty:
+        @property
+        def __dlpack__(self):
+            raise ValueError("no tensor here")
+
+    # a __dlpack__ that cannot be called, or whose look-up fails, says which argument
+    for producer, words in ((NotCallable(), "'int' object is not callable"),
+                            (RaisingProperty(), "no tensor here")):
+        with pytest.raises(TypeError, match="argument 'k' cannot be viewed as an array \\(%s"
+                                            % words):
+            ops.flash_attn_fwd(q, producer, q)
+
 
 def test_torch_module_dropped_during_the_tensor_check():
     # orchard holds its own references to sys.modules["torch"] and what it calls of it while it

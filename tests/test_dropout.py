@@ -47,6 +47,13 @@ def test_dropout_mask_of_no_keys_returns_at_once(ops):
     assert mask.shape == (2**40, 2**20, 0) and mask.dtype == np.bool_
 
 
+def test_dropout_mask_past_numpy_names_the_shapes(ops):
+    """A mask NumPy cannot hold, even an empty one, is refused naming the arguments."""
+    with pytest.raises(ValueError, match=r"'q_shape' and 'k_shape' give a mask of shape "
+                                         r"\(4611686018427387904, 2, 0, 5\), more than NumPy"):
+        ops.dropout_mask((2**62, 2, 0, 8), (2**62, 2, 5, 8), 0.5)
+
+
 def test_dropout_mask_threshold_edges(ops):
     """p such that p * 2**32 is (nearly) an integer: keep iff word >= floor(p * 2**32)."""
     for p in (2.0**-32, 0.25, 0.5 - 2.0**-33, 1 - 2.0**-32):

@@ -224,6 +224,41 @@ def test_error_classes(ops):
     assert isinstance(ops.__version__, str) and ops.__version__
 
 
+def test_index_and_slope_messages_say_what_was_given(ops):
+    """An index array or slopes of the wrong type say the dtype and shape given (not only a
+    shape, which may be right), or the object where it is not an array; paged keys and values
+    of different head counts are shown as passed."""
+    torch = pytest.importorskip("torch")
+    q = np.ones((1, 2, 5, 8), np.float32)
+    qp, cq, ck = np.ones((6, 1, 16), np.float32), np.array([0, 3, 6]), np.array([0, 5, 13])
+    pages = np.ones((4, 8, 1, 16), np.float32)
+    cases = [
+        (ValueError, r"'seqused_k' must be a 1-D integer array of 1 key counts \(one per "
+                     r"sequence\), got a float64 array of shape \(1,\)",
+         lambda: ops.flash_attn_fwd(q, q, q, seqused_k=np.array([3.0]))),
+        (ValueError, r"'block_table' must be an integer array .*, got a float64 array of shape "
+                     r"\(2, 2\)",
+         lambda: ops.flash_attn_varlen_fwd(qp, pages, pages, cq, ck, block_table=np.zeros((2, 2)),
+                                           device="cpu")),
+        (ValueError, r"'cu_seqlens_q' must be a 1-D integer array of B \+ 1 offsets, got a "
+                     r"float32 array of shape \(3,\)",
+         lambda: ops.flash_attn_varlen_fwd(qp, qp, qp, cq.astype(np.float32), cq)),
+        (TypeError, r"'alibi_slopes' must be an array of integers or floats, got a bool array",
+         lambda: ops.flash_attn_fwd(q, q, q, alibi_slopes=torch.ones(2, dtype=torch.bool))),
+        (TypeError, r"'alibi_slopes' must be an array of integers or floats \(a bfloat16 tensor: "
+                    r"convert it first\)",
+         lambda: ops.flash_attn_fwd(q, q, q, alibi_slopes=torch.ones(2, dtype=torch.bfloat16))),
+        (ValueError, r"'k' and 'v' must be pages .* got \(4, 8, 1, 16\) and \(4, 8, 2, 16\)",
+         lambda: ops.flash_attn_varlen_fwd(qp, pages, np.ones((4, 8, 2, 16), np.float32), cq, ck,
+                                           block_table=np.zeros((2, 2), np.int32), device="cpu")),
+        (ValueError, r"'seqused_k' must be .*, got <object object at",
+         lambda: ops.flash_attn_fwd(q, q, q, seqused_k=object())),
+    ]
+    for error, words, call in cases:
+        with pytest.raises(error, match=words):
+            call()
+
+
 def test_messages_show_the_value_given(ops):
     """The value in a message is the one passed: not wrapped by a cast to int64, not stripped of
     its sign, not a UnicodeEncodeError for text no device or set is named by."""
@@ -249,11 +284,13 @@ def test_messages_show_the_value_given(ops):
 @pytest.mark.parametrize("shape, error, name", [
     ((1, 1, 4, 8), TypeError, "'k'"),                   # float16 q beside float32 k
     ((2**40, 2**40, 4, 8), ValueError, "'q'"),          # past NumPy's bounds
-], ids=["dtype-mismatch", "shape-past-numpy"])
+    (None, ValueError, "'q' has 4 dimensions and no DLPack shape"),     # a NULL shape
+], ids=["dtype-mismatch", "shape-past-numpy", "no-shape"])
 def test_operand_release_keeps_the_calls_error(ops, shape, error, name):
     """A DLPack producer's deleter that runs Python code (a ctypes callback) is called while the
     call's error is pending; that error, naming the argument, is what reaches the caller, not a
-    SystemError."""
+    SystemError. A tensor without a shape array (a producer's bug) is refused before it is
+    taken (it crashed the process): its producer keeps it."""
     import ctypes as C
 
     class Device(C.Structure):
@@ -277,7 +314,7 @@ def test_operand_release_keeps_the_calls_error(ops, shape, error, name):
     new_capsule = C.pythonapi.PyCapsule_New
     new_capsule.restype, new_capsule.argtypes = C.py_object, [C.c_void_p, C.c_char_p, C.c_void_p]
     half = np.zeros((1, 1, 4, 8), np.float16)
-    dims = (C.c_int64 * 4)(*shape)
+    dims = (C.c_int64 * 4)(*shape) if shape else None
     managed = Managed()
     managed.dl_tensor = Tensor(half.ctypes.data, Device(1, 0), 4, DataType(2, 16, 1), dims, None, 0)
     managed.deleter = deleter
@@ -289,4 +326,4 @@ def test_operand_release_keeps_the_calls_error(ops, shape, error, name):
     k = np.zeros((1, 1, 4, 8), np.float32)
     with pytest.raises(error, match=name):
         ops.flash_attn_fwd(Producer(), k, k)
-    assert deleted == [1]
+    assert deleted == ([1] if shape else [])
