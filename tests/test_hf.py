@@ -337,6 +337,22 @@ def test_an_unknown_mask_pattern_falls_back_to_sdpa(fresh_warnings):
     assert_close(got, ref(input_ids=ids).logits)
 
 
+def later_keys_overlay():
+    def inner(batch_idx, head_idx, q_idx, kv_idx):
+        return kv_idx >= q_idx
+    return inner
+
+
+def test_an_unknown_mask_is_named_by_its_factories():
+    """The fallback's warning names a composed mask by its parts' factories (it said
+    "and_masks.<locals>.and_mask" for ModernBERT's local layers)."""
+    from transformers import masking_utils as mu
+    fn = mu.and_masks(later_keys_overlay(), mu.causal_mask_function)
+    with pytest.raises(hf._Unsupported, match=r"\(and_masks\(later_keys_overlay, "
+                                              r"causal_mask_function\)\)"):
+        hf._packed_ids(fn)
+
+
 def test_an_encoder_falls_back_to_sdpa_with_or_without_padding(fresh_warnings):
     """An encoder's bidirectional mask, which sdpa skips where nothing is padded, still falls
     back with its warning (README: encoders run on the fallback)."""

@@ -235,8 +235,16 @@ def _packed_ids(mask_function):
                            "bidirectional attention within image tokens)")
     if fn is masking_utils.bidirectional_mask_function:
         raise _Unsupported("a bidirectional (non-causal) mask")
-    raise _Unsupported("a mask function orchard does not know (%s)"
-                       % getattr(fn, "__qualname__", type(fn).__name__))
+    raise _Unsupported("a mask function orchard does not know (%s)" % _mask_name(fn))
+
+
+def _mask_name(fn):
+    """A mask function by the factories that made it, for messages:
+    "and_masks(sliding_window_bidirectional_overlay, padding_mask_function)"."""
+    if _code(fn) in (_AND, _OR):
+        return "%s(%s)" % ("and_masks" if _code(fn) is _AND else "or_masks",
+                           ", ".join(map(_mask_name, _free_vars(fn)["mask_functions"])))
+    return getattr(fn, "__qualname__", type(fn).__name__).split(".<locals>")[0]
 
 
 # Dynamo cannot read a closure's cells: traced, a mask function that is one (a sliding window,
