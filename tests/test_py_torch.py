@@ -459,3 +459,102 @@ def test_a_bool_scale_is_left_to_torch():
     router = patch_model(model, device="cpu")
     torch.testing.assert_close(model(q), F.scaled_dot_product_attention(q, q, q, scale=1.0))
     assert router.routed == 0
+
+
+class Halved(torch.Tensor):
+    """A tensor subclass with its own attention: half of torch's."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        return out / 2 if func is F.scaled_dot_product_attention else out
+
+
+def test_tensor_subclasses_keep_their_own_attention():
+    """A subclass that handles torch's functions itself (its __torch_function__), or a wrapper
+    subclass (its __torch_dispatch__: TwoTensor), is left to torch: the router computed the
+    first as a plain tensor (a plain result, without the subclass's own change, silently) and
+    failed on the second ("has no memory")."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    class Attend(torch.nn.Module):
+        def forward(self, q):
+            return F.scaled_dot_product_attention(q, q, q)
+
+    x = torch.randn(1, 2, 4, 8)
+    model = Attend()
+    want = [model(x.as_subclass(Halved)), model(TwoTensor(x, x * 2))]
+    router = patch_model(model, device="cpu")
+    got = [model(x.as_subclass(Halved)), model(TwoTensor(x, x * 2))]
+    for g, w in zip(got, want):
+        assert type(g) is type(w)
+        torch.testing.assert_close(g, w)
+    assert router.routed == 0 and router.left_to_torch["a tensor subclass"] == 2
+    mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    y = torch.randn(2, 3, 8).as_subclass(Halved)
+    want = mha(y, y, y, need_weights=False)[0]
+    router = patch_model(mha)
+    torch.testing.assert_close(mha(y, y, y, need_weights=False)[0], want)
+    assert router.routed == 0
+
+
+def test_nested_tensors_take_torch_fast_paths():
+    """nn.MultiheadAttention and nn.TransformerEncoderLayer take nested tensors in eval mode
+    without gradients, on fast paths the router's TorchFunctionMode turned off: patched, they
+    raised "does not support NestedTensor outside of its fast path"."""
+    torch.manual_seed(0)
+    nested = torch.nested.nested_tensor([torch.randn(5, 16), torch.randn(3, 16)])
+    mha = torch.nn.MultiheadAttention(16, 2, batch_first=True).eval()
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True).eval()
+    model = torch.nn.Sequential(layer)
+    with torch.no_grad():
+        want = [mha(nested, nested, nested, need_weights=False)[0], model(nested)]
+        patch_model(mha)
+        patch_model(model)
+        got = [mha(nested, nested, nested, need_weights=False)[0], model(nested)]
+    for g, w in zip(got, want):
+        assert g.is_nested
+        torch.testing.assert_close(g.to_padded_tensor(0.0), w.to_padded_tensor(0.0),
+                                   atol=0, rtol=0)
+
+
+def test_unpatching_a_model_leaves_a_submodule_patched_on_its_own():
+    """patch_model(model), patch_model(model.sub), unpatch_model(model): the submodule stays
+    on its own router (unpatch_model put the model's routed forward back on it, and counted
+    its calls there)."""
+    class Attend(torch.nn.Module):
+        def forward(self, q):
+            return F.scaled_dot_product_attention(q, q, q)
+
+    model = torch.nn.Sequential(Attend(), Attend())
+    x = torch.randn(1, 2, 4, 8)
+    outer, inner = patch_model(model), patch_model(model[1])
+    model(x)
+    assert (outer.routed, inner.routed) == (1, 1)
+    unpatch_model(model)
+    model(x)
+    assert (outer.routed, inner.routed) == (1, 2)
+    assert model[1].forward.router is inner and model[1].forward.previous is None
+    assert "forward" not in vars(model[0])
+
+
+def test_multihead_attention_bad_input_gets_torch_messages():
+    """Input nn.MultiheadAttention refuses (other embedding sizes, batches or dtypes) is left
+    to its forward, whose message says what is wrong (routed, it failed in a reshape or a
+    matrix product)."""
+    mha = torch.nn.MultiheadAttention(16, 2, kdim=5, vdim=5)
+    x, kv = torch.randn(7, 2, 16), torch.randn(7, 2, 5)
+    cases = [((torch.randn(7, 2, 12), kv, kv), "embedding dimension of 16"),
+             ((x, torch.randn(7, 2, 6), kv), "key weights shape"),
+             ((x, torch.randn(7, 8, 5), torch.randn(7, 8, 5)), None),
+             ((x.double(), kv.double(), kv.double()), None)]
+    want = []
+    for args, _ in cases:
+        with pytest.raises((AssertionError, RuntimeError)) as error:
+            mha(*args, need_weights=False)
+        want.append(str(error.value))
+    patch_model(mha)
+    for (args, words), message in zip(cases, want):
+        with pytest.raises((AssertionError, RuntimeError)) as error:
+            mha(*args, need_weights=False)
+        assert str(error.value) == message and (words is None or words in message)

@@ -8,6 +8,7 @@ uses it too. While torch records a graph (torch.compile, a torch dispatch mode: 
 that path is orchard.attention_op's custom ops, one graph node each way.
 """
 import collections
+import contextlib
 import inspect
 import math
 import numbers
@@ -219,11 +220,24 @@ def _as_autocast(*tensors):
     return tuple(t.to(target) if _cast_by_autocast(t, target) else t for t in tensors)
 
 
+def _own_handling(tensors):
+    """Whether a tensor is of a subclass that handles torch's functions or operators itself
+    (its __torch_function__, or a wrapper's __torch_dispatch__): its attention is its own.
+    Traced, tensors are torch's fake and functional ones, which orchard's custom op takes."""
+    return not _recording() and any(
+        type(t) is not torch.Tensor
+        and (type(t).__torch_function__ is not torch._C._disabled_torch_function_impl
+             or type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__)
+        for t in tensors)
+
+
 def _why_not_routable(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     """None when orchard computes exactly what torch would; else the reason it cannot."""
     tensors = (q, k, v)
     if not all(isinstance(t, torch.Tensor) for t in tensors):
         return "not tensors"
+    if _own_handling(tensors):
+        return "a tensor subclass"
     if attn_mask is not None:
         return "attn_mask"
     if any(t.device.type != "cpu" or t.layout != torch.strided or t.is_nested for t in tensors):
@@ -326,12 +340,21 @@ def _why_not_mha(mha, query, key, value, key_padding_mask, need_weights, attn_ma
     if mha.bias_k is not None or mha.add_zero_attn:
         return "add_bias_kv or add_zero_attn"
     tensors = (query, key, value)
+    if _own_handling(tensors):
+        return "a tensor subclass"
     if any(t.device.type != "cpu" or t.layout != torch.strided or t.is_nested for t in tensors):
         return "not a dense CPU tensor"
-    if query.dtype not in _ROUTABLE_DTYPES or any(t.dtype != query.dtype for t in tensors):
+    if (query.dtype not in _ROUTABLE_DTYPES or any(t.dtype != query.dtype for t in tensors)
+            or mha.out_proj.weight.dtype != query.dtype and _autocast_target() is None):
         return "dtype"
     if query.dim() not in (2, 3):
         return "rank"
+    batch = 0 if mha.batch_first or query.dim() == 2 else 1
+    if not (key.dim() == value.dim() == query.dim() and key.shape[:-1] == value.shape[:-1]
+            and (query.dim() == 2 or query.shape[batch] == key.shape[batch])
+            and (query.shape[-1], key.shape[-1], value.shape[-1])
+            == (mha.embed_dim, mha.kdim, mha.vdim)):
+        return "shapes (torch's forward says what is wrong)"
     if mha.head_dim > _MAX_HEAD_DIM:
         return "head dimension"
     length = lambda t: t.shape[0 if t.dim() == 3 and not mha.batch_first else -2]
@@ -395,6 +418,12 @@ class _RoutedForward:
         return inspect.signature(type(self.module).forward.__get__(self.module))
 
     def __call__(self, *args, **kwargs):
+        if isinstance(self.module, _FAST_PATHS) and any(
+                isinstance(a, torch.Tensor) and a.is_nested for a in (*args, *kwargs.values())):
+            # orchard reads no nested tensor, and these modules take them only on their fast
+            # paths, which any TorchFunctionMode (the router) turns off
+            with self.router_off():
+                return self.original(*args, **kwargs)
         # nn.MultiheadAttention's own forward only: a subclass's or an instance's (a hook's)
         # forward computes something else (torch.ao's quantizable MHA, a scaled output), and
         # ran as stock MHA, silently
@@ -406,6 +435,15 @@ class _RoutedForward:
         with self.router:
             return forward(*args, **kwargs)
 
+    def router_off(self):
+        """A context without the router's mode: it is popped where it is active and the
+        innermost mode (another mode above it is left as it is)."""
+        depth = torch._C._len_torch_function_stack()
+        if (self.router.active() and depth
+                and torch._C._get_function_stack_at(depth - 1) is self.router):
+            return torch.overrides._pop_mode_temporarily()
+        return contextlib.nullcontext()
+
     def mha(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
             average_attn_weights=True, is_causal=False):
         reason = _why_not_mha(self.module, query, key, value, key_padding_mask, need_weights,
@@ -416,6 +454,11 @@ class _RoutedForward:
                                  average_attn_weights, is_causal)
         self.router.routed += 1
         return _mha_attention(self.module, query, key, value, is_causal, self.router.device), None
+
+
+# The modules whose fast paths (eval mode, no gradients) take nested tensors.
+_FAST_PATHS = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer,
+               torch.nn.TransformerEncoder)
 
 
 def patch_model(model, device=None):
@@ -448,12 +491,19 @@ def patch_model(model, device=None):
 
 def unpatch_model(model):
     """Undoes patch_model: each module's forward is what it was before (one set on the
-    instance stays)."""
+    instance stays, as do the routed forwards of a submodule patched on its own, whichever
+    was patched first)."""
+    router = model.__dict__.pop("orchard_router", None)
     for module in model.modules():
-        routed = module.__dict__.get("forward")
-        if isinstance(routed, _RoutedForward):
-            if routed.previous is None:
-                del module.forward
-            else:
-                module.forward = routed.previous
-    model.__dict__.pop("orchard_router", None)
+        outer, routed = None, module.__dict__.get("forward")
+        while (isinstance(routed, _RoutedForward) and router is not None
+               and routed.router is not router):
+            outer, routed = routed, routed.previous     # another model's, patched after
+        if not isinstance(routed, _RoutedForward):
+            continue
+        if outer is not None:
+            outer.previous = routed.previous
+        elif routed.previous is None:
+            del module.forward
+        else:
+            module.forward = routed.previous
