@@ -7,6 +7,7 @@ user does."""
 import importlib.util
 import json
 import os
+import pickle
 import shutil
 
 import pytest
@@ -63,6 +64,7 @@ def files(tmp_path_factory):
         "vocab_bool.json": json.dumps({"vocab_size": True, "sequences": [list(range(300))]}),
         "deep.json": "[" * 100000 + "]" * 100000,
         "damaged.pt": b"not a checkpoint",
+        "pickle.pt": pickle.dumps({"a": 1}, protocol=4),    # torch warned of its protocol
     }
     for name, text in texts.items():
         (folder / name).write_bytes(text if isinstance(text, bytes) else text.encode())
@@ -216,6 +218,8 @@ def expected_cases(f):
          ["argument --checkpoint:", "none.pt", "cannot read"]),
         ("generate", ["--checkpoint", f["damaged.pt"]], {},
          ["argument --checkpoint:", "damaged.pt", "not a readable"]),
+        ("generate", ["--checkpoint", f["pickle.pt"]], {},
+         ["argument --checkpoint:", "pickle.pt", "not a readable"]),
         ("generate", ["--checkpoint", str(f["dir"] / "statedict.pt")], {},
          ["argument --checkpoint:", "statedict.pt", "not an orchard checkpoint", "model_config"]),
         ("generate", ["--checkpoint", str(f["dir"] / "tensor.pt")], {},

@@ -101,6 +101,26 @@ def test_a_key_given_twice_is_an_error(tmp_path):
         load_config(write(tmp_path, "training:\n  batch_size: 8\ntraining:\n  epochs: 2\n"))
 
 
+def test_merge_keys_are_yaml_and_a_merged_key_may_be_given_again(tmp_path):
+    """<< merges a mapping (refused: "could not determine a constructor"); keys given beside
+    it override the merged ones, as YAML says."""
+    cfg = load_config(write(tmp_path, "model:\n  <<: {n_layer: 1, n_head: 2, n_embd: 32}\n"
+                                      "  n_head: 4\n"))
+    assert (cfg["model"]["n_layer"], cfg["model"]["n_head"], cfg["model"]["n_embd"]) == (1, 4, 32)
+
+
+def test_a_value_of_the_wrong_type_is_shown_short(tmp_path):
+    """Nested aliases (a few hundred bytes of YAML for billions of elements) or a long string
+    are shown abbreviated: the message formatted the whole value, without end."""
+    laughs = "model:\n  context:\n    - &x0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n"
+    for i in range(1, 9):
+        laughs += "    - &x%d [%s]\n" % (i, ", ".join(["*x%d" % (i - 1)] * 9))
+    for text in (laughs, "model:\n  context: '%s'\n" % ("A" * 100000)):
+        with pytest.raises(ConfigError, match="key 'model.context' must be") as e:
+            load_config(write(tmp_path, text))
+        assert len(str(e.value)) < 500
+
+
 def test_missing_file_and_bad_yaml(tmp_path):
     with pytest.raises(ConfigError, match="no such config file"):
         load_config(str(tmp_path / "nope.yaml"))

@@ -203,6 +203,25 @@ def test_ctrl_c_in_the_last_step_completes_the_run(run_files, tmp_path, monkeypa
     assert load_checkpoint(str(out))["step"] == 3
 
 
+def test_an_output_folder_named_by_bytes_that_are_not_utf8(run_files, tmp_path):
+    """Linux names are bytes: a folder whose name is not UTF-8 takes a run (its run lock's
+    key was made from the name encoded as UTF-8: UnicodeEncodeError, a traceback)."""
+    out = tmp_path / os.fsdecode(b"bad\xff")
+    assert train_cli(run_files, out, "--max-steps", 1) == 0
+    assert load_checkpoint(str(out))["step"] == 1
+
+
+def test_an_interrupted_run_says_where_it_stopped_even_quiet(run_files, tmp_path, monkeypatch,
+                                                             caplog):
+    """The checkpoint and the resume command of an interrupted run are warnings, which --quiet
+    keeps (as info lines, a quiet run stopped by Ctrl-C or SIGTERM said nothing)."""
+    caplog.set_level(logging.INFO, logger="orchard")
+    assert interrupted_run(run_files, tmp_path / "run", monkeypatch, 2, "--max-steps", 5,
+                           "--quiet") == 130
+    said = {r.getMessage().split(":")[0]: r.levelno for r in caplog.records}
+    assert said["interrupted"] == said["resume with"] == logging.WARNING, said
+
+
 def test_resumed_loss_curve_between_log_lines_is_the_same(run_files, tmp_path, monkeypatch):
     """Interrupted between two log lines (log_interval 3, stopped after step 5), the resumed
     run's step-6 line averages steps 4-6 as the uninterrupted run's does, bit for bit."""
@@ -407,6 +426,21 @@ def test_damaged_checkpoint_contents_are_one_line_errors(run_files, tmp_path, ca
             assert err[-1].startswith("orchard-") and path in err[-1], (name, err)
             assert "argument %s: " % argv[0] in err[-1], (name, err)
             assert "Traceback" not in "\n".join(err)
+
+
+def test_a_plain_pickle_is_refused_without_torch_warnings(tmp_path):
+    """A pickle that is no torch checkpoint is the one-line error alone: torch's warning about
+    its pickle protocol came first, two more lines on stderr."""
+    import pickle
+    import warnings
+
+    path = tmp_path / "plain.pt"
+    path.write_bytes(pickle.dumps({"a": 1}, protocol=4))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with pytest.raises(CheckpointError, match="not a readable orchard checkpoint"):
+            load_checkpoint(str(path))
+    assert not said, [str(w.message) for w in said]
 
 
 def test_a_flipped_bit_is_a_damaged_checkpoint(run_files, tmp_path, capsys):

@@ -7,6 +7,7 @@ checkpoint or the new one, never half of one. Tensors are saved from CPU and loa
 import contextlib
 import numbers
 import os
+import warnings
 import zipfile
 
 import torch
@@ -53,7 +54,11 @@ def load_checkpoint(path):
                               % (path, damaged))
     try:
         # weights_only: a checkpoint is data (tensors, numbers, strings), never code to run.
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        # torch warns of the pickle protocol of a file that is no torch checkpoint at all
+        # (the error below says so)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Detected pickle protocol", UserWarning)
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except OSError as exc:
         raise CheckpointError("%s: cannot read the checkpoint: %s" % (path, exc.strerror)) from None
     except Exception as exc:  # torch reports a damaged file with many types and long advice

@@ -164,13 +164,13 @@ def validate(cfg, source="<config>"):
             bool_mismatch = isinstance(value, bool) and bool not in (
                 types if isinstance(types, tuple) else (types,))
             if not isinstance(value, types) or bool_mismatch:
-                raise ConfigError("%s: key '%s' must be %s, got %s %r%s"
+                raise ConfigError("%s: key '%s' must be %s, got %s %s%s"
                                   % (source, name, _type_names(types), type(value).__name__,
-                                     value, _yaml_float_hint(value, types)))
+                                     _shown(value), _yaml_float_hint(value, types)))
             problem = _number_problem(value, types) or (check(value) if check else None)
             if problem:
                 raise ConfigError("%s: key '%s' %s, got %s" % (source, name, problem,
-                                                              reprlib.repr(value)))
+                                                              _shown(value)))
             # a YAML int where a real is expected is one (torch's AdamW refused int betas)
             if float in (types if isinstance(types, tuple) else ()) and isinstance(value, int):
                 value = float(value)
@@ -194,13 +194,22 @@ def validate(cfg, source="<config>"):
     return merged
 
 
+# A value in a message, abbreviated: two levels of nesting (reprlib's six, for YAML aliases
+# nested nine deep, made a message of 140 KB)
+_REPR = reprlib.Repr()
+_REPR.maxlevel = 2
+_shown = _REPR.repr
+
+
 def _unique_key_loader(yaml):
     """yaml.SafeLoader, but a key given twice in one mapping is an error where PyYAML keeps
     the last value silently (YAML requires unique keys): a config's first value for it would
-    be ignored without a word."""
+    be ignored without a word. Merge keys (<<) are YAML's own: keys they bring in may be
+    given again, and are overridden so."""
     class UniqueKeyLoader(yaml.SafeLoader):
         def construct_mapping(self, node, deep=False):
-            keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
+            keys = [self.construct_object(key, deep=deep) for key, _ in node.value
+                    if key.tag != "tag:yaml.org,2002:merge"]
             for i, key in enumerate(keys):
                 if key in keys[:i]:
                     raise yaml.constructor.ConstructorError(

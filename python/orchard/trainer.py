@@ -442,9 +442,9 @@ class Trainer:
                 log.info("attention calls computed by orchard (stats()): %d forward, %d "
                          "backward", *(calls[k] - calls_before[k] for k in ("fwd_calls",
                                                                            "bwd_calls")))
-            if interrupted:
-                log.info("interrupted: checkpoint of step %d of %d saved to %s", self.step,
-                         total, path)
+            if interrupted:     # a warning: --quiet still says where the run stopped
+                log.warning("interrupted: checkpoint of step %d of %d saved to %s", self.step,
+                            total, path)
             else:
                 log.info("done: checkpoint of step %d saved to %s", self.step, path)
         return 128 + self.stop_signal if interrupted else 0

@@ -164,7 +164,7 @@ def hold_output(output):
         import fcntl
     except ImportError:     # not POSIX
         return None
-    key = hashlib.sha256(os.path.realpath(output).encode()).hexdigest()[:32]
+    key = hashlib.sha256(os.fsencode(os.path.realpath(output))).hexdigest()[:32]
     try:
         folder = os.path.join(tempfile.gettempdir(), "orchard-runs-%d" % os.getuid())
         os.makedirs(folder, mode=0o700, exist_ok=True)
@@ -403,7 +403,7 @@ def main(argv=None):
                 take_output(args, lock is not None)
             code = trainer.run(args.epochs, args.max_steps)
         if code > 128 and rank == 0:    # stopped by a signal
-            log.info("resume with: %s", resume_command(args, distributed))
+            log.warning("resume with: %s", resume_command(args, distributed))
         if distributed:
             digests = [None] * dist.get_world_size()
             dist.all_gather_object(digests, trainer.parameters_digest())
