@@ -105,6 +105,11 @@ def expected_cases(f):
         ("train", ["--epochs", "0"], {}, ["--epochs", "'0'"]),
         ("train", ["--max-steps", "ten"], {}, ["--max-steps", "integer", "'ten'"]),
         ("train", ["--seed", "-1"], {}, ["--seed", "'-1'"]),
+        # counts past 2**63 - 1 (what a checkpoint holds) ran "forever"
+        ("train", ["--max-steps", str(2 ** 63)], {},
+         ["--max-steps", "<= 9223372036854775807", "'9223372036854775808'"]),
+        ("train", ["--epochs", "9" * 30], {}, ["--epochs", "<="]),
+        ("bench", ["--repeats", str(2 ** 64)], {}, ["--repeats", "<="]),
         ("train", ["--seed", "99999999999999999999"], {}, ["--seed", "<=", "'99999999999999999999'"]),
         ("generate", ["--checkpoint", "x", "--seed", "99999999999999999999"], {}, ["--seed", "<="]),
         ("generate", ["--checkpoint", "x", "--temperature", "-1"], {},

@@ -177,11 +177,12 @@ def _typed(name, convert):
     return convert
 
 
-# The largest seed torch.manual_seed takes as it is (a signed 64-bit integer).
-SEED_MAX = 2 ** 63 - 1
+# The largest integer a count or seed may be: torch.manual_seed's largest seed as it is, and
+# what a checkpoint's and NumPy's signed 64 bits hold (a larger --max-steps ran "forever").
+INT_MAX = 2 ** 63 - 1
 
 
-def integer(minimum=None, maximum=None):
+def integer(minimum=None, maximum=INT_MAX):
     """An argparse type: an integer in minimum..maximum."""
     def parse(text):
         try:

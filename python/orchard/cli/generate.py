@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 
-from .args import SEED_MAX, Parser, UsageError, console_script, device, integer, number, path
+from .args import Parser, UsageError, console_script, device, integer, number, path
 
 EXAMPLES = (
     'orchard-generate --checkpoint runs/demo --prompt "def "',
@@ -44,7 +44,7 @@ def main(argv=None):
     parser.add_argument("--top-k", type=integer(0), default=40, metavar="K",
                         help="Sample among the K most likely tokens only; 0 samples among "
                              "all of them, as HuggingFace's top_k=0.")
-    parser.add_argument("--seed", type=integer(0, SEED_MAX), default=0, metavar="N",
+    parser.add_argument("--seed", type=integer(0), default=0, metavar="N",
                         help="The sampling seed.")
     args = parser.parse_args(argv)
 

@@ -22,8 +22,8 @@ import stat
 import sys
 import tempfile
 
-from .args import (SEED_MAX, Parser, UsageError, console_script, debug_requested, device,
-                   folder_problem, integer, logs_held_until_checked, path, reading, writing)
+from .args import (Parser, UsageError, console_script, debug_requested, device, folder_problem,
+                   integer, logs_held_until_checked, path, reading, writing)
 
 log = logging.getLogger("orchard")
 
@@ -68,7 +68,7 @@ def parse_args(argv):
     parser.add_argument("--overwrite", action="store_true",
                         help="Start a new run even if --output holds a checkpoint (which is "
                              "then replaced).")
-    parser.add_argument("--seed", type=integer(0, SEED_MAX), metavar="N",
+    parser.add_argument("--seed", type=integer(0), metavar="N",
                         help="The seed of initialisation, data order and dropout. Default: "
                              "%d (a resumed run keeps its own)." % DEFAULT_SEED)
     precision = parser.add_mutually_exclusive_group()
