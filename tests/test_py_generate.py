@@ -5,7 +5,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import orchard_ops  # noqa: E402
-from orchard.generation import Detokenizer, decode, generate, generate_ids  # noqa: E402
+from orchard.generation import (Detokenizer, decode, describe_training, generate,  # noqa: E402
+                                generate_ids)
 from orchard.model import GPT, GPTConfig, KVCache  # noqa: E402
 from orchard.torch import patch_model  # noqa: E402
 from test_py_support import run_python  # noqa: E402
@@ -130,3 +131,15 @@ def test_text_streamed_token_by_token():
     assert text([0xe2]) + text([0x82], final=True) == "\ufffd"  # a cut character, replaced
     ids = Detokenizer(byte_level=False)
     assert ids([1, 2]) + ids([]) + ids([3]) + ids([], final=True) == "1 2 3"
+
+
+def test_an_overfit_checkpoint_is_not_called_barely_trained():
+    """A validation loss above uniform guessing beside a low training loss is overfitting
+    (it read "barely trained; expect near-random tokens")."""
+    state = dict(step=500, schedule_steps=500, model_config=dict(vocab_size=256),
+                 metrics=[dict(loss=1.2, val_loss=11.61)])
+    assert describe_training(state) == (
+        "checkpoint of step 500 of 500, validation loss 11.61 (uniform guessing: 5.55): "
+        "overfit (training loss 1.20); expect its training data's fragments")
+    state["metrics"] = [dict(loss=5.4, val_loss=5.6)]
+    assert describe_training(state).endswith(": barely trained; expect near-random tokens")

@@ -59,6 +59,10 @@ def describe_training(state):
     uniform = math.log(state["model_config"]["vocab_size"])
     text += ", %s %.2f (uniform guessing: %.2f)" % (
         "validation loss" if "val_loss" in last else "loss", loss, uniform)
+    if loss > uniform and "val_loss" in last and last["loss"] < 0.75 * uniform:
+        # trained, but its sequences predict the validation ones worse than guessing
+        return text + (": overfit (training loss %.2f); expect its training data's fragments"
+                       % last["loss"])
     if loss > 0.75 * uniform:
         return text + ": barely trained; expect near-random tokens"
     if loss > 0.45 * uniform:
