@@ -484,14 +484,16 @@ def test_a_folder_another_run_is_writing_to_is_refused(files, tmp_path):
     try:
         r = run_cases([["train", argv, {}]])[0]
     finally:
-        os.close(lock)
+        lock.release()
     assert r["code"] == 2 and r["stderr"].splitlines() == [
         "orchard-train: error: argument --output: another orchard-train (process %d) is "
         "writing to it; wait for that run to end, or choose another folder (got %r)"
         % (os.getpid(), str(out))], r
     assert (out / "checkpoint.pt").read_bytes() == b"the running run's"
+    assert not os.path.exists(lock.path)    # let go, its file is gone: they piled up, one a run
     r = run_cases([["train", argv, {}]])[0]
     assert r["code"] == 0, r
+    assert not os.path.exists(lock.path)
 
 
 def test_help_gives_each_default_once_in_sentences_with_examples():

@@ -354,7 +354,7 @@ def test_torchrun_two_processes_agree(run_files, tmp_path):
                              sequences, "--output", str(tmp_path), "--overwrite", "--max-steps",
                              "4", "--device", "cpu"], timeout=120, OMP_NUM_THREADS="1")
     finally:
-        os.close(lock)
+        lock.release()
     assert result.returncode != 0
     assert result.stderr.count("another orchard-train (process %d)" % os.getpid()) == 2
 

@@ -154,12 +154,26 @@ def take_output(args, held):
             os.unlink(path)
 
 
+class RunLock:
+    """An --output held by this run (hold_output) until release(), or the process's end (a
+    kill included: a killed run's lock file stays, empty of any lock, and is taken again)."""
+
+    def __init__(self, fd, path):
+        self.fd, self.path = fd, path
+
+    def release(self):
+        # removed while held, so the folder of locks does not grow by one file a run; a run
+        # that opened it meanwhile finds it gone once it holds it, and opens a new one
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+        os.close(self.fd)
+
+
 def hold_output(output):
     """Refuses an --output that another orchard-train is writing to (two runs would write their
-    checkpoints and metrics over each other's); else a lock, held until it is closed or the
-    process ends (a kill included), or None where there is none to take. The lock is a file
-    named for the output's real path in this user's own folder of the temporary folder, so
-    a folder not made yet is held too."""
+    checkpoints and metrics over each other's); else a RunLock, or None where there is none to
+    take. The lock is a file named for the output's real path in this user's own folder of the
+    temporary folder, so a folder not made yet is held too."""
     try:
         import fcntl
     except ImportError:     # not POSIX
@@ -174,21 +188,32 @@ def hold_output(output):
         if (not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid()
                 or st.st_mode & 0o077):
             return None
-        fd = os.open(os.path.join(folder, key + ".lock"),
-                     os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError:         # no temporary folder to write: run without
         return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+    path = os.path.join(folder, key + ".lock")
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise UsageError("argument --output: another orchard-train (process %s) is "
+                             "writing to it; wait for that run to end, or choose another "
+                             "folder (got %r)" % (holder, output)) from None
+        try:
+            held, named = os.fstat(fd), os.stat(path)
+        except FileNotFoundError:   # released (removed) by its run after this one opened it
+            held = named = None
+        if held is not None and (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino):
+            break
         os.close(fd)
-        raise UsageError("argument --output: another orchard-train (process %s) is writing "
-                         "to it; wait for that run to end, or choose another folder (got %r)"
-                         % (holder, output)) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, b"%d\n" % os.getpid(), 0)
-    return fd
+    return RunLock(fd, path)
 
 
 def resume_command(args, distributed):
@@ -419,7 +444,7 @@ def main(argv=None):
         return code
     finally:
         if lock is not None:
-            os.close(lock)
+            lock.release()
         if distributed:
             # DDP keeps the process group alive in reference cycles; freed only at exit, after
             # torch's own teardown, gloo aborted the process ("terminate called without an
