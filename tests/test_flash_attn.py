@@ -645,7 +645,7 @@ def test_bad_dense_input_names_the_argument():
         # a nested tensor of the default layout is strided too, but has no sizes
         (ValueError, "'q' is a nested", lambda: flash_attn_func(
             torch.nested.nested_tensor([q[0], q[0, :3]]), k, v)),
-        (ValueError, "'window_size'", lambda: flash_attn_func(q, k, v, window_size=(-2, 0))),
+        (TypeError, "'window_size'", lambda: flash_attn_func(q, k, v, window_size=(0.5, 0))),
         (TypeError, "'window_size'", lambda: flash_attn_func(q, k, v, window_size=3)),
         (ValueError, "'dropout_p'", lambda: flash_attn_func(q, k, v, dropout_p=1.0)),
         (ValueError, "'alibi_slopes'",
