@@ -1074,3 +1074,16 @@ def test_unpad_input_for_concatenated_sequences_as_fa2_users_call_it():
             torch.testing.assert_close(out[b, start:start + n], alone[0])
             start += n
         assert not out[b, start:].any()
+
+
+@pytest.mark.parametrize("option", ["cu_seqlens", "alibi_slopes"])
+def test_options_written_in_place_before_the_backward_raise_as_inputs_do(option):
+    # FlashAttention-2 saves cu_seqlens for its backward: a buffer refilled for the next batch
+    # before this one's backward raises, rather than giving the gradients of other sequences
+    q, k, v = (randn(8, 2, 16, seed=s).requires_grad_() for s in range(3))
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    slopes = torch.tensor([0.5, 0.25])
+    out = flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, alibi_slopes=slopes)
+    (cu if option == "cu_seqlens" else slopes).add_(1 if option == "cu_seqlens" else 0.5)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()

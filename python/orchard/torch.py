@@ -95,8 +95,11 @@ class _FlashAttention(torch.autograd.Function):
         # _attention has refused transforms before apply: the call itself, not _forward
         out, lse = ops_call(orchard_ops.flash_attn_fwd, orchard_ops.flash_attn_varlen_fwd, opts,
                             q, k, v)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.opts = opts
+        # the options' tensors (cu_seqlens, slopes) are saved too: written in place before the
+        # backward, they raise as q, k and v do (the backward read the new offsets, silently)
+        ctx.tensor_options = [f for f, x in zip(opts._fields, opts) if isinstance(x, torch.Tensor)]
+        ctx.save_for_backward(q, k, v, out, lse, *(getattr(opts, f) for f in ctx.tensor_options))
+        ctx.opts = opts._replace(**dict.fromkeys(ctx.tensor_options))
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -104,11 +107,12 @@ class _FlashAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         attention_op.refuse_second_derivative()
         attention_op.refuse_batched(dout)
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *tensors = ctx.saved_tensors
+        opts = ctx.opts._replace(**dict(zip(ctx.tensor_options, tensors)))
         # autograd may hand a lazily negated view (the gradient through a complex conj),
         # which DLPack does not carry: resolved here, as the user cannot
         dq, dk, dv = ops_call(orchard_ops.flash_attn_bwd, orchard_ops.flash_attn_varlen_bwd,
-                              ctx.opts, dout.resolve_neg(), q, k, v, out, lse)
+                              opts, dout.resolve_neg(), q, k, v, out, lse)
         return dq, dk, dv, None
 
 
