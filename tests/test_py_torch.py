@@ -8,7 +8,19 @@ import torch.nn.functional as F  # noqa: E402
 
 from orchard.model import GPT, GPTConfig  # noqa: E402
 import orchard.torch  # noqa: E402
+import orchard_ops  # noqa: E402
 from orchard.torch import AttentionRouter, flash_attention, patch_model, unpatch_model  # noqa: E402
+
+
+class SDPAModule(torch.nn.Module):
+    """A model whose forward is one scaled_dot_product_attention call."""
+
+    def __init__(self, **sdpa_kwargs):
+        super().__init__()
+        self.sdpa_kwargs = sdpa_kwargs
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, **self.sdpa_kwargs)
 
 
 def qkv(shape_q, shape_kv, dtype=torch.float64, seed=0):
@@ -121,6 +133,66 @@ def test_patching_again_switches_the_device_and_bad_devices_are_refused_at_once(
         patch_model(model, device=0)
     assert router.device is None
     unpatch_model(model)
+    for fn in (patch_model, unpatch_model):
+        with pytest.raises(TypeError, match="%s: 'model' must be a torch.nn.Module, got "
+                                            "NoneType" % fn.__name__):
+            fn(None)
+
+
+def test_patch_model_takes_every_device_name_flash_attention_takes():
+    from conftest import OPENCL_IDS
+
+    if not OPENCL_IDS:
+        pytest.skip("no OpenCL device")
+    name = [d for d in orchard_ops.devices() if d["id"] == OPENCL_IDS[0]][0]["name"]
+    q, k, v = qkv((1, 2, 5, 8), (1, 2, 5, 8), torch.float32)
+    model = SDPAModule()
+    for device in ("opencl", "opencl:" + name.split()[0]):
+        router = patch_model(model, device=device)
+        torch.testing.assert_close(model(q, k, v), flash_attention(q, k, v, device=device))
+        assert router.device == device
+    assert router.routed == 2
+    unpatch_model(model)
+
+
+def test_a_tensor_scale_is_refused_not_read_without_its_gradient():
+    q, k, v = qkv((1, 2, 4, 8), (1, 2, 4, 8))
+    scale = torch.tensor(0.5, dtype=torch.float64, requires_grad=True)
+    for bad in (scale, torch.tensor(True)):
+        with pytest.raises(TypeError, match="flash_attention: 'scale' must be a number"):
+            flash_attention(q, k, v, scale=bad)
+
+
+def test_router_computes_lazily_negated_tensors_and_numpy_scales_without_warnings():
+    import warnings
+
+    import numpy as np
+
+    model = SDPAModule(scale=np.float32(0.3))
+    router = patch_model(model)
+    q = torch.randn(1, 2, 4, 8, dtype=torch.complex128).conj().imag     # negative bit set
+    k, v = torch.randn(2, 1, 2, 4, 8, dtype=torch.float64)
+    assert q.is_neg()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = model(q, k, v)
+    assert router.routed == 1
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, scale=0.3))
+    unpatch_model(model)
+
+
+def test_unpatching_a_forward_wrapped_after_patching_leaves_its_calls_to_torch():
+    import functools
+
+    model = SDPAModule()
+    router = patch_model(model)
+    model._old_forward = model.forward      # as accelerate's hooks wrap a forward
+    model.forward = functools.partial(lambda m, *a: m._old_forward(*a), model)
+    q, k, v = qkv((1, 2, 4, 8), (1, 2, 4, 8))
+    model(q, k, v)
+    unpatch_model(model)
+    model(q, k, v)
+    assert router.routed == 1
 
 
 def test_a_lazily_negated_gradient_is_taken():

@@ -193,6 +193,8 @@ def flash_attention(q, k, v, causal=False, dropout_p=0.0, scale=None, *, device=
     dropout_p = _number("flash_attention", "dropout_p", dropout_p)
     if not 0.0 <= dropout_p < 1.0:
         _fail("flash_attention", "dropout_p", "must be in [0, 1), got %r" % (dropout_p,))
+    if scale is not None:   # (orchard_ops would read a 0-d tensor's value, dropping its gradient)
+        scale = _number("flash_attention", "scale", scale)
     opts = _Options(scale=scale, dropout_p=dropout_p, causal=_flag("flash_attention", "causal",
                                                                    causal),
                     seed=_seed(dropout_p), device=device)
@@ -266,8 +268,10 @@ def _why_not_routable(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gq
         return "is_causal with Nq != Nk"
     if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
         return "dropout_p"
+    # (float: NumPy would compare a float32 scale in float32, warning of float64's maximum)
     if scale is not None and (isinstance(scale, bool) or not (
-            isinstance(scale, numbers.Real) and abs(scale) <= _largest_option(dtypes.pop()))):
+            isinstance(scale, numbers.Real)
+            and abs(float(scale)) <= _largest_option(dtypes.pop()))):
         return "scale"      # orchard refuses it; torch computes something
     return _traced_or_transform(q, k, v)
 
@@ -288,6 +292,9 @@ class AttentionRouter(TorchFunctionMode):
     def __init__(self, device=None):
         super().__init__()
         self.device = device
+        # set by unpatch_model: a wrapper of this router that another wrapper still holds
+        # (accelerate's hooks wrap a patched forward) calls the forward it wrapped
+        self.unpatched = False
         self.routed = 0
         self.left_to_torch = collections.Counter()
         self._depth = threading.local()
@@ -301,8 +308,11 @@ class AttentionRouter(TorchFunctionMode):
                 self.routed += 1
                 # autocast acts below this mode, in the dispatcher: cast as it would (a call
                 # left to torch gets the arguments as they were, and autocast casts them)
-                return flash_attention(*_as_autocast(q, k, v), causal=is_causal,
-                                       dropout_p=dropout_p, scale=scale, device=self.device)
+                # a lazily negated view (x.conj().imag), which DLPack does not carry, is
+                # resolved as torch's kernels resolve it
+                q, k, v = (t.resolve_neg() for t in _as_autocast(q, k, v))
+                return flash_attention(q, k, v, causal=is_causal, dropout_p=dropout_p,
+                                       scale=scale, device=self.device)
             self.left_to_torch[reason] += 1
         return func(*args, **kwargs)
 
@@ -422,6 +432,8 @@ class _RoutedForward:
         return inspect.signature(type(self.module).forward.__get__(self.module))
 
     def __call__(self, *args, **kwargs):
+        if self.router.unpatched:
+            return self.original(*args, **kwargs)
         if isinstance(self.module, _FAST_PATHS) and any(
                 isinstance(a, torch.Tensor) and a.is_nested for a in (*args, *kwargs.values())):
             # orchard reads no nested tensor, and these modules take them only on their fast
@@ -465,6 +477,11 @@ _FAST_PATHS = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer,
                torch.nn.TransformerEncoder)
 
 
+def _check_module(fn, model):
+    if not isinstance(model, torch.nn.Module):
+        _fail(fn, "model", "must be a torch.nn.Module, got %s" % type(model).__name__, TypeError)
+
+
 def patch_model(model, device=None):
     """Route model's scaled_dot_product_attention calls, and the attention of its
     nn.MultiheadAttention modules (nn.TransformerEncoderLayer, ...), to orchard; returns the
@@ -476,12 +493,15 @@ def patch_model(model, device=None):
     Patching a patched model again returns its router, on the device this call names (None:
     orchard's default). unpatch_model(model) undoes it.
     """
+    _check_module("patch_model", model)
     if device is not None and not isinstance(device, str):
         _fail("patch_model", "device", "must be a str or None, got %r" % (device,), TypeError)
-    available = [d["id"] for d in orchard_ops.devices()]
-    if device not in [None, "auto"] + available:
+    try:    # any name orchard's calls take: "opencl", "opencl:NAME", as flash_attention
+        if device not in (None, "auto"):    # (those follow ORCHARD_DEVICE at each call)
+            orchard_ops.resolve_device(device)
+    except ValueError:
         _fail("patch_model", "device", "%r is not an available device (available: %s)"
-              % (device, available))
+              % (device, [d["id"] for d in orchard_ops.devices()]))
     if getattr(model, "orchard_router", None) is not None:
         model.orchard_router.device = device
         return model.orchard_router
@@ -497,7 +517,10 @@ def unpatch_model(model):
     """Undoes patch_model: each module's forward is what it was before (one set on the
     instance stays, as do the routed forwards of a submodule patched on its own, whichever
     was patched first)."""
+    _check_module("unpatch_model", model)
     router = model.__dict__.pop("orchard_router", None)
+    if router is not None:
+        router.unpatched = True
     for module in model.modules():
         outer, routed = None, module.__dict__.get("forward")
         while (isinstance(routed, _RoutedForward) and router is not None
