@@ -212,6 +212,15 @@ def test_packed_sequences(name, no_fallback):
                      cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9, max_length_k=9).logits
     assert_close(alone[0], logits[0, 5:])
     assert_close(flat.view(2, 12, -1), logits)
+    # cu_seq_lens that leave tokens of the batch out (the second row here) are refused: its
+    # tokens were taken as padding, outputs 0, silently
+    for short in ([0, 5, 12], [3, 5, 12, 15, 24]):
+        with pytest.raises(ValueError, match=r"'cu_seq_lens_q' must run from 0 to the batch's "
+                                             r"24 tokens .*, got \[%d, " % short[0]):
+            model(input_ids=ids.view(1, 24), position_ids=positions.view(1, 24),
+                  cu_seq_lens_q=torch.tensor(short, dtype=torch.int32),
+                  cu_seq_lens_k=torch.tensor(short, dtype=torch.int32), max_length_q=9,
+                  max_length_k=9)
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])

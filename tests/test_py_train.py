@@ -573,6 +573,30 @@ def test_prepare_reads_regular_files_only_and_not_its_own_output(tmp_path):
         assert json.loads(result.stdout)["tokens"] == len("hello\n")
 
 
+@pytest.mark.parametrize("mode", ["ab", "wb", "pipe"])
+def test_prepare_to_dev_stdout_writes_through_it(tmp_path, mode):
+    """-o /dev/stdout where stdout is a file: replaced by a new file, it lost what a shell's
+    `>>` appended to and left the `>` file the shell opened empty; the summary went to stdout
+    after the data, with no newline between (JSON no longer read)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.md").write_text("# doc\n")
+    log = tmp_path / "log.txt"
+    log.write_text("a line before\n")
+    inode = log.stat().st_ino
+    with open(log, mode) if mode != "pipe" else open(os.devnull) as stdout:
+        result = subprocess.run(
+            [sys.executable, "-m", "orchard.cli.prepare", str(src), "-o", "/dev/stdout",
+             "--overwrite", "--json"], stdout=subprocess.PIPE if mode == "pipe" else stdout,
+            stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=REPO_ROOT, timeout=60)
+    assert result.returncode == 0, result.stderr
+    data = result.stdout if mode == "pipe" else log.read_text()
+    assert log.stat().st_ino == inode
+    assert data == ("a line before\n" if mode == "ab" else "") + \
+        '{"vocab_size":256,"sequences":[[35,32,100,111,99,10]]}\n'
+    assert json.loads(result.stderr.splitlines()[-1])["output"] == "/dev/stdout"
+
+
 def test_prepare_takes_text_files_whole_and_reads_no_more_than_it_keeps(tmp_path, monkeypatch):
     """A NUL byte anywhere makes a file binary (only the first 8 KiB were looked at); with
     --max-bytes a file is read up to what is kept, its rest only scanned for NUL bytes a

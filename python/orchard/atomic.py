@@ -5,13 +5,16 @@ renamed over the old file: rename is atomic, so a reader (or the next run after 
 power loss) sees either the previous file or the new one, never half of one. The file gets the
 permissions of any new file (0666 less the umask), or keeps those of the file it replaces.
 A symbolic link's target is replaced, not the link (as a shell's `>` writes through it); a
-device, FIFO or socket (`/dev/stdout`, a named pipe) cannot be replaced and is written in place.
+device, FIFO or socket (a named pipe) cannot be replaced and is written in place, and so is the
+process's standard output (`/dev/stdout`, or the file it is redirected to): through it, so that
+a shell's `>>` appends and its `>` keeps the file it opened.
 """
 import contextlib
 import glob
 import os
 import secrets
 import stat
+import sys
 
 
 def _temporary(name, part):
@@ -26,8 +29,25 @@ def leftovers(path):
     return glob.glob(os.path.join(glob.escape(folder), _temporary(glob.escape(name), "*")))
 
 
+def is_stdout(path):
+    """Whether path names this process's standard output (file descriptor 1): `/dev/stdout`,
+    or the file it is redirected to."""
+    try:
+        return os.path.samestat(os.stat(path), os.fstat(1))
+    except OSError:     # no such file, or no standard output
+        return False
+
+
 def write_atomically(path, write):
     """Calls write(f) on a temporary file beside `path`, syncs it and renames it over `path`."""
+    if is_stdout(path):
+        # (opened again by its name, a redirected stdout's file would be truncated, or
+        # replaced: the shell's appended-to log lost, its `>` file left unlinked)
+        if sys.stdout is not None:
+            sys.stdout.flush()
+        with os.fdopen(os.dup(1), "wb") as f:
+            write(f)
+        return
     if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
         with open(path, "wb") as f:
             write(f)

@@ -76,7 +76,8 @@ def load_sequences(path):
 
 
 def save_sequences(path, sequences, vocab_size=BYTE_VOCAB):
-    text = json.dumps({"vocab_size": vocab_size, "sequences": sequences}, separators=(",", ":"))
+    text = json.dumps({"vocab_size": vocab_size, "sequences": sequences},
+                      separators=(",", ":")) + "\n"
     write_atomically(path, lambda f: f.write(text.encode()))
 
 

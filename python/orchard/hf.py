@@ -541,6 +541,18 @@ def _lengths(cu, longest):
     return cu.to(torch.int32), longest
 
 
+def _check_covers(name, cu, tokens):
+    """cu_seq_lens of a packed batch must cover its tokens, 0 to B * N: flash_attn_varlen_func
+    takes tokens outside them as padding (FlashAttention-2's static buffers), and a packed
+    batch's tokens past a short cu_seq_lens got outputs 0, silently."""
+    if torch.compiler.is_compiling():   # (a value read would break the graph)
+        torch._assert_async((cu[0] == 0) & (cu[-1] == tokens), "orchard.hf: '%s' must run "
+                            "from 0 to the batch's tokens (batch x sequence length)" % name)
+    elif cu.numel() == 0 or (int(cu[0]), int(cu[-1])) != (0, tokens):
+        raise ValueError("orchard.hf: '%s' must run from 0 to the batch's %d tokens (batch x "
+                         "sequence length), got %s" % (name, tokens, cu.tolist()))
+
+
 def _left_padding(attention_mask, mask, written, static):
     """(leftpad, used, fits) of the (batch, keys) bool mask: whether each row is left padding,
     then real tokens up to the written keys (a count, a tensor for a static cache), then
@@ -735,6 +747,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                                         _lengths(cu_k, kwargs.get("max_length_k")))
         # (B * N, H, D) of transformers' (B, H, N, D) tensors
         q, k, v = (t.transpose(1, 2).flatten(0, 1) for t in (query, key, value))
+        _check_covers("cu_seq_lens_q", cu_q, q.shape[0])
+        _check_covers("cu_seq_lens_k", cu_k, k.shape[0])
         out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **options)
         return out.view(batch, nq, heads, out.shape[-1]), None
 

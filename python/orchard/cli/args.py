@@ -18,6 +18,7 @@ import signal
 import sys
 import tempfile
 import threading
+import traceback
 
 from ..atomic import WriteErrors
 
@@ -407,9 +408,12 @@ def console_script(prog, uses_devices=True):
                 return 1
             except Exception as exc:
                 user = exc if isinstance(exc, _user_errors()) else _build_options_error(exc)
-                if debug or user is None:
+                if user is None:
                     raise
-                print("%s: error: %s" % (prog, user), file=sys.stderr)
+                if debug:   # the traceback in place of the line; the status is still 2
+                    traceback.print_exc()
+                else:
+                    print("%s: error: %s" % (prog, user), file=sys.stderr)
                 return EXIT_USAGE
         return run
     return wrap

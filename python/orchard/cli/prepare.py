@@ -10,6 +10,7 @@ import json
 import os
 import sys
 
+from ..atomic import is_stdout
 from ..data import BYTE_VOCAB, folder_files, save_sequences, text_file_sequences
 from ..progress import Progress
 from .args import Parser, UsageError, console_script, folder_problem, integer, path, writing
@@ -71,11 +72,13 @@ def main(argv=None):
         save_sequences(args.output, sequences, BYTE_VOCAB)
     summary = {"output": args.output, "sequences": len(sequences),
                "tokens": sum(map(len, sequences)), "vocab_size": BYTE_VOCAB}
+    # written to stdout, the data is the result there; the summary goes beside it, to stderr
+    out = sys.stderr if is_stdout(args.output) else sys.stdout
     if args.json:
-        print(json.dumps(summary))
+        print(json.dumps(summary), file=out)
     else:
         print("wrote %(sequences)d sequences, %(tokens)d tokens (vocabulary %(vocab_size)d) "
-              "to %(output)s" % summary)
+              "to %(output)s" % summary, file=out)
     return 0
 
 
