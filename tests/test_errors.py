@@ -161,6 +161,8 @@ CASES = [
     # finite as doubles, inf in the float32 the kernels compute these operands in
     ("scale_past_float32", "", "fwd(q, k, v, scale=1e39)", [VE], ["scale"]),
     ("softcap_past_float32", "", "fwd(q, k, v, softcap=1e39)", [VE], ["softcap"]),
+    ("softcap_zero_in_float32", "", "fwd(q, k, v, softcap=1e-300)", [VE],
+     ["softcap", "rounds to 0"]),
     ("alibi_past_float32", "", "fwd(q, k, v, alibi_slopes=np.array([1.0, -1e39]))", [VE],
      ["alibi_slopes"]),
     ("scale_int_past_double", "", "fwd(q, k, v, scale=10**400)", [VE], ["scale"]),
