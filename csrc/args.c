@@ -799,7 +799,8 @@ int or_parse_shape(PyObject *obj, const char *name, npy_intp *dims)
     int ok = n >= 2 && n <= NPY_MAXDIMS;
     for (Py_ssize_t i = 0; ok && i < n; i++) {
         long long v;
-        ok = or_as_integer(PySequence_Fast_GET_ITEM(seq, i), &v) == 0 && v >= 0
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        ok = !PyBool_Check(item) && or_as_integer(item, &v) == 0 && v >= 0  /* True is no size */
              && v <= NPY_MAX_INTP;
         dims[i] = ok ? (npy_intp)v : 0;
     }

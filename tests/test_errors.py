@@ -158,6 +158,8 @@ CASES = [
     ("mask_bad_p", "", "ops.dropout_mask((2, 5, 8), (2, 6, 8), 1.5)", [VE], ["dropout_p"]),
     ("mask_bad_seed", "", "ops.dropout_mask((2, 5, 8), (2, 6, 8), 0.5, -3)", [VE], ["seed"]),
     ("mask_q_shape_1d", "", "ops.dropout_mask((5,), (6, 8), 0.5)", [VE], ["q_shape"]),
+    ("mask_k_shape_bool", "", "ops.dropout_mask((2, 5, 8), (2, True, 8), 0.5)", [VE],
+     ["k_shape", "True"]),
     # finite as doubles, inf in the float32 the kernels compute these operands in
     ("scale_past_float32", "", "fwd(q, k, v, scale=1e39)", [VE], ["scale"]),
     ("softcap_past_float32", "", "fwd(q, k, v, softcap=1e39)", [VE], ["softcap"]),
