@@ -124,7 +124,7 @@ class Trainer:
 
     # -- state -------------------------------------------------------------------------------
 
-    def state_dict(self, pending_losses):
+    def state_dict(self, pending_losses, rank_rng):
         return {
             "format": FORMAT,
             "model": self.model.state_dict(),
@@ -139,7 +139,8 @@ class Trainer:
             "data": self.data_info,
             "metrics": self.history,
             "pending_losses": pending_losses,
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                    "torch_ranks": rank_rng},
         }
 
     def _restore(self, state):
@@ -156,7 +157,10 @@ class Trainer:
             raise TypeError("pending_losses must be a list of floats")
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
-        if self.rank:
+        ranks = state["rng"].get("torch_ranks")
+        if self.rank and ranks is not None and len(ranks) == self.world:
+            torch.set_rng_state(ranks[self.rank])   # its dropout masks go on as uninterrupted
+        elif self.rank:     # another number of processes, or an older checkpoint: a new stream
             torch.manual_seed(self.seed + self.rank + self.step)
 
     def pending_losses(self):
@@ -164,12 +168,23 @@ class Trainer:
         resumed run's first log line averages the same steps as an uninterrupted one."""
         return [self._sum_over_ranks(x) / self.world for x in self.losses]
 
+    def rank_rng_states(self):
+        """Every rank's torch RNG state, by rank: each draws its own dropout masks, which a
+        resumed run continues (rank 1's were drawn anew at a resume, so its losses parted from
+        an uninterrupted run's)."""
+        if not self.distributed:
+            return [torch.get_rng_state()]
+        states = [None] * self.world
+        dist.all_gather_object(states, torch.get_rng_state())
+        return states
+
     def save(self):
-        pending = self.pending_losses()     # a collective: every rank, before rank 0 writes
+        # collectives: every rank, before rank 0 writes
+        pending, rank_rng = self.pending_losses(), self.rank_rng_states()
         if self.rank == 0:
             os.makedirs(self.output_dir, exist_ok=True)
             path = os.path.join(self.output_dir, CHECKPOINT_NAME)
-            save_checkpoint(self.state_dict(pending), path)
+            save_checkpoint(self.state_dict(pending, rank_rng), path)
             # the history the checkpoint holds: before this run's first log line, an
             # --overwrite run stopped here had left the replaced run's metrics beside it
             if not self.metrics_whole:
@@ -267,7 +282,10 @@ class Trainer:
         in eval mode, so this draws no random numbers and a resumed run stays exact."""
         self.model.eval()
         total = 0.0
-        for batch in self.val_chunks[self.rank::self.world].split(self.micro_batch):
+        share = self.val_chunks[self.rank::self.world]
+        # (a share of none, where ranks outnumber the windows, splits into one empty batch,
+        # whose mean loss is NaN: the sum over ranks was NaN, the run said it had diverged)
+        for batch in share.split(self.micro_batch) if len(share) else ():
             with self._autocast():
                 _, loss = self.model(batch[:, :-1], batch[:, 1:])
             total += loss.float().item() * len(batch)
