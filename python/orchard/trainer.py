@@ -73,8 +73,9 @@ class Trainer:
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
         if train["batch_size"] % self.world:
-            raise ConfigError("training.batch_size %d must be a multiple of the %d processes"
-                              % (train["batch_size"], self.world))
+            raise ConfigError("training.batch_size must be a multiple of the %d processes "
+                              "(torchrun's --nproc-per-node), got %d"
+                              % (self.world, train["batch_size"]))
         self.rank_batch = train["batch_size"] // self.world
         self.micro_batch = min(train["micro_batch"], self.rank_batch)
         self.steps_per_epoch = len(chunks) // train["batch_size"]
