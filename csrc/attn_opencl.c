@@ -94,7 +94,8 @@ static int operand_buffers(launch_t *L)
     return rc;
 }
 
-/* The meta table (params.h): row strides, then per unit its element offsets, nq and nk. */
+/* The meta table (params.h): row strides, then per unit its element offsets, nq, nk and its
+ * first row in the backward's per-row buffers. */
 static int meta_buffer(launch_t *L)
 {
     const or_problem *p = L->p;
@@ -107,6 +108,7 @@ static int meta_buffer(launch_t *L)
         if (w->offs != NULL)
             meta[s] = w->row_stride / w->itemsize;
     }
+    cl_long rows = 0;
     for (or_ssize u = 0; u < p->n_units; u++) {
         cl_long *row = meta + OR_NSLOTS + u * OR_UNIT_WORDS;
         for (int s = 0; s < OR_NSLOTS; s++) {
@@ -119,6 +121,8 @@ static int meta_buffer(launch_t *L)
         }
         row[OR_UNIT_NQ] = p->nq[u];
         row[OR_UNIT_NK] = p->nk[u];
+        row[OR_UNIT_ROW0] = rows;
+        rows += p->nq[u];
     }
     int rc = new_buffer(L, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR, words * sizeof(cl_long), meta,
                         &L->meta);
@@ -434,20 +438,16 @@ int or_cl_fwd(int i, const or_problem *p, or_counters *ct, or_error *err)
 static const int bwd_args[] = {OR_Q, OR_K, OR_V, OR_DO, OR_LSE, -1};   /* -1: the D buffer */
 
 /* The rows and wg families: dQ per query row (or block), then dK, dV per key row (block). */
-static int row_bwd_kernels(launch_t *L, or_ssize nq_max)
+static int row_bwd_kernels(launch_t *L)
 {
     const or_cl_family *f = &or_cl_families[L->prog.family];
     int idx, rc = kernel_with(L, 1, f->bwd, bwd_args, 6, &idx);
-    if (rc == OR_OK)
-        rc = set_long(L, L->kernel[1], &idx, nq_max);
     if (rc == OR_OK)
         rc = set_mem(L, L->kernel[1], &idx, L->mem[OR_DQ]);
     if (rc == OR_OK)
         rc = set_params(L, L->kernel[1], &idx);
     if (rc == OR_OK)
         rc = kernel_with(L, 2, f->bwd_keys, bwd_args, 6, &idx);
-    if (rc == OR_OK)
-        rc = set_long(L, L->kernel[2], &idx, nq_max);
     if (rc == OR_OK)
         rc = set_mem(L, L->kernel[2], &idx, L->mem[OR_DK]);
     if (rc == OR_OK)
@@ -457,11 +457,11 @@ static int row_bwd_kernels(launch_t *L, or_ssize nq_max)
     return rc;
 }
 
-/* The tiled family: a kv unit per work-item, with its dQ accumulator. */
-static int tiled_bwd_kernel(launch_t *L, or_ssize nq_max)
+/* The tiled family: a kv unit per work-item, with its dQ accumulator (rows of every unit). */
+static int tiled_bwd_kernel(launch_t *L, or_ssize rows)
 {
     const size_t size = (dbl(L) ? sizeof(double) : sizeof(float))
-                        * (size_t)(L->p->n_units * nq_max * L->prog.tile_d + 1);
+                        * (size_t)(rows * L->prog.tile_d + 1);
     void *zeros = calloc(1, size);      /* dQ starts at 0; the kernel adds every key block */
     if (zeros == NULL)
         return OR_ENOMEM;
@@ -469,8 +469,6 @@ static int tiled_bwd_kernel(launch_t *L, or_ssize nq_max)
     free(zeros);
     if (rc == OR_OK)
         rc = kernel_with(L, 1, or_cl_families[L->prog.family].bwd, bwd_args, 6, &idx);
-    if (rc == OR_OK)
-        rc = set_long(L, L->kernel[1], &idx, nq_max);
     for (int s = OR_DQ; rc == OR_OK && s <= OR_DV; s++)
         rc = set_mem(L, L->kernel[1], &idx, L->mem[s]);
     if (rc == OR_OK)
@@ -485,23 +483,23 @@ int or_cl_bwd(int i, const or_problem *p, or_counters *ct, or_error *err)
     launch_t L;
     int idx, rc = prepare(&L, i, p, 1u << OR_DQ | 1u << OR_DK | 1u << OR_DV, ct, err);
     const or_ssize nq_max = longest(p->nq, p->n_units), nk_max = longest(p->nk, p->n_units);
+    or_ssize rows = 0;      /* the query rows of every unit: the per-row buffers' length */
+    for (or_ssize u = 0; u < p->n_units; u++)
+        rows += p->nq[u];
     const size_t real = dbl(&L) ? sizeof(double) : sizeof(float);
-    /* D_i = rowsum(dO * O), (unit, nq_max) */
+    /* D_i = rowsum(dO * O), a unit's rows from its OR_UNIT_ROW0 */
     if (rc == OR_OK)
-        rc = new_buffer(&L, CL_MEM_READ_WRITE, real * (size_t)(p->n_units * nq_max + 1), NULL,
-                        &L.di);
+        rc = new_buffer(&L, CL_MEM_READ_WRITE, real * (size_t)(rows + 1), NULL, &L.di);
     static const int prep_args[] = {OR_DO, OR_O};
     if (rc == OR_OK && (rc = kernel_with(&L, 0, "flash_bwd_prep", prep_args, 2, &idx)) == OR_OK) {
         rc = set_mem(&L, L.kernel[0], &idx, L.meta);
         if (rc == OR_OK)
             rc = set_mem(&L, L.kernel[0], &idx, L.di);
-        if (rc == OR_OK)
-            rc = set_long(&L, L.kernel[0], &idx, nq_max);
     }
     const int tiled = L.prog.family == OR_FAMILY_TILED, wg = L.prog.family == OR_FAMILY_WG;
     const or_ssize n_kv = p->n_units / p->prm.group;
     if (rc == OR_OK)
-        rc = tiled ? tiled_bwd_kernel(&L, nq_max) : row_bwd_kernels(&L, nq_max);
+        rc = tiled ? tiled_bwd_kernel(&L, rows) : row_bwd_kernels(&L);
     if (rc == OR_OK)
         rc = enqueue(&L, L.kernel[0], nq_max, p->n_units, L.prog.prep_rows, L.prog.prep_rows);
     if (rc == OR_OK)        /* tiled: one work-item per kv unit */

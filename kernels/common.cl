@@ -156,9 +156,9 @@ inline void load_tiles(__local realv (*a)[DP], __global const storage_t *x, long
 }
 
 /* The backward's first kernel, in every family: D_i = rowsum(dO_i * O_i), one work-item per
- * query row, into di (unit, di_stride). */
+ * query row, into di (the unit's rows from its OR_UNIT_ROW0). */
 __kernel void flash_bwd_prep(__global const storage_t *dout, __global const storage_t *out,
-                             __global const long *meta, __global real *di, long di_stride)
+                             __global const long *meta, __global real *di)
 {
     const long u = get_global_id(1), i = get_global_id(0);
     __global const long *unit = UNIT(meta, u);
@@ -168,5 +168,5 @@ __kernel void flash_bwd_prep(__global const storage_t *dout, __global const stor
     for (int x = 0; x < HEAD_DV; x++)
         acc += (real)LOAD(dout, unit[OR_DO] + i * meta[OR_DO] + x)
                * (real)LOAD(out, unit[OR_O] + i * meta[OR_O] + x);
-    di[u * di_stride + i] = acc;
+    di[unit[OR_UNIT_ROW0] + i] = acc;
 }

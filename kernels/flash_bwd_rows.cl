@@ -13,7 +13,7 @@
 #if OR_FAMILY == OR_FAMILY_ROWS
 __kernel void flash_bwd_rows_dq(__global const storage_t *q, __global const storage_t *k,
                            __global const storage_t *v, __global const storage_t *dout,
-                           __global const real *lse, __global const real *di, long di_stride,
+                           __global const real *lse, __global const real *di,
                            __global storage_t *dq, __global const long *meta,
                            __global const real *slopes, const or_params params)
 {
@@ -30,7 +30,7 @@ __kernel void flash_bwd_rows_dq(__global const storage_t *q, __global const stor
     const int valid = i < nq;
     const real slope = p.has_alibi ? slopes[u] : 0;
     const real lse_i = valid ? lse[unit[OR_LSE] + i * meta[OR_LSE]] : -INFINITY;
-    const real di_i = valid ? di[u * di_stride + i] : 0;
+    const real di_i = valid ? di[unit[OR_UNIT_ROW0] + i] : 0;
 
     realv qv[DP], dov[DVP], acc[DP];
     for (int x = 0; x < DP; x++) {
@@ -73,7 +73,7 @@ __kernel void flash_bwd_rows_dq(__global const storage_t *q, __global const stor
 
 __kernel void flash_bwd_rows_dkdv(__global const storage_t *q, __global const storage_t *k,
                              __global const storage_t *v, __global const storage_t *dout,
-                             __global const real *lse, __global const real *di, long di_stride,
+                             __global const real *lse, __global const real *di,
                              __global storage_t *dk, __global storage_t *dv,
                              __global const long *meta, __global const real *slopes,
                              const or_params params)
@@ -114,7 +114,7 @@ __kernel void flash_bwd_rows_dkdv(__global const storage_t *q, __global const st
                        i0, rows, lid);
             for (int e = lid; e < rows; e += BQ) {
                 lse_t[e] = lse[unit[OR_LSE] + (i0 + e) * meta[OR_LSE]];
-                di_t[e] = di[u * di_stride + i0 + e];
+                di_t[e] = di[unit[OR_UNIT_ROW0] + i0 + e];
             }
             barrier(CLK_LOCAL_MEM_FENCE);
             if (!valid)

@@ -3,8 +3,8 @@
  * register tiles (tiles.cl). D_i comes from flash_bwd_prep (common.cl) first.
  *
  *   q, dout, dq (unit, Nq, ...)  k, v, dk, dv (kv unit, Nk, ...)  lse (unit, Nq)
- *   di    (unit, di_stride)      D_i = rowsum(dO_i * O_i)
- *   dqacc (unit, di_stride, DT)  dQ summed over key blocks (zeroed by the host), scaled on store
+ *   di    (rows)                 D_i = rowsum(dO_i * O_i), a unit's from its OR_UNIT_ROW0
+ *   dqacc (rows, DT)             dQ summed over key blocks (zeroed by the host), scaled on store
  *
  * For each BK block of keys (its dK, dV accumulated in local tiles) and each BQ block
  * of the query rows of the unit's GQA group that may see it:
@@ -23,7 +23,7 @@
 __kernel __attribute__((reqd_work_group_size(1, 1, 1)))
 void flash_bwd_tiled(__global const storage_t *q, __global const storage_t *k,
                      __global const storage_t *v, __global const storage_t *dout,
-                     __global const real *lse, __global const real *di, long di_stride,
+                     __global const real *lse, __global const real *di,
                      __global storage_t *dq, __global storage_t *dk, __global storage_t *dv,
                      __global real *dqacc, __global const long *meta,
                      __global const real *slopes, const or_params params)
@@ -50,7 +50,7 @@ void flash_bwd_tiled(__global const storage_t *q, __global const storage_t *k,
             __global const long *unit = UNIT(meta, u);
             const long nq = unit[OR_UNIT_NQ], off = nk - nq;
             const real slope = p.has_alibi ? slopes[u] : 0;
-            __global real *dqu = dqacc + u * di_stride * DT;
+            __global real *dqu = dqacc + unit[OR_UNIT_ROW0] * DT;
             long ilo, ihi;
             or_query_range(p.left, p.right, nq, nk, j0, j0 + cols, &ilo, &ihi);
             for (long i0 = ilo; i0 < ihi; i0 += BQ) {
@@ -60,7 +60,7 @@ void flash_bwd_tiled(__global const storage_t *q, __global const storage_t *k,
                 load_block(dos, DVT, dout, unit[OR_DO], meta[OR_DO], i0, rows, rows_tm, HEAD_DV, 1);
                 for (int r = 0; r < rows_tm; r++) {
                     lse_t[r] = r < rows ? lse[unit[OR_LSE] + (i0 + r) * meta[OR_LSE]] : -INFINITY;
-                    di_t[r] = r < rows ? di[u * di_stride + i0 + r] : 0;
+                    di_t[r] = r < rows ? di[unit[OR_UNIT_ROW0] + i0 + r] : 0;
                     for (int x = 0; x < DT; x++)
                         dqs[r * DT + x] = r < rows ? dqu[(i0 + r) * DT + x] : 0;
                 }
@@ -138,7 +138,7 @@ void flash_bwd_tiled(__global const storage_t *q, __global const storage_t *k,
     for (int g = 0; g < p.group; g++) {         /* s = scale * q.k, so dQ = scale * dS K */
         const long u = w * p.group + g;
         __global const long *unit = UNIT(meta, u);
-        __global const real *dqu = dqacc + u * di_stride * DT;
+        __global const real *dqu = dqacc + unit[OR_UNIT_ROW0] * DT;
         for (long i = 0; i < unit[OR_UNIT_NQ]; i++)
             for (int x = 0; x < HEAD_D; x++)
                 STORE(dq, unit[OR_DQ] + i * meta[OR_DQ] + x, dqu[i * DT + x] * p.scale);

@@ -45,7 +45,7 @@ inline void wg_bwd_tile(__global const storage_t *x, long x_base, long x_rs, rea
 
 __kernel void flash_bwd_wg_dq(__global const storage_t *q, __global const storage_t *k,
                               __global const storage_t *v, __global const storage_t *dout,
-                              __global const real *lse, __global const real *di, long di_stride,
+                              __global const real *lse, __global const real *di,
                               __global storage_t *dq, __global const long *meta,
                               __global const real *slopes, const or_params params)
 {
@@ -61,7 +61,7 @@ __kernel void flash_bwd_wg_dq(__global const storage_t *q, __global const storag
     for (int a = 0; a < WTM; a++) {
         const long i = b.i0 + ty * WTM + a;
         lse_a[a] = i < b.nq ? lse[b.unit[OR_LSE] + i * meta[OR_LSE]] : -INFINITY;
-        di_a[a] = i < b.nq ? di[b.u * di_stride + i] : 0;
+        di_a[a] = i < b.nq ? di[b.unit[OR_UNIT_ROW0] + i] : 0;
         for (int g = 0; g < WD4; g++)
             acc[a * WD4 + g] = 0;
     }
@@ -112,7 +112,7 @@ __kernel void flash_bwd_wg_dq(__global const storage_t *q, __global const storag
 __kernel void flash_bwd_wg_dkdv(__global const storage_t *q, __global const storage_t *k,
                                 __global const storage_t *v, __global const storage_t *dout,
                                 __global const real *lse, __global const real *di,
-                                long di_stride, __global storage_t *dk, __global storage_t *dv,
+                                __global storage_t *dk, __global storage_t *dv,
                                 __global const long *meta, __global const real *slopes,
                                 const or_params params)
 {
@@ -148,7 +148,7 @@ __kernel void flash_bwd_wg_dkdv(__global const storage_t *q, __global const stor
             /* the last tile's lse_t and di_t were read before the barrier ending its products */
             for (int e = lid; e < BK; e += BWG_THREADS) {
                 lse_t[e] = e < rows ? lse[unit[OR_LSE] + (i0 + e) * meta[OR_LSE]] : -INFINITY;
-                di_t[e] = e < rows ? di[u * di_stride + i0 + e] : 0;
+                di_t[e] = e < rows ? di[unit[OR_UNIT_ROW0] + i0 + e] : 0;
             }
             real s[WTM * BWN], dp[WTM * BWN];
             wg_bwd_tile(q, unit[OR_Q], meta[OR_Q], p.scale, dout, unit[OR_DO], meta[OR_DO], i0, rows,

@@ -61,10 +61,14 @@ typedef uint32_t or_u32;
 #define OR_NSLOTS 9
 
 /* The OpenCL meta table (64-bit words): OR_NSLOTS row strides in elements, then per unit
- * OR_NSLOTS element offsets followed by nq and nk. */
-#define OR_UNIT_WORDS (OR_NSLOTS + 2)
+ * OR_NSLOTS element offsets followed by nq, nk and the unit's first row in the backward's
+ * per-row buffers (D and dQ accumulators): the nq of the units before it, so that they hold
+ * the rows there are (a packed batch of many short sequences and one long one, padded to its
+ * longest, needed gigabytes). */
+#define OR_UNIT_WORDS (OR_NSLOTS + 3)
 #define OR_UNIT_NQ OR_NSLOTS
 #define OR_UNIT_NK (OR_NSLOTS + 1)
+#define OR_UNIT_ROW0 (OR_NSLOTS + 2)
 
 /* The score parameters: X(kind, name), in struct order. 64-bit fields first, then the reals,
  * then the 32-bit ones, so that host and device lay the struct out alike. REAL is float, or

@@ -183,3 +183,26 @@ def test_varlen_masked_rows(ops, device, rng):
     for g, r in zip(grads, ref_varlen_bwd(do, q, k, v, cq, ck, causal=True)):
         assert not np.isnan(g).any()
         assert_close(g, r, np.float32, "grad")
+
+
+def test_opencl_backward_memory_follows_the_tokens_not_the_longest_sequence():
+    """The backward's per-row buffers (D, and the tiled family's dQ accumulator) were laid out
+    (sequence x longest sequence): 4,000 one-token sequences beside one of 1,000 took a
+    gigabyte (native path: a few megabytes). Now they hold the rows there are."""
+    from conftest import CPU_OPENCL_IDS, run_python
+
+    if not CPU_OPENCL_IDS:
+        pytest.skip("no OpenCL device on the CPU")
+    result = run_python("""
+        import resource
+        import numpy as np, orchard_ops as o
+        lens = [1] * 4000 + [1000]
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        q = np.random.default_rng(0).standard_normal((int(cu[-1]), 1, 64), dtype=np.float32)
+        out, lse = o.flash_attn_varlen_fwd(q, q, q, cu, cu, causal=True, device="%s")
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        o.flash_attn_varlen_bwd(out, q, q, q, out, lse, cu, cu, causal=True, device="%s")
+        print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+    """ % (CPU_OPENCL_IDS[0], CPU_OPENCL_IDS[0]), ORCHARD_CL_FAMILY="tiled")
+    assert result.returncode == 0, result.stderr
+    assert int(result.stdout) < 200, result.stdout     # MiB; 1,020 before
