@@ -285,8 +285,26 @@ static int env_int(const char *name, int fallback)
 /* ORCHARD_CL_OPTIONS: at most this long, so the options of every program fit their buffer */
 enum { OPTIONS_MAX = 512 };
 
-/* 1 with msg when ORCHARD_CL_OPTIONS is too long, or has a -D or -I without its argument
- * (PoCL's compiler crashes the process on a dangling one instead of refusing it). */
+/* The macros make_program's options define for every program: a -DBQ=7 of ORCHARD_CL_OPTIONS,
+ * coming after them, built kernels for blocks the host did not size (a crash), a -DHEAD_D=5
+ * ones that read other head dims (wrong numbers), with a warning alone. */
+static const char *const host_macros[] = {"OR_STORAGE", "HEAD_D", "HEAD_DV", "VW", "OR_FAMILY",
+                                          "BQ", "BK", "FQ", "FK", "OR_PARAMS_SIZE",
+                                          "OR_WG_SUBGROUPS"};
+
+/* Whether the n characters at name (up to an '=') name one of host_macros. */
+static int host_macro(const char *name, size_t n)
+{
+    n = strcspn(name, "=") < n ? strcspn(name, "=") : n;
+    for (size_t i = 0; i < sizeof(host_macros) / sizeof(host_macros[0]); i++)
+        if (strlen(host_macros[i]) == n && strncmp(name, host_macros[i], n) == 0)
+            return 1;
+    return 0;
+}
+
+/* 1 with msg when ORCHARD_CL_OPTIONS is too long, has a -D or -I without its argument (PoCL's
+ * compiler crashes the process on a dangling one instead of refusing it), or defines or
+ * undefines one of host_macros. */
 static int options_problem(const char *opts, char *msg, size_t size)
 {
     static const char space[] = " \t\n\v\f\r";
@@ -303,6 +321,17 @@ static int options_problem(const char *opts, char *msg, size_t size)
             snprintf(msg, size, "ORCHARD_CL_OPTIONS='%.64s': %.2s needs a %s after it", opts, p,
                      p[1] == 'D' ? "macro name" : "folder");
             return 1;
+        }
+        if (n >= 2 && p[0] == '-' && (p[1] == 'D' || p[1] == 'U')) {
+            const char *name = n == 2 ? next : p + 2;     /* "-D NAME" or "-DNAME" */
+            const size_t len = n == 2 ? strcspn(next, space) : n - 2;
+            if (host_macro(name, len)) {
+                snprintf(msg, size, "ORCHARD_CL_OPTIONS='%.64s': %.2s%.*s: orchard defines "
+                         "that macro for every program (ORCHARD_CL_BLOCK_Q/K, ORCHARD_CL_VECTOR and "
+                         "ORCHARD_CL_FAMILY choose blocks, vectors and family)", opts, p,
+                         (int)(strcspn(name, "=") < len ? strcspn(name, "=") : len), name);
+                return 1;
+            }
         }
         p += n;
     }

@@ -552,6 +552,12 @@ ENVIRONMENT_PROBE = """
     # PoCL's compiler crashed the process on a -D or -I without its argument
     ("ORCHARD_CL_OPTIONS", "-w -D", "ORCHARD_CL_OPTIONS='-w -D': -D needs a macro name"),
     ("ORCHARD_CL_OPTIONS", "-I", "ORCHARD_CL_OPTIONS='-I': -I needs a folder"),
+    # a macro the host sets for every program, redefined: a crash (BQ), wrong numbers (HEAD_D)
+    ("ORCHARD_CL_OPTIONS", "-w -DBQ=7", "ORCHARD_CL_OPTIONS='-w -DBQ=7': -DBQ: orchard "
+     "defines that macro for every program"),
+    ("ORCHARD_CL_OPTIONS", "-D HEAD_D=5", "-DHEAD_D: orchard defines that macro"),
+    ("ORCHARD_CL_OPTIONS", "-UVW", "-UVW: orchard defines that macro"),
+    ("ORCHARD_CL_OPTIONS", "-DBQX=1 -DHEAD_DIM", None),
     # a longer value was cut short at its buffer, dropping its last options unseen
     ("ORCHARD_CL_OPTIONS", "-DX=1 " * 100, "ORCHARD_CL_OPTIONS is 600 characters long: at most "
      "512"),
