@@ -843,3 +843,13 @@ def test_forked_child_refuses_opencl_instead_of_hanging():
     (err, native), status, shape = out
     assert status == 0 and native == 256.0 and shape == [1, 2, 8, 16]
     assert "fork()ed after its parent loaded OpenCL" in err and "'spawn'" in err
+
+
+def test_a_tuning_candidate_that_crashes_is_said_to_have_crashed(monkeypatch):
+    """A killed candidate was reported by its last line of stderr (a compiler warning)."""
+    from orchard import tuning
+
+    monkeypatch.setattr(tuning, "TIMING_SCRIPT",
+                        "import os, signal, sys; print('1 warning generated.', file=sys.stderr); "
+                        "os.kill(os.getpid(), signal.SIGSEGV)")
+    assert tuning.time_candidate("opencl:0", [1, 1, 8, 8], 8, 8, 1) == (None, "crashed: SIGSEGV")

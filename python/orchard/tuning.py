@@ -14,6 +14,7 @@ of its own to its tiles from the family's defaults (or ORCHARD_CL_BLOCK_Q/K).
 """
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -43,6 +44,8 @@ def time_candidate(device, shape, block_q, block_k, repeats):
     env = dict(os.environ, ORCHARD_CL_BLOCK_Q=str(block_q), ORCHARD_CL_BLOCK_K=str(block_k))
     r = subprocess.run([sys.executable, "-c", TIMING_SCRIPT, device, json.dumps(shape),
                         str(repeats)], env=env, capture_output=True, text=True)
+    if r.returncode < 0:    # killed: its last line (a compiler warning) would not say so
+        return None, "crashed: %s" % signal.Signals(-r.returncode).name
     if r.returncode != 0:
         lines = r.stderr.strip().splitlines()
         return None, lines[-1] if lines else "exit status %d" % r.returncode
