@@ -292,10 +292,9 @@ static const char *const host_macros[] = {"OR_STORAGE", "HEAD_D", "HEAD_DV", "VW
                                           "BQ", "BK", "FQ", "FK", "OR_PARAMS_SIZE",
                                           "OR_WG_SUBGROUPS"};
 
-/* Whether the n characters at name (up to an '=') name one of host_macros. */
+/* Whether the n characters at name name one of host_macros. */
 static int host_macro(const char *name, size_t n)
 {
-    n = strcspn(name, "=") < n ? strcspn(name, "=") : n;
     for (size_t i = 0; i < sizeof(host_macros) / sizeof(host_macros[0]); i++)
         if (strlen(host_macros[i]) == n && strncmp(name, host_macros[i], n) == 0)
             return 1;
@@ -324,12 +323,12 @@ static int options_problem(const char *opts, char *msg, size_t size)
         }
         if (n >= 2 && p[0] == '-' && (p[1] == 'D' || p[1] == 'U')) {
             const char *name = n == 2 ? next : p + 2;     /* "-D NAME" or "-DNAME" */
-            const size_t len = n == 2 ? strcspn(next, space) : n - 2;
+            const size_t len = strcspn(name, "= \t\n\v\f\r");   /* up to its value, if any */
             if (host_macro(name, len)) {
                 snprintf(msg, size, "ORCHARD_CL_OPTIONS='%.64s': %.2s%.*s: orchard defines "
-                         "that macro for every program (ORCHARD_CL_BLOCK_Q/K, ORCHARD_CL_VECTOR and "
-                         "ORCHARD_CL_FAMILY choose blocks, vectors and family)", opts, p,
-                         (int)(strcspn(name, "=") < len ? strcspn(name, "=") : len), name);
+                         "that macro for every program (ORCHARD_CL_BLOCK_Q/K, ORCHARD_CL_VECTOR "
+                         "and ORCHARD_CL_FAMILY choose blocks, vectors and family)", opts, p,
+                         (int)len, name);
                 return 1;
             }
         }
