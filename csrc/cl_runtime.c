@@ -287,10 +287,10 @@ enum { OPTIONS_MAX = 512 };
 
 /* The macros make_program's options define for every program: a -DBQ=7 of ORCHARD_CL_OPTIONS,
  * coming after them, built kernels for blocks the host did not size (a crash), a -DHEAD_D=5
- * ones that read other head dims (wrong numbers), with a warning alone. */
+ * ones that read other head dims (wrong numbers), with a warning alone. (Not OR_PARAMS_SIZE:
+ * the kernels check it against their struct, so a wrong one fails the build, as a test asks.) */
 static const char *const host_macros[] = {"OR_STORAGE", "HEAD_D", "HEAD_DV", "VW", "OR_FAMILY",
-                                          "BQ", "BK", "FQ", "FK", "OR_PARAMS_SIZE",
-                                          "OR_WG_SUBGROUPS"};
+                                          "BQ", "BK", "FQ", "FK", "OR_WG_SUBGROUPS"};
 
 /* Whether the n characters at name name one of host_macros. */
 static int host_macro(const char *name, size_t n)

@@ -772,7 +772,7 @@ def test_build_failure_is_orchard_error_with_log():
         except o.OrchardError as e:
             msg, kind = str(e), type(e).__name__
         print(json.dumps({"msg": msg, "kind": kind, "cpu": float(o.flash_attn_fwd(q, q, q)[0].sum())}))
-    """ % OPENCL_IDS[0], ORCHARD_CL_OPTIONS="-DHEAD_D=no_such_size", ORCHARD_NO_CACHE=1)
+    """ % OPENCL_IDS[0], ORCHARD_CL_OPTIONS="-Dlong=no_such_size", ORCHARD_NO_CACHE=1)
     assert out["kind"] == "OrchardError"
     assert "clBuildProgram" in out["msg"] and "CL_BUILD_PROGRAM_FAILURE" in out["msg"]
     assert "build log" in out["msg"] and "no_such_size" in out["msg"]

@@ -51,7 +51,8 @@ def test_loss_falls_and_metrics_are_written(run_files, tmp_path):
     first, last = metrics[0]["loss"], sum(m["loss"] for m in metrics[-5:]) / 5
     assert last < 0.6 * first, (first, last)
     state = load_checkpoint(str(tmp_path / "checkpoint.pt"))
-    assert state["step"] == 30 and set(state["rng"]) == {"torch", "python"}
+    assert state["step"] == 30 and set(state["rng"]) == {"torch", "python", "torch_ranks"}
+    assert len(state["rng"]["torch_ranks"]) == 1     # one process: its own
     assert state["data"]["byte_level"] is True and state["config"]["model"]["n_layer"] == 2
 
 
