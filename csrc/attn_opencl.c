@@ -42,6 +42,7 @@ typedef struct {
     unsigned outputs;           /* bit per slot written by the kernels */
     int in_place;               /* buffers over host memory, else explicit copies */
     size_t shift[OR_NSLOTS];    /* bytes an in-place buffer starts before its array */
+    or_ssize rows;              /* query rows of every unit: the backward's per-row buffers */
 } launch_t;
 
 #define TRY(L, expr, name)                                                                   \
@@ -108,7 +109,6 @@ static int meta_buffer(launch_t *L)
         if (w->offs != NULL)
             meta[s] = w->row_stride / w->itemsize;
     }
-    cl_long rows = 0;
     for (or_ssize u = 0; u < p->n_units; u++) {
         cl_long *row = meta + OR_NSLOTS + u * OR_UNIT_WORDS;
         for (int s = 0; s < OR_NSLOTS; s++) {
@@ -121,8 +121,8 @@ static int meta_buffer(launch_t *L)
         }
         row[OR_UNIT_NQ] = p->nq[u];
         row[OR_UNIT_NK] = p->nk[u];
-        row[OR_UNIT_ROW0] = rows;
-        rows += p->nq[u];
+        row[OR_UNIT_ROW0] = L->rows;
+        L->rows += p->nq[u];
     }
     int rc = new_buffer(L, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR, words * sizeof(cl_long), meta,
                         &L->meta);
@@ -458,10 +458,10 @@ static int row_bwd_kernels(launch_t *L)
 }
 
 /* The tiled family: a kv unit per work-item, with its dQ accumulator (rows of every unit). */
-static int tiled_bwd_kernel(launch_t *L, or_ssize rows)
+static int tiled_bwd_kernel(launch_t *L)
 {
     const size_t size = (dbl(L) ? sizeof(double) : sizeof(float))
-                        * (size_t)(rows * L->prog.tile_d + 1);
+                        * (size_t)(L->rows * L->prog.tile_d + 1);
     void *zeros = calloc(1, size);      /* dQ starts at 0; the kernel adds every key block */
     if (zeros == NULL)
         return OR_ENOMEM;
@@ -483,13 +483,10 @@ int or_cl_bwd(int i, const or_problem *p, or_counters *ct, or_error *err)
     launch_t L;
     int idx, rc = prepare(&L, i, p, 1u << OR_DQ | 1u << OR_DK | 1u << OR_DV, ct, err);
     const or_ssize nq_max = longest(p->nq, p->n_units), nk_max = longest(p->nk, p->n_units);
-    or_ssize rows = 0;      /* the query rows of every unit: the per-row buffers' length */
-    for (or_ssize u = 0; u < p->n_units; u++)
-        rows += p->nq[u];
     const size_t real = dbl(&L) ? sizeof(double) : sizeof(float);
     /* D_i = rowsum(dO * O), a unit's rows from its OR_UNIT_ROW0 */
     if (rc == OR_OK)
-        rc = new_buffer(&L, CL_MEM_READ_WRITE, real * (size_t)(rows + 1), NULL, &L.di);
+        rc = new_buffer(&L, CL_MEM_READ_WRITE, real * (size_t)(L.rows + 1), NULL, &L.di);
     static const int prep_args[] = {OR_DO, OR_O};
     if (rc == OR_OK && (rc = kernel_with(&L, 0, "flash_bwd_prep", prep_args, 2, &idx)) == OR_OK) {
         rc = set_mem(&L, L.kernel[0], &idx, L.meta);
@@ -499,7 +496,7 @@ int or_cl_bwd(int i, const or_problem *p, or_counters *ct, or_error *err)
     const int tiled = L.prog.family == OR_FAMILY_TILED, wg = L.prog.family == OR_FAMILY_WG;
     const or_ssize n_kv = p->n_units / p->prm.group;
     if (rc == OR_OK)
-        rc = tiled ? tiled_bwd_kernel(&L, rows) : row_bwd_kernels(&L);
+        rc = tiled ? tiled_bwd_kernel(&L) : row_bwd_kernels(&L);
     if (rc == OR_OK)
         rc = enqueue(&L, L.kernel[0], nq_max, p->n_units, L.prog.prep_rows, L.prog.prep_rows);
     if (rc == OR_OK)        /* tiled: one work-item per kv unit */
