@@ -578,6 +578,11 @@ def test_kvcache_rotary_table_ends_at_the_new_keys_where_no_mask_places_queries(
                        want)
     with pytest.raises(ValueError, match="'rotary_cos' has 9 positions; these tokens need 11"):
         flash_attn_with_kvcache(q, k_cache, v_cache, **dict(short, causal=True))
+    # no new keys: the queries' row at cache_seqlens is still read (an IndexError, before)
+    none = dict(kw, k=kw["k"][:, :0], v=kw["v"][:, :0], rotary_cos=kw["rotary_cos"][:8],
+                rotary_sin=kw["rotary_sin"][:8])
+    with pytest.raises(ValueError, match="'rotary_cos' has 8 positions; these tokens need 9"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, **none)
 
 
 def test_kvcache_reads_the_cache_in_place():
@@ -778,6 +783,10 @@ def test_bad_kvcache_input_names_the_argument_and_writes_nothing():
         (ValueError, "'cache_seqlens'", dict(kw, cache_seqlens=i32(-1, 2))),
         (TypeError, "'cache_seqlens'", dict(kw, cache_seqlens=kw["cache_seqlens"].long())),
         (TypeError, "'cache_seqlens'", dict(kw, cache_seqlens=True)),    # not the int 1
+        # ints past any tensor's (an OverflowError from torch.full, naming nothing, before)
+        (ValueError, "'cache_seqlens' 1180591620717411303424", dict(kw, cache_seqlens=2**70)),
+        (ValueError, "'cache_seqlens' -1180591620717411303424", dict(kw, cache_seqlens=-2**70)),
+        (TypeError, "'rotary_interleaved' must be a bool", dict(kw, rotary_interleaved="no")),
         (ValueError, "'cache_seqlens'", drop(kw, "cache_seqlens")),
         (ValueError, "'v'", drop(kw, "v")),
         (ValueError, "'k'", dict(kw, k=kw["k"][:, :, :1])),

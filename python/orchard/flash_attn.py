@@ -531,6 +531,15 @@ def _rotary(x, cos, sin, pos, interleaved):
     return torch.cat((xr.to(x.dtype), x[..., rd:]), -1)
 
 
+def _check_lengths(fn, seqlens, n, capacity):
+    """ValueError unless every cache_seqlens entry (a list, or one int) leaves room for the n
+    new tokens in a cache of capacity keys."""
+    listed = seqlens if isinstance(seqlens, list) else [seqlens]
+    if any(not 0 <= s <= capacity - n for s in listed):
+        _fail(fn, "cache_seqlens", "%s plus the %d new tokens must lie in [0, %d], the "
+              "cache's length" % (seqlens, n, capacity))
+
+
 def _cache_call(q, kc, vc, starts, opts, **extra):
     """(out (batch, seqlen_q, nheads, headdim_v), lse (batch, nheads, seqlen_q)) of q (batch,
     seqlen_q, nheads, headdim) over keys kc and values vc (rows, nheads_k, headdim) where
@@ -645,6 +654,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _fail(fn, "cache_seqlens", "must be an int or a torch.int32 tensor, got %r"
               % cache_seqlens, TypeError)
     elif isinstance(cache_seqlens, numbers.Integral):
+        _check_lengths(fn, cache_seqlens, n, capacity)     # (before torch.full: any int)
         lengths = torch.full((batch,), int(cache_seqlens))
     else:
         _check_int32(fn, "cache_seqlens", cache_seqlens, (batch,), per_sequence)
@@ -661,9 +671,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                 "seqlen_new]" % fn)
     else:
         seqlens = lengths.tolist()
-        if any(not 0 <= s <= capacity - n for s in seqlens):
-            _fail(fn, "cache_seqlens", "%s plus the %d new tokens must lie in [0, %d], the "
-                  "cache's length" % (seqlens, n, capacity))
+        _check_lengths(fn, seqlens, n, capacity)
         leftpad = [0] * batch if cache_leftpad is None else _int32(
             fn, "cache_leftpad", cache_leftpad, (batch,), per_sequence)
         if any(not 0 <= p <= s + n for p, s in zip(leftpad, seqlens)):
@@ -685,13 +693,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if k is None:
             _fail(fn, "rotary_cos", "needs new keys 'k' and values 'v' to rotate")
         _check_tensors(fn, rotary_cos=rotary_cos, rotary_sin=rotary_sin)
+        rotary_interleaved = _flag(fn, "rotary_interleaved", rotary_interleaved)
         _check_shape(fn, "rotary_cos", rotary_cos, (None, None), "(seqlen_ro, rotary_dim / 2)")
         _check_shape(fn, "rotary_sin", rotary_sin, rotary_cos.shape, "rotary_cos's shape")
         if not 1 <= 2 * rotary_cos.shape[1] <= d:
             _fail(fn, "rotary_cos", "gives rotary_dim %d; it must be in [2, headdim = %d]"
                   % (2 * rotary_cos.shape[1], d))
-        # the new keys' positions, and the queries' where masks place them (below)
-        reach = max(n, nq) if opts.causal or opts.window != (-1, -1) else n
+        # the new keys' positions, and the queries': theirs where masks place them, else
+        # all at cache_seqlens (below)
+        local = opts.causal or opts.window != (-1, -1)
+        reach = max(n, nq if local else min(nq, 1))
         if traced:
             torch._assert_async((lengths + reach <= rotary_cos.shape[0]).all(),
                                 "%s: 'rotary_cos' has fewer positions than these tokens need"
@@ -724,7 +735,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if rotary_cos is not None:
         # As FlashAttention-2: queries sit at the new tokens' positions when masks place
         # them, else all at cache_seqlens.
-        local = opts.causal or opts.window != (-1, -1)
         steps = torch.arange(nq) if local else torch.zeros(nq, dtype=torch.long)
         q = _rotary(q, rotary_cos, rotary_sin, lengths[:, None] + steps, rotary_interleaved)
     if batch == 0:          # no sequence to attend with (its new keys, none, are written)
