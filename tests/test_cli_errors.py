@@ -219,6 +219,12 @@ def expected_cases(f):
           "integer, got True"]),
         ("train", tiny[:2] + ["--sequences", f["deep.json"], "--device", "cpu"], {},
          ["argument --sequences:", f["deep.json"], "nested too deeply"]),
+        # a device read without end (memory grew until the process was killed, before)
+        ("train", tiny[:2] + ["--sequences", "/dev/zero", "--device", "cpu"], {},
+         ["argument --sequences:", "/dev/zero: not a regular file"]),
+        # more steps than a checkpoint counts (written, then refused at --resume, before)
+        ("train", tiny + ["--epochs", str(2**63 - 1), "--output", str(f["dir"] / "out_epochs")],
+         {}, ["argument --epochs:", "steps are more than 9223372036854775807 steps"]),
         ("generate", ["--checkpoint", str(f["dir"] / "none.pt")], {},
          ["argument --checkpoint:", "none.pt", "cannot read"]),
         ("generate", ["--checkpoint", f["damaged.pt"]], {},

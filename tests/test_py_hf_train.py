@@ -228,6 +228,7 @@ def test_hf_config_vocabulary_grows_to_the_data(fast_config, tmp_path):
 @needs_transformers
 @pytest.mark.parametrize("flag, name, why", [
     ("--hf-config", "missing.json", "no such config file"),
+    ("--hf-config", "/dev/zero", "not a regular file"),     # ("no such config file", before)
     ("--hf-model", "missing", "no such model folder"),
 ])
 def test_missing_hf_paths_are_one_error_line(tmp_path, flag, name, why):
@@ -265,9 +266,31 @@ def test_missing_hf_paths_are_one_error_line(tmp_path, flag, name, why):
     ("--hf-config", "kv.json", '{"model_type": "qwen2", "hidden_size": 32, '
      '"num_attention_heads": 4}', "num_key_value_heads 32 does not divide num_attention_heads "
      "4 (it is qwen2's default: set it)"),
+    ("--hf-config", "act.json", '{"model_type": "llama", "hidden_size": 32, '
+     '"num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 1, '
+     '"hidden_act": "nope"}', "transformers cannot build this model: "),
     ("--hf-config", "negative.json", '{"model_type": "llama", "hidden_size": -64, '
      '"num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 1}',
-     "transformers cannot build this model: "),
+     "hidden_size must be at least 1, got -64"),
+    # sizes of no model (vocab_size -5 trained, grown to the data's), or of none orchard
+    # computes: a dropout probability orchard refused at the first step (a traceback, after
+    # --overwrite had removed the previous run), a head dim whose every layer transformers'
+    # own attention computed
+    ("--hf-config", "vocab.json", '{"model_type": "llama", "hidden_size": 32, '
+     '"num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 1, '
+     '"vocab_size": -5}', "vocab_size must be at least 1, got -5"),
+    ("--hf-config", "mlp.json", '{"model_type": "llama", "hidden_size": 32, '
+     '"num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 1, '
+     '"intermediate_size": 0}', "intermediate_size must be at least 1, got 0"),
+    ("--hf-config", "dropout.json", '{"model_type": "llama", "hidden_size": 32, '
+     '"num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 1, '
+     '"attention_dropout": 2.0}', "attention_dropout must be in [0, 1), got 2.0"),
+    ("--hf-config", "wide.json", '{"model_type": "llama", "hidden_size": 1024, '
+     '"num_attention_heads": 2, "num_key_value_heads": 2, "num_hidden_layers": 1}',
+     "head dimension 512 is above orchard's 256"),
+    ("--hf-config", "zero.json", '{"model_type": "llama", "hidden_size": 32, '
+     '"num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 1, '
+     '"max_position_embeddings": 0}', "max_position_embeddings must be at least 1, got 0"),
     ("--hf-config", "mamba.json", '{"model_type": "mamba", "hidden_size": 32}',
      "model_type 'mamba' has no attention heads"),
     # transformers builds a model of no layers, which trained with 0 attention calls

@@ -175,6 +175,19 @@ def test_overwrite_stopped_before_its_first_log_line_keeps_no_old_metrics(run_fi
     assert load_checkpoint(str(out))["metrics"] == [] and read_metrics(out) == []
 
 
+def test_a_ctrl_c_the_process_ignores_stays_ignored(run_files, tmp_path, monkeypatch):
+    """A background job of a shell starts with Ctrl-C ignored: the run goes on to its end
+    (its own handler had stopped it at the next step)."""
+    out = tmp_path / "run"
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        assert interrupted_run(run_files, out, monkeypatch, 2, "--max-steps", 4) == 0
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert load_checkpoint(str(out))["step"] == 4
+
+
 def test_sigterm_saves_a_checkpoint_and_exits_143(run_files, tmp_path, monkeypatch):
     """A scheduler's SIGTERM stops the run as Ctrl-C does, with the status a shell gives a
     process it ended: 128 + 15 (it was 130)."""

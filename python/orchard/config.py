@@ -5,10 +5,11 @@ default here, so a YAML file may set any subset; configs/universal.yaml writes a
 with comments and is kept equal to these defaults by a test. "auto" values are resolved for the
 device at hand by DeviceBackend.adapt_config, which reports a reason for each change.
 """
-import os
 import reprlib
 
 import orchard_ops
+
+from .data import file_problem
 
 AUTO = "auto"
 
@@ -225,10 +226,9 @@ def load_config(path=None):
         return default_config()
     import yaml
 
-    if not os.path.isfile(path):
-        raise ConfigError("%s: %s" % (path, "a folder, not a config file" if os.path.isdir(path)
-                                      else "not a regular file" if os.path.exists(path)
-                                      else "no such config file"))
+    problem = file_problem(path, "config file")
+    if problem:
+        raise ConfigError("%s: %s" % (path, problem))
     try:
         with open(path, "rb") as f:
             cfg = yaml.load(f, _unique_key_loader(yaml))

@@ -23,9 +23,22 @@ class DataError(ValueError):
     """Training data that cannot be used; the message names the file and what is wrong."""
 
 
+def file_problem(path, what):
+    """Why `path` cannot be read as a `what` (a config file, ...), or None: it must be a
+    regular file (a device such as /dev/zero would be read without end)."""
+    if os.path.isfile(path):
+        return None
+    if os.path.isdir(path):
+        return "a folder, not a %s" % what
+    return "not a regular file" if os.path.exists(path) else "no such %s" % what
+
+
 def read_json(path, error, what):
     """The JSON value in file `path`; an `error` (exception class) naming the path when it
-    cannot be read (`what`: which file) or parsed."""
+    is not a regular file (file_problem), cannot be read (`what`: which file) or parsed."""
+    problem = file_problem(path, what)
+    if problem:
+        raise error("%s: %s" % (path, problem))
     try:
         with open(path, "rb") as f:
             return json.load(f)

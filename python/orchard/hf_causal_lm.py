@@ -90,7 +90,21 @@ def _config_from_dict(values, path):
     layers = getattr(config, "num_hidden_layers", None)
     if isinstance(layers, int) and layers < 1:      # transformers builds, and trains, no layers
         raise HFModelError("%s: num_hidden_layers must be at least 1, got %d" % (path, layers))
+    # sizes transformers takes and builds no model of (zero-element tensors, a warning), or
+    # one orchard would not compute (a dropout probability it refuses at the first step)
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "max_position_embeddings"):
+        size = getattr(config, name, None)
+        if isinstance(size, int) and size < 1:
+            raise HFModelError("%s: %s must be at least 1, got %d" % (path, name, size))
+    dropout = getattr(config, "attention_dropout", None)
+    if isinstance(dropout, (int, float)) and not 0 <= dropout < 1:
+        raise HFModelError("%s: attention_dropout must be in [0, 1), got %r" % (path, dropout))
     heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
+    head_dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // heads
+    if isinstance(head_dim, int) and head_dim > hf._MAX_HEAD_DIM:
+        # (transformers' own attention would compute every layer, orchard none)
+        raise HFModelError("%s: head dimension %d is above orchard's %d"
+                           % (path, head_dim, hf._MAX_HEAD_DIM))
     if isinstance(kv_heads, int) and (kv_heads < 1 or heads % kv_heads):
         # transformers takes it, and the first step fails; a left-out num_key_value_heads is
         # the model's default, 32 for Qwen2, more than a small model's heads
@@ -131,11 +145,8 @@ def load_hf_config(path, pretrained=False):
         if not os.path.isfile(path_json):
             raise HFModelError("%s: not a pretrained model folder (no config.json)" % path)
     else:
-        if not os.path.isfile(path):
-            raise HFModelError("%s: %s" % (path, "a folder, not a config file"
-                                           if os.path.isdir(path) else "no such config file"))
         path_json = path
-    return _config_from_dict(read_json(path_json, HFModelError, "config"), path)
+    return _config_from_dict(read_json(path_json, HFModelError, "config file"), path)
 
 
 def model_section(config, context):

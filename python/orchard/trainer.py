@@ -297,8 +297,9 @@ class Trainer:
 
     def _request_stop(self, signum, frame):
         self.stop_requested, self.stop_signal = True, signum
-        # A second Ctrl-C interrupts at once.
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        # A second Ctrl-C interrupts at once (unless ignored, as the process started).
+        if signal.getsignal(signal.SIGINT) != signal.SIG_IGN:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def _should_stop(self):
         if not self.distributed:
@@ -393,10 +394,12 @@ class Trainer:
                        enabled=self.rank == 0 and log.isEnabledFor(logging.INFO))
         # Ctrl-C, and the SIGTERM with which torchrun (or a scheduler) stops workers, end the
         # run after the step in flight, with a checkpoint.
-        # Python allows signal handlers in the main thread only.
+        # Python allows signal handlers in the main thread only; a signal the process was
+        # started ignoring (a shell's background job ignores Ctrl-C) stays ignored.
         main_thread = threading.current_thread() is threading.main_thread()
         previous = {sig: signal.signal(sig, self._request_stop)
-                    for sig in (_STOP_SIGNALS if main_thread else ())}
+                    for sig in (_STOP_SIGNALS if main_thread else ())
+                    if signal.getsignal(sig) != signal.SIG_IGN}
         self.model.train()
         interrupted = diverged = False
         try:

@@ -84,9 +84,11 @@ def main(argv=None):
         stop.append(signum)
         signal.signal(signal.SIGINT, signal.default_int_handler)    # a second one: at once
 
-    # Python allows signal handlers in the main thread only
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, request_stop) if main_thread else None
+    # Python allows signal handlers in the main thread only; a Ctrl-C the process was started
+    # ignoring (a shell's background job) stays ignored
+    watch = (threading.current_thread() is threading.main_thread()
+             and signal.getsignal(signal.SIGINT) != signal.SIG_IGN)
+    previous = signal.signal(signal.SIGINT, request_stop) if watch else None
     try:
         for token in stream(model, ids, args.max_new_tokens, args.temperature, args.top_k,
                             args.seed):
@@ -98,7 +100,7 @@ def main(argv=None):
         raise UsageError("argument --checkpoint: %s: %s"
                          % (checkpoint_path(args.checkpoint), exc)) from None
     finally:
-        if main_thread:
+        if watch:
             signal.signal(signal.SIGINT, previous)
         print(text([], final=True))
     if stop:

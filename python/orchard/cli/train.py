@@ -22,8 +22,8 @@ import stat
 import sys
 import tempfile
 
-from .args import (Parser, UsageError, console_script, debug_requested, device, folder_problem,
-                   integer, logs_held_until_checked, path, reading, writing)
+from .args import (INT_MAX, Parser, UsageError, console_script, debug_requested, device,
+                   folder_problem, integer, logs_held_until_checked, path, reading, writing)
 
 log = logging.getLogger("orchard")
 
@@ -422,6 +422,11 @@ def main(argv=None):
         with logs_held_until_checked(log, debug_requested(sys.argv[1:] if argv is None
                                                           else list(argv))):
             trainer = build_trainer(args)
+            if trainer.stopping_point(args.epochs, args.max_steps) > INT_MAX:
+                # (a checkpoint counts its steps in 63 bits: it would not load again)
+                raise UsageError("argument --epochs: %d passes of %d steps are more than %d "
+                                 "steps (got %r)" % (args.epochs, trainer.steps_per_epoch,
+                                                     INT_MAX, args.epochs))
         with writing("--output", args.output):     # checkpoints and metrics
             # (a run that trains no step, at or past its stopping point, removes nothing)
             if rank == 0 and trainer.step < trainer.stopping_point(args.epochs, args.max_steps):
