@@ -4,6 +4,7 @@ import os
 import stat
 
 import pytest
+from conftest import run_python
 
 from orchard.atomic import write_atomically
 
@@ -43,6 +44,25 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
         write_atomically(str(path), fail)
     assert path.read_bytes() == b"old"
     assert os.listdir(tmp_path) == ["checkpoint.pt"]
+
+
+def test_sigterm_during_a_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    """SIGTERM's default action ends the process at once: during a write it ends it by
+    SystemExit instead (status 143, as the signal's), after removing the temporary file (a
+    terminated orchard-prepare left one, hundreds of megabytes, that nothing removed)."""
+    path = tmp_path / "tokens.json"
+    path.write_bytes(b"old")
+    result = run_python("""
+        import os, signal
+        from orchard.atomic import write_atomically
+        def write(f):
+            f.write(b"half")
+            os.kill(os.getpid(), signal.SIGTERM)
+            f.write(b"never")
+        write_atomically(%r, write)
+        """ % str(path))
+    assert result.returncode == 143, result.stderr
+    assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["tokens.json"]
 
 
 def test_a_link_is_written_through(tmp_path):

@@ -567,6 +567,30 @@ def test_a_stdout_that_cannot_be_written_is_one_line(script, argv, tmp_path):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("script, argv", [
+    ("devices", []),
+    ("prepare", ["SRC", "-o", "OUT", "--json"]),
+])
+def test_a_closed_stdout_is_one_line(script, argv, tmp_path):
+    """Started with stdout closed (`>&-`, which Python gives as sys.stdout None): one line,
+    status 1, as a stdout that cannot be written (orchard-devices printed nothing and
+    exited 0; orchard-generate's sample ended in an AttributeError's traceback)."""
+    import subprocess
+    import sys
+    from conftest import subprocess_env
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text("text\n")
+    argv = [str(tmp_path / "src") if a == "SRC" else str(tmp_path / "t.json") if a == "OUT"
+            else a for a in argv]
+    r = subprocess.run([sys.executable, "-m", "orchard.cli." + script] + argv,
+                       preexec_fn=lambda: os.close(1), stderr=subprocess.PIPE, text=True,
+                       env=subprocess_env(), cwd=REPO_ROOT, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.splitlines()[-1] == ("orchard-%s: error: cannot write to standard output: "
+                                         "Bad file descriptor" % script), r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_a_second_ctrl_c_while_a_script_exits_is_ignored():
     """After "interrupted" the script exits; a second Ctrl-C then had landed in torch's exit
     handlers ("Exception ignored in atexit callback", a traceback)."""

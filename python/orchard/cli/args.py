@@ -8,6 +8,7 @@ ORCHARD_DEBUG=1 shows the full traceback instead; Ctrl-C ends with status 130.
 """
 import argparse
 import contextlib
+import errno
 import functools
 import io
 import logging
@@ -362,13 +363,34 @@ class _WatchedStdout(WriteErrors):
         return getattr(self.f, name)
 
 
+class _ClosedStdout(io.TextIOBase):
+    """The standard output of a process started without one (`>&-`): Python gives it as None,
+    which print() takes for "write nothing", silently. Writes fail here as a closed file
+    descriptor's do, and /dev/null holds descriptor 1, which a file the script opens would
+    take otherwise (and is_stdout() would take that file for stdout)."""
+
+    def __init__(self):
+        fd = os.open(os.devnull, os.O_WRONLY)
+        if fd != 1:
+            os.dup2(fd, 1)
+            os.close(fd)
+
+    def write(self, text):
+        raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+
+    def fileno(self):
+        return 1
+
+
 def console_script(prog, uses_devices=True):
     """Decorator of a script's main(argv): the environment is checked first, and the user's
     errors end in one line and status 2 (a traceback with --verbose or ORCHARD_DEBUG)."""
     def wrap(main):
         @functools.wraps(main)
         def run(argv=None):
-            if argv is None and isinstance(sys.stdout, io.TextIOWrapper):
+            if argv is None and sys.stdout is None:
+                sys.stdout = _WatchedStdout(_ClosedStdout())
+            elif argv is None and isinstance(sys.stdout, io.TextIOWrapper):
                 # a sample's invalid bytes (U+FFFD) or a file name that is no UTF-8, on a
                 # stdout of another encoding (latin-1), had ended in a traceback
                 sys.stdout.reconfigure(errors="replace")
