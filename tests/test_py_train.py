@@ -662,6 +662,25 @@ def test_prepare_to_dev_stdout_writes_through_it(tmp_path, mode):
     assert json.loads(result.stderr.splitlines()[-1])["output"] == "/dev/stdout"
 
 
+def test_prepare_to_dev_stdout_whose_reader_goes_away_is_quiet(tmp_path):
+    """-o /dev/stdout into `| head`: status 1 and no message, as every script's stdout whose
+    reader went away (it was "cannot write '/dev/stdout': Broken pipe", status 2)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.md").write_text("words\n" * 100000)
+    proc = subprocess.Popen([sys.executable, "-m", "orchard.cli.prepare", str(src), "-o",
+                             "/dev/stdout", "--overwrite"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=subprocess_env(), cwd=REPO_ROOT)
+    try:
+        assert proc.stdout.read(10) == b'{"vocab_si'
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=60) == 1, err
+    finally:
+        proc.kill()
+    assert "error" not in err and "Traceback" not in err, err
+
+
 def test_prepare_takes_text_files_whole_and_reads_no_more_than_it_keeps(tmp_path, monkeypatch):
     """A NUL byte anywhere makes a file binary (only the first 8 KiB were looked at); with
     --max-bytes a file is read up to what is kept, its rest only scanned for NUL bytes a

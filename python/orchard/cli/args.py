@@ -21,7 +21,7 @@ import tempfile
 import threading
 import traceback
 
-from ..atomic import WriteErrors
+from ..atomic import WriteErrors, is_stdout
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -86,6 +86,8 @@ def writing(argument, path):
     try:
         yield
     except OSError as exc:
+        if isinstance(exc, BrokenPipeError) and is_stdout(path):
+            raise   # stdout's reader went away (`| head`): console_script's quiet status 1
         raise UsageError("argument %s: cannot write %r: %s"
                          % (argument, path, exc.strerror or exc)) from None
 
