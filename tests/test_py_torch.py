@@ -181,6 +181,16 @@ def test_router_computes_lazily_negated_tensors_and_numpy_scales_without_warning
     unpatch_model(model)
 
 
+def test_router_takes_a_bool_dropout_p_as_torch_does():
+    """torch reads dropout_p=False as 0.0; routed, it was a TypeError from flash_attention."""
+    model = SDPAModule(dropout_p=False)
+    router = patch_model(model)
+    q, k, v = qkv((1, 2, 4, 8), (1, 2, 4, 8))
+    torch.testing.assert_close(model(q, k, v), F.scaled_dot_product_attention(q, k, v))
+    assert router.routed == 1
+    unpatch_model(model)
+
+
 def test_unpatching_a_forward_wrapped_after_patching_leaves_its_calls_to_torch():
     import functools
 

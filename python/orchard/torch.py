@@ -311,7 +311,8 @@ class AttentionRouter(TorchFunctionMode):
                 # a lazily negated view (x.conj().imag), which DLPack does not carry, is
                 # resolved as torch's kernels resolve it
                 q, k, v = (t.resolve_neg() for t in _as_autocast(q, k, v))
-                return flash_attention(q, k, v, causal=is_causal, dropout_p=dropout_p,
+                # (a bool dropout_p, which torch takes as a number, is one here too)
+                return flash_attention(q, k, v, causal=is_causal, dropout_p=float(dropout_p),
                                        scale=scale, device=self.device)
             self.left_to_torch[reason] += 1
         return func(*args, **kwargs)
