@@ -526,10 +526,11 @@ int or_cl_save_tuned_blocks(int i, int bq, int bk)
 static int round_up_to(int n, int m) { return (n + m - 1) / m * m; }
 
 /* The rows family's rule: two tiles of bk rows of d + dv (+ lse, D) reals in half the local
- * memory, and work-groups the device allows; on a CPU, at most 1 MiB of the work-items'
- * private rows of d + dv reals, as its runtime keeps a work-group's private memory on one
- * thread's stack (PoCL's 8 MiB overflowed at 4 MiB of such rows: D 128, 4096 rows, and D 256,
- * 2048 rows, in the backward). */
+ * memory, and work-groups the device allows; on a CPU, at most 4 MiB of the work-items'
+ * private state, counted as the backward's rows (two of d and two of dv reals) and 4 KiB
+ * more each, as its runtime keeps a work-group's private memory on one thread's stack.
+ * PoCL's 8 MiB overflowed at D 128, 4096 rows, and D 256, 2048 rows (float32), and at D 12,
+ * 2600 rows of float64: about 3.2 KiB a work-item there, its rows a tenth of it. */
 static int fit_rows(const or_cl_info *in, size_t real, int d, int dv, int vw, int *bq, int *bk)
 {
     const size_t dpad = (size_t)round_up_to(d, vw), dvpad = (size_t)round_up_to(dv, vw);
@@ -537,8 +538,9 @@ static int fit_rows(const or_cl_info *in, size_t real, int d, int dv, int vw, in
     if ((unsigned long long)*bk > fit)
         *bk = fit >= 1 ? (int)fit : 1;
     unsigned long long rows = in->max_work_group;
-    if (strcmp(in->kind, "cpu") == 0 && (1ull << 20) / (real * (dpad + dvpad)) < rows)
-        rows = (1ull << 20) / (real * (dpad + dvpad));
+    const unsigned long long per_item = 2 * real * (dpad + dvpad) + 4096;
+    if (strcmp(in->kind, "cpu") == 0 && (4ull << 20) / per_item < rows)
+        rows = (4ull << 20) / per_item;
     if ((unsigned long long)*bq > rows)
         *bq = rows >= 1 ? (int)rows : 1;
     return 1;

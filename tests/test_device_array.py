@@ -345,6 +345,11 @@ def test_stats_count_transfers(ops, rng, transfers):
     assert all(st[name] == st["per_device"][DEV][name] for name in COUNTERS)
     assert st["per_device"]["cpu"]["host_to_device"] == 0
 
+    # an empty array crosses nothing either way (to_device counted a copy, .numpy() none)
+    ops.reset_stats()
+    ops.to_device(np.zeros((0, 16), np.float32), DEV).numpy()
+    assert transfers_of(ops) == dict.fromkeys(COUNTERS, 0)
+
 
 # ----------------------------------------------------------------------------- lifetime
 
