@@ -1,9 +1,9 @@
 /* cl_cache.c - built OpenCL program binaries on disk, so that a second process skips the
  * compiler.
  *
- * Directory: ORCHARD_CACHE_DIR, else $XDG_CACHE_HOME/orchard, else ~/.cache/orchard (made
- * 0700; files 0600), the one answer for Python too (orchard_ops.cache_dir(), also in a build
- * without OpenCL). ORCHARD_NO_CACHE=1 turns the cache off. A file is
+ * Directory: ORCHARD_CACHE_DIR, else $XDG_CACHE_HOME/orchard (an absolute path's), else
+ * ~/.cache/orchard (made 0700; files 0600), the one answer for Python too
+ * (orchard_ops.cache_dir(), also in a build without OpenCL). ORCHARD_NO_CACHE=1 turns the cache off. A file is
  *   "ORCHARD-CL-BIN-2", the key (32 hex digits), u64 size, u64 checksum (FNV-1a of the
  *   binary), the binary
  * named by the key, a 128-bit hash of the kernel source, build options, device, driver and
@@ -35,7 +35,7 @@ int or_cache_dir(char *out, size_t size)
     int n;
     if (dir != NULL && dir[0] != '\0')
         n = snprintf(out, size, "%s", dir);
-    else if (xdg != NULL && xdg[0] != '\0')
+    else if (xdg != NULL && xdg[0] == '/')     /* a relative one is ignored (XDG's spec) */
         n = snprintf(out, size, "%s/orchard", xdg);
     else if (home != NULL && home[0] != '\0')
         n = snprintf(out, size, "%s/.cache/orchard", home);

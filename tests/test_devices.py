@@ -103,6 +103,8 @@ def test_cache_dir(ops, tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     expected = str(tmp_path / "home" / ".cache" / "orchard")
     assert ops.cache_dir() == expected
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative")   # ignored, as XDG's spec says
+    assert ops.cache_dir() == expected
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert ops.cache_dir() == str(tmp_path / "xdg" / "orchard")
     monkeypatch.setenv("ORCHARD_CACHE_DIR", str(tmp_path / "a" / "b"))
