@@ -3,7 +3,8 @@
  *
  * Directory: ORCHARD_CACHE_DIR, else $XDG_CACHE_HOME/orchard (an absolute path's), else
  * ~/.cache/orchard (made 0700; files 0600), the one answer for Python too
- * (orchard_ops.cache_dir(), also in a build without OpenCL). ORCHARD_NO_CACHE=1 turns the cache off. A file is
+ * (orchard_ops.cache_dir(), also in a build without OpenCL). ORCHARD_NO_CACHE=1 turns the
+ * cache off. A file is
  *   "ORCHARD-CL-BIN-2", the key (32 hex digits), u64 size, u64 checksum (FNV-1a of the
  *   binary), the binary
  * named by the key, a 128-bit hash of the kernel source, build options, device, driver and
