@@ -256,6 +256,18 @@ static PyObject *dropout_mask(PyObject *module, PyObject *args, PyObject *kw)
     int kn = qn < 0 ? -1 : or_parse_shape(ks, "k_shape", kd);
     if (kn < 0)
         return NULL;
+    /* the shapes an attention call takes (args.c or_check_qkv): k of q's rank and head dim,
+     * with q's dimensions before the rows, a 4-D k's heads dividing q's */
+    int fits = kn == qn && kd[kn - 1] == qd[qn - 1];
+    for (int i = 0; fits && i < qn - 2; i++)
+        fits = kd[i] == qd[i] || (qn == 4 && i == 1 && (kd[i] == 0 ? qd[i] == 0
+                                                                  : qd[i] % kd[i] == 0));
+    if (!fits) {
+        PyErr_Format(PyExc_ValueError, "dropout_mask(): 'k_shape' %.100R does not go with "
+                     "'q_shape' %.100R: k must have q's dimensions before the rows (4-D: heads "
+                     "dividing q's) and q's head dim", ks, qs);
+        return NULL;
+    }
     or_opts o = OPTS_INIT;
     o.seed = seed_obj;
     o.dropout_p = p;

@@ -8,6 +8,7 @@
 """
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -18,6 +19,12 @@ import pytest
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
+
+# The tests send Ctrl-C (SIGINT) to runs in this process and in children, and orchard's
+# scripts keep a Ctrl-C the process started ignoring ignored: a suite started so (a script's
+# background job, nohup) would see none of them stop. Python's own handler, as under a
+# terminal (a child then starts with the signal's default action).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # tests/ for `from conftest import ...` in child processes; the repo root and python/
 # for an in-place build (`python setup.py build_ext --inplace` writes orchard_ops*.so into

@@ -160,6 +160,14 @@ CASES = [
     ("mask_q_shape_1d", "", "ops.dropout_mask((5,), (6, 8), 0.5)", [VE], ["q_shape"]),
     ("mask_k_shape_bool", "", "ops.dropout_mask((2, 5, 8), (2, True, 8), 0.5)", [VE],
      ["k_shape", "True"]),
+    # shapes no attention call takes (a mask of them was returned)
+    ("mask_k_heads", "", "ops.dropout_mask((1, 3, 8, 4), (1, 2, 10, 4), 0.5)", [VE],
+     ["k_shape", "(1, 2, 10, 4)", "q_shape", "heads dividing"]),
+    ("mask_k_batch", "", "ops.dropout_mask((1, 2, 8, 4), (2, 2, 8, 4), 0.5)", [VE],
+     ["k_shape", "dimensions before the rows"]),
+    ("mask_k_head_dim", "", "ops.dropout_mask((1, 2, 8, 4), (1, 2, 8, 5), 0.5)", [VE],
+     ["k_shape", "head dim"]),
+    ("mask_k_rank", "", "ops.dropout_mask((2, 5, 8), (6, 8), 0.5)", [VE], ["k_shape"]),
     # finite as doubles, inf in the float32 the kernels compute these operands in
     ("scale_past_float32", "", "fwd(q, k, v, scale=1e39)", [VE], ["scale"]),
     ("softcap_past_float32", "", "fwd(q, k, v, softcap=1e39)", [VE], ["softcap"]),
