@@ -191,23 +191,40 @@ static void bf16_pack_blocks(uint32_t *dst, const or_problem *p, int slot, or_ss
     }
 }
 
+/* The first key of kv unit kvu that some query row sees. The products along keys read keys in
+ * pairs from an even one, so the key before it may share its pair: it is packed as 0, not read
+ * (a key no row sees may hold NaN, which its P of 0 would not cancel). */
+static or_ssize bf16_first_seen(const or_problem *p, or_ssize kvu, or_ssize nk)
+{
+    const or_ssize nq = p->nq[kvu * p->prm.group];
+    or_ssize lo, hi;
+    or_key_range(p->prm.left, p->prm.right, nq, nk, 0, nq, &lo, &hi);
+    return lo;
+}
+
 /* The same rows as pairs of rows (vc above): word (x, c) of dst (rows ld words apart) holds
- * column c of rows 2x, 2x + 1; columns [n, ld) and the pair past an odd nk are zero. */
+ * column c of rows 2x, 2x + 1; columns [n, ld), the pair past an odd nk and the rows before
+ * bf16_first_seen are zero. */
 static void bf16_pack_row_pairs(uint32_t *dst, int ld, const or_problem *p, int slot,
                                 or_ssize kvu, or_ssize nk, int n)
 {
-    const or_ssize stride = p->view[slot].row_stride;
+    const or_ssize stride = p->view[slot].row_stride, first = bf16_first_seen(p, kvu, nk);
     const __m256i zero = _mm256_setzero_si256();
     for (or_ssize x = 0; x < (nk + 1) / 2; x++) {
         or_ssize run;
-        const char *a = or_kv_row(p, slot, kvu, 2 * x, &run), *b = NULL;
-        if (2 * x + 1 < nk)
-            b = run > 1 ? a + stride : or_kv_row(p, slot, kvu, 2 * x + 1, &run);
+        const char *a = NULL, *b = NULL;
+        if (2 * x + 1 >= first) {
+            a = or_kv_row(p, slot, kvu, 2 * x, &run);
+            if (2 * x + 1 < nk)
+                b = run > 1 ? a + stride : or_kv_row(p, slot, kvu, 2 * x + 1, &run);
+            if (2 * x < first)
+                a = NULL;
+        }
         uint32_t *out = dst + x * ld;
         for (int c = 0; c < ld; c += 16) {      /* 16 columns of each row: 16 words */
             const int m = n - c >= 16 ? 16 : n - c > 0 ? n - c : 0;
             const __mmask16 k = (__mmask16)((1u << m) - 1);
-            const __m256i lo = _mm256_mask_loadu_epi16(zero, k, a + 2 * c);
+            const __m256i lo = a ? _mm256_mask_loadu_epi16(zero, k, a + 2 * c) : zero;
             const __m256i hi = b ? _mm256_mask_loadu_epi16(zero, k, b + 2 * c) : zero;
             _mm512_storeu_si512(out + c, _mm512_or_si512(_mm512_cvtepu16_epi32(lo),
                                         _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16)));

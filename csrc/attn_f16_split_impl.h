@@ -95,17 +95,26 @@ static void f16_split_pack_keys(uint32_t *dst, const or_problem *p, or_ssize kvu
     }
 }
 
-/* The values of kv unit kvu as vc's pair rows (ld = 2 dvp words apart). */
+/* The values of kv unit kvu as vc's pair rows (ld = 2 dvp words apart); the rows before
+ * bf16_first_seen are zero. */
 static void f16_split_pack_values(uint32_t *dst, int ld, const or_problem *p, or_ssize kvu,
                                   or_ssize nk)
 {
     const int dvp = ld / 2;
     const or_view *v = &p->view[OR_V];
+    const or_ssize first = bf16_first_seen(p, kvu, nk);
     float a[OR_MAX_HEAD_DIM], b[OR_MAX_HEAD_DIM];
     for (or_ssize x = 0; x < (nk + 1) / 2; x++) {
+        if (2 * x + 1 < first) {
+            memset(dst + x * ld, 0, sizeof(uint32_t) * (size_t)ld);
+            continue;
+        }
         or_ssize run;
         const char *src = or_kv_row(p, OR_V, kvu, 2 * x, &run);
-        f16_row(a, src, p->dv);
+        if (2 * x < first)
+            memset(a, 0, sizeof(float) * (size_t)dvp);
+        else
+            f16_row(a, src, p->dv);
         if (2 * x + 1 < nk)
             f16_row(b, run > 1 ? src + v->row_stride : or_kv_row(p, OR_V, kvu, 2 * x + 1, &run),
                     p->dv);

@@ -192,6 +192,34 @@ def test_probabilities_across_the_exps_range(ops, isa, top):
     assert np.all((got[~normal] >= 0) & (got[~normal] < 1.2e-38)), (isa, got[~normal])
 
 
+@pytest.mark.parametrize("first", [180, 179], ids=["even", "odd"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_keys_no_row_sees_are_never_read(ops, isa, rng, dtype, first):
+    """Keys before the first that a window lets any row see may hold NaN and inf, in every set
+    and dtype: forward and backward give what they give with ordinary numbers there, and those
+    keys get zero gradients. The sets that multiply pairs of keys (bfloat16 dot products and
+    tiles, float16 split for tiles) start a pair at an even key, so an odd first key shares
+    its pair with a key no row sees (its P of 0 times a NaN was NaN in every row)."""
+    torch = pytest.importorskip("torch")
+    q, k, v, do = (torch.from_numpy(x).to(getattr(torch, dtype))
+                   for x in qkv(rng, np.float32, h=2, nq=100, nk=300, d=64)
+                   + (randn(rng, (2, 2, 100, 64), np.float32),))
+    kw = dict(window=(300 - 100 - first, 0), causal=True)
+    results = []
+    for poison in (False, True):
+        kp, vp = k.clone(), v.clone()
+        if poison:
+            kp[..., :first, :], vp[..., :first, :] = float("nan"), float("inf")
+        out, lse = ops.flash_attn_fwd(q, kp, vp, **kw)
+        results.append((out, lse) + tuple(ops.flash_attn_bwd(do, q, kp, vp, out, lse, **kw)))
+    for name, clean, poisoned in zip(("out", "lse", "dq", "dk", "dv"), *results):
+        clean, poisoned = (torch.as_tensor(x) for x in (clean, poisoned))
+        if name in ("dk", "dv"):
+            assert not poisoned[..., :first, :].any(), (isa, name)
+            clean, poisoned = clean[..., first:, :], poisoned[..., first:, :]
+        assert torch.equal(clean, poisoned), (isa, name)
+
+
 def test_sets_agree(ops, rng):
     """The sets sum in different orders, so they agree to rounding, not bit for bit."""
     q, k, v = qkv(rng, np.float32)
