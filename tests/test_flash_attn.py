@@ -612,6 +612,22 @@ def test_kvcache_reads_a_transposed_cache_in_place():
     assert torch.equal(out, want)
 
 
+def test_kvcache_inputs_in_the_cache_are_read_before_the_write():
+    """New keys and values that are views of the slots they are written to, and queries that
+    are a view of written slots, give what copies of them give: read as they were before the
+    call wrote the cache."""
+    g = torch.Generator().manual_seed(4)
+    k_cache, v_cache = (torch.randn(2, 16, 2, 8, generator=g) for _ in range(2))
+    kw = dict(cache_seqlens=torch.tensor([4, 5], dtype=torch.int32), causal=True)
+    copies = k_cache.clone(), v_cache.clone()
+    k, v = k_cache[:, 3:6], v_cache[:, 3:6]            # written to [4, 7) and [5, 8)
+    q = k_cache[:, 5:8, :1].expand(2, 3, 4, 8)
+    want = flash_attn_with_kvcache(q.clone(), *copies, k.clone(), v.clone(), **kw)
+    got = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **kw)
+    assert torch.equal(got, want)
+    assert torch.equal(k_cache, copies[0]) and torch.equal(v_cache, copies[1])
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

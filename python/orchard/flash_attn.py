@@ -725,6 +725,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # for a call that completes.
 
     if k is not None:
+        if not traced:
+            # new keys, values or queries in the cache's own memory are read as they were
+            # before the write (index_put_ copies element by element, so overlapping slots
+            # would read keys already moved); traced, functionalization reads them so itself
+            caches = {t.untyped_storage().data_ptr() for t in (k_cache, v_cache)}
+            q, k, v = (t.clone() if t.untyped_storage().data_ptr() in caches else t
+                       for t in (q, k, v))
         pos = lengths[:, None] + torch.arange(n)          # (batch, n): the new tokens'
         if rotary_cos is not None:
             k = _rotary(k, rotary_cos, rotary_sin, pos, rotary_interleaved)
