@@ -213,13 +213,9 @@ static int alibi_table(or_call *c, PyObject *obj)
         Py_DECREF(raw);
         return -1;
     }
-    a = (PyArrayObject *)PyArray_FromAny((PyObject *)raw, PyArray_DescrFromType(NPY_FLOAT64), 0,
-                                         0, NPY_ARRAY_CARRAY | NPY_ARRAY_FORCECAST, NULL);
-    Py_DECREF(raw);
-    if (a == NULL)
-        return -1;
-    or_ssize n = c->p.n_units, h = c->heads, size = PyArray_SIZE(a);
-    int nd = PyArray_NDIM(a), per_head = nd <= 1 && size == h, per_unit = 0;
+    /* the shape first: a wrong one may be a broadcast view too large to copy */
+    or_ssize n = c->p.n_units, h = c->heads, size = PyArray_SIZE(raw);
+    int nd = PyArray_NDIM(raw), per_head = nd <= 1 && size == h, per_unit = 0;
     if (!per_head) {
         npy_intp grid[2];
         int gnd;
@@ -232,18 +228,23 @@ static int alibi_table(or_call *c, PyObject *obj)
         }
         per_unit = nd == gnd;
         for (int i = 0; per_unit && i < nd; i++)
-            per_unit = PyArray_DIM(a, i) == (c->varlen ? grid[i] : PyArray_DIM(c->arr[OR_Q], i));
+            per_unit = PyArray_DIM(raw, i) == (c->varlen ? grid[i] : PyArray_DIM(c->arr[OR_Q], i));
     }
     if (!per_head && !per_unit) {
-        PyObject *got = or_shape_str(a);
+        PyObject *got = or_shape_str(raw);
         if (got != NULL)
             PyErr_Format(PyExc_ValueError,
                          "%s(): 'alibi_slopes' must have shape (H,) or (B, H) (one slope per "
                          "query head), got %S", c->func, got);
         Py_XDECREF(got);
-        Py_DECREF(a);
+        Py_DECREF(raw);
         return -1;
     }
+    a = (PyArrayObject *)PyArray_FromAny((PyObject *)raw, PyArray_DescrFromType(NPY_FLOAT64), 0,
+                                         0, NPY_ARRAY_CARRAY | NPY_ARRAY_FORCECAST, NULL);
+    Py_DECREF(raw);
+    if (a == NULL)
+        return -1;
     const double *v = PyArray_DATA(a);
     for (npy_intp i = 0; i < size; i++)
         if (!(fabs(v[i]) <= or_compute_max(c))) {    /* it would make every row it touches NaN */

@@ -109,6 +109,9 @@ CASES = [
     ("alibi_wrong_H", "", "fwd(q, k, v, alibi_slopes=np.ones(3))", [VE], ["alibi_slopes"]),
     ("alibi_wrong_BH", "", "fwd(q, k, v, alibi_slopes=np.ones((2, 2)))", [VE], ["alibi_slopes"]),
     ("alibi_3d", "", "fwd(q, k, v, alibi_slopes=np.ones((1, 2, 1)))", [VE], ["alibi_slopes"]),
+    # a broadcast view too large to copy: its shape is refused before any copy
+    ("alibi_huge_view", "", "fwd(q, k, v, alibi_slopes=np.broadcast_to(1.0, (2**40, 2)))", [VE],
+     ["alibi_slopes", "(1099511627776, 2)"]),
     ("alibi_int_dtype_or_str", "", "fwd(q, k, v, alibi_slopes='x')", [TE, VE], ["alibi_slopes"]),
     ("alibi_bool", "", "fwd(q, k, v, alibi_slopes=np.array([True, False]))", [TE],
      ["alibi_slopes", "integers or floats"]),
