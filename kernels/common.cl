@@ -29,7 +29,17 @@ typedef CAT(REAL_T, VW) realv;         /* VW lanes: the head-dim loops run on th
 #if OR_STORAGE == OR_STORAGE_F16
 typedef half storage_t;
 #define LOAD(p, i) vload_half((i), (p))
-#define LOADV(p, i) CAT(vload_half, VW)(0, (p) + (i))
+#define LOADV(p, i) load_halves((p) + (i))
+/* VW halves from p, lane by lane: vload_half asks for 2-byte alignment only, and so does the
+ * standard's vload_halfN, but PoCL 3.1 loaded its 16 bytes with an aligned instruction and
+ * faulted on float16 rows 4 bytes off (a backward over row strides of 17 elements) */
+inline realv load_halves(__global const half *p)
+{
+    real t[VW];
+    for (int l = 0; l < VW; l++)
+        t[l] = vload_half(l, p);
+    return CAT(vload, VW)(0, t);
+}
 #define STORE(p, i, x) vstore_half_rte((x), (i), (p))
 #elif OR_STORAGE == OR_STORAGE_BF16
 typedef ushort storage_t;
@@ -66,7 +76,8 @@ typedef REAL_T storage_t;
 #define UNIT(meta, u) ((meta) + OR_NSLOTS + (long)(u) * OR_UNIT_WORDS)  /* a unit's meta words */
 
 /* The score of (row i, key j) after softcap, ALiBi and masks (the spec's order); *dcap is
- * d(capped)/d(raw). Masked scores are -INFINITY: build options never assume finite math. */
+ * d(capped)/d(raw), 0 where masked (a key no row sees may hold NaN, and so its dcap).
+ * Masked scores are -INFINITY: build options never assume finite math. */
 inline real transform_score(real s, long i, long j, long off, real slope, const or_params *p,
                             real *dcap)
 {
@@ -79,8 +90,10 @@ inline real transform_score(real s, long i, long j, long off, real slope, const 
     long diag = i + off;
     if (p->has_alibi)
         s -= slope * (real)(diag > j ? diag - j : j - diag);
-    if (!or_visible(p->left, p->right, diag, j))
+    if (!or_visible(p->left, p->right, diag, j)) {
         s = -INFINITY;
+        *dcap = 0;
+    }
     return s;
 }
 
