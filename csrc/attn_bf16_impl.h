@@ -212,14 +212,9 @@ static void bf16_pack_row_pairs(uint32_t *dst, int ld, const or_problem *p, int 
     const __m256i zero = _mm256_setzero_si256();
     for (or_ssize x = 0; x < (nk + 1) / 2; x++) {
         or_ssize run;
-        const char *a = NULL, *b = NULL;
-        if (2 * x + 1 >= first) {
-            a = or_kv_row(p, slot, kvu, 2 * x, &run);
-            if (2 * x + 1 < nk)
-                b = run > 1 ? a + stride : or_kv_row(p, slot, kvu, 2 * x + 1, &run);
-            if (2 * x < first)
-                a = NULL;
-        }
+        const char *a = 2 * x >= first ? or_kv_row(p, slot, kvu, 2 * x, &run) : NULL, *b = NULL;
+        if (2 * x + 1 < nk && 2 * x + 1 >= first)
+            b = a && run > 1 ? a + stride : or_kv_row(p, slot, kvu, 2 * x + 1, &run);
         uint32_t *out = dst + x * ld;
         for (int c = 0; c < ld; c += 16) {      /* 16 columns of each row: 16 words */
             const int m = n - c >= 16 ? 16 : n - c > 0 ? n - c : 0;
