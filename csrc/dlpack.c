@@ -5,7 +5,9 @@
  * DLManagedTensor: its memory becomes a NumPy array of the same shape and strides, no copy,
  * whose base owns the tensor and calls its deleter when the array goes. That is how bfloat16
  * comes in: NumPy has no such type, so the array holds its bits as uint16 and the dtype
- * travels beside it (dtypes.h). The structs below are DLPack's stable ABI (dlpack.h, v0.8).
+ * travels beside it (dtypes.h). The structs below are DLPack's stable ABI (dlpack.h): the
+ * unversioned tensor of v0.8, and the versioned one of v1 that a producer gives when asked
+ * with max_version, as the Python array API asks consumers to.
  */
 #include "pyorchard.h"
 
@@ -36,13 +38,56 @@ typedef struct DLManagedTensor {
     void (*deleter)(struct DLManagedTensor *self);
 } DLManagedTensor;
 
-enum { DL_CPU = 1 };
+typedef struct DLManagedTensorVersioned {
+    struct { uint32_t major, minor; } version;
+    void *manager_ctx;
+    void (*deleter)(struct DLManagedTensorVersioned *self);
+    uint64_t flags;             /* read-only, copied: nothing to orchard, which only reads */
+    DLTensor dl_tensor;
+} DLManagedTensorVersioned;
 
+enum { DL_CPU = 1, DL_MAJOR_VERSION = 1 };
+
+/* A producer's tensor, unversioned (m) or versioned (mv): the other is NULL. */
+typedef struct {
+    DLManagedTensor *m;
+    DLManagedTensorVersioned *mv;
+} managed;
+
+static void release(managed t)
+{
+    if (t.m != NULL && t.m->deleter != NULL)
+        t.m->deleter(t.m);
+    if (t.mv != NULL && t.mv->deleter != NULL)
+        t.mv->deleter(t.mv);
+}
+
+/* The destructors of the capsules that own a producer's tensor while an array views it. */
 static void release_managed(PyObject *capsule)
 {
-    DLManagedTensor *m = PyCapsule_GetPointer(capsule, "orchard.dltensor");
-    if (m != NULL && m->deleter != NULL)
-        m->deleter(m);
+    release((managed){PyCapsule_GetPointer(capsule, "orchard.dltensor"), NULL});
+}
+
+static void release_versioned(PyObject *capsule)
+{
+    release((managed){NULL, PyCapsule_GetPointer(capsule, "orchard.dltensor_versioned")});
+}
+
+/* obj.__dlpack__(max_version=(1, 0)), or obj.__dlpack__() from a producer that takes no
+ * max_version (a TypeError, as the array API has older producers answer): a new reference,
+ * or NULL with an exception. */
+static PyObject *call_dlpack(or_module_state *st, PyObject *obj)
+{
+    PyObject *method = PyObject_GetAttr(obj, st->dlpack_name);
+    if (method == NULL)
+        return NULL;
+    PyObject *capsule = PyObject_VectorcallDict(method, NULL, 0, st->dlpack_versioned);
+    if (capsule == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
+        PyErr_Clear();
+        capsule = PyObject_CallNoArgs(method);
+    }
+    Py_DECREF(method);
+    return capsule;
 }
 
 /* What the hand-over calls of torch, read from sys.modules["torch"] once per module into the
@@ -171,19 +216,33 @@ PyArrayObject *or_from_dlpack(or_module_state *st, PyObject *obj, const char *fu
         }
     }
     PyObject *capsule = is_torch ? PyObject_CallOneArg(TORCH(torch, T_TO_DLPACK), obj)
-                                 : PyObject_CallMethodNoArgs(obj, st->dlpack_name);
+                                 : call_dlpack(st, obj);
     Py_XDECREF(torch);
     if (capsule == NULL)
         return or_unreadable(func, name, 0);
-    DLManagedTensor *m = PyCapsule_IsValid(capsule, "dltensor")
-                         ? PyCapsule_GetPointer(capsule, "dltensor") : NULL;
-    if (m == NULL) {
+    const int versioned = PyCapsule_IsValid(capsule, "dltensor_versioned");
+    managed given = {NULL, NULL};
+    if (versioned)
+        given.mv = PyCapsule_GetPointer(capsule, "dltensor_versioned");
+    else if (PyCapsule_IsValid(capsule, "dltensor"))
+        given.m = PyCapsule_GetPointer(capsule, "dltensor");
+    if (given.m == NULL && given.mv == NULL) {
         PyErr_Format(PyExc_TypeError, "%s(): argument '%s': its __dlpack__() gave %.100R, not "
-                     "an unused DLPack capsule (\"dltensor\")", func, name, capsule);
+                     "an unused DLPack capsule (\"dltensor\" or \"dltensor_versioned\")",
+                     func, name, capsule);
         Py_DECREF(capsule);
         return NULL;
     }
-    const DLTensor *t = &m->dl_tensor;
+    if (versioned && given.mv->version.major != DL_MAJOR_VERSION) {
+        /* another major version lays the struct out differently: not even its deleter can be
+         * found, so the capsule is left unused, its producer's to release */
+        PyErr_Format(PyExc_ValueError, "%s(): argument '%s': its __dlpack__() gave a DLPack "
+                     "%u.%u tensor; orchard reads DLPack 1.x", func, name,
+                     (unsigned)given.mv->version.major, (unsigned)given.mv->version.minor);
+        Py_DECREF(capsule);
+        return NULL;
+    }
+    const DLTensor *t = versioned ? &given.mv->dl_tensor : &given.m->dl_tensor;
     PyObject *owner = NULL;
     PyArrayObject *a = NULL;
     int found = -1, typenum = dt ? -1 : numpy_type(t->dtype);
@@ -240,12 +299,12 @@ PyArrayObject *or_from_dlpack(or_module_state *st, PyObject *obj, const char *fu
     }
     /* from here the capsule's tensor is ours: the protocol marks it used, and our capsule
      * (the array's base) calls its deleter */
-    if (PyCapsule_SetName(capsule, "used_dltensor") < 0)
+    if (PyCapsule_SetName(capsule, versioned ? "used_dltensor_versioned" : "used_dltensor") < 0)
         goto done;
-    owner = PyCapsule_New(m, "orchard.dltensor", release_managed);
+    owner = versioned ? PyCapsule_New(given.mv, "orchard.dltensor_versioned", release_versioned)
+                      : PyCapsule_New(given.m, "orchard.dltensor", release_managed);
     if (owner == NULL) {
-        if (m->deleter != NULL)
-            m->deleter(m);
+        release(given);
         goto done;
     }
     if (dt)

@@ -657,7 +657,9 @@ static int module_exec(PyObject *module)
     st->device_array = or_device_array_type(module);
     st->torch_name = PyUnicode_InternFromString("torch");
     st->dlpack_name = PyUnicode_InternFromString("__dlpack__");
-    if (st->device_array == NULL || st->torch_name == NULL || st->dlpack_name == NULL)
+    st->dlpack_versioned = Py_BuildValue("{s:(ii)}", "max_version", 1, 0);
+    if (st->device_array == NULL || st->torch_name == NULL || st->dlpack_name == NULL
+        || st->dlpack_versioned == NULL)
         return -1;
     if (PyModule_AddObjectRef(module, "OrchardError", st->error) < 0
         || PyModule_AddObjectRef(module, "OrchardOutOfMemory", st->oom) < 0
@@ -676,6 +678,7 @@ static int module_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->device_array);
     Py_VISIT(st->torch_name);
     Py_VISIT(st->dlpack_name);
+    Py_VISIT(st->dlpack_versioned);
     Py_VISIT(st->torch);
     return 0;
 }
@@ -688,6 +691,7 @@ static int module_clear(PyObject *module)
     Py_CLEAR(st->device_array);
     Py_CLEAR(st->torch_name);
     Py_CLEAR(st->dlpack_name);
+    Py_CLEAR(st->dlpack_versioned);
     Py_CLEAR(st->torch);
     return 0;
 }

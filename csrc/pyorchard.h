@@ -23,6 +23,7 @@ typedef struct {
     PyObject *oom;              /* OrchardOutOfMemory(OrchardError, MemoryError) */
     PyTypeObject *device_array; /* DeviceArray (device_array.c) */
     PyObject *torch_name, *dlpack_name;     /* "torch", "__dlpack__", interned */
+    PyObject *dlpack_versioned; /* {"max_version": (1, 0)}, __dlpack__'s keywords */
     PyObject *torch;            /* what dlpack.c calls of torch, read once per module */
 } or_module_state;
 /* Raises OrchardError, or OrchardOutOfMemory for the out-of-memory codes, for a failed device

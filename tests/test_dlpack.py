@@ -2,7 +2,9 @@
 device and both OpenCL kernel families, results back as torch tensors of the input dtype,
 against the float64 reference with FlashAttention-2's rule for low precision (error at most
 twice that of torch's own attention at that dtype, plus a small epsilon)."""
+import ctypes
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -141,6 +143,58 @@ def test_dlpack_only_producer(ops, device):
     expected, _ = ops.flash_attn_fwd(q, k, v, device=device)
     assert isinstance(out, np.ndarray)
     np.testing.assert_array_equal(out, expected)
+
+
+class Versioned(DLPackOnly):
+    """A producer that gives only DLPack 1.x tensors (a future one, which the array API lets
+    refuse consumers that do not ask with max_version)."""
+
+    def __dlpack__(self, *, max_version=None, **kw):
+        if max_version is None or max_version[0] < 1:
+            raise BufferError("this producer gives only versioned DLPack tensors")
+        return self.array.__dlpack__(max_version=max_version, **kw)
+
+
+class Unversioned(DLPackOnly):
+    """A producer from before DLPack 1.0, whose __dlpack__ takes no max_version."""
+
+    def __dlpack__(self, stream=None):
+        return self.array.__dlpack__()
+
+
+@pytest.mark.parametrize("producer", [Versioned, Unversioned])
+def test_dlpack_versions(ops, producer):
+    """orchard asks for a versioned tensor (max_version=(1, 0)) and reads an unversioned one
+    from a producer that cannot give it; either way in place, and released after the call."""
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, 2, 9, 8)).astype(np.float32) for _ in range(3))
+    before = sys.getrefcount(k)
+    ops.reset_stats()
+    out, _ = ops.flash_attn_fwd(q, producer(k), v, device="cpu")
+    assert ops.stats()["per_device"]["cpu"]["staged_buffers"] == 0
+    np.testing.assert_array_equal(out, ops.flash_attn_fwd(q, k, v, device="cpu")[0])
+    assert sys.getrefcount(k) == before     # the producer's deleter ran
+
+
+def test_dlpack_major_version_not_read(ops):
+    """A versioned capsule of another major version (a struct laid out otherwise) is refused,
+    naming the argument, and left to its producer."""
+    versioned = ctypes.c_uint32 * 2
+    tensor = (versioned * 8)()      # zeroed: version, context, deleter, flags, tensor
+    tensor[0][0], tensor[0][1] = 2, 0
+    new_capsule = ctypes.pythonapi.PyCapsule_New
+    new_capsule.restype, new_capsule.argtypes = ctypes.py_object, (
+        ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
+    capsule = new_capsule(ctypes.addressof(tensor), b"dltensor_versioned", None)
+
+    class Producer:
+        def __dlpack__(self, **kw):
+            return capsule
+
+    q = np.ones((1, 2, 4, 8), np.float32)
+    with pytest.raises(ValueError, match="argument 'k': its __dlpack__\\(\\) gave a DLPack 2.0 "
+                                         "tensor; orchard reads DLPack 1.x"):
+        ops.flash_attn_fwd(q, Producer(), q)
 
 
 def test_strided_tensor_views_in_place(ops):

@@ -278,6 +278,16 @@ def test_ctrl_c_prints_the_command_that_resumes_the_same_schedule(run_files, tmp
     assert [m["loss"] for m in got] == [m["loss"] for m in want]
 
 
+def test_resume_command_keeps_paths_that_start_with_a_dash():
+    """`--output=--` was printed back as `--resume -- --output --`, which does not parse."""
+    args = train.parse_args(["--output=-run", "--sequences=-data.json", "--device", "cpu"])
+    words = shlex.split(train.resume_command(args, distributed=False))
+    assert words == ["orchard-train", "--resume", "./-run", "--output", "./-run",
+                     "--sequences", "./-data.json", "--device", "cpu"]
+    again = train.parse_args(words[1:])
+    assert (again.resume, again.output, again.sequences) == ("./-run", "./-run", "./-data.json")
+
+
 def test_a_run_that_trains_no_step_writes_nothing(run_files, tmp_path):
     out = tmp_path / "run"
     assert train_cli(run_files, out, "--max-steps", 4) == 0

@@ -7,8 +7,8 @@ one graph node each way (fullgraph=True works):
 
 <options> are _Options' fields, in its order; the schema is written from _Options, once.
 Their fake implementations give what orchard_ops returns: out, dq, dk, dv in the memory axis
-order of their operand (q, q, k, v), as csrc/problem.c or_new_output lays them out, lse in C
-order. orchard.torch takes the custom ops only while torch records a graph (torch.compile, or
+order of their operand (q, q, k, v), as csrc/problem.c or_new_output lays them out (C order
+for an operand read through a copy), lse in C order. orchard.torch takes the custom ops only while torch records a graph (torch.compile, or
 a torch dispatch mode: make_fx, torch.export, fake tensors): in eager mode the dispatcher would
 add about 11 us to every call, and both paths run ops_call, so their results are the same.
 """
@@ -164,8 +164,12 @@ def _op_arguments(opts):
 
 def _layout_order(like):
     """The memory order of like's axes, outermost first, that orchard_ops gives an output laid
-    out as like: the leading axes by decreasing stride (ties in axis order), the last innermost."""
+    out as like: the leading axes by decreasing stride (ties in axis order), the last innermost;
+    C order where like's last axis is not contiguous (orchard_ops reads a C-order copy of it,
+    and lays the output out as that copy)."""
     n = like.dim()
+    if like.shape[-1] > 1 and like.stride(-1) != 1:
+        return list(range(n))
     return sorted(range(n - 1), key=lambda i: -abs(like.stride(i))) + [n - 1]
 
 

@@ -38,7 +38,9 @@ from .config import AUTO, ConfigError
 log = logging.getLogger("orchard")
 
 GiB = 2**30
-_ATTENTION_BLOCK = 64  # query rows per attention work item in orchard's kernels
+# query rows per attention work item, as the micro-batch floor counts them: fewer than the
+# kernels' blocks (96 rows in PoCL's tiled family, 192 natively), so the floor errs low
+_ATTENTION_BLOCK = 64
 _MIN_CONTEXT = 64
 
 

@@ -222,9 +222,11 @@ def resume_command(args, distributed):
     processes = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))
     words = (["torchrun", "--standalone", "--nproc-per-node", processes, "-m",
               "orchard.cli.train"] if distributed else ["orchard-train"])
-    words += ["--resume", args.output, "--output", args.output]
+    # (a relative path that starts with "-" would read as an option: "./" keeps it a path)
+    as_path = lambda p: "./" + p if p.startswith("-") else p
+    words += ["--resume", as_path(args.output), "--output", as_path(args.output)]
     if args.sequences:
-        words += ["--sequences", args.sequences]
+        words += ["--sequences", as_path(args.sequences)]
     if args.device != "auto":
         words += ["--device", args.device]
     return " ".join(shlex.quote(w) for w in words)
