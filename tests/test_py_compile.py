@@ -455,6 +455,30 @@ def test_patched_model_exports_with_orchard_in_the_program():
     torch.testing.assert_close(program.module()(x2), unpatched(x2), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("given", [(None, None), (7, None)], ids=["neither", "only-q"])
+def test_varlen_export_needs_max_seqlen(given):
+    """torch.export cannot read cu_seqlens' values while tracing (a data-dependent guard,
+    in torch's words): without max_seqlen the call says which argument to give; with both it
+    exports, and the program serves other offsets."""
+    class Packed(torch.nn.Module):
+        def __init__(self, max_q, max_k):
+            super().__init__()
+            self.max_q, self.max_k = max_q, max_k
+
+        def forward(self, q, k, v, cu_q, cu_k):
+            return flash_attn_varlen_func(q, k, v, cu_q, cu_k, self.max_q, self.max_k,
+                                          causal=True)
+
+    missing = "max_seqlen_q" if given[0] is None else "max_seqlen_k"
+    with pytest.raises(ValueError, match="'%s' must be given to a call torch.export traces"
+                                         % missing):
+        torch.export.export(Packed(*given), PACKED)
+    program = torch.export.export(Packed(7, 7), PACKED)
+    other = PACKED[:3] + (torch.tensor([0, 2, 9, 15], dtype=torch.int32),
+                          torch.tensor([0, 6, 12, 18], dtype=torch.int32))
+    assert torch.equal(program.module()(*other), Packed(7, 7)(*other))
+
+
 def tiny_llama(layers=2):
     pytest.importorskip("transformers")
     import orchard.hf  # noqa: F401  (registers "orchard")

@@ -413,6 +413,15 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         cu_q = cu_k = None      # read only for S_dmask with dropout, below
         batch = cu_seqlens_q.shape[0] - 1
     else:
+        if torch.compiler.is_exporting():
+            # the offsets' values are read below, which torch.export cannot trace (compiled,
+            # the graph breaks there and they are read eagerly)
+            if block_table is not None:
+                _fail(fn, "block_table", "cannot be given to a call torch.export traces: its "
+                      "pages are found from cu_seqlens' values while tracing")
+            missing = "max_seqlen" + suffixes[max_seqlen_q is not None]
+            _fail(fn, missing, "must be given to a call torch.export traces: without it the "
+                  "sequences' lengths are read from cu_seqlens' values while tracing")
         cu_q = _cu_seqlens(fn, cu_names[0], cu_seqlens_q, q.shape[0])
         if block_table is None:
             _check_shape(fn, "k", k, (None, None, q.shape[2]), layout)
