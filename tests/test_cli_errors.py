@@ -164,6 +164,8 @@ def expected_cases(f):
         ("tune", ["--candidates", "-64x64"], {}, ["--candidates", "'-64x64'"]),
         ("tune", ["--candidates", "100000x64"], {}, ["--candidates", "1..4096", "'100000x64'"]),
         ("tune", ["--repeats", "0"], {}, ["--repeats", "'0'"]),
+        ("tune", ["--timeout", "0.5"], {}, ["--timeout", ">= 1", "'0.5'"]),
+        ("tune", ["--timeout", "inf"], {}, ["--timeout", "finite", "'inf'"]),
         ("prepare", [str(f["dir"]), "-o", "x.json", "--max-bytes", "0"], {},
          ["--max-bytes", "'0'"]),
         # devices: an argument, and the environment

@@ -14,6 +14,7 @@ import re
 import shutil
 import stat
 import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -649,6 +650,24 @@ def test_tuned_blocks_stored_and_used(tmp_path):
     # stored as they ran: whole register-tile steps, built as stored
     assert tuple(blocks) in {(96, 96), (192, 96), tuple(ran[1:])} and err < 1e-5
     assert "blocks %d x %d (tuned)" % tuple(blocks) in log.read_text()
+
+
+@needs_opencl
+def test_tune_kills_a_candidate_past_its_timeout(tmp_path):
+    """A candidate still running after --timeout seconds (a driver that hangs) is killed and
+    reported; with none left, orchard-tune says so (status 2) and stores nothing."""
+    start = time.monotonic()
+    r = run_python("""
+        import sys
+        from orchard.cli import tune
+        sys.exit(tune.main(["--device", "%s", "--shape", "4,8,2048,64", "--repeats", "3",
+                            "--candidates", "96x96", "--timeout", "1"]))
+    """ % OPENCL_IDS[0], timeout=600, ORCHARD_CACHE_DIR=tmp_path)
+    assert time.monotonic() - start < 60
+    assert r.returncode == 2, r.stderr
+    assert "96 x 96: failed (timed out after 1 s)" in r.stderr
+    assert "error: tune(): no candidate block size ran" in r.stderr
+    assert "chosen" not in r.stdout
 
 
 @needs_opencl

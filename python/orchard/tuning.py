@@ -4,6 +4,8 @@ program binaries, where every later process finds them.
 Each candidate runs in a fresh process (a process builds its programs once) with
 ORCHARD_CL_BLOCK_Q / ORCHARD_CL_BLOCK_K set, and is timed on a float32 causal forward plus
 backward: the best of `repeats`, after a warm-up call that also builds and caches the program.
+A candidate that has not finished after `timeout` seconds (a driver that hangs, a block size
+that runs for ever) is killed and reported as timed out, like one that cannot run.
 The fastest is stored with orchard_ops.save_tuned_blocks(); the environment variables still
 override it. A candidate the device cannot run (too much local memory, a build failure) is
 reported and skipped. The candidates are those of the kernel family the device runs, as
@@ -38,12 +40,17 @@ print(json.dumps([best] + list(orchard_ops.program_blocks(device, d)[1:])))
 """
 
 
-def time_candidate(device, shape, block_q, block_k, repeats):
+def time_candidate(device, shape, block_q, block_k, repeats, timeout=None):
     """(seconds of a forward plus backward with these blocks, (bq, bk) they ran as: rounded
-    and fitted by the family's rules), or (None, why) if they do not run."""
+    and fitted by the family's rules), or (None, why) if they do not run (within timeout
+    seconds, None: no limit)."""
     env = dict(os.environ, ORCHARD_CL_BLOCK_Q=str(block_q), ORCHARD_CL_BLOCK_K=str(block_k))
-    r = subprocess.run([sys.executable, "-c", TIMING_SCRIPT, device, json.dumps(shape),
-                        str(repeats)], env=env, capture_output=True, text=True)
+    try:
+        r = subprocess.run([sys.executable, "-c", TIMING_SCRIPT, device, json.dumps(shape),
+                            str(repeats)], env=env, capture_output=True, text=True,
+                           timeout=timeout)
+    except subprocess.TimeoutExpired:   # (the child is killed)
+        return None, "timed out after %g s" % timeout
     if r.returncode < 0:    # killed: its last line (a compiler warning) would not say so
         return None, "crashed: %s" % signal.Signals(-r.returncode).name
     if r.returncode != 0:
@@ -63,12 +70,13 @@ def default_candidates(device):
 
 
 def tune(device, shape=(1, 8, 1024, 64), candidates=None, repeats=3, report=print,
-         progress=None):
+         progress=None, timeout=None):
     """Times every candidate on `device`, stores the fastest; returns {(bq, bk): seconds},
     keyed by the blocks that ran (a candidate the family's rules round or fit runs as other
-    blocks, which are what is stored). Each candidate's time (or failure) is passed to
-    `report` as a line of text, and progress (an orchard.progress.Progress of
-    len(candidates)) is updated after each."""
+    blocks, which are what is stored). A candidate gets at most `timeout` seconds in all
+    (None: no limit). Each candidate's time (or failure) is passed to `report` as a line of
+    text, and progress (an orchard.progress.Progress of len(candidates)) is updated after
+    each."""
     try:
         default = default_candidates(device)
     except ValueError as exc:
@@ -76,7 +84,7 @@ def tune(device, shape=(1, 8, 1024, 64), candidates=None, repeats=3, report=prin
     candidates = default if candidates is None else candidates
     times, why = {}, None
     for n, (bq, bk) in enumerate(candidates, 1):
-        seconds, ran = time_candidate(device, list(shape), bq, bk, repeats)
+        seconds, ran = time_candidate(device, list(shape), bq, bk, repeats, timeout)
         if seconds is None:
             why = ran
             report("  %d x %d: failed (%s)" % (bq, bk, why))

@@ -2,7 +2,7 @@
 choice beside the device's program binaries, where every later process finds it.
 
     orchard-tune [--device opencl:0] [--shape B,H,N,D] [--candidates 48x96,96x96 ...]
-                 [--repeats 3] [--json] [--quiet]
+                 [--repeats 3] [--timeout 600] [--json] [--quiet]
 
 orchard.tuning says how the candidates are timed.
 """
@@ -15,7 +15,8 @@ import orchard_ops
 
 from ..progress import Progress
 from ..tuning import default_candidates, tune
-from .args import Parser, UsageError, console_script, device, env_flag, integer, shape
+from .args import (Parser, UsageError, console_script, device, env_flag, integer, number,
+                   shape)
 
 EXAMPLES = (
     "orchard-tune",
@@ -48,6 +49,9 @@ def main(argv=None):
                              "family.")
     parser.add_argument("--repeats", type=integer(1), default=3, metavar="N",
                         help="Timed calls per candidate (its best is kept).")
+    parser.add_argument("--timeout", type=number(1), default=600.0, metavar="SECONDS",
+                        help="The most a candidate may take, its program builds included; "
+                             "one that takes longer is killed and reported as timed out.")
     parser.add_argument("--json", action="store_true",
                         help="Print the timings and the choice as one JSON object, the "
                              "timings keyed by the block sizes that ran (a candidate the "
@@ -69,7 +73,7 @@ def main(argv=None):
     progress = Progress(len(candidates), "tuning", unit="candidates", enabled=not args.quiet)
     try:
         times = tune(args.device, args.shape, candidates, args.repeats, report=log,
-                     progress=progress)
+                     progress=progress, timeout=args.timeout)
     except RuntimeError as exc:
         raise UsageError(str(exc)) from None
     finally:
