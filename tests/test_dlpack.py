@@ -176,6 +176,15 @@ def test_dlpack_versions(ops, producer):
     assert sys.getrefcount(k) == before     # the producer's deleter ran
 
 
+def test_read_only_array_through_dlpack(ops):
+    """NumPy exports a read-only array only as a versioned tensor (its flags say read-only):
+    asked for unversioned ones, orchard refused it (NumPy's BufferError)."""
+    q = np.random.default_rng(2).standard_normal((1, 2, 9, 8)).astype(np.float32)
+    q.flags.writeable = False
+    out, _ = ops.flash_attn_fwd(DLPackOnly(q), DLPackOnly(q), DLPackOnly(q), device="cpu")
+    np.testing.assert_array_equal(out, ops.flash_attn_fwd(q, q, q, device="cpu")[0])
+
+
 def test_dlpack_major_version_not_read(ops):
     """A versioned capsule of another major version (a struct laid out otherwise) is refused,
     naming the argument, and left to its producer."""
