@@ -178,6 +178,27 @@ def test_compiled_gradients_of_operands_read_through_copies_are_laid_out_as_eage
     assert eager[0].is_contiguous() and eager[2].is_contiguous()
 
 
+@pytest.mark.parametrize("kwargs", [dict(causal=True), dict(dropout_p=0.3, softcap=2.0)],
+                         ids=["causal", "dropout-softcap"])
+def test_compiled_autograd_traces_an_eager_forwards_backward_whole(kwargs):
+    """Compiled autograd traces the backward of an eagerly recorded call (orchard's
+    autograd.Function) as one graph: the backward is the custom op there, with the forward's
+    seed (the same dropout mask); it broke at orchard_ops' call and at the batched check."""
+    from torch._dynamo.testing import CompileCounter
+
+    q, k, v = (randn(2, 24, 4, 32, seed=s).requires_grad_() for s in range(3))
+    torch.manual_seed(5)
+    want = torch.autograd.grad(flash_attn_func(q, k, v, **kwargs).sum(), (q, k, v))
+    torch.manual_seed(5)
+    out = flash_attn_func(q, k, v, **kwargs)
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    with torch._dynamo.compiled_autograd._enable(torch.compile(backend=counter)):
+        got = torch.autograd.grad(out.sum(), (q, k, v))
+    assert counter.frame_count == 1
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
 @pytest.mark.skipif(not OPENCL, reason="no OpenCL device")
 def test_compiled_call_on_an_opencl_device():
     torch._dynamo.reset()

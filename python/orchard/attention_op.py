@@ -62,7 +62,10 @@ def refuse_batched(dout):
     vectorized jacobian): a batched gradient has no memory for the kernels to read (it ended
     in flash_attn_bwd's "cannot be viewed as an array")."""
     functorch = torch._C._functorch
-    if functorch.is_batchedtensor(dout) or functorch.is_legacy_batchedtensor(dout):
+    # (the legacy kind, is_grads_batched's, never reaches compiled autograd, whose trace of
+    # this check would break at it)
+    if functorch.is_batchedtensor(dout) or (not torch.compiler.is_compiling()
+                                            and functorch.is_legacy_batchedtensor(dout)):
         refuse("a batched backward (autograd.grad with is_grads_batched=True, a vectorized "
                "jacobian)")
 

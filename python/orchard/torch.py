@@ -111,8 +111,15 @@ class _FlashAttention(torch.autograd.Function):
         opts = ctx.opts._replace(**dict(zip(ctx.tensor_options, tensors)))
         # autograd may hand a lazily negated view (the gradient through a complex conj),
         # which DLPack does not carry: resolved here, as the user cannot
-        dq, dk, dv = ops_call(orchard_ops.flash_attn_bwd, orchard_ops.flash_attn_varlen_bwd,
-                              opts, dout.resolve_neg(), q, k, v, out, lse)
+        dout = dout.resolve_neg()
+        if torch.compiler.is_compiling():   # compiled autograd traces this backward
+            # (the custom op takes a seed as a tensor, or None for 0)
+            seed = torch.tensor(opts.seed) if opts.seed else None
+            dq, dk, dv = torch.ops.orchard.attention_bwd(dout, q, k, v, out, lse,
+                                                         *opts._replace(seed=seed))
+        else:
+            dq, dk, dv = ops_call(orchard_ops.flash_attn_bwd, orchard_ops.flash_attn_varlen_bwd,
+                                  opts, dout, q, k, v, out, lse)
         return dq, dk, dv, None
 
 
