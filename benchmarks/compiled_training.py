@@ -15,10 +15,14 @@ from orchard import benchmark  # noqa: E402
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=8, help="at least 3 (medians of them)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
     args = parser.parse_args()
+    for name, least in (("steps", benchmark.MIN_REPEATS), ("batch", 1), ("seq", 1)):
+        if getattr(args, name) < least:
+            parser.error("argument --%s: must be >= %d (got %d)" % (name, least,
+                                                                    getattr(args, name)))
     rate = benchmark.training_tokens_per_s(args.steps, args.batch, args.seq, compiled=True)
     print("batch %d, seq %d, %d steps (medians)\n" % (args.batch, args.seq, args.steps))
     print("| attention | eager tokens/s | compiled tokens/s | compiled / eager |")

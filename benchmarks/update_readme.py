@@ -8,7 +8,8 @@ bfloat16, causal and not, N from 256 to 2048 at B=4 (B=1 at 2048), H=8, D=64, on
 device, plus training
 tokens/s of the demo model and the figures of benchmarks/targets.py; writes them as JSON, the
 plot, and Markdown between "<!-- bench:start -->" and "<!-- bench:end -->" in the README.
-Takes a few minutes on 2 cores; --quick (or ORCHARD_BENCH_QUICK=1, as orchard-bench reads it) is a tiny smoke run.
+Takes a few minutes on 2 cores; --quick (or ORCHARD_BENCH_QUICK=1, as orchard-bench reads it) is a tiny smoke run,
+which writes only the files named (--readme, --json, --plot): its figures are no measurement.
 """
 import argparse
 import json
@@ -74,13 +75,19 @@ def write_readme(path, text):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
-                        help="tiny float32 non-causal shapes, one repeat, no training")
-    parser.add_argument("--readme", default=os.path.join(HERE, "..", "README.md"))
-    parser.add_argument("--json", default=os.path.join(HERE, "results.json"))
-    parser.add_argument("--plot", default=os.path.join(HERE, "attention_gflops.png"))
+                        help="tiny float32 non-causal shapes, the fewest repeats, targets "
+                             "timed once, no training; writes only the files named")
+    parser.add_argument("--readme", help="default: the repository's README.md")
+    parser.add_argument("--json", help="default: benchmarks/results.json")
+    parser.add_argument("--plot", help="default: benchmarks/attention_gflops.png")
     args = parser.parse_args(argv)
+    quick = args.quick or env_flag("ORCHARD_BENCH_QUICK")
+    if not quick:   # (a smoke run's figures never replace the measured ones by default)
+        args.readme = args.readme or os.path.join(HERE, "..", "README.md")
+        args.json = args.json or os.path.join(HERE, "results.json")
+        args.plot = args.plot or os.path.join(HERE, "attention_gflops.png")
     devices = [d["id"] for d in orchard_ops.devices()]
-    if args.quick or env_flag("ORCHARD_BENCH_QUICK"):
+    if quick:
         report = benchmark.run(benchmark.QUICK_SHAPES, devices, ["float32"], [False],
                                benchmark.MIN_REPEATS)
         report["targets"] = targets.target_figures(1, benchmark.QUICK_SHAPES[-1])
@@ -90,10 +97,13 @@ def main(argv=None):
         report["targets"] = targets.target_figures(5)
     text = markdown(report)
     print(text)
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=1)
-    benchmark.plot(report["results"], args.plot)
-    write_readme(args.readme, text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    if args.plot:
+        benchmark.plot(report["results"], args.plot)
+    if args.readme:
+        write_readme(args.readme, text)
     return 0
 
 

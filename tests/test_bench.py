@@ -63,17 +63,28 @@ def test_bench_decode_table(tmp_path):
 
 def test_update_readme_writes_targets_and_grid(tmp_path):
     """benchmarks/update_readme.py measures the grid and every target figure (at the quick
-    shape) and writes them between the markers of a README, with the JSON and the plot."""
+    shape) and writes them between the markers of a README, with the JSON and the plot; a
+    quick run that names no file writes none (its smoke figures replaced the repository's:
+    here those of a stand-in benchmarks/ folder beside a README)."""
     pytest.importorskip("matplotlib")
     out, readme, png = tmp_path / "bench.json", tmp_path / "README.md", tmp_path / "plot.png"
-    readme.write_text("# x\n<!-- bench:start -->\nold\n<!-- bench:end -->\ntail\n")
+    old = "# x\n<!-- bench:start -->\nold\n<!-- bench:end -->\ntail\n"
+    readme.write_text(old)
+    stand_in = tmp_path / "repo"
+    (stand_in / "benchmarks").mkdir(parents=True)
+    (stand_in / "README.md").write_text(old)
     r = run_python("""
         import sys
         sys.path.insert(0, %r)
         import update_readme
         update_readme.main(["--quick", "--json", %r, "--readme", %r, "--plot", %r])
-    """ % (os.path.join(REPO_ROOT, "benchmarks"), str(out), str(readme), str(png)), timeout=600)
+        update_readme.HERE = %r
+        update_readme.main(["--quick"])
+    """ % (os.path.join(REPO_ROOT, "benchmarks"), str(out), str(readme), str(png),
+           str(stand_in / "benchmarks")), timeout=600)
     assert r.returncode == 0, r.stderr
+    assert os.listdir(stand_in / "benchmarks") == []
+    assert (stand_in / "README.md").read_text() == old
     targets = json.loads(out.read_text())["targets"]
     for key in ("fwd_vs_sgemm", "bwd_vs_sgemm", "causal_speedup", "staged_overhead_pct",
                 "tiny_call_us", "peak_mib_n16384"):
