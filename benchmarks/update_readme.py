@@ -8,8 +8,9 @@ bfloat16, causal and not, N from 256 to 2048 at B=4 (B=1 at 2048), H=8, D=64, on
 device, plus training
 tokens/s of the demo model and the figures of benchmarks/targets.py; writes them as JSON, the
 plot, and Markdown between "<!-- bench:start -->" and "<!-- bench:end -->" in the README.
-Takes a few minutes on 2 cores; --quick (or ORCHARD_BENCH_QUICK=1, as orchard-bench reads it) is a tiny smoke run,
-which writes only the files named (--readme, --json, --plot): its figures are no measurement.
+Takes a few minutes on 2 cores; --quick (or ORCHARD_BENCH_QUICK=1, as orchard-bench reads it)
+is a tiny smoke run, which writes only the files named (--readme, --json, --plot): its figures
+are no measurement.
 """
 import argparse
 import json

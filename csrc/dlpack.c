@@ -234,11 +234,15 @@ PyArrayObject *or_from_dlpack(or_module_state *st, PyObject *obj, const char *fu
         return NULL;
     }
     if (versioned && given.mv->version.major != DL_MAJOR_VERSION) {
-        /* another major version lays the struct out differently: not even its deleter can be
-         * found, so the capsule is left unused, its producer's to release */
-        PyErr_Format(PyExc_ValueError, "%s(): argument '%s': its __dlpack__() gave a DLPack "
-                     "%u.%u tensor; orchard reads DLPack 1.x", func, name,
-                     (unsigned)given.mv->version.major, (unsigned)given.mv->version.minor);
+        /* another major version may lay the tensor out otherwise; its version, context and
+         * deleter stay where they are, and dlpack.h has the consumer release it */
+        const unsigned major = given.mv->version.major, minor = given.mv->version.minor;
+        if (PyCapsule_SetName(capsule, "used_dltensor_versioned") == 0) {
+            release(given);
+            PyErr_Format(PyExc_ValueError, "%s(): argument '%s': its __dlpack__() gave a "
+                         "DLPack %u.%u tensor; orchard reads DLPack 1.x", func, name, major,
+                         minor);
+        }
         Py_DECREF(capsule);
         return NULL;
     }
@@ -303,8 +307,11 @@ PyArrayObject *or_from_dlpack(or_module_state *st, PyObject *obj, const char *fu
         goto done;
     owner = versioned ? PyCapsule_New(given.mv, "orchard.dltensor_versioned", release_versioned)
                       : PyCapsule_New(given.m, "orchard.dltensor", release_managed);
-    if (owner == NULL) {
+    if (owner == NULL) {    /* the MemoryError kept while the deleter, maybe Python, runs */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
         release(given);
+        PyErr_Restore(type, value, tb);
         goto done;
     }
     if (dt)

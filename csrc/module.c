@@ -654,12 +654,10 @@ static int module_exec(PyObject *module)
     Py_DECREF(bases);
     if (st->oom == NULL)
         return -1;
-    st->device_array = or_device_array_type(module);
-    st->torch_name = PyUnicode_InternFromString("torch");
-    st->dlpack_name = PyUnicode_InternFromString("__dlpack__");
-    st->dlpack_versioned = Py_BuildValue("{s:(ii)}", "max_version", 1, 0);
-    if (st->device_array == NULL || st->torch_name == NULL || st->dlpack_name == NULL
-        || st->dlpack_versioned == NULL)
+    if ((st->device_array = or_device_array_type(module)) == NULL
+        || (st->torch_name = PyUnicode_InternFromString("torch")) == NULL
+        || (st->dlpack_name = PyUnicode_InternFromString("__dlpack__")) == NULL
+        || (st->dlpack_versioned = Py_BuildValue("{s:(ii)}", "max_version", 1, 0)) == NULL)
         return -1;
     if (PyModule_AddObjectRef(module, "OrchardError", st->error) < 0
         || PyModule_AddObjectRef(module, "OrchardOutOfMemory", st->oom) < 0

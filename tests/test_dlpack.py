@@ -186,11 +186,19 @@ def test_read_only_array_through_dlpack(ops):
 
 
 def test_dlpack_major_version_not_read(ops):
-    """A versioned capsule of another major version (a struct laid out otherwise) is refused,
-    naming the argument, and left to its producer."""
-    versioned = ctypes.c_uint32 * 2
-    tensor = (versioned * 8)()      # zeroed: version, context, deleter, flags, tensor
-    tensor[0][0], tensor[0][1] = 2, 0
+    """A versioned capsule of another major version (its tensor maybe laid out otherwise) is
+    refused, naming the argument, and released through its deleter, which every version
+    keeps in the same place (dlpack.h asks the consumer to call it)."""
+    deleter_type = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+    class Versioned(ctypes.Structure):  # DLManagedTensorVersioned's head, then 48 bytes
+        _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32),
+                    ("context", ctypes.c_void_p), ("deleter", deleter_type),
+                    ("flags", ctypes.c_uint64), ("tensor", ctypes.c_byte * 48)]
+
+    released = []
+    deleter = deleter_type(released.append)
+    tensor = Versioned(major=2, minor=0, deleter=deleter)
     new_capsule = ctypes.pythonapi.PyCapsule_New
     new_capsule.restype, new_capsule.argtypes = ctypes.py_object, (
         ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
@@ -204,6 +212,8 @@ def test_dlpack_major_version_not_read(ops):
     with pytest.raises(ValueError, match="argument 'k': its __dlpack__\\(\\) gave a DLPack 2.0 "
                                          "tensor; orchard reads DLPack 1.x"):
         ops.flash_attn_fwd(q, Producer(), q)
+    assert released == [ctypes.addressof(tensor)]
+    assert "used_dltensor_versioned" in repr(capsule)
 
 
 def test_strided_tensor_views_in_place(ops):

@@ -654,14 +654,16 @@ def test_tuned_blocks_stored_and_used(tmp_path):
 
 @needs_opencl
 def test_tune_kills_a_candidate_past_its_timeout(tmp_path):
-    """A candidate still running after --timeout seconds (a driver that hangs) is killed and
-    reported; with none left, orchard-tune says so (status 2) and stores nothing."""
+    """A candidate still running after --timeout seconds (a driver that hangs: here its timing
+    script, which sleeps) is killed and reported; with none left, orchard-tune says so (status
+    2) and stores nothing."""
     start = time.monotonic()
     r = run_python("""
         import sys
+        from orchard import tuning
         from orchard.cli import tune
-        sys.exit(tune.main(["--device", "%s", "--shape", "4,8,2048,64", "--repeats", "3",
-                            "--candidates", "96x96", "--timeout", "1"]))
+        tuning.TIMING_SCRIPT = "import time; time.sleep(300)"
+        sys.exit(tune.main(["--device", "%s", "--candidates", "96x96", "--timeout", "1"]))
     """ % OPENCL_IDS[0], timeout=600, ORCHARD_CACHE_DIR=tmp_path)
     assert time.monotonic() - start < 60
     assert r.returncode == 2, r.stderr

@@ -178,25 +178,44 @@ def test_compiled_gradients_of_operands_read_through_copies_are_laid_out_as_eage
     assert eager[0].is_contiguous() and eager[2].is_contiguous()
 
 
+def test_compiled_varlen_gradients_around_padding_rows_are_laid_out_as_eager():
+    """Rows outside cu_seqlens get their zeros in the layout of the operands (a result of
+    orchard_ops is laid out as its operand): eager ones were in C order, compiled ones not."""
+    cu = torch.tensor([1, 5, 10], dtype=torch.int32)
+
+    def grads(fn):
+        q, k, v = (randn(2, 12, 8, seed=s).transpose(0, 1).requires_grad_() for s in range(3))
+        return torch.autograd.grad(fn(q, k, v, cu, cu, 5, 5, causal=True).sum(), (q, k, v))
+
+    eager = grads(flash_attn_varlen_func)
+    torch._dynamo.reset()
+    compiled = grads(torch.compile(flash_attn_varlen_func, fullgraph=True, backend="aot_eager"))
+    for e, c in zip(eager, compiled):
+        assert torch.equal(e, c) and e.stride() == c.stride() == (8, 96, 1)
+
+
 @pytest.mark.parametrize("kwargs", [dict(causal=True), dict(dropout_p=0.3, softcap=2.0)],
                          ids=["causal", "dropout-softcap"])
 def test_compiled_autograd_traces_an_eager_forwards_backward_whole(kwargs):
     """Compiled autograd traces the backward of an eagerly recorded call (orchard's
     autograd.Function) as one graph: the backward is the custom op there, with the forward's
-    seed (the same dropout mask); it broke at orchard_ops' call and at the batched check."""
+    seed (the same dropout mask), a tensor, so that a step's new seed compiles nothing new; it
+    broke at orchard_ops' call and at the batched check."""
     from torch._dynamo.testing import CompileCounter
 
     q, k, v = (randn(2, 24, 4, 32, seed=s).requires_grad_() for s in range(3))
-    torch.manual_seed(5)
-    want = torch.autograd.grad(flash_attn_func(q, k, v, **kwargs).sum(), (q, k, v))
-    torch.manual_seed(5)
-    out = flash_attn_func(q, k, v, **kwargs)
     torch._dynamo.reset()
     counter = CompileCounter()
-    with torch._dynamo.compiled_autograd._enable(torch.compile(backend=counter)):
-        got = torch.autograd.grad(out.sum(), (q, k, v))
+    for step in range(3):
+        torch.manual_seed(step)
+        want = torch.autograd.grad(flash_attn_func(q, k, v, **kwargs).sum(), (q, k, v))
+        torch.manual_seed(step)
+        out = flash_attn_func(q, k, v, **kwargs)
+        with torch._dynamo.compiled_autograd._enable(torch.compile(backend=counter,
+                                                                   dynamic=False)):
+            got = torch.autograd.grad(out.sum(), (q, k, v))
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
     assert counter.frame_count == 1
-    assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
 @pytest.mark.skipif(not OPENCL, reason="no OpenCL device")
@@ -498,6 +517,21 @@ def test_varlen_export_needs_max_seqlen(given):
     other = PACKED[:3] + (torch.tensor([0, 2, 9, 15], dtype=torch.int32),
                           torch.tensor([0, 6, 12, 18], dtype=torch.int32))
     assert torch.equal(program.module()(*other), Packed(7, 7)(*other))
+
+
+def test_paged_varlen_export_is_refused_naming_block_table():
+    """orchard finds the pages from cu_seqlens' values, which torch.export cannot read."""
+    class Paged(torch.nn.Module):
+        def forward(self, q, pages, cu, table):
+            return flash_attn_varlen_func(q, pages, pages, cu, cu, 8, 8, block_table=table)
+
+    q, pages = randn(12, 2, 16), randn(4, 8, 2, 16, seed=1)
+    cu = torch.tensor([0, 4, 12], dtype=torch.int32)
+    table = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)
+    Paged()(q, pages, cu, table)    # eager: fine
+    with pytest.raises(ValueError, match="'block_table' cannot be given to a call torch.export "
+                                         "traces"):
+        torch.export.export(Paged(), (q, pages, cu, table))
 
 
 def tiny_llama(layers=2):

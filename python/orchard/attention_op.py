@@ -8,9 +8,10 @@ one graph node each way (fullgraph=True works):
 <options> are _Options' fields, in its order; the schema is written from _Options, once.
 Their fake implementations give what orchard_ops returns: out, dq, dk, dv in the memory axis
 order of their operand (q, q, k, v), as csrc/problem.c or_new_output lays them out (C order
-for an operand read through a copy), lse in C order. orchard.torch takes the custom ops only while torch records a graph (torch.compile, or
-a torch dispatch mode: make_fx, torch.export, fake tensors): in eager mode the dispatcher would
-add about 11 us to every call, and both paths run ops_call, so their results are the same.
+for an operand read through a copy), lse in C order. orchard.torch takes the custom ops only
+while torch records a graph (torch.compile, or a torch dispatch mode: make_fx, torch.export,
+fake tensors): in eager mode the dispatcher would add about 11 us to every call, and both
+paths run ops_call, so their results are the same.
 """
 import collections
 import math
@@ -127,21 +128,22 @@ def ops_call(dense, varlen, o, *arrays):
     rows_q, rows_k = slice(q0, nq), slice(k0, nk)
     if len(arrays) == 3:                # forward: q, k, v -> out, lse
         out, lse = call(q[rows_q], k[rows_k], arrays[2][rows_k], **cut)
-        return (_pad_rows(out, q0, q.shape[0]),
+        return (_pad_rows(out, q0, q.shape[0], q),
                 _pad_rows(lse, q0, q.shape[0], axis=1, value=-math.inf))
     dout, q, k, v, out, lse = arrays    # backward -> dq, dk, dv
     dq, dk, dv = call(dout[rows_q], q[rows_q], k[rows_k], v[rows_k], out[rows_q],
                       lse[:, rows_q], **cut)
-    return (_pad_rows(dq, q0, q.shape[0]), _pad_rows(dk, k0, k.shape[0]),
-            _pad_rows(dv, k0, k.shape[0]))
+    return (_pad_rows(dq, q0, q.shape[0], q), _pad_rows(dk, k0, k.shape[0], k),
+            _pad_rows(dv, k0, k.shape[0], v))
 
 
-def _pad_rows(x, before, n, axis=0, value=0.0):
+def _pad_rows(x, before, n, like=None, axis=0, value=0.0):
     """x grown along axis to n, `before` new entries ahead of it and the rest after, all
-    value."""
-    after = n - before - x.shape[axis]
-    return torch.nn.functional.pad(x, [0, 0] * (x.dim() - 1 - axis) + [before, after],
-                                   value=value)
+    value; laid out as orchard_ops lays out a result of `like` (None: C order, lse's)."""
+    shape = x.shape[:axis] + (n,) + x.shape[axis + 1:]
+    grown = x.new_empty(shape) if like is None else _empty_like_layout(shape, like, x.dtype)
+    grown.fill_(value).narrow(axis, before, x.shape[axis]).copy_(x)
+    return grown
 
 
 # ----------------------------------------------------------------------------- custom ops

@@ -96,7 +96,11 @@ class _FlashAttention(torch.autograd.Function):
         out, lse = ops_call(orchard_ops.flash_attn_fwd, orchard_ops.flash_attn_varlen_fwd, opts,
                             q, k, v)
         # the options' tensors (cu_seqlens, slopes) are saved too: written in place before the
-        # backward, they raise as q, k and v do (the backward read the new offsets, silently)
+        # backward, they raise as q, k and v do (the backward read the new offsets, silently);
+        # so is a dropout seed, as a tensor, which compiled autograd reads without guarding on
+        # its value (an int: a recompile at every step)
+        if opts.seed:
+            opts = opts._replace(seed=torch.tensor(opts.seed))
         ctx.tensor_options = [f for f, x in zip(opts._fields, opts) if isinstance(x, torch.Tensor)]
         ctx.save_for_backward(q, k, v, out, lse, *(getattr(opts, f) for f in ctx.tensor_options))
         ctx.opts = opts._replace(**dict.fromkeys(ctx.tensor_options))
@@ -113,13 +117,11 @@ class _FlashAttention(torch.autograd.Function):
         # which DLPack does not carry: resolved here, as the user cannot
         dout = dout.resolve_neg()
         if torch.compiler.is_compiling():   # compiled autograd traces this backward
-            # (the custom op takes a seed as a tensor, or None for 0)
-            seed = torch.tensor(opts.seed) if opts.seed else None
             dq, dk, dv = torch.ops.orchard.attention_bwd(dout, q, k, v, out, lse,
-                                                         *opts._replace(seed=seed))
+                                                         *attention_op._op_arguments(opts))
         else:
             dq, dk, dv = ops_call(orchard_ops.flash_attn_bwd, orchard_ops.flash_attn_varlen_bwd,
-                                  opts, dout, q, k, v, out, lse)
+                                  opts._replace(seed=int(opts.seed)), dout, q, k, v, out, lse)
         return dq, dk, dv, None
 
 

@@ -216,17 +216,21 @@ def hold_output(output):
     return RunLock(fd, path)
 
 
+def _as_path(path):
+    """path as a command line word: a relative path that starts with "-" would read as an
+    option, "./" keeps it a path."""
+    return "./" + path if path.startswith("-") else path
+
+
 def resume_command(args, distributed):
     """The command that continues this run: same output, data and device; the checkpoint
     carries the config, seed and stopping point."""
     processes = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))
     words = (["torchrun", "--standalone", "--nproc-per-node", processes, "-m",
               "orchard.cli.train"] if distributed else ["orchard-train"])
-    # (a relative path that starts with "-" would read as an option: "./" keeps it a path)
-    as_path = lambda p: "./" + p if p.startswith("-") else p
-    words += ["--resume", as_path(args.output), "--output", as_path(args.output)]
+    words += ["--resume", _as_path(args.output), "--output", _as_path(args.output)]
     if args.sequences:
-        words += ["--sequences", as_path(args.sequences)]
+        words += ["--sequences", _as_path(args.sequences)]
     if args.device != "auto":
         words += ["--device", args.device]
     return " ".join(shlex.quote(w) for w in words)
