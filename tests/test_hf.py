@@ -465,6 +465,62 @@ def test_models_flash_attention_2_does_not_serve_are_refused(model_type, sizes, 
         model(input_ids=tokens(2, 12))
 
 
+def test_layers_causal_only_through_their_masks_fall_back(fresh_warnings):
+    """PegasusX's decoder self-attention, and Gemma's layers with use_bidirectional_attention
+    (PaliGemma's text model), are built non-causal under the causal masks their models make:
+    orchard, taking causality from the layer, let later tokens into earlier positions, with
+    no word. Their masks now fall back, and the calls give the reference's results."""
+    from transformers import AutoConfig, AutoModelForCausalLM, PegasusXConfig
+    from transformers import PegasusXForConditionalGeneration
+    torch.manual_seed(0)
+    pegasus = PegasusXForConditionalGeneration(PegasusXConfig(
+        vocab_size=VOCAB, d_model=64, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+        decoder_ffn_dim=128, max_position_embeddings=64, pad_token_id=0,
+        decoder_start_token_id=0, eos_token_id=1)).eval()
+    gemma = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "gemma", num_key_value_heads=2, head_dim=16, use_bidirectional_attention=True,
+        **SMALL), attn_implementation="eager").eval()
+    ids, mask = tokens(3, 12), padding("left")
+    for ref, inputs, real, why in (
+            (pegasus, dict(input_ids=tokens(3, 10, seed=3), decoder_input_ids=ids),
+             torch.ones_like(mask), "PegasusX's decoder self-attention is causal only through "
+             "its mask"),
+            (gemma, dict(input_ids=ids, attention_mask=mask), mask,
+             "layers built non-causal \\(use_bidirectional_attention=True\\) under causal "
+             "masks")):
+        model = copy.deepcopy(ref)
+        model.set_attn_implementation("orchard")
+        with pytest.warns(UserWarning, match=why):
+            got = model(**inputs).logits
+        assert_close(got[real.bool()], ref(**inputs).logits[real.bool()])
+
+
+def test_unsupported_reason_of_a_config_with_several_model_classes():
+    """MODEL_MAPPING gives Funnel's config two classes: unsupported_reason raised an
+    AttributeError on the tuple."""
+    from transformers import FunnelConfig
+    assert "FunnelModel computes its attention in its own code" in hf.unsupported_reason(
+        FunnelConfig())
+
+
+def test_a_layer_whose_masks_had_several_windows_says_which_it_takes(fresh_warnings):
+    """A layer that passes no window, whose model's masks had several (Moshi: generate()'s
+    static cache made sliding ones, its own forward causal ones), took none without a word."""
+    class Attention(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.config = config
+
+    layer = Attention(LlamaConfig(**SMALL))
+    hf._record_window(layer.config, 4)
+    assert hf._window_for(layer) == 4
+    hf._record_window(layer.config, None)
+    with pytest.warns(UserWarning, match="Attention passes no sliding window and its model's "
+                                         "masks had several \\(4, None\\)"):
+        assert hf._window_for(layer) is None
+
+
 def test_falcon_without_alibi_runs_on_orchard(no_fallback):
     from transformers import FalconConfig, FalconForCausalLM
     MODELS["falcon"] = (FalconForCausalLM, FalconConfig(

@@ -54,7 +54,9 @@ def _model_class(config_type):
     model such as TrOCR's) the causal LM; None for one it does not map (custom code)."""
     for mapping in (transformers.MODEL_MAPPING, transformers.MODEL_FOR_CAUSAL_LM_MAPPING):
         if config_type in mapping:
-            return mapping[config_type]
+            cls = mapping[config_type]
+            # (several classes for one config, Funnel's: the first is the base model)
+            return cls[0] if isinstance(cls, tuple) else cls
     return None
 
 
@@ -204,9 +206,16 @@ def _window_for(module):
         return window
     config = getattr(module, "config", None)
     ref, windows = _windows_made.get(id(config), (None, set()))
-    if ref is not None and ref() is config and len(windows) == 1:
-        return next(iter(windows))
-    return None
+    if ref is None or ref() is not config:
+        return None
+    if len(windows) > 1 and ("windows", type(module)) not in _warned:
+        # (Moshi: generate()'s static cache makes sliding masks, its own forward causal ones)
+        _warned.add(("windows", type(module)))
+        warnings.warn("orchard.hf: %s passes no sliding window and its model's masks had "
+                      "several (%s): computed without one, as its own causal masks ask"
+                      % (type(module).__name__, ", ".join(sorted(map(str, windows)))),
+                      stacklevel=3)
+    return next(iter(windows)) if len(windows) == 1 else None
 
 
 def _packed_ids(mask_function):
@@ -298,6 +307,23 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
         return mask
 
 
+# Models whose decoder self-attention layers are built non-causal (is_causal=False), causal
+# only through the masks their model makes: orchard, as FlashAttention-2, takes causality
+# from the layer, and its masks (None for causal) would drop it.
+_CAUSAL_BY_MASK_ONLY = ("PegasusXConfig",)
+
+
+def _causal_only_by_mask(config):
+    """Why the layers of config's model take their causality from its masks alone, or None."""
+    if getattr(config, "use_bidirectional_attention", False) is True:
+        # (Gemma's, PaliGemma's text model: the model still makes causal masks)
+        return "layers built non-causal (use_bidirectional_attention=True) under causal masks"
+    if type(config).__name__ in _CAUSAL_BY_MASK_ONLY:
+        return ("%s's decoder self-attention is causal only through its mask (is_causal=False)"
+                % type(config).__name__[:-len("Config")])
+    return None
+
+
 def _orchard_mask(batch_size, q_length, kv_length, q_offset, kv_offset, static, mask_function,
                   attention_mask, config, device):
     """attention_mask's answer where orchard computes the mask; _Unsupported where not."""
@@ -307,6 +333,9 @@ def _orchard_mask(batch_size, q_length, kv_length, q_offset, kv_offset, static, 
         ids, window, why = _read_mask_function(mask_function)
         if why is not None:
             raise _Unsupported(why)
+    why = _causal_only_by_mask(config)
+    if why is not None:     # (every mask orchard computes is causal)
+        raise _Unsupported(why)
     if not static and not q_length <= n_keys <= kv_length:
         raise _Unsupported("queries at positions %d to %d over keys at %d to %d" % (
             q_offset, q_offset + q_length - 1, kv_offset, kv_offset + kv_length - 1))
