@@ -496,6 +496,25 @@ def test_layers_causal_only_through_their_masks_fall_back(fresh_warnings):
         assert_close(got[real.bool()], ref(**inputs).logits[real.bool()])
 
 
+def test_a_sub_model_of_a_refused_model_is_refused():
+    """T5Gemma2's layers hold its sub-models' configs, which transformers maps to no model
+    class: the refusal of T5Gemma2Model (_supports_flash_attn = False) never reached them, and
+    the forward failed inside transformers (torch.cat over orchard's None mask)."""
+    from transformers import (T5Gemma2Config, T5Gemma2DecoderConfig, T5Gemma2EncoderConfig,
+                              T5Gemma2ForConditionalGeneration, T5Gemma2TextConfig)
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    config = T5Gemma2Config(encoder=T5Gemma2EncoderConfig(text_config=T5Gemma2TextConfig(
+        **text)), decoder=T5Gemma2DecoderConfig(**text))
+    why = "belongs to a model that orchard cannot run: transformers marks T5Gemma2Model"
+    assert why in hf.unsupported_reason(config.decoder)
+    model = T5Gemma2ForConditionalGeneration._from_config(
+        config, attn_implementation="orchard").eval()
+    with pytest.raises(ValueError, match="orchard.hf: T5Gemma2TextConfig " + why):
+        model(input_ids=tokens(2, 8), decoder_input_ids=tokens(2, 4))
+    assert hf.unsupported_reason(LlamaConfig()) is None
+
+
 def test_unsupported_reason_of_a_config_with_several_model_classes():
     """MODEL_MAPPING gives Funnel's config two classes: unsupported_reason raised an
     AttributeError on the tuple."""

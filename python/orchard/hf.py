@@ -31,6 +31,9 @@ try:
     import transformers
     from transformers import AttentionInterface, masking_utils
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.models.auto.configuration_auto import (CONFIG_MAPPING,
+                                                             CONFIG_MAPPING_NAMES,
+                                                             model_type_to_module_name)
 except ImportError as e:
     raise ImportError("orchard.hf needs transformers 5.x " + _INSTALL % "hf") from e
 if int(transformers.__version__.split(".")[0]) != 5:
@@ -109,10 +112,29 @@ def _unsupported(config_type):
         return ("%s computes its attention in its own code, not through transformers' "
                 "attention interface" % own)
     cls = _model_class(config_type)
-    if cls is not None and not getattr(cls, "_supports_flash_attn", True):
+    if cls is None:
+        return _sub_model_verdict(config_type)
+    if not getattr(cls, "_supports_flash_attn", True):
         return ("transformers marks %s as not supporting FlashAttention-2 "
                 "(_supports_flash_attn = False), whose description of the mask orchard reads"
                 % cls.__name__)
+    return None
+
+
+def _sub_model_verdict(config_type):
+    """For the config of a sub-model that transformers maps to no model class (T5Gemma2's
+    decoder, which its layers hold): the reason the models of its folder in transformers
+    share, where every one of them has one (the layers never see the top model's config)."""
+    module = config_type.__module__.split(".")
+    if module[:2] != ["transformers", "models"] or len(module) < 4:
+        return None     # custom code
+    mapped = [CONFIG_MAPPING[t] for t in CONFIG_MAPPING_NAMES
+              if model_type_to_module_name(t) == module[2]]
+    reasons = [_unsupported(c) for c in mapped
+               if c is not config_type and _model_class(c) is not None]
+    if reasons and all(reasons):
+        return "%s belongs to a model that orchard cannot run: %s" % (config_type.__name__,
+                                                                      reasons[0])
     return None
 
 
