@@ -97,15 +97,18 @@ class OpenCL:
                    get.__name__)
         return buf.value.decode(errors="replace")
 
-    def find(self, name, platform):
-        """The device of this name on this platform, as orchard_ops lists it."""
+    def find(self, name, platform, nth=0):
+        """The nth device of this name on this platform (several identical GPUs), in the
+        order the platform lists them, as orchard_ops does."""
         for p in self.ids(self.lib.clGetPlatformIDs):
             if self.text(self.lib.clGetPlatformInfo, p, self.CL_PLATFORM_NAME) != platform:
                 continue
             for d in self.ids(self.lib.clGetDeviceIDs, ctypes.c_void_p(p),
                               ctypes.c_ulong(self.CL_DEVICE_TYPE_ALL)):
                 if self.text(self.lib.clGetDeviceInfo, d, self.CL_DEVICE_NAME) == name:
-                    return d
+                    if nth == 0:
+                        return d
+                    nth -= 1
         raise RuntimeError("OpenCL device %r of platform %r not found" % (name, platform))
 
     def fma_peak(self, device, compute_units, iters):
@@ -317,8 +320,10 @@ def main(argv=None):
              info["local_mem_bytes"] // 1024))
     print("driver: %s; platform: %s" % (info["driver_version"], info["platform"]), flush=True)
     cl = OpenCL()
-    peak = cl.fma_peak(cl.find(info["name"], info["platform"]), info["compute_units"],
-                       1024 if args.quick else 4096)
+    twins = [d["id"] for d in opencl if (d["name"], d["platform"]) == (info["name"],
+                                                                       info["platform"])]
+    peak = cl.fma_peak(cl.find(info["name"], info["platform"], twins.index(info["id"])),
+                       info["compute_units"], 1024 if args.quick else 4096)
     print("float32 FMA peak (measured): %.0f GFLOP/s" % peak, flush=True)
     result = {"device": {k: info[k] for k in ("id", "name", "vendor", "kind", "platform",
                                               "driver_version", "compute_units",
