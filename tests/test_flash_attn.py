@@ -506,6 +506,10 @@ KV_CASES = {
     "transposed cache leftpad rotary": dict(new=1, nq=1, leftpad=True, rotary=True,
                                             causal=True, transposed=True),
     "transposed cache batch_idx": dict(new=2, nq=2, batch_idx=True, transposed=True),
+    # every sequence writes at one offset: slices, not index_put
+    "one offset rotary": dict(new=2, nq=2, rotary=True, causal=True, seqlens_int=True),
+    "one offset, batch_idx in order, transposed": dict(new=1, batch_idx="in order",
+                                                       equal=True, transposed=True),
 }
 
 
@@ -531,12 +535,13 @@ def make_kvcache(case, dtype):
     if n:
         kw["k"], kw["v"] = r(batch, n, hk, d), r(batch, n, hk, d)
     if not case.get("whole"):
-        seqlens = torch.tensor([5, 9 - n], dtype=torch.int32)
+        seqlens = torch.tensor([5, 5 if case.get("equal") else 9 - n], dtype=torch.int32)
         kw["cache_seqlens"] = 5 if case.get("seqlens_int") else seqlens
     if case.get("leftpad"):
         kw["cache_leftpad"] = torch.tensor([2, 0], dtype=torch.int32)
     if case.get("batch_idx"):
-        kw["cache_batch_idx"] = torch.tensor([3, 1], dtype=torch.int32)
+        kw["cache_batch_idx"] = torch.tensor([0, 1] if case["batch_idx"] == "in order"
+                                             else [3, 1], dtype=torch.int32)
     if case.get("alibi"):
         kw["alibi_slopes"] = torch.rand(batch, h, generator=g) * 0.5
     if case.get("rotary"):

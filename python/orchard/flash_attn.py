@@ -727,7 +727,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if not traced and cache.is_inference() and not torch.is_inference_mode_enabled():
             _fail(fn, name, "is an inference tensor (made under torch.inference_mode): it "
                   "can be written only in inference mode")
-        if any(st == 0 and size > 1 for st, size in zip(cache.stride(), cache.shape)):
+        if 0 in cache.stride() and any(st == 0 and size > 1
+                                       for st, size in zip(cache.stride(), cache.shape)):
             _fail(fn, name, "is an expanded view (stride 0): its rows share memory and "
                   "cannot take new keys and values")
     # Checked: from here on nothing fails on the caller's input, so the cache is written only
@@ -741,11 +742,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             caches = {t.untyped_storage().data_ptr() for t in (k_cache, v_cache)}
             q, k, v = (t.clone() if t.untyped_storage().data_ptr() in caches else t
                        for t in (q, k, v))
-        pos = lengths[:, None] + torch.arange(n)          # (batch, n): the new tokens'
+        # every sequence writing at one offset (a batch of one, or of equal lengths) takes a
+        # slice: a third of the time of the index_put below on a decode step
+        one_offset = not traced and in_place and not paged and len(set(seqlens)) == 1
+        if rotary_cos is not None or not one_offset:
+            pos = lengths[:, None] + torch.arange(n)      # (batch, n): the new tokens'
         if rotary_cos is not None:
             k = _rotary(k, rotary_cos, rotary_sin, pos, rotary_interleaved)
-        at = ((block_table.long().gather(1, pos // page), pos % page) if paged
-              else ((torch.arange(batch) if rows is None else rows)[:, None], pos))
+        if one_offset:
+            at = slice(0, batch), slice(seqlens[0], seqlens[0] + n)
+        else:
+            at = ((block_table.long().gather(1, pos // page), pos % page) if paged
+                  else ((torch.arange(batch) if rows is None else rows)[:, None], pos))
         k_cache[at] = k
         v_cache[at] = v
     if rotary_cos is not None:
