@@ -24,6 +24,7 @@ import orchard_ops
 import targets
 from orchard import benchmark
 from orchard.cli.args import env_flag
+from orchard.progress import Progress
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -88,14 +89,22 @@ def main(argv=None):
         args.json = args.json or os.path.join(HERE, "results.json")
         args.plot = args.plot or os.path.join(HERE, "attention_gflops.png")
     devices = [d["id"] for d in orchard_ops.devices()]
+    shapes, dtypes, causal_flags = ((benchmark.QUICK_SHAPES, ["float32"], [False]) if quick else
+                                    (benchmark.DEFAULT_SHAPES, ["float32", "float16", "bfloat16"],
+                                     [False, True]))
+    # (a bar on a terminal, a line every 30 s in a log: the full run takes minutes)
+    progress = Progress(len(shapes) * len(dtypes) * len(causal_flags), "benchmark",
+                        unit="problems")
     if quick:
-        report = benchmark.run(benchmark.QUICK_SHAPES, devices, ["float32"], [False],
-                               benchmark.MIN_REPEATS)
-        report["targets"] = targets.target_figures(1, benchmark.QUICK_SHAPES[-1])
+        report = benchmark.run(shapes, devices, dtypes, causal_flags, benchmark.MIN_REPEATS,
+                               progress=progress)
     else:
-        report = benchmark.run(benchmark.DEFAULT_SHAPES, devices, ["float32", "float16", "bfloat16"],
-                               [False, True], 5, train_steps=12)
-        report["targets"] = targets.target_figures(5)
+        report = benchmark.run(shapes, devices, dtypes, causal_flags, 5, train_steps=12,
+                               progress=progress)
+    progress.close()
+    print("timing the targets (benchmarks/targets.py)", file=sys.stderr)
+    report["targets"] = (targets.target_figures(1, shapes[-1]) if quick
+                         else targets.target_figures(5))
     text = markdown(report)
     print(text)
     if args.json:
