@@ -223,6 +223,23 @@ def test_packed_sequences(name, no_fallback):
                   max_length_k=9)
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_packed_sequences_under_gradient_checkpointing(reentrant, no_fallback):
+    """A reentrant checkpoint recomputes each layer on detached copies of its arguments (GPT-2
+    passes its mask positionally): the mask's memory without orchard's marks. The packed ids
+    were read as a padding mask there, gradients off by up to 78 %, silently."""
+    ref, model = pair("gpt2", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    for m in (ref, model):
+        m.train()       # (transformers checkpoints in training only)
+        m.gradient_checkpointing_enable({"use_reentrant": reentrant})
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3]])
+    real = torch.ones(1, 16)
+    inputs = dict(input_ids=tokens(1, 16), position_ids=positions, use_cache=False)
+    got = forward_backward(model, real, **inputs)
+    assert_same_results(got, forward_backward(ref, real, **inputs))
+    assert got[2]["bwd_calls"] == LAYERS
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_greedy_generate_matches(name, cache, no_fallback):
@@ -460,9 +477,31 @@ def test_models_flash_attention_2_does_not_serve_are_refused(model_type, sizes, 
     from transformers import AutoConfig, AutoModelForCausalLM
     config = AutoConfig.for_model(model_type, vocab_size=VOCAB, **sizes)
     assert why in hf.unsupported_reason(config)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="orchard").eval()
+    # refused as the model is built, as transformers refuses flash_attention_2
+    with pytest.raises(ValueError, match="orchard.hf: " + why):
+        AutoModelForCausalLM.from_config(config, attn_implementation="orchard")
+    # and by the first forward of a model switched to orchard after its checks
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    model.config._attn_implementation = "orchard"
     with pytest.raises(ValueError, match="orchard.hf: " + why):
         model(input_ids=tokens(2, 12))
+
+
+@pytest.mark.parametrize("model_type, sizes, why", [
+    ("gpt_neo", dict(hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global"], 2]]),
+     "GPTNeoModel computes its attention in its own code"),
+    ("data2vec-vision", dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                             intermediate_size=128, image_size=32, patch_size=8),
+     "Data2VecVisionModel computes its attention in its own code"),
+])
+def test_models_that_look_their_attention_up_by_name_are_refused_as_they_are_built(
+        model_type, sizes, why):
+    """These models look their attention classes up by implementation as they are built: they
+    failed inside transformers (KeyError: 'orchard')."""
+    from transformers import AutoConfig, AutoModel
+    with pytest.raises(ValueError, match="orchard.hf: " + why):
+        AutoModel.from_config(AutoConfig.for_model(model_type, **sizes),
+                              attn_implementation="orchard")
 
 
 def test_layers_causal_only_through_their_masks_fall_back(fresh_warnings):
@@ -509,7 +548,8 @@ def test_a_sub_model_of_a_refused_model_is_refused():
     why = "belongs to a model that orchard cannot run: transformers marks T5Gemma2Model"
     assert why in hf.unsupported_reason(config.decoder)
     model = T5Gemma2ForConditionalGeneration._from_config(
-        config, attn_implementation="orchard").eval()
+        config, attn_implementation="eager").eval()
+    model.config._attn_implementation = "orchard"   # (built with it, it is refused there)
     with pytest.raises(ValueError, match="orchard.hf: T5Gemma2TextConfig " + why):
         model(input_ids=tokens(2, 8), decoder_input_ids=tokens(2, 4))
     assert hf.unsupported_reason(LlamaConfig()) is None
@@ -595,13 +635,17 @@ def test_gemma4_kv_shared_layers_cut_masks_so_padding_falls_back(fresh_warnings)
 
 def test_a_model_outside_the_attention_interface_is_refused():
     """Bloom computes its attention in its own code: "orchard" would never reach it, and the
-    mask function's None (causal) would leave it unmasked, so its forward is an error; BioGPT,
-    which calls the interface without the flag that says so, runs on orchard."""
+    mask function's None (causal) would leave it unmasked, so it is refused as it is built, and
+    its forward is an error; BioGPT, which calls the interface without the flag that says so,
+    runs on orchard."""
     from transformers import BioGptConfig, BioGptForCausalLM, BloomConfig, BloomForCausalLM
-    bloom = BloomForCausalLM._from_config(BloomConfig(vocab_size=VOCAB, hidden_size=64,
-                                                      n_layer=2, n_head=4),
-                                          attn_implementation="orchard").eval()
-    with pytest.raises(ValueError, match="BloomModel computes its attention in its own code"):
+    config = BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4)
+    why = "BloomModel computes its attention in its own code"
+    with pytest.raises(ValueError, match=why):
+        BloomForCausalLM._from_config(config, attn_implementation="orchard")
+    bloom = BloomForCausalLM._from_config(config, attn_implementation="eager").eval()
+    bloom.config._attn_implementation = "orchard"
+    with pytest.raises(ValueError, match=why):
         bloom(input_ids=tokens(1, 8))
     assert hf.computes_attention_itself(bloom.config) == "BloomModel"
     assert hf.unsupported_reason(LlamaConfig()) is None

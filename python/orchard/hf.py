@@ -12,7 +12,8 @@ without gradients, as in generate(), reads in place; over a static cache the mas
 the unwritten keys, so that torch.compile need not read their count), or the sequence ids
 (batch, seqlen) of packed sequences. Any other mask (a caller's own 4-D mask, a mask function
 orchard does not know) is materialised for transformers' sdpa attention, which then computes
-those calls, with one warning per reason.
+those calls, with one warning per reason. It also makes transformers refuse "orchard" for a
+model orchard cannot run (unsupported_reason) as the model is built.
 """
 import collections
 import functools
@@ -291,6 +292,26 @@ def _read_mask_function(fn):
         return None, None, str(e)
 
 
+# The masks attention_mask() made, by address. A reentrant checkpoint
+# (gradient_checkpointing with use_reentrant=True) recomputes a layer on detached copies of the
+# arguments it was given: the same memory, without orchard's marks (a packed batch's ids were
+# then read as a padding mask, which made GPT-2's and OPT's gradients wrong, silently).
+_made = weakref.WeakValueDictionary()
+
+
+def _with_marks(mask):
+    """mask, or where it carries no marks the mask attention_mask() made of which it is a
+    detached copy (the same memory, shape, strides and dtype)."""
+    # (traced tensors have no address)
+    if mask is None or torch.compiler.is_compiling() or vars(mask):
+        return mask
+    made = _made.get(mask.data_ptr())
+    if made is not None and (made.shape, made.stride(), made.dtype) == (
+            mask.shape, mask.stride(), mask.dtype):
+        return made
+    return mask
+
+
 def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
                    mask_function=masking_utils.causal_mask_function, attention_mask=None,
                    **kwargs):
@@ -315,7 +336,6 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
         cut = mask is not None and q_length > 1 and config is not None and _cut_reason(config)
         if cut:
             raise _Unsupported(cut)
-        return mask
     except _Unsupported as e:
         # a real mask to mark, also where sdpa would skip it (a bidirectional mask without
         # padding, which an encoder's is)
@@ -326,7 +346,9 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
             kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
             allow_is_causal_skip=False, allow_is_bidirectional_skip=False, **kwargs)
         mask.orchard_fallback = str(e)
-        return mask
+    if mask is not None and not torch.compiler.is_compiling():
+        _made[mask.data_ptr()] = mask
+    return mask
 
 
 # Models whose decoder self-attention layers are built non-causal (is_causal=False), causal
@@ -766,7 +788,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     query, key, value = _as_autocast(query, key, value)
     if len({query.dtype, key.dtype, value.dtype}) > 1:
         query, key = query.to(value.dtype), key.to(value.dtype)
-    mask = attention_mask
+    mask = _with_marks(attention_mask)
     in_place = _in_place(query, key, value, dropout)
     reason = _why_not(query, key, value, mask, sliding_window, in_place, config, kwargs)
     if reason is not None:
@@ -778,13 +800,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     packed = getattr(mask, "orchard_packed", False)
 
     if mask is not None and not packed:
-        plan = getattr(attention_mask, "orchard_plan", None)
+        plan = getattr(mask, "orchard_plan", None)
         if plan is not None and plan.q_length == nq:     # (a layer of other queries reads it)
             return _planned_attention(query, key, value, plan, options, in_place), None
-        if (getattr(attention_mask, "orchard_sortable", False) and causal
-                and window == (-1, -1) and nq == key.shape[2] == attention_mask.shape[1]):
-            return _sorted_attention(query, key, value, attention_mask, options), None
-        return _padded(query, key, value, attention_mask, options, in_place), None
+        if (getattr(mask, "orchard_sortable", False) and causal
+                and window == (-1, -1) and nq == key.shape[2] == mask.shape[1]):
+            return _sorted_attention(query, key, value, mask, options), None
+        return _padded(query, key, value, mask, options, in_place), None
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is None and packed:
@@ -806,10 +828,28 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     return _dense(query, key, value, options), None
 
 
+def _refusing(check):
+    """transformers' check of the attention a model asks for, which each model (and sub-model)
+    runs while it is built and in set_attn_implementation, refusing "orchard" for a model
+    orchard cannot run: there, as transformers refuses flash_attention_2, and before a
+    model's __init__ looks its attention classes up by name (GPT-Neo, Data2VecVision:
+    KeyError: 'orchard')."""
+    @functools.wraps(check)
+    def get_correct_attn_implementation(self, requested_attention, *args, **kwargs):
+        if requested_attention == NAME:
+            _refuse_unsupported(self.config)
+        return check(self, requested_attention, *args, **kwargs)
+    get_correct_attn_implementation.orchard_refusing = True
+    return get_correct_attn_implementation
+
+
 def register():
     """Make attn_implementation="orchard" available in transformers (idempotent)."""
     AttentionInterface.register(NAME, attention_forward)
     masking_utils.AttentionMaskInterface.register(NAME, attention_mask)
+    model = transformers.PreTrainedModel
+    if not hasattr(model.get_correct_attn_implementation, "orchard_refusing"):
+        model.get_correct_attn_implementation = _refusing(model.get_correct_attn_implementation)
 
 
 register()
