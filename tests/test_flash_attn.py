@@ -624,6 +624,7 @@ def test_kvcache_inputs_in_the_cache_are_read_before_the_write():
     g = torch.Generator().manual_seed(4)
     k_cache, v_cache = (torch.randn(2, 16, 2, 8, generator=g) for _ in range(2))
     kw = dict(cache_seqlens=torch.tensor([4, 5], dtype=torch.int32), causal=True)
+    before = k_cache.numpy().copy(), v_cache.clone()
     copies = k_cache.clone(), v_cache.clone()
     k, v = k_cache[:, 3:6], v_cache[:, 3:6]            # written to [4, 7) and [5, 8)
     q = k_cache[:, 5:8, :1].expand(2, 3, 4, 8)
@@ -631,6 +632,13 @@ def test_kvcache_inputs_in_the_cache_are_read_before_the_write():
     got = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **kw)
     assert torch.equal(got, want)
     assert torch.equal(k_cache, copies[0]) and torch.equal(v_cache, copies[1])
+    # a view made elsewhere, over the same memory with a storage of its own: its queries were
+    # read after the write
+    array, v_cache = before
+    q = torch.from_numpy(array[:, 5:8, :1]).expand(2, 3, 4, 8)
+    got = flash_attn_with_kvcache(q, torch.from_numpy(array), v_cache, torch.from_numpy(
+        array[:, 3:6]), v_cache[:, 3:6], **kw)
+    assert torch.equal(got, want)
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -716,6 +724,13 @@ def test_bad_dense_input_names_the_argument():
             torch.randn(4, 3, 2, 300), torch.tensor([0, 4], dtype=torch.int32), 4)),
         (ValueError, "'kv' has 3 heads", lambda: flash_attn_varlen_kvpacked_func(
             q[0], torch.randn(4, 2, 3, 8), *[torch.tensor([0, 4], dtype=torch.int32)] * 2, 4, 4)),
+        # (read by truthiness: a tensor's was torch's "ambiguous" error, a string true)
+        (TypeError, "flash_attn_func: 'return_attn_probs' must be a bool, got tensor",
+         lambda: flash_attn_func(q, k, v, return_attn_probs=torch.tensor([1, 2]))),
+        (TypeError, "flash_attn_varlen_qkvpacked_func: 'return_attn_probs' must be a bool, "
+                    "got 'no'", lambda: flash_attn_varlen_qkvpacked_func(
+            torch.randn(4, 3, 2, 8), torch.tensor([0, 4], dtype=torch.int32), 4,
+            return_attn_probs="no")),
     ]
     for error, name, call in bad:
         with pytest.raises(error, match=name):

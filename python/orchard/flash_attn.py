@@ -259,6 +259,7 @@ def _varlen_probs(q, k, opts, cu_q, cu_k, max_q, max_k):
 def _dense(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
            return_attn_probs, device):
     _check_tensors(fn, q=q, k=k, v=v)
+    return_attn_probs = _flag(fn, "return_attn_probs", return_attn_probs)
     qs, ks, vs = q.shape, k.shape, v.shape
     # Valid shapes in few comparisons (this runs on every call); the checks that name the
     # argument only when they fail.
@@ -395,6 +396,7 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             block_table, device, suffixes=("_q", "_k")):
     cu_names = ["cu_seqlens" + x for x in suffixes]
     _check_tensors(fn, q=q, k=k, v=v)
+    return_attn_probs = _flag(fn, "return_attn_probs", return_attn_probs)
     _check_shape(fn, "q", q, (None,) * 3, "(total_q, nheads, headdim)")
     layout = "(total_k, nheads_k, headdim)"
     if (torch.compiler.is_compiling() and block_table is None
@@ -538,6 +540,16 @@ def _rotary(x, cos, sin, pos, interleaved):
         x1, x2 = xr.chunk(2, -1)
         xr = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), -1)
     return torch.cat((xr.to(x.dtype), x[..., rd:]), -1)
+
+
+def _memory(t):
+    """The bytes [start, end) of t's storage."""
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+
+
+def _overlap(a, b):
+    return a[0] < b[1] and b[0] < a[1]
 
 
 def _check_lengths(fn, seqlens, n, capacity):
@@ -738,9 +750,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if not traced:
             # new keys, values or queries in the cache's own memory are read as they were
             # before the write (index_put_ copies element by element, so overlapping slots
-            # would read keys already moved); traced, functionalization reads them so itself
-            caches = {t.untyped_storage().data_ptr() for t in (k_cache, v_cache)}
-            q, k, v = (t.clone() if t.untyped_storage().data_ptr() in caches else t
+            # would read keys already moved); traced, functionalization reads them so itself.
+            # Memory, not storage objects: views made elsewhere (torch.from_numpy of a NumPy
+            # view of the cache's array) have their own.
+            caches = [_memory(t) for t in (k_cache, v_cache)]
+            q, k, v = (t.clone() if any(_overlap(_memory(t), c) for c in caches) else t
                        for t in (q, k, v))
         # every sequence writing at one offset (a batch of one, or of equal lengths) takes a
         # slice: a third of the time of the index_put below on a decode step
