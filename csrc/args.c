@@ -6,6 +6,7 @@
  * fails raises one exception naming the argument and returns -1.
  */
 #include <float.h>
+#include <limits.h>
 #include <math.h>
 
 #include "pyorchard.h"
@@ -25,10 +26,12 @@ int or_bad_value(void)
     return 1;
 }
 
-/* An integer argument (int, numpy integer, anything with __index__) as a long long; returns
- * 0, or -1: with no exception set when it is not an integer or does not fit (the caller names
- * the argument), with the exception of any other failure (MemoryError, KeyboardInterrupt in
- * an __index__) kept, which the caller passes on. */
+/* An integer argument (int, numpy integer, anything with __index__) as a long long, one
+ * beyond its range as LLONG_MAX or LLONG_MIN (so that the caller's range check says what is
+ * wrong, and a window of 2**63 is as unbounded as one of 2**62); returns 0, or -1: with no
+ * exception set when it is not an integer (the caller names the argument), with the exception
+ * of any other failure (MemoryError, KeyboardInterrupt in an __index__) kept, which the
+ * caller passes on. */
 static int not_a_value(void)
 {
     or_bad_value();
@@ -40,10 +43,13 @@ int or_as_integer(PyObject *obj, long long *out)
     PyObject *i = PyNumber_Index(obj);
     if (i == NULL)
         return not_a_value();
-    *out = PyLong_AsLongLong(i);
+    int overflow;
+    *out = PyLong_AsLongLongAndOverflow(i, &overflow);
     Py_DECREF(i);
     if (*out == -1 && PyErr_Occurred())
         return not_a_value();
+    if (overflow)
+        *out = overflow > 0 ? LLONG_MAX : LLONG_MIN;
     return 0;
 }
 
@@ -800,7 +806,8 @@ int or_parse_shape(PyObject *obj, const char *name, npy_intp *dims)
     for (Py_ssize_t i = 0; ok && i < n; i++) {
         long long v;
         PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
-        ok = !PyBool_Check(item) && or_as_integer(item, &v) == 0 && v >= 0  /* True is no size */
+        /* (True is no size; LLONG_MAX, a size past 64 bits) */
+        ok = !PyBool_Check(item) && or_as_integer(item, &v) == 0 && v >= 0 && v < LLONG_MAX
              && v <= NPY_MAX_INTP;
         dims[i] = ok ? (npy_intp)v : 0;
     }
@@ -808,7 +815,7 @@ int or_parse_shape(PyObject *obj, const char *name, npy_intp *dims)
     if (!ok) {
         if (!PyErr_Occurred())
             PyErr_Format(PyExc_ValueError, "dropout_mask(): '%s' must be a shape (..., N, D) of "
-                         "at least 2 sizes >= 0, got %.100R", name, obj);
+                         "at least 2 sizes in [0, 2**63 - 1), got %.100R", name, obj);
         return -1;
     }
     return (int)n;

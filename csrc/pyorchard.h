@@ -122,7 +122,9 @@ int or_bad_value(void);
 /* The largest finite value of the type the kernels compute a call's operands in (float64:
  * double, else float): softcap, scale and slopes past it would turn inf there */
 double or_compute_max(const or_call *c);
-int or_as_integer(PyObject *obj, long long *out);      /* -1: not an int (no exception), or another failure (its exception) */
+/* An int argument, saturated to LLONG_MIN..LLONG_MAX; -1: not an int (no exception), or another
+ * failure (its exception) */
+int or_as_integer(PyObject *obj, long long *out);
 /* A str argument's UTF-8 text; NULL with TypeError or ValueError naming func and what */
 const char *or_text_arg(const char *func, const char *what, PyObject *obj);
 /* An int argument in lo..hi; -1 with TypeError (not an int, or a bool) or ValueError (out of

@@ -359,12 +359,14 @@ def nonfinite_mismatches(ops, device):
 
 @pytest.mark.parametrize("nq,nk", [(16, 16), (20, 7), (7, 20)])
 def test_windows_past_any_length_are_unbounded(ops, device, rng, nq, nk):
-    """Window entries up to 2**63 - 1 (sys.maxsize, a plausible "unbounded") mask nothing,
-    forward and backward: the mask's sums must not overflow."""
+    """Window entries up to 2**63 - 1 (sys.maxsize, a plausible "unbounded") and past it mask
+    nothing, forward and backward: the mask's sums must not overflow. (2**63 and 2**64 were
+    refused: "must be ints >= -1".)"""
     q, k, v, do = (randn(rng, (1, 2, n, 8), np.float32) for n in (nq, nk, nk, nq))
     out, lse = ops.flash_attn_fwd(q, k, v, device=device)
     grads = ops.flash_attn_bwd(do, q, k, v, out, lse, device=device)
-    for window in ((-1, 2**63 - 1), (2**63 - 1, -1), (2**63 - 2, 2**62 + 1)):
+    for window in ((-1, 2**63 - 1), (2**63 - 1, -1), (2**63 - 2, 2**62 + 1), (2**63, 2**64),
+                   (np.uint64(2**63), -1)):
         o, l = ops.flash_attn_fwd(q, k, v, window=window, device=device)
         g = ops.flash_attn_bwd(do, q, k, v, o, l, window=window, device=device)
         assert np.array_equal(o, out) and np.array_equal(l, lse), window

@@ -117,7 +117,8 @@ def test_varlen_cu_seqlens_dtypes_and_max_seqlen(ops, device, rng, cu_dtype):
     q, k, v, do, cq, ck = packed(rng, np.float32, [3, 5], [4, 2])
     cq, ck = cq.astype(cu_dtype), ck.astype(cu_dtype)
     ro, rl = ref_varlen_fwd(q, k, v, cq, ck, causal=True)
-    for mq, mk in [(None, None), (5, 4), (100, 100)]:
+    # (max_seqlen past 2**63 was refused: "must be an int >= 5")
+    for mq, mk in [(None, None), (5, 4), (100, 100), (2**63, np.uint64(2**64 - 1))]:
         out, lse = ops.flash_attn_varlen_fwd(q, k, v, cq, ck, mq, mk, causal=True, device=device)
         assert_close(out, ro, np.float32, "out", "max_seqlen=%s,%s" % (mq, mk))
         assert_close(lse, rl, np.float32, "lse")
