@@ -548,8 +548,9 @@ def _memory(t):
     return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
 
 
-def _overlap(a, b):
-    return a[0] < b[1] and b[0] < a[1]
+def _overlaps(span, spans):
+    """Whether the bytes [start, end) of span overlap any of spans'."""
+    return any(span[0] < end and start < span[1] for start, end in spans)
 
 
 def _check_lengths(fn, seqlens, n, capacity):
@@ -754,8 +755,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             # Memory, not storage objects: views made elsewhere (torch.from_numpy of a NumPy
             # view of the cache's array) have their own.
             caches = [_memory(t) for t in (k_cache, v_cache)]
-            q, k, v = (t.clone() if any(_overlap(_memory(t), c) for c in caches) else t
-                       for t in (q, k, v))
+            q, k, v = (t.clone() if _overlaps(_memory(t), caches) else t for t in (q, k, v))
         # every sequence writing at one offset (a batch of one, or of equal lengths) takes a
         # slice: a third of the time of the index_put below on a decode step
         one_offset = not traced and in_place and not paged and len(set(seqlens)) == 1
