@@ -43,7 +43,7 @@ if int(transformers.__version__.split(".")[0]) != 5:
 
 from orchard.bert_padding import pad_input, unpad_input
 from orchard.flash_attn import _options, _read_cache, flash_attn_varlen_func
-from orchard.torch import _MAX_HEAD_DIM, _ROUTABLE_DTYPES, _as_autocast, _attention
+from orchard.torch import _MAX_HEAD_DIM, _ROUTABLE_DTYPES, _as_autocast, _attention, _recording
 
 __all__ = ["register", "attention_forward", "attention_mask", "computes_attention_itself",
            "unsupported_reason"]
@@ -303,7 +303,7 @@ def _with_marks(mask):
     """mask, or where it carries no marks the mask attention_mask() made of which it is a
     detached copy (the same memory, shape, strides and dtype)."""
     # (traced tensors have no address)
-    if mask is None or torch.compiler.is_compiling() or vars(mask):
+    if mask is None or _recording() or vars(mask):
         return mask
     made = _made.get(mask.data_ptr())
     if made is not None and (made.shape, made.stride(), made.dtype) == (
@@ -346,7 +346,7 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
             kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
             allow_is_causal_skip=False, allow_is_bidirectional_skip=False, **kwargs)
         mask.orchard_fallback = str(e)
-    if mask is not None and not torch.compiler.is_compiling():
+    if mask is not None and not _recording():
         _made[mask.data_ptr()] = mask
     return mask
 
