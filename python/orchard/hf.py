@@ -292,24 +292,17 @@ def _read_mask_function(fn):
         return None, None, str(e)
 
 
-# The masks attention_mask() made, by address. A reentrant checkpoint
-# (gradient_checkpointing with use_reentrant=True) recomputes a layer on detached copies of the
-# arguments it was given: the same memory, without orchard's marks (a packed batch's ids were
-# then read as a padding mask, which made GPT-2's and OPT's gradients wrong, silently).
-_made = weakref.WeakValueDictionary()
-
-
-def _with_marks(mask):
-    """mask, or where it carries no marks the mask attention_mask() made of which it is a
-    detached copy (the same memory, shape, strides and dtype)."""
-    # (traced tensors have no address)
-    if mask is None or _recording() or vars(mask):
-        return mask
-    made = _made.get(mask.data_ptr())
-    if made is not None and (made.shape, made.stride(), made.dtype) == (
-            mask.shape, mask.stride(), mask.dtype):
-        return made
-    return mask
+def _copied_ids(mask):
+    """Whether mask, without orchard's marks, is a copy of packed sequences' ids that
+    attention_mask() made: a reentrant checkpoint (gradient_checkpointing with
+    use_reentrant=True) recomputes a layer on detached copies of its arguments, a saved
+    tensors hook (save_on_cpu) on copies in other memory, and neither keeps the marks (GPT-2's
+    and OPT's packed ids were then read as a padding mask: gradients wrong, silently). orchard
+    writes the ids negative, which no padding mask is."""
+    # (recorded, the mask is orchard's own, marked, or a caller's: its values are not read)
+    return (mask is not None and mask.dtype == torch.int64 and mask.dim() == 2
+            and not hasattr(mask, "orchard_packed") and not _recording()
+            and bool((mask < 0).any()))
 
 
 def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
@@ -318,8 +311,8 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     """transformers' mask function for "orchard" (AttentionMaskInterface). The queries are at
     positions q_offset.., the keys at kv_offset..; attention_mask (batch, positions) marks
     the real tokens. Returns None, a (batch, keys) bool padding mask over the keys up to the
-    last query, packed-sequence ids marked orchard_packed, or for a mask orchard cannot
-    compute transformers' 4-D sdpa mask marked orchard_fallback (the reason)."""
+    last query, packed-sequence ids (written -1 - id) marked orchard_packed, or for a mask
+    orchard cannot compute transformers' 4-D sdpa mask marked orchard_fallback (the reason)."""
     config = kwargs.get("config")
     if config is not None:
         _refuse_unsupported(config)
@@ -346,8 +339,6 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
             kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
             allow_is_causal_skip=False, allow_is_bidirectional_skip=False, **kwargs)
         mask.orchard_fallback = str(e)
-    if mask is not None and not _recording():
-        _made[mask.data_ptr()] = mask
     return mask
 
 
@@ -386,7 +377,7 @@ def _orchard_mask(batch_size, q_length, kv_length, q_offset, kv_offset, static, 
     if ids is None and config is not None:
         _record_window(config, window)
     if ids is not None:
-        ids = ids.to(torch.int64, copy=True)
+        ids = -1 - ids.to(torch.int64)      # negative: what a copy without the mark shows
         ids.orchard_packed = True
         return ids
     if static or n_keys < kv_length:
@@ -788,7 +779,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     query, key, value = _as_autocast(query, key, value)
     if len({query.dtype, key.dtype, value.dtype}) > 1:
         query, key = query.to(value.dtype), key.to(value.dtype)
-    mask = _with_marks(attention_mask)
+    mask = attention_mask
+    if _copied_ids(mask):
+        mask = mask.view_as(mask)   # (a view to mark, not the caller's tensor)
+        mask.orchard_packed = True
     in_place = _in_place(query, key, value, dropout)
     reason = _why_not(query, key, value, mask, sliding_window, in_place, config, kwargs)
     if reason is not None:
@@ -811,7 +805,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is None and packed:
         # a new sequence starts where the id changes, and at every batch row
-        ids = mask + torch.arange(batch, device=mask.device)[:, None] * (mask.max() + 1)
+        ids = -1 - mask     # (written negative: _orchard_mask)
+        ids = ids + torch.arange(batch, device=mask.device)[:, None] * (ids.max() + 1)
         ids = ids.flatten()
         starts = torch.nonzero(ids[1:] != ids[:-1]).flatten() + 1
         cu_q = cu_k = torch.cat([starts.new_zeros(1), starts, starts.new_tensor([ids.numel()])])
