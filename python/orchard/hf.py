@@ -207,6 +207,9 @@ def _window_of(mask_function):
 _windows_made = {}
 
 
+# Compiled, it runs once as the graph is traced, unseen by Dynamo: traced, its first insertion
+# was guarded on, and the next call compiled the whole forward again
+@torch.compiler.assume_constant_result
 def _record_window(config, window):
     key = id(config)
     ref, windows = _windows_made.get(key, (None, set()))
