@@ -163,6 +163,15 @@ def test_a_tensor_scale_is_refused_not_read_without_its_gradient():
             flash_attention(q, k, v, scale=bad)
 
 
+def test_a_bad_device_is_named_by_flash_attention():
+    """(it was named by the kernel call, flash_attn_fwd())"""
+    q, k, v = qkv((1, 2, 4, 8), (1, 2, 4, 8))
+    with pytest.raises(ValueError, match="^flash_attention: 'device' 'opencl:99' is not an "):
+        flash_attention(q, k, v, device="opencl:99")
+    with pytest.raises(TypeError, match="^flash_attention: 'device' must be a str"):
+        flash_attention(q, k, v, device=0)
+
+
 def test_router_computes_lazily_negated_tensors_and_numpy_scales_without_warnings():
     import warnings
 

@@ -17,8 +17,9 @@ import torch
 
 import orchard_ops
 from orchard.attention_op import _Options
-from orchard.torch import (_MAX_HEAD_DIM, _attention, _check_tensors, _dropout_keep,
-                           _fail, _flag, _forward, _largest_option, _number, _seed)
+from orchard.torch import (_MAX_HEAD_DIM, _attention, _check_device, _check_tensors,
+                           _dropout_keep, _fail, _flag, _forward, _largest_option, _number,
+                           _seed)
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
            "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
@@ -178,12 +179,7 @@ def _checked_options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_s
                   % (in_type, alibi_slopes.tolist()))
         if alibi_slopes.dtype not in (torch.float32, torch.float64):
             alibi_slopes = alibi_slopes.to(torch.float32)
-    # traced, orchard_ops checks the device when the graph runs (the C call would break it)
-    if device is not None and not torch.compiler.is_compiling():
-        try:
-            orchard_ops.resolve_device(device)
-        except (TypeError, ValueError) as e:
-            raise type(e)("%s: %s" % (fn, str(e).replace("resolve_device(): ", ""))) from None
+    _check_device(fn, device)
     return _Options(scale=softmax_scale, dropout_p=dropout_p, causal=_flag(fn, "causal", causal),
                     window=window, alibi_slopes=alibi_slopes, softcap=softcap,
                     seed=_seed(dropout_p), device=device, seqlen_first=seqlen_first, **varlen)

@@ -169,6 +169,17 @@ def _flag(fn, name, x):
     return bool(x)
 
 
+def _check_device(fn, device):
+    """TypeError/ValueError naming fn's 'device' unless orchard_ops resolves it (not the
+    kernel call's name, which its own check would give)."""
+    # traced, orchard_ops checks the device when the graph runs (the C call would break it)
+    if device is not None and not torch.compiler.is_compiling():
+        try:
+            orchard_ops.resolve_device(device)
+        except (TypeError, ValueError) as e:
+            raise type(e)("%s: %s" % (fn, str(e).replace("resolve_device(): ", ""))) from None
+
+
 def _check_tensors(fn, **tensors):
     """TypeError/ValueError naming the argument unless every value is a dense CPU tensor of
     one floating dtype that orchard computes."""
@@ -204,6 +215,7 @@ def flash_attention(q, k, v, causal=False, dropout_p=0.0, scale=None, *, device=
         _fail("flash_attention", "dropout_p", "must be in [0, 1), got %r" % (dropout_p,))
     if scale is not None:   # (orchard_ops would read a 0-d tensor's value, dropping its gradient)
         scale = _number("flash_attention", "scale", scale)
+    _check_device("flash_attention", device)
     opts = _Options(scale=scale, dropout_p=dropout_p, causal=_flag("flash_attention", "causal",
                                                                    causal),
                     seed=_seed(dropout_p), device=device)
