@@ -2,6 +2,7 @@
 tiny sizes (timings are not checked here: benchmarks are not timed tests)."""
 import json
 import os
+import threading
 
 import pytest
 
@@ -145,6 +146,28 @@ def test_plot_draws_what_was_timed():
     assert benchmark.plot_kind(rows[:1]) == ("bfloat16", True)
     assert benchmark.plot_kind(rows + [{"dtype": "float32", "causal": True}]) == ("float32", True)
     assert benchmark.plot_kind(rows + [{"dtype": "float32", "causal": False}]) == ("float32", False)
+
+
+def test_bench_plot_into_a_fifo_named_without_a_suffix(tmp_path):
+    """A device or FIFO (/dev/null) is written itself, in PNG: /dev/null.png was written
+    beside /dev/null, and with --overwrite matplotlib refused the format ''."""
+    pytest.importorskip("matplotlib")
+    fifo = tmp_path / "plot"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(open(fifo, "rb").read()))
+    reader.start()
+    r = run_python("""
+        from orchard.cli import bench
+        bench.main(["--quick", "--dtypes", "float32", "--causal", "no", "--devices", "cpu",
+                    "--plot", %r, "--overwrite"])
+    """ % str(fifo), timeout=600)
+    if reader.is_alive():   # (nothing opened it: let the reader go)
+        open(fifo, "wb").close()
+    reader.join()
+    assert r.returncode == 0, r.stderr
+    assert got[0][:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "plot.png").exists()
 
 
 def test_notebook_runs(tmp_path):

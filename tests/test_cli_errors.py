@@ -166,6 +166,8 @@ def expected_cases(f):
         ("tune", ["--repeats", "0"], {}, ["--repeats", "'0'"]),
         ("tune", ["--timeout", "0.5"], {}, ["--timeout", ">= 1", "'0.5'"]),
         ("tune", ["--timeout", "inf"], {}, ["--timeout", "finite", "'inf'"]),
+        ("prepare", [str(f["dir"]), "-o", "x.json", "--ext", ""], {},
+         ["argument --ext:", "got ''"]),
         ("prepare", [str(f["dir"]), "-o", "x.json", "--max-bytes", "0"], {},
          ["--max-bytes", "'0'"]),
         # devices: an argument, and the environment
@@ -228,7 +230,12 @@ def expected_cases(f):
         ("train", tiny + ["--epochs", str(2**63 - 1), "--output", str(f["dir"] / "out_epochs")],
          {}, ["argument --epochs:", "steps are more than 9223372036854775807 steps"]),
         ("generate", ["--checkpoint", str(f["dir"] / "none.pt")], {},
-         ["argument --checkpoint:", "none.pt", "cannot read"]),
+         ["argument --checkpoint:", "none.pt", "no such checkpoint"]),
+        # (read without end, before: the machine's OOM killer ended it)
+        ("generate", ["--checkpoint", "/dev/zero"], {},
+         ["argument --checkpoint:", "/dev/zero: not a regular file"]),
+        ("train", ["--resume", "/dev/zero", "--output", str(f["dir"] / "out_zero")], {},
+         ["argument --resume:", "/dev/zero: not a regular file"]),
         ("generate", ["--checkpoint", f["damaged.pt"]], {},
          ["argument --checkpoint:", "damaged.pt", "not a readable"]),
         ("generate", ["--checkpoint", f["pickle.pt"]], {},
@@ -283,8 +290,8 @@ def expected_cases(f):
          ["--output", "dangling is a symbolic link whose target cannot be reached"]),
         # "--option=--", which argparse gives no value unchecked: "--" is the value
         ("train", ["--config=--"], {}, ["--config", "--: no such config file"]),
-        ("train", ["--resume=--", "--device", "cpu"], {}, ["--resume", "--: cannot read"]),
-        ("generate", ["--checkpoint=--"], {}, ["--checkpoint", "--: cannot read"]),
+        ("train", ["--resume=--", "--device", "cpu"], {}, ["--resume", "--: no such checkpoint"]),
+        ("generate", ["--checkpoint=--"], {}, ["--checkpoint", "--: no such checkpoint"]),
         ("bench", ["--shapes=--"], {}, ["--shapes", "(got '--')"]),
     ] + ([
         # transformers models: an encoder's config, a damaged weights file

@@ -199,15 +199,15 @@ def plot(rows, path):
 
 
 def save_figure(fig, path, dpi):
-    """fig into path in the format its suffix names, replacing the file atomically (written
-    straight, a failure midway had left a cut file where an --overwrite'd plot was), and
-    closed."""
+    """fig into path in the format its suffix names (PNG without one: a device such as
+    /dev/null), replacing the file atomically (written straight, a failure midway had left a
+    cut file where an --overwrite'd plot was), and closed."""
     import matplotlib.pyplot as plt
 
     from .atomic import write_atomically
     try:
         write_atomically(path, lambda f: fig.savefig(
-            f, format=os.path.splitext(path)[1][1:].lower(), dpi=dpi))
+            f, format=os.path.splitext(path)[1][1:].lower() or "png", dpi=dpi))
     finally:
         plt.close(fig)
 

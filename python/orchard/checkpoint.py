@@ -14,6 +14,7 @@ import torch
 
 from .atomic import WriteErrors, write_atomically
 from .config import ConfigError, first_line
+from .data import file_problem
 
 
 def save_checkpoint(state, path):
@@ -47,6 +48,9 @@ KEYS = ("model", "optimizer", "step", "seed", "config", "model_config", "data", 
 
 def load_checkpoint(path):
     path = checkpoint_path(path)
+    problem = file_problem(path, "checkpoint")   # (/dev/zero was read without end)
+    if problem:
+        raise CheckpointError("%s: %s" % (path, problem))
     damaged = _damaged_part(path)
     if damaged:
         raise CheckpointError("%s: damaged: its part %s does not match the checksum it was "

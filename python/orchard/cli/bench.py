@@ -176,7 +176,8 @@ def main(argv=None):
                              % (scaling_bench.NS[0], scaling_bench.NS[-1]))
     parser.add_argument("--max-n", type=integer(scaling_bench.NS[0]), metavar="N",
                         help="With --scaling: the largest N of the tables, a bound on "
-                             "their Ns (%d at most, %d with --quick). Default: the most."
+                             "their Ns (which stop at %d, at %d with --quick). Default: no "
+                             "bound."
                              % (scaling_bench.NS[-1], scaling_bench.QUICK_NS[-1]))
     parser.add_argument("--head-dims", metavar="D,...",
                         type=integer_list(1, orchard_ops.build_info()["max_head_dim"]),
@@ -199,8 +200,12 @@ def main(argv=None):
                                              ("--decode", args.decode)) if wanted]
     if needs_torch and importlib.util.find_spec("torch") is None:
         raise UsageError("%s needs torch (pip install '.[torch]')" % " and ".join(needs_torch))
-    if args.plot and not os.path.splitext(args.plot)[1]:
-        args.plot += ".png"     # what matplotlib writes for a name without a suffix
+    # what matplotlib writes for a name without a suffix; a device or FIFO (/dev/null) is
+    # written itself, in PNG
+    if (args.plot and not os.path.splitext(args.plot)[1]
+            and not (os.path.exists(args.plot) and not os.path.isfile(args.plot)
+                     and not os.path.isdir(args.plot))):
+        args.plot += ".png"
         try:    # the file written, checked as the name given was
             output_file(args.plot)
         except argparse.ArgumentTypeError as exc:

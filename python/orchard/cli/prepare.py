@@ -47,6 +47,8 @@ def main(argv=None):
     parser.add_argument("--json", action="store_true",
                         help="Print the summary as one JSON object instead of a sentence.")
     args = parser.parse_args(argv)
+    if "" in (args.ext or ()):      # (every file ends in "": it read them all)
+        raise UsageError("argument --ext: must name a suffix (got '')")
     if not os.path.isdir(args.src_dir):
         raise UsageError("SRC_DIR is not a folder (%r)" % args.src_dir)
     if not args.output or args.output.endswith(os.sep):
