@@ -729,6 +729,39 @@ def test_transformers_window_only_the_mask_holds_is_applied_when_compiled():
                                    rtol=0, atol=2e-5)
 
 
+def test_transformers_windows_layers_keep_are_applied_in_every_compiled_call():
+    """Qwen2-MoE keeps its window on its sliding layers (none on its full ones) and passes
+    none: compiled over packed sequences, whose offsets break the graph in each layer, the
+    frame compiled for the full layer served the sliding one from the second call on (0.18
+    off sdpa, silently): the kept window is read so that Dynamo guards on it."""
+    pytest.importorskip("transformers")
+    import orchard.hf  # noqa: F401  (registers "orchard")
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.for_model("qwen2_moe", use_sliding_window=True, sliding_window=4,
+                                  max_window_layers=1, vocab_size=128, hidden_size=64,
+                                  intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=128, moe_intermediate_size=32,
+                                  shared_expert_intermediate_size=32, num_experts=4,
+                                  num_experts_per_tok=2)
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="orchard").eval()
+    model.load_state_dict(ref.state_dict())
+    assert [getattr(layer.self_attn, "sliding_window", None)
+            for layer in model.model.layers] == [4, None]
+    kw = dict(input_ids=torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1)),
+              position_ids=torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6],
+                                         [0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8]]),
+              use_cache=False)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda **kw: model(**kw).logits, backend="aot_eager")
+    with torch.no_grad():
+        want = ref(**kw).logits
+        for _ in range(2):
+            torch.testing.assert_close(compiled(**kw), want, rtol=0, atol=2e-5)
+
+
 def test_transformers_packed_sequences_compile_to_one_graph():
     """Packed sequences given as transformers' FlashAttention keywords (cu_seq_lens_q/k with
     max_length_q/k, as DataCollatorWithFlattening makes them): one graph, forward and

@@ -223,11 +223,16 @@ def _record_window(config, window):
 def _window_for(module):
     """The window of a layer that passed none: its own attribute (Qwen2-MoE keeps it), else
     the one every causal mask made for its model had, else None."""
-    # not getattr(module, "sliding_window", None): for the layers without one (most),
-    # nn.Module's __getattr__ raised and caught an AttributeError, 3 us of every call
-    window = vars(module).get("sliding_window")
-    if window is None and hasattr(type(module), "sliding_window"):   # a property, say
-        window = module.sliding_window
+    if torch.compiler.is_compiling():
+        # (Dynamo guards on getattr, not on a read of vars(): the compiled frame of a layer
+        # without a window served the windowed layers of Qwen2-MoE's packed forwards)
+        window = getattr(module, "sliding_window", None)
+    else:
+        # not getattr: for the layers without one (most), nn.Module's __getattr__ raised and
+        # caught an AttributeError, 3 us of every call
+        window = vars(module).get("sliding_window")
+        if window is None and hasattr(type(module), "sliding_window"):   # a property, say
+            window = module.sliding_window
     if window is not None:
         return window
     config = getattr(module, "config", None)
@@ -300,8 +305,8 @@ def _copied_ids(mask):
     attention_mask() made: a reentrant checkpoint (gradient_checkpointing with
     use_reentrant=True) recomputes a layer on detached copies of its arguments, a saved
     tensors hook (save_on_cpu) on copies in other memory, and neither keeps the marks (GPT-2's
-    and OPT's packed ids were then read as a padding mask: gradients wrong, silently). orchard
-    writes the ids negative, which no padding mask is."""
+    packed ids were then read as a padding mask: gradients wrong, silently). orchard writes
+    the ids negative, which no padding mask is."""
     # (recorded, the mask is orchard's own, marked, or a caller's: its values are not read)
     return (mask is not None and mask.dtype == torch.int64 and mask.dim() == 2
             and not hasattr(mask, "orchard_packed") and not _recording()
@@ -377,7 +382,7 @@ def _orchard_mask(batch_size, q_length, kv_length, q_offset, kv_offset, static, 
     if not static and not q_length <= n_keys <= kv_length:
         raise _Unsupported("queries at positions %d to %d over keys at %d to %d" % (
             q_offset, q_offset + q_length - 1, kv_offset, kv_offset + kv_length - 1))
-    if ids is None and config is not None:
+    if config is not None:      # (packed too: a model trained on packed sequences alone)
         _record_window(config, window)
     if ids is not None:
         ids = -1 - ids.to(torch.int64)      # negative: what a copy without the mark shows
