@@ -25,7 +25,7 @@ import sys
 import orchard_ops
 
 from .. import benchmark, scaling_bench
-from ..atomic import write_atomically
+from ..atomic import is_stdout, write_atomically
 from ..progress import Progress
 from .args import (Parser, UsageError, choices_list, console_script, devices, env_flag,
                    integer, integer_list, output_file, shape, writing)
@@ -160,7 +160,8 @@ def main(argv=None):
                              "after each problem, with \"complete\": false until the last.")
     parser.add_argument("--plot", type=output_file, metavar="FILE",
                         help="Write a plot of forward GFLOP/s against N to FILE, in the "
-                             "format its suffix names (.png added to a name without one; with "
+                             "format its suffix names (.png added to a name without one, "
+                             "PNG into a device or FIFO named so; with "
                              "--scaling: forward and backward, a panel per dtype, causal "
                              "flag and head dim).")
     parser.add_argument("--overwrite", action="store_true",
@@ -200,9 +201,9 @@ def main(argv=None):
                                              ("--decode", args.decode)) if wanted]
     if needs_torch and importlib.util.find_spec("torch") is None:
         raise UsageError("%s needs torch (pip install '.[torch]')" % " and ".join(needs_torch))
-    # what matplotlib writes for a name without a suffix; a device or FIFO (/dev/null) is
-    # written itself, in PNG
-    if (args.plot and not os.path.splitext(args.plot)[1]
+    # what matplotlib writes for a name without a suffix; a device or FIFO (/dev/null), or
+    # standard output, is written itself, in PNG
+    if (args.plot and not os.path.splitext(args.plot)[1] and not is_stdout(args.plot)
             and not (os.path.exists(args.plot) and not os.path.isfile(args.plot)
                      and not os.path.isdir(args.plot))):
         args.plot += ".png"
