@@ -702,23 +702,29 @@ def test_transformers_forward_without_a_cache_compiles_around_its_mask(packed):
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 4
 
 
+def tiny_window_pair(model_type, **extra):
+    """(sdpa model, orchard model) of a tiny transformers model with a window of 4, the same
+    weights."""
+    pytest.importorskip("transformers")
+    import orchard.hf  # noqa: F401  (registers "orchard")
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.for_model(model_type, sliding_window=4, num_key_value_heads=2,
+                                  vocab_size=128, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4,
+                                  max_position_embeddings=128, **extra)
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="orchard").eval()
+    model.load_state_dict(ref.state_dict())
+    return ref, model
+
+
 def test_transformers_window_only_the_mask_holds_is_applied_when_compiled():
     """PhiMoE neither passes nor keeps its window: orchard takes the one its masks had. Its
     compiled forward without a cache wraps the window's mask in a packed-sequence one; read
     through that wrapper, the window is recorded (it was lost, and the compiled forward and
     the eager ones after it ran without a window, 0.39 off sdpa)."""
-    pytest.importorskip("transformers")
-    import orchard.hf  # noqa: F401  (registers "orchard")
-    from transformers import AutoConfig, AutoModelForCausalLM
-    config = AutoConfig.for_model("phimoe", sliding_window=4, num_key_value_heads=2,
-                                  vocab_size=128, hidden_size=64, intermediate_size=128,
-                                  num_hidden_layers=2, num_attention_heads=4,
-                                  max_position_embeddings=128, num_local_experts=4,
-                                  num_experts_per_tok=2)
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="orchard").eval()
-    model.load_state_dict(ref.state_dict())
+    ref, model = tiny_window_pair("phimoe", num_local_experts=4, num_experts_per_tok=2)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = ref(input_ids=ids, use_cache=False).logits
@@ -734,20 +740,9 @@ def test_transformers_windows_layers_keep_are_applied_in_every_compiled_call():
     none: compiled over packed sequences, whose offsets break the graph in each layer, the
     frame compiled for the full layer served the sliding one from the second call on (0.18
     off sdpa, silently): the kept window is read so that Dynamo guards on it."""
-    pytest.importorskip("transformers")
-    import orchard.hf  # noqa: F401  (registers "orchard")
-    from transformers import AutoConfig, AutoModelForCausalLM
-    config = AutoConfig.for_model("qwen2_moe", use_sliding_window=True, sliding_window=4,
-                                  max_window_layers=1, vocab_size=128, hidden_size=64,
-                                  intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2,
-                                  max_position_embeddings=128, moe_intermediate_size=32,
-                                  shared_expert_intermediate_size=32, num_experts=4,
-                                  num_experts_per_tok=2)
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="orchard").eval()
-    model.load_state_dict(ref.state_dict())
+    ref, model = tiny_window_pair("qwen2_moe", use_sliding_window=True, max_window_layers=1,
+                                  moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                                  num_experts=4, num_experts_per_tok=2)
     assert [getattr(layer.self_attn, "sliding_window", None)
             for layer in model.model.layers] == [4, None]
     kw = dict(input_ids=torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1)),
