@@ -408,10 +408,14 @@ def test_an_encoder_falls_back_to_sdpa_with_or_without_padding(fresh_warnings):
     ("qwen2_moe", dict(moe_intermediate_size=32, shared_expert_intermediate_size=32,
                        num_experts=4, num_experts_per_tok=2, use_sliding_window=True,
                        layer_types=["sliding_attention"] * 2)),
+    # its full-attention layers keep none: they warned of several windows
+    ("qwen2_moe", dict(moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                       num_experts=4, num_experts_per_tok=2, use_sliding_window=True,
+                       layer_types=["sliding_attention", "full_attention"])),
     # neither passes nor keeps it: only its mask has it
     ("phimoe", dict(num_local_experts=4, num_experts_per_tok=2)),
 ])
-def test_a_window_the_layer_does_not_pass_is_applied(model_type, extra):
+def test_a_window_the_layer_does_not_pass_is_applied(model_type, extra, no_fallback):
     """Such layers ran full causal attention on orchard (their masks, which orchard's mask
     function leaves out, held the window), 0.4 off sdpa, without a word."""
     from transformers import AutoConfig, AutoModelForCausalLM

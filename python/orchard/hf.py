@@ -236,6 +236,12 @@ def _window_for(module):
     if window is not None:
         return window
     config = getattr(module, "config", None)
+    # a layer its config calls full attention has none (Qwen2-MoE's, beside sliding ones,
+    # warned of several windows)
+    types, index = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+    if (isinstance(types, (list, tuple)) and isinstance(index, int) and 0 <= index < len(types)
+            and types[index] == "full_attention"):
+        return None
     ref, windows = _windows_made.get(id(config), (None, set()))
     if ref is None or ref() is not config:
         return None
