@@ -40,6 +40,12 @@ def is_stdout(path):
         return False
 
 
+def written_in_place(path):
+    """Whether path is a device or FIFO (/dev/null), which write_atomically writes itself,
+    never replacing it by a file."""
+    return os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path)
+
+
 @contextlib.contextmanager
 def _terminate_cleans_up():
     """SIGTERM, where it would end the process at once (its default action), raises
@@ -70,7 +76,7 @@ def write_atomically(path, write):
         with os.fdopen(os.dup(1), "wb") as f:
             write(f)
         return
-    if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
+    if written_in_place(path):
         with open(path, "wb") as f:
             write(f)
         return

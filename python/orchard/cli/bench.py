@@ -25,7 +25,7 @@ import sys
 import orchard_ops
 
 from .. import benchmark, scaling_bench
-from ..atomic import is_stdout, write_atomically
+from ..atomic import is_stdout, write_atomically, written_in_place
 from ..progress import Progress
 from .args import (Parser, UsageError, choices_list, console_script, devices, env_flag,
                    integer, integer_list, output_file, shape, writing)
@@ -204,8 +204,7 @@ def main(argv=None):
     # what matplotlib writes for a name without a suffix; a device or FIFO (/dev/null), or
     # standard output, is written itself, in PNG
     if (args.plot and not os.path.splitext(args.plot)[1] and not is_stdout(args.plot)
-            and not (os.path.exists(args.plot) and not os.path.isfile(args.plot)
-                     and not os.path.isdir(args.plot))):
+            and not written_in_place(args.plot)):
         args.plot += ".png"
         try:    # the file written, checked as the name given was
             output_file(args.plot)
