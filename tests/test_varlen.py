@@ -172,6 +172,21 @@ def test_varlen_empty_total(ops, device, rng):
     assert np.all(dk == 0) and np.all(dv == 0)
 
 
+def test_varlen_empty_sequences_change_nothing(ops, device, rng):
+    """Thousands of empty sequences between and after the real ones (a batch padded to a fixed
+    number of sequences; orchard.hf's compiled packing) give the results without them, bit for
+    bit; the native path leaves their work items out rather than sorting and running them."""
+    q, k, v, do, cq, ck = packed(rng, np.float32, [5, 9], [7, 9])
+    want = ops.flash_attn_varlen_fwd(q, k, v, cq, ck, causal=True, device=device)
+    want += ops.flash_attn_varlen_bwd(do, q, k, v, *want, cq, ck, causal=True, device=device)
+    cq, ck = (np.concatenate([c[:1], np.repeat(c[1], 3000), c[1:], np.repeat(c[-1], 3000)])
+              .astype(np.int32) for c in (cq, ck))
+    got = ops.flash_attn_varlen_fwd(q, k, v, cq, ck, causal=True, device=device)
+    got += ops.flash_attn_varlen_bwd(do, q, k, v, *got, cq, ck, causal=True, device=device)
+    for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        assert np.array_equal(g, w), name
+
+
 def test_varlen_masked_rows(ops, device, rng):
     """Sequences with Nk < Nq under causal and with Nk = 0: out 0, lse -inf, grads 0."""
     q, k, v, do, cq, ck = packed(rng, np.float32, [6, 3], [2, 0])

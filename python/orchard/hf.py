@@ -619,6 +619,24 @@ def _lengths(cu, longest):
     return cu.to(torch.int32), longest
 
 
+def _packed_offsets(mask, batch):
+    """cu_seq_lens of a packed-ids mask (_orchard_mask): a new sequence starts where the id
+    changes, and at every batch row. Compiled, one entry a token, the starts first and the rest
+    empty sequences at the end: a shape that does not depend on the values, so the layers
+    stay in the graph (the exact offsets broke it in every layer and recompiled there for each
+    new number of sequences, 19 graphs over a 3-layer Llama's first 12 packings)."""
+    ids = -1 - mask     # (written negative: _orchard_mask)
+    ids = (ids + torch.arange(batch, device=mask.device)[:, None] * (ids.max() + 1)).flatten()
+    tokens = ids.numel()
+    if torch.compiler.is_compiling():
+        first = torch.cat([ids.new_ones(1, dtype=torch.bool), ids[1:] != ids[:-1]])
+        where = torch.arange(tokens, device=ids.device)
+        starts = torch.where(first, where, tokens).sort().values
+        return torch.cat([starts, starts.new_tensor([tokens])])
+    starts = torch.nonzero(ids[1:] != ids[:-1]).flatten() + 1
+    return torch.cat([starts.new_zeros(1), starts, starts.new_tensor([tokens])])
+
+
 def _check_covers(name, cu, tokens):
     """cu_seq_lens of a packed batch must cover its tokens, 0 to B * N: flash_attn_varlen_func
     takes tokens outside them as padding (FlashAttention-2's static buffers), and a packed
@@ -818,12 +836,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is None and packed:
-        # a new sequence starts where the id changes, and at every batch row
-        ids = -1 - mask     # (written negative: _orchard_mask)
-        ids = ids + torch.arange(batch, device=mask.device)[:, None] * (ids.max() + 1)
-        ids = ids.flatten()
-        starts = torch.nonzero(ids[1:] != ids[:-1]).flatten() + 1
-        cu_q = cu_k = torch.cat([starts.new_zeros(1), starts, starts.new_tensor([ids.numel()])])
+        cu_q = cu_k = _packed_offsets(mask, batch)
+        if torch.compiler.is_compiling():   # no sequence spans two rows
+            kwargs = dict(kwargs, max_length_q=mask.shape[1], max_length_k=mask.shape[1])
     if cu_q is not None and cu_k is not None:
         (cu_q, max_q), (cu_k, max_k) = (_lengths(cu_q, kwargs.get("max_length_q")),
                                         _lengths(cu_k, kwargs.get("max_length_k")))
