@@ -318,7 +318,8 @@ int or_call_device(or_call *c, PyObject *device, PyObject **objs, const int *slo
 static PyObject *caller_shape(or_call *c, int slot, int nd, const npy_intp *dims)
 {
     npy_intp d[NPY_MAXDIMS];
-    memcpy(d, dims, sizeof(npy_intp) * (size_t)nd);
+    if (nd > 0)     /* (a 0-d array's dims are NULL) */
+        memcpy(d, dims, sizeof(npy_intp) * (size_t)nd);
     if (c->seqlen_first && slot != OR_LSE && nd >= 3) {
         d[nd - 3] = dims[nd - 2];
         d[nd - 2] = dims[nd - 3];

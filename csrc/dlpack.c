@@ -262,10 +262,10 @@ PyArrayObject *or_from_dlpack(or_module_state *st, PyObject *obj, const char *fu
     }
     if (typenum < 0) {
         PyErr_Format(PyExc_TypeError, "%s(): argument '%s' must be %s, not DLPack type code %d "
-                     "with %d bits", func, name, dt ? "a float16, float32, float64 or bfloat16 "
-                     "array" : t->dtype.code == 4 ? "an array of integers or floats (a bfloat16 "
-                     "tensor: convert it first)" : "an array of integers or floats",
-                     (int)t->dtype.code, (int)t->dtype.bits);
+                     "with %d bits and %d lanes", func, name, dt ? "a float16, float32, float64 "
+                     "or bfloat16 array" : t->dtype.code == 4 ? "an array of integers or floats "
+                     "(a bfloat16 tensor: convert it first)" : "an array of integers or floats",
+                     (int)t->dtype.code, (int)t->dtype.bits, (int)t->dtype.lanes);
         goto done;
     }
     if (t->ndim < 0 || t->ndim > NPY_MAXDIMS || (t->ndim > 0 && t->shape == NULL)) {

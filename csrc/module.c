@@ -268,6 +268,11 @@ static PyObject *dropout_mask(PyObject *module, PyObject *args, PyObject *kw)
                      "dividing q's) and q's head dim", ks, qs);
         return NULL;
     }
+    if (qd[qn - 1] < 1 || qd[qn - 1] > OR_MAX_HEAD_DIM) {
+        PyErr_Format(PyExc_ValueError, "dropout_mask(): 'q_shape' %.100R must have a head dim "
+                     "(last dimension) in 1.." OR_STR(OR_MAX_HEAD_DIM) ", as attention takes", qs);
+        return NULL;
+    }
     or_opts o = OPTS_INIT;
     o.seed = seed_obj;
     o.dropout_p = p;

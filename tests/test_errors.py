@@ -64,6 +64,8 @@ CASES = [
     ("v_dict", "v = {'a': 1}", "fwd(q, k, v)", [TE], ["v"]),
     ("q_1d", "q, k, v = a(8), a(8), a(8)", "fwd(q, k, v)", [VE], ["q"]),
     ("q_0d", "q = np.float32(1.0)", "fwd(q, k, v)", [VE, TE], ["q"]),
+    # a 0-d array (no dims, unlike a NumPy scalar) named in the message of shapes
+    ("k_0d_array", "k = np.array(1.0, np.float32)", "fwd(q, k, v)", [VE], ["k", "()"]),
     ("D_0", "q, k = a(1, 2, 5, 0), a(1, 2, 6, 0)", "fwd(q, k, v)", [VE], ["q"]),
     ("D_257", "q, k = a(1, 2, 5, 257), a(1, 2, 6, 257)", "fwd(q, k, v)", [VE], ["q"]),
     ("Dv_0", "v = a(1, 2, 6, 0)", "fwd(q, k, v)", [VE], ["v"]),
@@ -177,6 +179,10 @@ CASES = [
     ("mask_k_head_dim", "", "ops.dropout_mask((1, 2, 8, 4), (1, 2, 8, 5), 0.5)", [VE],
      ["k_shape", "head dim"]),
     ("mask_k_rank", "", "ops.dropout_mask((2, 5, 8), (6, 8), 0.5)", [VE], ["k_shape"]),
+    ("mask_head_dim_0", "", "ops.dropout_mask((1, 2, 5, 0), (1, 2, 6, 0), 0.5)", [VE],
+     ["q_shape", "head dim", "1..256"]),
+    ("mask_head_dim_300", "", "ops.dropout_mask((2, 5, 300), (2, 6, 300), 0.5)", [VE],
+     ["q_shape", "head dim", "1..256"]),
     # finite as doubles, inf in the float32 the kernels compute these operands in
     ("scale_past_float32", "", "fwd(q, k, v, scale=1e39)", [VE], ["scale"]),
     ("softcap_past_float32", "", "fwd(q, k, v, softcap=1e39)", [VE], ["softcap"]),

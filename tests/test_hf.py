@@ -385,22 +385,95 @@ def test_an_unknown_mask_is_named_by_its_factories():
         hf._packed_ids(fn)
 
 
-def test_an_encoder_falls_back_to_sdpa_with_or_without_padding(fresh_warnings):
-    """An encoder's bidirectional mask, which sdpa skips where nothing is padded, still falls
-    back with its warning (README: encoders run on the fallback)."""
+def bert_pair():
+    """(sdpa BERT, orchard BERT) with the same weights, no dropout."""
     from transformers import BertConfig, BertModel
     torch.manual_seed(0)
     config = BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, intermediate_size=128)
+                        num_attention_heads=4, intermediate_size=128,
+                        attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0)
     ref = BertModel(config).eval()
     model = copy.deepcopy(ref)
     model.set_attn_implementation("orchard")
-    ids = tokens(2, 8)
-    for mask in (None, torch.ones(2, 8, dtype=torch.long), padding("right", 2, 8)):
-        hf._warned.clear()
-        with pytest.warns(UserWarning, match="bidirectional"):
-            got = model(input_ids=ids, attention_mask=mask).last_hidden_state
-        assert_close(got, ref(input_ids=ids, attention_mask=mask).last_hidden_state)
+    return ref, model
+
+
+def hidden_and_grads(model, ids, mask):
+    """Every position's last hidden state and every parameter's gradient of a weighted sum
+    of the real ones, and orchard's counters."""
+    model.zero_grad()
+    orchard_ops.reset_stats()
+    out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    real = torch.ones(ids.shape) if mask is None else mask
+    (out * weights * real[..., None]).sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return out.detach(), grads, orchard_ops.stats()
+
+
+@pytest.mark.parametrize("kind", [None, "none", "right", "left", "gaps"])
+def test_an_encoder_runs_on_orchard_with_or_without_padding(kind, no_fallback):
+    """An encoder's bidirectional mask: none where nothing is padded (the layers are not
+    causal), else every query over its row's real keys, padded queries too, as sdpa (they
+    fell back to sdpa until the sixty-second session)."""
+    ref, model = bert_pair()
+    ids = tokens(3, 12)
+    mask = None if kind is None else padding(kind)
+    got, want = hidden_and_grads(model, ids, mask), hidden_and_grads(ref, ids, mask)
+    assert got[2]["fwd_calls"] == 2 and got[2]["bwd_calls"] == 2
+    assert_close(got[0], want[0])       # every position, padded ones included
+    for name in want[1]:
+        assert_close(got[1][name], want[1][name])
+
+
+def test_a_bidirectional_mask_copied_without_its_mark_is_read(no_fallback):
+    """A reentrant checkpoint recomputes each layer on a detached copy of its mask, without
+    orchard's mark: a (batch, 1, 1, keys) bool mask is read as the same keys."""
+    ref, model = bert_pair()
+    ids, mask = tokens(3, 12), padding("gaps")
+    for m in (ref, model):
+        m.train()
+        m.activation_checkpointing_enable(dict(use_reentrant=True))
+    got, want = hidden_and_grads(model, ids, mask), hidden_and_grads(ref, ids, mask)
+    assert got[2]["fwd_calls"] == 4 and got[2]["bwd_calls"] == 2   # the layers again
+    for name in want[1]:
+        assert_close(got[1][name], want[1][name])
+
+
+def test_a_vision_encoder_without_a_mask_runs_on_orchard(no_fallback):
+    from transformers import ViTConfig, ViTModel
+    torch.manual_seed(0)
+    ref = ViTModel(ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             intermediate_size=128, image_size=32, patch_size=8)).eval()
+    model = copy.deepcopy(ref)
+    model.set_attn_implementation("orchard")
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    orchard_ops.reset_stats()
+    got = model(pixel_values=pixels).last_hidden_state
+    assert orchard_ops.stats()["fwd_calls"] == 2
+    assert_close(got, ref(pixel_values=pixels).last_hidden_state)
+
+
+def test_cross_attention_over_padded_encoder_states_runs_on_orchard(no_fallback):
+    """BART: the encoder's bidirectional mask and the decoder's cross-attention one (decoder
+    queries over the encoder's real tokens) on orchard, logits and greedy tokens as sdpa's."""
+    from transformers import BartConfig, BartForConditionalGeneration
+    torch.manual_seed(0)
+    ref = BartForConditionalGeneration(BartConfig(
+        vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+        decoder_ffn_dim=128, max_position_embeddings=64)).eval()
+    model = copy.deepcopy(ref)
+    model.set_attn_implementation("orchard")
+    ids, mask = tokens(3, 12), padding("right")
+    decoder_ids = tokens(3, 5, seed=3)
+    orchard_ops.reset_stats()
+    got = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
+    assert orchard_ops.stats()["fwd_calls"] == 6      # encoder, decoder self and cross
+    assert_close(got, ref(input_ids=ids, attention_mask=mask,
+                          decoder_input_ids=decoder_ids).logits)
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, num_beams=1)
+    assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
 
 
 @pytest.mark.parametrize("model_type, extra", [

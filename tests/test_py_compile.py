@@ -562,6 +562,33 @@ def test_transformers_model_compiles_to_one_graph():
     assert torch.equal(model(input_ids=ids).logits, got)
 
 
+def test_transformers_encoder_compiles_around_its_padding_mask():
+    """An encoder (BERT): without padding one graph (fullgraph=True); with padding graph
+    breaks only where its bidirectional mask's real keys are read, once a forward, none in
+    the layers; the eager results."""
+    pytest.importorskip("transformers")
+    import orchard.hf  # noqa: F401  (registers "orchard")
+    from transformers import BertConfig, BertModel
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, intermediate_size=128,
+                                 attn_implementation="orchard")).eval()
+    ids = torch.randint(0, 128, (3, 10))
+    mask = torch.ones(3, 10, dtype=torch.long)
+    mask[0, 6:] = 0
+    mask[2, :3] = 0
+    torch._dynamo.reset()
+    got = torch.compile(model, fullgraph=True, backend="aot_eager")(input_ids=ids)
+    assert torch.equal(got.last_hidden_state, model(input_ids=ids).last_hidden_state)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    got = torch.compile(model, backend="aot_eager")(input_ids=ids, attention_mask=mask)
+    want = model(input_ids=ids, attention_mask=mask)
+    assert torch.equal(got.last_hidden_state, want.last_hidden_state)
+    breaks = torch._dynamo.utils.counters["graph_break"]
+    assert breaks and all("_keys_marked" in reason for reason in breaks), dict(breaks)
+
+
 @pytest.mark.parametrize("left_padded", [False, True], ids=["no-padding", "left-padding"])
 def test_transformers_static_cache_generate_compiles_once(left_padded):
     """generate() over a static cache with the model's forward compiled: the cache's length

@@ -279,8 +279,6 @@ def _packed_ids(mask_function):
     if _code(fn) is _OR:
         raise _Unsupported("a causal mask widened by an or_mask_function (for example "
                            "bidirectional attention within image tokens)")
-    if fn is masking_utils.bidirectional_mask_function:
-        raise _Unsupported("a bidirectional (non-causal) mask")
     raise _Unsupported("a mask function orchard does not know (%s)" % _mask_name(fn))
 
 
@@ -377,6 +375,8 @@ def _orchard_mask(batch_size, q_length, kv_length, q_offset, kv_offset, static, 
                   attention_mask, config, device):
     """attention_mask's answer where orchard computes the mask; _Unsupported where not."""
     n_keys = q_offset + q_length - kv_offset
+    if mask_function is masking_utils.bidirectional_mask_function:
+        return _bidirectional(kv_length, kv_offset, static, attention_mask)
     ids = window = None
     if mask_function is not masking_utils.causal_mask_function:
         ids, window, why = _read_mask_function(mask_function)
@@ -430,23 +430,62 @@ _Tokens = collections.namedtuple("_Tokens", "rows columns cu_seqlens")
 # Eager: reading the mask's values breaks a compiled graph, here once per mask made rather
 # than at every layer (about eight breaks a layer, and the resumed frames of transformers'
 # shared wrappers hit Dynamo's recompile limit, after which the layers ran uncompiled)
+def _tokens(mask):
+    """The real tokens of a (batch, positions) bool mask, as _Tokens."""
+    cu = torch.nn.functional.pad(mask.sum(1).cumsum(0, dtype=torch.int32), (1, 0))
+    return _Tokens(*mask.nonzero(as_tuple=True), cu)
+
+
 @torch.compiler.disable
 def _planned(padding, q_length):
     """None for a (batch, keys) bool padding mask of real tokens only; else the mask, marked
     with its _Plan as orchard_plan."""
     if bool(padding.all()):
         return None
-
-    def tokens(mask):
-        cu = torch.nn.functional.pad(mask.sum(1).cumsum(0, dtype=torch.int32), (1, 0))
-        return _Tokens(*mask.nonzero(as_tuple=True), cu)
-
     leftpad, _, fits = _left_padding(padding, padding, padding.shape[1], False)
     fits = bool(fits)
     padding.orchard_plan = _Plan(padding.shape[1], q_length, fits, leftpad,
-                                 not fits and _has_gaps(padding),
-                                 tokens(padding), tokens(padding[:, padding.shape[1] - q_length:]))
+                                 not fits and _has_gaps(padding), _tokens(padding),
+                                 _tokens(padding[:, padding.shape[1] - q_length:]))
     return padding
+
+
+def _bidirectional(kv_length, kv_offset, static, attention_mask):
+    """attention_mask's answer for a bidirectional mask (an encoder's, a cross-attention's):
+    None without padding, as sdpa's (the layer's is_causal then holds, as for sdpa); else
+    sdpa's own (batch, 1, 1, keys) bool mask, every query seeing the real keys, marked with
+    them (orchard_keys, _Tokens). A copy without the mark (a reentrant checkpoint's) is still
+    the right mask for the fallback."""
+    if static:
+        raise _Unsupported("a bidirectional mask over a static cache")
+    if attention_mask is None:
+        return None
+    padding = attention_mask[:, kv_offset:kv_offset + kv_length].bool()
+    if padding.shape[1] < kv_length:     # as sdpa: positions past the 2-D mask are padding
+        padding = torch.nn.functional.pad(padding, (0, kv_length - padding.shape[1]),
+                                          value=False)
+    return _keys_marked(padding)
+
+
+def _key_padding(mask, batch, n_keys):
+    """The real keys (_Tokens) of a bidirectional padding mask: its mark where _bidirectional
+    made it, else read where it is a (batch, 1, 1, keys) bool mask without the mark (a copy
+    of one, as a reentrant checkpoint makes, or a caller's: sdpa reads it the same way); None
+    for any other mask."""
+    keys = getattr(mask, "orchard_keys", None)
+    if (keys is None and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool
+            and tuple(mask.shape) == (batch, 1, 1, n_keys) and not _recording()):
+        keys = _tokens(mask[:, 0, 0])
+    return keys
+
+
+@torch.compiler.disable     # (as _planned: read once a mask, not in every layer)
+def _keys_marked(padding):
+    if bool(padding.all()):
+        return None
+    mask = padding[:, None, None, :]
+    mask.orchard_keys = _tokens(padding)
+    return mask
 
 
 @torch.compiler.assume_constant_result     # as unsupported_reason
@@ -535,6 +574,8 @@ def _why_not(query, key, value, mask, sliding_window, in_place, config, kwargs):
         return "a paged KV cache (continuous batching)"
     if mask is None or getattr(mask, "orchard_packed", False):
         return None
+    if hasattr(mask, "orchard_keys"):
+        return "a sliding window over a bidirectional mask" if sliding_window is not None else None
     if mask.dim() != 2:
         # orchard's mask function marks the 4-D masks it makes; those a model cut from them
         # are new tensors, unmarked (read on the tensor it cut, `_base`, the mark is lost
@@ -779,6 +820,19 @@ def _planned_attention(query, key, value, plan, options, in_place):
     return pad_input(out, qs.rows * nq + qs.columns, batch, nq)
 
 
+def _keys_attention(query, key, value, keys, options):
+    """attention_forward's call with a bidirectional padding mask (_bidirectional): every query
+    over its row's real keys (keys, _Tokens), gathered onto the varlen path; not reading the
+    mask (compiled: no graph break). out (B, Nq, H, Dv)."""
+    batch, nq = query.shape[0], query.shape[2]
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    cu_q = torch.arange(0, (batch + 1) * nq, nq, dtype=torch.int32, device=query.device)
+    out = flash_attn_varlen_func(q.reshape(batch * nq, *q.shape[2:]), k[keys.rows, keys.columns],
+                                 v[keys.rows, keys.columns], cu_q, keys.cu_seqlens, nq,
+                                 key.shape[2], **options)
+    return out.view(batch, nq, *out.shape[1:])
+
+
 # sliding_window's default: a layer that passes none (Qwen2-MoE, PhiMoE) is told apart from one
 # that passes None for a full-attention layer while keeping its model's window (Exaone 4)
 _NOT_PASSED = object()
@@ -799,6 +853,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                       "weights, so none are returned (attn_implementation='eager' returns "
                       "them)", stacklevel=3)
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+    keys = _key_padding(attention_mask, query.shape[0], key.shape[2])
+    if keys is not None:     # a bidirectional mask governs, as sdpa's
+        causal = False
     if sliding_window is _NOT_PASSED:
         # a layer with a window that does not pass it on (Qwen2-MoE, PhiMoE): its mask, which
         # orchard's mask function left out, applied it
@@ -812,6 +869,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if len({query.dtype, key.dtype, value.dtype}) > 1:
         query, key = query.to(value.dtype), key.to(value.dtype)
     mask = attention_mask
+    if keys is not None and not hasattr(mask, "orchard_keys"):
+        mask = mask.view_as(mask)   # (a view to mark, not the caller's tensor)
+        mask.orchard_keys = keys
     if _copied_ids(mask):
         mask = mask.view_as(mask)   # (a view to mark, not the caller's tensor)
         mask.orchard_packed = True
@@ -823,6 +883,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     options = dict(dropout_p=dropout, softmax_scale=scaling, causal=causal, window_size=window,
                    softcap=softcap or 0.0)
     batch, heads, nq, _ = query.shape
+    if keys is not None:
+        return _keys_attention(query, key, value, keys, options), None
     packed = getattr(mask, "orchard_packed", False)
 
     if mask is not None and not packed:
