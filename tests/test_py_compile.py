@@ -84,6 +84,15 @@ def test_custom_ops_pass_torch_opcheck(case):
                           (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse) + args)
 
 
+def test_dropout_mask_op_passes_torch_opcheck():
+    """orchard::dropout_mask (S_dmask's keep decisions, traced): its fake result is the real
+    one's shape and dtype; the mask orchard_ops.dropout_mask draws."""
+    args = ([2, 3, 17, 8], [2, 1, 20, 8], 0.25, torch.tensor(123456789))
+    torch.library.opcheck(torch.ops.orchard.dropout_mask.default, args)
+    want = orchard_ops.dropout_mask((2, 3, 17, 8), (2, 1, 20, 8), 0.25, 123456789)
+    assert torch.equal(torch.ops.orchard.dropout_mask(*args), torch.from_numpy(want))
+
+
 def test_kv_cache_call_passes_opcheck_and_has_no_backward():
     """A forward over a KV cache (flash_attn_with_kvcache's, which runs under no_grad): the
     custom op checks out without gradients; with them, backward says why it cannot run."""
@@ -386,14 +395,15 @@ def test_dropout_seed_is_drawn_in_the_graph_and_follows_manual_seed():
     def dropped(q, k, v):
         return flash_attn_func(q, k, v, dropout_p=0.3)
 
-    # aot_eager draws the seed with torch's eager generator: the eager masks, bit for bit
-    for fn, fullgraph in ((dropped, True), (flash_attn_func, False)):
+    # aot_eager draws the seed with torch's eager generator: the eager masks, bit for bit;
+    # S_dmask too (return_attn_probs), whose mask is an op of its own in the graph (a graph
+    # break until the sixty-second session; FlashAttention-2's traces whole)
+    for fn in (dropped, flash_attn_func):
         kwargs = {} if fn is dropped else dict(dropout_p=0.3, return_attn_probs=True)
         torch.manual_seed(5)
         eager = run(fn, (Q, K, V), kwargs)
         torch._dynamo.reset()
-        # S_dmask with dropout (return_attn_probs) asks orchard_ops for the mask: a graph break
-        compiled = torch.compile(fn, fullgraph=fullgraph, backend="aot_eager")
+        compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
         torch.manual_seed(5)
         assert_same(eager, run(compiled, (Q, K, V), kwargs))
         assert not torch.equal(eager[0], run(compiled, (Q, K, V), kwargs)[0])     # a new seed

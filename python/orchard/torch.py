@@ -140,9 +140,11 @@ def _attention(q, k, v, opts):
 
 
 def _dropout_keep(q_shape, k_shape, dropout_p, seed):
-    """orchard's keep-mask (bool tensor q_shape[:-2] + (Nq, Nk)) for these shapes and seed."""
-    return torch.from_numpy(orchard_ops.dropout_mask(tuple(q_shape), tuple(k_shape), dropout_p,
-                                                     int(seed)))
+    """orchard's keep-mask (bool tensor q_shape[:-2] + (Nq, Nk)) for these shapes and seed (an
+    int, or a tensor drawn in a traced graph)."""
+    if not isinstance(seed, torch.Tensor):
+        seed = torch.tensor(seed, dtype=torch.int64)
+    return torch.ops.orchard.dropout_mask(list(q_shape), list(k_shape), dropout_p, seed)
 
 
 def _fail(fn, name, why, error=ValueError):
