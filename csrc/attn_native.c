@@ -257,6 +257,12 @@ static void fwd_unit_item(void *vjob, or_ssize item, int worker)
         job->fwd(job, b, worker);
 }
 
+static void pack_item(void *vjob, or_ssize item, int worker)     /* the forward's pre-pass */
+{
+    or_job *job = vjob;
+    job->pack(job, job->packs[item], worker);
+}
+
 int or_native_fwd(const or_problem *p)
 {
     const int dbl = or_dtypes[p->view[OR_Q].dtype].compute_size == sizeof(double);
@@ -288,11 +294,18 @@ int or_native_fwd(const or_problem *p)
                           : in == OR_IN_F16_TILES ? 2 * (or_ssize)dvp
                                                   : or_rows_ld((or_ssize)dvp, real),
                   .pack = kern->transpose_keys_item[in], .fwd = kern->fwd_item[in]};
-    const int unit_items = n_kv >= FWD_UNITS_PER_THREAD * (or_ssize)or_get_num_threads();
+    /* the kv units with rows, costliest first (an empty sequence's are left out) */
+    or_ssize live_kv;
+    or_ssize *kv_units = costly_first(&job, n_kv, 1, unit_cost, &live_kv);
+    if (kv_units == NULL)
+        return OR_ENOMEM;
+    const int unit_items = live_kv >= FWD_UNITS_PER_THREAD * (or_ssize)or_get_num_threads();
     if (!unit_items) {      /* where each unit lies in the pre-pass's kt and vc */
         job.kt_off = malloc(sizeof(or_ssize) * (size_t)(n_kv + 1) * 2);
-        if (job.kt_off == NULL)
+        if (job.kt_off == NULL) {
+            free(kv_units);
             return OR_ENOMEM;
+        }
         job.vc_off = job.kt_off + n_kv + 1;
         job.kt_off[0] = job.vc_off[0] = 0;
     }
@@ -321,17 +334,16 @@ int or_native_fwd(const or_problem *p)
         job.unit_kt = job.per_worker;
         job.unit_vc = job.unit_kt + round_up(real * (size_t)kt_most + 64);
         job.per_worker = job.unit_vc + (v_in_place ? 0 : round_up(real * (size_t)vc_most + 1));
-        or_ssize live;
-        job.units = costly_first(&job, n_kv, 1, unit_cost, &live);
-        if (job.units != NULL)
-            rc = run_job(&job, live, live, fwd_unit_item);
+        job.units = kv_units;
+        rc = run_job(&job, live_kv, live_kv, fwd_unit_item);
     } else {
         job.kt = malloc(real * (size_t)job.kt_off[n_kv] + 64);
         job.vc = v_in_place ? NULL
                             : aligned_alloc(64, round_up(real * (size_t)job.vc_off[n_kv] + 1));
         if (job.kt != NULL && (v_in_place || job.vc != NULL)) {
             /* the pre-pass needs no scratch, but run_job hands every worker a slice of its size */
-            rc = run_job(&job, n_kv, n_kv, job.pack);
+            job.packs = kv_units;
+            rc = run_job(&job, live_kv, live_kv, pack_item);
             or_ssize live;
             job.order = rc == OR_OK ? costly_first(&job, p->n_units * job.blocks,
                                                       p->prm.group * job.blocks, fwd_cost, &live)
@@ -343,7 +355,7 @@ int or_native_fwd(const or_problem *p)
         }
     }
     free(job.order);
-    free(job.units);
+    free(kv_units);
     free(job.kt);
     free(job.vc);
     free(job.kt_off);

@@ -79,8 +79,9 @@ typedef struct {
     /* forward with an item per kv unit (attn_native.c fwd_unit_item): the units in the order
      * they are handed out, each packed into its worker's scratch at these byte offsets by
      * `pack` (the instance's transpose_keys_item), then its query blocks run by `fwd` (its
-     * fwd_item, order NULL); units NULL where a pre-pass packs every unit into kt and vc */
+     * fwd_item, order NULL); units NULL where a pre-pass packs the units into kt and vc */
     or_ssize *units;
+    const or_ssize *packs;  /* forward pre-pass: the kv units it packs, those with rows */
     size_t unit_kt, unit_vc;
     or_task pack, fwd;
     or_ssize nk_max;        /* backward: longest key sequence */

@@ -426,9 +426,9 @@ def test_an_encoder_runs_on_orchard_with_or_without_padding(kind, no_fallback):
         assert_close(got[1][name], want[1][name])
 
 
-def test_a_bidirectional_mask_copied_without_its_mark_is_read(no_fallback):
-    """A reentrant checkpoint recomputes each layer on a detached copy of its mask, without
-    orchard's mark: a (batch, 1, 1, keys) bool mask is read as the same keys."""
+def test_a_bidirectional_mask_under_a_reentrant_checkpoint_runs_on_orchard(no_fallback):
+    """A reentrant checkpoint recomputes each layer on a detached copy of its mask: read as
+    the same (batch, 1, 1, keys) key padding."""
     ref, model = bert_pair()
     ids, mask = tokens(3, 12), padding("gaps")
     for m in (ref, model):
@@ -438,6 +438,25 @@ def test_a_bidirectional_mask_copied_without_its_mark_is_read(no_fallback):
     assert got[2]["fwd_calls"] == 4 and got[2]["bwd_calls"] == 2   # the layers again
     for name in want[1]:
         assert_close(got[1][name], want[1][name])
+
+
+def test_a_callers_key_padding_mask_is_read_as_sdpa_reads_it(fresh_warnings):
+    """A caller's (batch, 1, 1, keys) bool mask on a causal model: every query over the marked
+    keys, not causal (sdpa applies the mask alone); one of another width falls back, where
+    sdpa refuses it."""
+    ref, model = pair("llama-gqa")
+    ids = tokens(2, 12)
+    mask = torch.ones(2, 1, 1, 12, dtype=torch.bool)
+    mask[0, ..., 8:] = False
+    mask[1, ..., :3] = False
+    orchard_ops.reset_stats()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="orchard.hf")
+        got = model(input_ids=ids, attention_mask=mask).logits
+    assert orchard_ops.stats()["fwd_calls"] == LAYERS
+    assert_close(got, ref(input_ids=ids, attention_mask=mask).logits)
+    with pytest.warns(UserWarning, match="4-D attention mask"), pytest.raises(RuntimeError):
+        model(input_ids=ids, attention_mask=mask[..., :9])
 
 
 def test_a_vision_encoder_without_a_mask_runs_on_orchard(no_fallback):

@@ -572,10 +572,10 @@ def test_transformers_model_compiles_to_one_graph():
     assert torch.equal(model(input_ids=ids).logits, got)
 
 
-def test_transformers_encoder_compiles_around_its_padding_mask():
-    """An encoder (BERT): without padding one graph (fullgraph=True); with padding graph
-    breaks only where its bidirectional mask's real keys are read, once a forward, none in
-    the layers; the eager results."""
+def test_transformers_encoder_compiles_to_one_graph_with_or_without_padding():
+    """An encoder (BERT): its bidirectional mask, none, all real or padded, is never read in
+    the graph (each row's real keys gathered first by a stable sort): one graph,
+    fullgraph=True, the eager results bit for bit."""
     pytest.importorskip("transformers")
     import orchard.hf  # noqa: F401  (registers "orchard")
     from transformers import BertConfig, BertModel
@@ -584,19 +584,18 @@ def test_transformers_encoder_compiles_around_its_padding_mask():
                                  num_attention_heads=4, intermediate_size=128,
                                  attn_implementation="orchard")).eval()
     ids = torch.randint(0, 128, (3, 10))
-    mask = torch.ones(3, 10, dtype=torch.long)
-    mask[0, 6:] = 0
-    mask[2, :3] = 0
-    torch._dynamo.reset()
-    got = torch.compile(model, fullgraph=True, backend="aot_eager")(input_ids=ids)
-    assert torch.equal(got.last_hidden_state, model(input_ids=ids).last_hidden_state)
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    got = torch.compile(model, backend="aot_eager")(input_ids=ids, attention_mask=mask)
-    want = model(input_ids=ids, attention_mask=mask)
-    assert torch.equal(got.last_hidden_state, want.last_hidden_state)
-    breaks = torch._dynamo.utils.counters["graph_break"]
-    assert breaks and all("_keys_marked" in reason for reason in breaks), dict(breaks)
+    padded = torch.ones(3, 10, dtype=torch.long)
+    padded[0, 6:] = 0
+    padded[2, :3] = 0
+    for mask in (None, torch.ones(3, 10, dtype=torch.long), padded):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        orchard_ops.reset_stats()
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        got = compiled(input_ids=ids, attention_mask=mask).last_hidden_state
+        assert orchard_ops.stats()["fwd_calls"] == 2
+        assert torch.equal(got, model(input_ids=ids, attention_mask=mask).last_hidden_state)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
 @pytest.mark.parametrize("left_padded", [False, True], ids=["no-padding", "left-padding"])

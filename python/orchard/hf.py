@@ -336,7 +336,8 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     q_offset = q_offset if static else int(q_offset)
     try:
         mask = _orchard_mask(batch_size, q_length, kv_length, q_offset, kv_offset, static,
-                             mask_function, attention_mask, config, kwargs.get("device"))
+                             mask_function, attention_mask, config, kwargs.get("device"),
+                             kwargs.get("allow_is_bidirectional_skip", True))
         # a model may cut the masks of a forward of several queries (Gemma 4's)
         cut = mask is not None and q_length > 1 and config is not None and _cut_reason(config)
         if cut:
@@ -372,11 +373,12 @@ def _causal_only_by_mask(config):
 
 
 def _orchard_mask(batch_size, q_length, kv_length, q_offset, kv_offset, static, mask_function,
-                  attention_mask, config, device):
+                  attention_mask, config, device, skip_bidirectional):
     """attention_mask's answer where orchard computes the mask; _Unsupported where not."""
     n_keys = q_offset + q_length - kv_offset
     if mask_function is masking_utils.bidirectional_mask_function:
-        return _bidirectional(kv_length, kv_offset, static, attention_mask)
+        return _bidirectional(batch_size, kv_length, kv_offset, static, attention_mask,
+                              skip_bidirectional, device)
     ids = window = None
     if mask_function is not masking_utils.causal_mask_function:
         ids, window, why = _read_mask_function(mask_function)
@@ -430,62 +432,56 @@ _Tokens = collections.namedtuple("_Tokens", "rows columns cu_seqlens")
 # Eager: reading the mask's values breaks a compiled graph, here once per mask made rather
 # than at every layer (about eight breaks a layer, and the resumed frames of transformers'
 # shared wrappers hit Dynamo's recompile limit, after which the layers ran uncompiled)
-def _tokens(mask):
-    """The real tokens of a (batch, positions) bool mask, as _Tokens."""
-    cu = torch.nn.functional.pad(mask.sum(1).cumsum(0, dtype=torch.int32), (1, 0))
-    return _Tokens(*mask.nonzero(as_tuple=True), cu)
-
-
 @torch.compiler.disable
 def _planned(padding, q_length):
     """None for a (batch, keys) bool padding mask of real tokens only; else the mask, marked
     with its _Plan as orchard_plan."""
     if bool(padding.all()):
         return None
+
+    def tokens(mask):
+        cu = torch.nn.functional.pad(mask.sum(1).cumsum(0, dtype=torch.int32), (1, 0))
+        return _Tokens(*mask.nonzero(as_tuple=True), cu)
+
     leftpad, _, fits = _left_padding(padding, padding, padding.shape[1], False)
     fits = bool(fits)
     padding.orchard_plan = _Plan(padding.shape[1], q_length, fits, leftpad,
-                                 not fits and _has_gaps(padding), _tokens(padding),
-                                 _tokens(padding[:, padding.shape[1] - q_length:]))
+                                 not fits and _has_gaps(padding),
+                                 tokens(padding), tokens(padding[:, padding.shape[1] - q_length:]))
     return padding
 
 
-def _bidirectional(kv_length, kv_offset, static, attention_mask):
+def _bidirectional(batch_size, kv_length, kv_offset, static, attention_mask, skip, device):
     """attention_mask's answer for a bidirectional mask (an encoder's, a cross-attention's):
-    None without padding, as sdpa's (the layer's is_causal then holds, as for sdpa); else
-    sdpa's own (batch, 1, 1, keys) bool mask, every query seeing the real keys, marked with
-    them (orchard_keys, _Tokens). A copy without the mark (a reentrant checkpoint's) is still
-    the right mask for the fallback."""
+    sdpa's own (batch, 1, 1, keys) bool mask, every query seeing the real keys (attention_forward
+    reads such a mask as key padding, _key_padding); None where nothing is padded and
+    transformers lets it skip the mask (skip), as sdpa (the layers' is_causal then holds, as
+    for sdpa), but in a compiled call, whose graph would break at that read."""
     if static:
         raise _Unsupported("a bidirectional mask over a static cache")
-    if attention_mask is None:
+    if attention_mask is None and skip:
         return None
+    if attention_mask is None:
+        return torch.ones(batch_size, 1, 1, kv_length, dtype=torch.bool, device=device)
     padding = attention_mask[:, kv_offset:kv_offset + kv_length].bool()
     if padding.shape[1] < kv_length:     # as sdpa: positions past the 2-D mask are padding
         padding = torch.nn.functional.pad(padding, (0, kv_length - padding.shape[1]),
                                           value=False)
-    return _keys_marked(padding)
+    if skip and not torch.compiler.is_compiling() and bool(padding.all()):
+        return None
+    return padding[:, None, None, :]
 
 
 def _key_padding(mask, batch, n_keys):
-    """The real keys (_Tokens) of a bidirectional padding mask: its mark where _bidirectional
-    made it, else read where it is a (batch, 1, 1, keys) bool mask without the mark (a copy
-    of one, as a reentrant checkpoint makes, or a caller's: sdpa reads it the same way); None
-    for any other mask."""
-    keys = getattr(mask, "orchard_keys", None)
-    if (keys is None and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool
-            and tuple(mask.shape) == (batch, 1, 1, n_keys) and not _recording()):
-        keys = _tokens(mask[:, 0, 0])
-    return keys
-
-
-@torch.compiler.disable     # (as _planned: read once a mask, not in every layer)
-def _keys_marked(padding):
-    if bool(padding.all()):
-        return None
-    mask = padding[:, None, None, :]
-    mask.orchard_keys = _tokens(padding)
-    return mask
+    """The (batch, keys) bool mask of the keys every query sees where mask is a bidirectional
+    padding mask: sdpa's (batch, 1, 1, keys) bool mask, which _bidirectional makes, a copy of
+    it (a reentrant checkpoint's) or a caller's, all of which sdpa reads alike; None for any
+    other mask (orchard's fallback masks keep their reason)."""
+    if (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4
+            and mask.shape[1:] == (1, 1, n_keys) and mask.shape[0] in (1, batch)
+            and not hasattr(mask, "orchard_fallback")):
+        return mask[:, 0, 0].expand(batch, n_keys)
+    return None
 
 
 @torch.compiler.assume_constant_result     # as unsupported_reason
@@ -574,7 +570,7 @@ def _why_not(query, key, value, mask, sliding_window, in_place, config, kwargs):
         return "a paged KV cache (continuous batching)"
     if mask is None or getattr(mask, "orchard_packed", False):
         return None
-    if hasattr(mask, "orchard_keys"):
+    if _key_padding(mask, query.shape[0], key.shape[2]) is not None:
         return "a sliding window over a bidirectional mask" if sliding_window is not None else None
     if mask.dim() != 2:
         # orchard's mask function marks the 4-D masks it makes; those a model cut from them
@@ -821,15 +817,25 @@ def _planned_attention(query, key, value, plan, options, in_place):
 
 
 def _keys_attention(query, key, value, keys, options):
-    """attention_forward's call with a bidirectional padding mask (_bidirectional): every query
-    over its row's real keys (keys, _Tokens), gathered onto the varlen path; not reading the
-    mask (compiled: no graph break). out (B, Nq, H, Dv)."""
-    batch, nq = query.shape[0], query.shape[2]
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    cu_q = torch.arange(0, (batch + 1) * nq, nq, dtype=torch.int32, device=query.device)
-    out = flash_attn_varlen_func(q.reshape(batch * nq, *q.shape[2:]), k[keys.rows, keys.columns],
-                                 v[keys.rows, keys.columns], cu_q, keys.cu_seqlens, nq,
-                                 key.shape[2], **options)
+    """attention_forward's call with a bidirectional padding mask (_key_padding: keys, (B, Nk)
+    bool, the real keys): every query over its row's real keys, not reading the mask (compiled:
+    no graph break, no shape that depends on it). Each row's real keys first, in their order (a
+    stable sort), then one varlen call of two sequences a row: its queries over those keys, and
+    no queries over the rest. out (B, Nq, H, Dv)."""
+    batch, nq, nk = query.shape[0], query.shape[2], key.shape[2]
+    order = torch.argsort((~keys).to(torch.uint8), dim=1, stable=True)     # real keys first
+
+    def gathered(t):    # (B * Nk, Hkv, D) rows of (B, Hkv, Nk, D) in the order
+        t = t.gather(2, order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
+        return t.transpose(1, 2).reshape(batch * nk, t.shape[1], t.shape[3])
+
+    rows = torch.arange(batch + 1, dtype=torch.int32, device=query.device)
+    real = torch.nn.functional.pad(keys.sum(1, dtype=torch.int32), (0, 1))
+    cu_q = torch.stack([rows * nq, rows * nq], 1).flatten()[1:]
+    cu_k = torch.stack([rows * nk, rows * nk + real], 1).flatten()[:-1]
+    q = query.transpose(1, 2).reshape(batch * nq, query.shape[1], query.shape[3])
+    out = flash_attn_varlen_func(q, gathered(key), gathered(value), cu_q, cu_k, nq, nk,
+                                 **options)
     return out.view(batch, nq, *out.shape[1:])
 
 
@@ -869,9 +875,6 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if len({query.dtype, key.dtype, value.dtype}) > 1:
         query, key = query.to(value.dtype), key.to(value.dtype)
     mask = attention_mask
-    if keys is not None and not hasattr(mask, "orchard_keys"):
-        mask = mask.view_as(mask)   # (a view to mark, not the caller's tensor)
-        mask.orchard_keys = keys
     if _copied_ids(mask):
         mask = mask.view_as(mask)   # (a view to mark, not the caller's tensor)
         mask.orchard_packed = True
