@@ -185,20 +185,26 @@ def test_read_only_array_through_dlpack(ops):
     np.testing.assert_array_equal(out, ops.flash_attn_fwd(q, q, q, device="cpu")[0])
 
 
-def test_dlpack_major_version_not_read(ops):
-    """A versioned capsule of another major version (its tensor maybe laid out otherwise) is
-    refused, naming the argument, and released through its deleter, which every version
-    keeps in the same place (dlpack.h asks the consumer to call it)."""
-    deleter_type = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+DELETER = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
-    class Versioned(ctypes.Structure):  # DLManagedTensorVersioned's head, then 48 bytes
-        _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32),
-                    ("context", ctypes.c_void_p), ("deleter", deleter_type),
-                    ("flags", ctypes.c_uint64), ("tensor", ctypes.c_byte * 48)]
 
-    released = []
-    deleter = deleter_type(released.append)
-    tensor = Versioned(major=2, minor=0, deleter=deleter)
+class DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device_type", ctypes.c_int32),
+                ("device_id", ctypes.c_int32), ("ndim", ctypes.c_int32),
+                ("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16),
+                ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class DLManagedTensorVersioned(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32),
+                ("context", ctypes.c_void_p), ("deleter", DELETER),
+                ("flags", ctypes.c_uint64), ("tensor", DLTensor)]
+
+
+def capsule_producer(tensor):
+    """(a producer whose __dlpack__ gives a versioned capsule of the ctypes struct tensor,
+    that capsule)."""
     new_capsule = ctypes.pythonapi.PyCapsule_New
     new_capsule.restype, new_capsule.argtypes = ctypes.py_object, (
         ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
@@ -208,10 +214,21 @@ def test_dlpack_major_version_not_read(ops):
         def __dlpack__(self, **kw):
             return capsule
 
+    return Producer(), capsule
+
+
+def test_dlpack_major_version_not_read(ops):
+    """A versioned capsule of another major version (its tensor maybe laid out otherwise) is
+    refused, naming the argument, and released through its deleter, which every version
+    keeps in the same place (dlpack.h asks the consumer to call it)."""
+    released = []
+    deleter = DELETER(released.append)
+    tensor = DLManagedTensorVersioned(major=2, minor=0, deleter=deleter)
+    producer, capsule = capsule_producer(tensor)
     q = np.ones((1, 2, 4, 8), np.float32)
     with pytest.raises(ValueError, match="argument 'k': its __dlpack__\\(\\) gave a DLPack 2.0 "
                                          "tensor; orchard reads DLPack 1.x"):
-        ops.flash_attn_fwd(q, Producer(), q)
+        ops.flash_attn_fwd(q, producer, q)
     assert released == [ctypes.addressof(tensor)]
     assert "used_dltensor_versioned" in repr(capsule)
 
@@ -219,37 +236,15 @@ def test_dlpack_major_version_not_read(ops):
 def test_dlpack_vector_lanes_are_named(ops):
     """float32 in vectors of 2 lanes (DLPack's lanes) is refused naming the lanes: the message
     read as if float32 itself were refused ("type code 2 with 32 bits")."""
-    deleter_type = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-
-    class DLTensor(ctypes.Structure):
-        _fields_ = [("data", ctypes.c_void_p), ("device_type", ctypes.c_int32),
-                    ("device_id", ctypes.c_int32), ("ndim", ctypes.c_int32),
-                    ("code", ctypes.c_uint8), ("bits", ctypes.c_uint8),
-                    ("lanes", ctypes.c_uint16), ("shape", ctypes.POINTER(ctypes.c_int64)),
-                    ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
-
-    class Versioned(ctypes.Structure):
-        _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32),
-                    ("context", ctypes.c_void_p), ("deleter", deleter_type),
-                    ("flags", ctypes.c_uint64), ("tensor", DLTensor)]
-
     q = np.ones((1, 2, 4, 8), np.float32)
     shape = (ctypes.c_int64 * 4)(1, 2, 4, 4)
-    deleter = deleter_type(lambda _: None)
-    tensor = Versioned(major=1, minor=0, deleter=deleter, tensor=DLTensor(
+    deleter = DELETER(lambda _: None)
+    tensor = DLManagedTensorVersioned(major=1, minor=0, deleter=deleter, tensor=DLTensor(
         data=q.ctypes.data, device_type=1, ndim=4, code=2, bits=32, lanes=2, shape=shape))
-    new_capsule = ctypes.pythonapi.PyCapsule_New
-    new_capsule.restype, new_capsule.argtypes = ctypes.py_object, (
-        ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
-    capsule = new_capsule(ctypes.addressof(tensor), b"dltensor_versioned", None)
-
-    class Producer:
-        def __dlpack__(self, **kw):
-            return capsule
-
+    producer, _ = capsule_producer(tensor)
     with pytest.raises(TypeError, match="argument 'k' must be a float16, .*, not DLPack type "
                                         "code 2 with 32 bits and 2 lanes"):
-        ops.flash_attn_fwd(q, Producer(), q)
+        ops.flash_attn_fwd(q, producer, q)
 
 
 def test_strided_tensor_views_in_place(ops):
