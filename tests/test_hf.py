@@ -556,9 +556,9 @@ def test_a_window_the_layer_keeps_as_a_property():
     class Property(torch.nn.Module):
         sliding_window = property(lambda self: 128)
 
-    assert hf._window_for(Kept()) == 64
-    assert hf._window_for(Property()) == 128
-    assert hf._window_for(torch.nn.Module()) is None
+    assert hf._window_for(Kept(), True) == 64
+    assert hf._window_for(Property(), True) == 128
+    assert hf._window_for(torch.nn.Module(), True) is None
 
 
 @pytest.mark.parametrize("model_type, sizes, why", [
@@ -682,11 +682,11 @@ def test_a_layer_whose_masks_had_several_windows_says_which_it_takes(fresh_warni
 
     layer = Attention(LlamaConfig(**SMALL))
     hf._record_window(layer.config, 4)
-    assert hf._window_for(layer) == 4
+    assert hf._window_for(layer, True) == 4
     hf._record_window(layer.config, None)
     with pytest.warns(UserWarning, match="Attention passes no sliding window and its model's "
                                          "masks had several \\(4, None\\)"):
-        assert hf._window_for(layer) is None
+        assert hf._window_for(layer, True) is None
 
 
 def test_falcon_without_alibi_runs_on_orchard(no_fallback):

@@ -598,6 +598,29 @@ def test_transformers_encoder_compiles_to_one_graph_with_or_without_padding():
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["no-mask", "padded"])
+def test_transformers_encoder_decoder_compiles_cold_to_one_graph(padded):
+    """BART compiled before any eager call, fullgraph: its encoder layers ran before its
+    decoder's causal mask recorded the model's window (none), and Dynamo's restart of the trace
+    then read what the first pass had not (SpeculationLogDivergence); non-causal layers take
+    no recorded window."""
+    pytest.importorskip("transformers")
+    import orchard.hf  # noqa: F401  (registers "orchard")
+    from transformers import BartConfig, BartModel
+    torch.manual_seed(0)
+    model = BartModel(BartConfig(
+        vocab_size=100, d_model=32, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_position_embeddings=64, attn_implementation="orchard")).eval()
+    ids, decoder_ids = torch.randint(0, 100, (3, 9)), torch.randint(0, 100, (3, 4))
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[0, 6:] = 0
+    kw = dict(input_ids=ids, decoder_input_ids=decoder_ids, attention_mask=mask if padded else None)
+    torch._dynamo.reset()
+    got = torch.compile(model, fullgraph=True, backend="aot_eager")(**kw).last_hidden_state
+    assert torch.equal(got, model(**kw).last_hidden_state)
+
+
 @pytest.mark.parametrize("left_padded", [False, True], ids=["no-padding", "left-padding"])
 def test_transformers_static_cache_generate_compiles_once(left_padded):
     """generate() over a static cache with the model's forward compiled: the cache's length

@@ -220,9 +220,12 @@ def _record_window(config, window):
     windows.add(window)
 
 
-def _window_for(module):
-    """The window of a layer that passed none: its own attribute (Qwen2-MoE keeps it), else
-    the one every causal mask made for its model had, else None."""
+def _window_for(module, causal):
+    """The window of a layer that passed none: its own attribute (Qwen2-MoE keeps it), else,
+    for a causal layer, the one every causal mask made for its model had, else None. (Not
+    for a non-causal one: an encoder-decoder's encoder layers ran before its decoder's mask
+    was made, so a compiled forward's first trace found no window there and Dynamo's restart
+    found one, and the compile failed, SpeculationLogDivergence.)"""
     if torch.compiler.is_compiling():
         # (Dynamo guards on getattr, not on a read of vars(): the compiled frame of a layer
         # without a window served the windowed layers of Qwen2-MoE's packed forwards)
@@ -233,7 +236,7 @@ def _window_for(module):
         window = vars(module).get("sliding_window")
         if window is None and hasattr(type(module), "sliding_window"):   # a property, say
             window = module.sliding_window
-    if window is not None:
+    if window is not None or not causal:
         return window
     config = getattr(module, "config", None)
     # a layer its config calls full attention has none (Qwen2-MoE's, beside sliding ones,
@@ -865,7 +868,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if sliding_window is _NOT_PASSED:
         # a layer with a window that does not pass it on (Qwen2-MoE, PhiMoE): its mask, which
         # orchard's mask function left out, applied it
-        sliding_window = _window_for(module)
+        sliding_window = _window_for(module, causal)
     # transformers' sliding window counts the query itself: kv > q - sliding_window.
     window = (-1, -1) if sliding_window is None else (sliding_window - 1, sliding_window - 1)
     # Under autocast, in its dtype, as sdpa (autocast casts its inputs) and transformers'
