@@ -264,13 +264,13 @@ torch.library.register_autograd("orchard::attention_fwd", _backward, setup_conte
 # orchard_ops.dropout_mask as an op too, so that torch.compile traces a call returning S_dmask
 # whole (as FlashAttention-2's), its seed drawn in the graph (a tensor there)
 torch.library.define("orchard::dropout_mask",
-                     "(int[] q_shape, int[] k_shape, float dropout_p, Tensor? seed) -> Tensor")
+                     "(int[] q_shape, int[] k_shape, float dropout_p, Tensor seed) -> Tensor")
 
 
 @torch.library.impl("orchard::dropout_mask", "cpu")
 def _dropout_mask(q_shape, k_shape, dropout_p, seed):
     return torch.from_numpy(orchard_ops.dropout_mask(
-        tuple(q_shape), tuple(k_shape), dropout_p, 0 if seed is None else int(seed)))
+        tuple(q_shape), tuple(k_shape), dropout_p, int(seed)))
 
 
 @torch.library.register_fake("orchard::dropout_mask")
