@@ -883,6 +883,10 @@ def test_bad_kvcache_input_names_the_argument_and_writes_nothing():
         with pytest.raises(ValueError, match=name):
             flash_attn_with_kvcache(q, k_arg, v_arg, **kw)
         assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1]), name
+    # an empty batch's cache has no rows to share, whatever its strides (NumPy's are 0)
+    empty = torch.from_numpy(np.zeros((0,) + tuple(k_cache.shape[1:]), np.float32))
+    assert flash_attn_with_kvcache(q[:0], empty, empty.clone(), kw["k"][:0], kw["v"][:0],
+                                   cache_seqlens=i32()).shape == (0,) + tuple(q.shape[1:])
     with pytest.raises(ValueError, match="'k_cache'"):
         flash_attn_with_kvcache(q, k_cache.to("meta"), v_cache, **drop(kw, "k", "v", "rotary_cos",
                                                                      "rotary_sin"))

@@ -736,8 +736,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if not traced and cache.is_inference() and not torch.is_inference_mode_enabled():
             _fail(fn, name, "is an inference tensor (made under torch.inference_mode): it "
                   "can be written only in inference mode")
-        if 0 in cache.stride() and any(st == 0 and size > 1
-                                       for st, size in zip(cache.stride(), cache.shape)):
+        # (an empty cache has no rows to share: NumPy gives any empty array strides of 0)
+        if 0 in cache.stride() and cache.numel() > 0 and any(
+                st == 0 and size > 1 for st, size in zip(cache.stride(), cache.shape)):
             _fail(fn, name, "is an expanded view (stride 0): its rows share memory and "
                   "cannot take new keys and values")
     # Checked: from here on nothing fails on the caller's input, so the cache is written only
