@@ -56,6 +56,7 @@ def files(tmp_path_factory):
     texts = {
         "type.yaml": "model:\n  n_layer: two\n",
         "syntax.yaml": "model: [1, 2\n",
+        "huge_model.yaml": "model:\n  n_embd: 100000\n",
         "binary.yaml": b"\x89PNG\r\n\x1a\n\x00\xff",
         "short.json": json.dumps({"vocab_size": 256, "sequences": [list(range(200))]}),
         "bools.json": json.dumps([[1, 2, True] + list(range(300))]),
@@ -206,6 +207,10 @@ def expected_cases(f):
         ("devices", ["--config", f["binary.yaml"]], {}, ["argument --config:", f["binary.yaml"], "not valid YAML"]),
         ("train", ["--config", f["type.yaml"], "--device", "cpu"], {},
          ["argument --config:", f["type.yaml"], "model.n_layer"]),
+        # a model no memory budget holds: the config that chose it is named
+        ("train", ["--config", f["huge_model.yaml"], "--device", "cpu", "--output",
+                   str(f["dir"] / "out_huge")], {},
+         ["argument --config:", "optimizer state need", "model.n_embd 100000"]),
         # data, checkpoints, folders
         ("train", tiny[:2] + ["--sequences", f["short.json"], "--device", "cpu", "--output",
                               str(f["dir"] / "out_short")], {},

@@ -99,6 +99,12 @@ def test_explicit_choices_are_kept_unless_impossible():
     assert new["training"]["micro_batch"] == 4 and new["training"]["grad_checkpointing"] is False
     new, _ = adapt(LARGE_GPU, dict(cfg, training=dict(cfg["training"], dtype="bf16")))
     assert new["training"]["dtype"] == "bf16"
+    # a micro-batch larger than the batch is cut to it, and the note says so
+    new, reasons = adapt(LARGE_GPU, dict(cfg, training=dict(cfg["training"], micro_batch=1000)))
+    batch = cfg["training"]["batch_size"]
+    assert new["training"]["micro_batch"] == batch
+    assert reasons["training.micro_batch"].startswith(
+        "1000 -> %d: at most a process's share of the batch (%d)" % (batch, batch))
 
 
 def test_processes_share_memory_and_cores():

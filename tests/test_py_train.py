@@ -722,7 +722,7 @@ def test_generate_and_prepare(run_files, tmp_path):
     (src / "b.bin").write_bytes(b"\0\1\2")
     seqs = tmp_path / "seqs.json"
     result = run_python(["-m", "orchard.cli.prepare", str(src), "-o", str(seqs)])
-    assert result.returncode == 0 and "1 sequences" in result.stdout, result.stderr
+    assert result.returncode == 0 and "wrote 1 sequence(s)," in result.stdout, result.stderr
     sequences, vocab = load_sequences(str(seqs))
     assert vocab == 256 and bytes(sequences[0]).startswith(b"print('hello')")
     out = tmp_path / "run"

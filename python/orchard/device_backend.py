@@ -294,6 +294,8 @@ class DeviceBackend:
                                 budget_text, accumulation, train["batch_size"]))
         if not fits:
             why += "; it still does not fit, the out-of-memory policy will shrink it further"
+        if train["micro_batch"] != AUTO and train["micro_batch"] > per_process:
+            why = "at most a process's share of the batch (%d); %s" % (per_process, why)
         change("training", "micro_batch", micro, why)
         return new, reasons
 

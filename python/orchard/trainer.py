@@ -80,8 +80,9 @@ class Trainer:
         self.micro_batch = min(train["micro_batch"], self.rank_batch)
         self.steps_per_epoch = len(chunks) // train["batch_size"]
         if self.steps_per_epoch < 1:
-            raise DataError("%d sequences of context %d are fewer than one batch of %d"
-                             % (len(chunks), cfg["model"]["context"], train["batch_size"]))
+            raise DataError("%d sequence(s) of context %d are fewer than one batch of %d "
+                            "(training.batch_size)"
+                            % (len(chunks), cfg["model"]["context"], train["batch_size"]))
 
         torch.manual_seed(seed)
         # hf_config: a transformers model (orchard.hf_causal_lm), whose attention reaches
@@ -381,7 +382,7 @@ class Trainer:
             # removes it as the run starts).
             self._save_metrics()
         tokens_per_step = train["batch_size"] * self.cfg["model"]["context"]
-        log.info("training %s parameters on %s: %d steps (%d per epoch), batch %d = %d "
+        log.info("training %s parameters on %s: %d step(s) (%d per epoch), batch %d = %d "
                  "process(es) x %s, context %d, %s%s",
                  f"{self.model.num_params():,}", self.attention_device, total,
                  self.steps_per_epoch, train["batch_size"], self.world,

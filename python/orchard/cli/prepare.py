@@ -79,7 +79,7 @@ def main(argv=None):
     if args.json:
         print(json.dumps(summary), file=out)
     else:
-        print("wrote %(sequences)d sequences, %(tokens)d tokens (vocabulary %(vocab_size)d) "
+        print("wrote %(sequences)d sequence(s), %(tokens)d tokens (vocabulary %(vocab_size)d) "
               "to %(output)s" % summary, file=out)
     return 0
 

@@ -359,7 +359,12 @@ def build_trainer(args):
         log.info("config model.vocab_size: %d -> %d: the data's vocabulary",
                  requested["model"]["vocab_size"], vocab_size)
         requested["model"]["vocab_size"] = vocab_size
-    cfg, reasons = backend.adapt_config(requested, fixed_model=state is not None)
+    # a model too large for the device: the argument that chose the model is named
+    model_flag, model_path = ((hf_flag, hf_path) if hf_path is not None
+                              else ("--resume", args.resume) if state is not None
+                              else ("--config", args.config))
+    with reading(model_flag, model_path):
+        cfg, reasons = backend.adapt_config(requested, fixed_model=state is not None)
     for key, why in reasons.items():
         log.info("config %s: %s", key, why)
     backend.setup(cfg["device"]["num_threads"])
