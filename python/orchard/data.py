@@ -41,7 +41,10 @@ def read_json(path, error, what):
         raise error("%s: %s" % (path, problem))
     try:
         with open(path, "rb") as f:
-            return json.load(f)
+            text = f.read()
+        if not text.strip():    # (json's words for it: "Expecting value: line 1 column 1")
+            raise error("%s: the %s is empty" % (path, what))
+        return json.loads(text)
     except OSError as exc:
         raise error("%s: cannot read the %s: %s" % (path, what, exc.strerror)) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
