@@ -58,6 +58,7 @@ def files(tmp_path_factory):
         "syntax.yaml": "model: [1, 2\n",
         "huge_model.yaml": "model:\n  n_embd: 100000\n",
         "empty.json": "",
+        "no_keys.json": "{}",
         "binary.yaml": b"\x89PNG\r\n\x1a\n\x00\xff",
         "short.json": json.dumps({"vocab_size": 256, "sequences": [list(range(200))]}),
         "bools.json": json.dumps([[1, 2, True] + list(range(300))]),
@@ -231,6 +232,8 @@ def expected_cases(f):
          ["argument --sequences:", f["deep.json"], "nested too deeply"]),
         ("train", tiny[:2] + ["--sequences", f["empty.json"], "--device", "cpu"], {},
          ["argument --sequences:", f["empty.json"], "the sequences file is empty"]),
+        ("train", tiny[:2] + ["--sequences", f["no_keys.json"], "--device", "cpu"], {},
+         ["argument --sequences:", f["no_keys.json"], "'sequences', got none"]),
         # a device read without end (memory grew until the process was killed, before)
         ("train", tiny[:2] + ["--sequences", "/dev/zero", "--device", "cpu"], {},
          ["argument --sequences:", "/dev/zero: not a regular file"]),

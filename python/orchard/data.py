@@ -62,7 +62,7 @@ def load_sequences(path):
         unknown = set(data) - {"vocab_size", "sequences"}
         if unknown or "sequences" not in data:
             raise DataError("%s: expected keys 'vocab_size' and 'sequences', got %s"
-                            % (path, ", ".join(sorted(data))))
+                            % (path, ", ".join(map(repr, sorted(data))) or "none"))
         vocab_size, data = data.get("vocab_size"), data["sequences"]
         if vocab_size is not None and (not isinstance(vocab_size, int)
                                        or isinstance(vocab_size, bool) or vocab_size < 1):
