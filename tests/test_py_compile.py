@@ -445,6 +445,33 @@ def test_patched_model_compiles_to_one_graph_that_routes_to_orchard():
         assert router.routed == calls and not router.left_to_torch
 
 
+def test_patched_model_with_checkpointed_blocks_compiles_whole_with_dynamos_flag():
+    """Checkpointed blocks: the router's count is a side effect, which Dynamo refuses inside
+    checkpoint's subgraph (fullgraph=True fails there) unless told not to replay it in the
+    backward's recomputation; then the model is one graph, its gradients eager's, and each
+    forward counts its calls once (eagerly the recomputation counts them again)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, context=32, n_layer=2, n_head=2, n_kv_head=2,
+                          n_embd=32))
+    model.grad_checkpointing = True
+    router = patch_model(model)
+    x = torch.randint(0, 64, (2, 32))
+    eager = torch.autograd.grad(model(x)[0].sum(), list(model.parameters()))
+    assert router.routed == 4       # two layers, each recomputed in the backward
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="side effect"):
+        torch.compile(model, fullgraph=True, backend="aot_eager")(x)
+    torch._dynamo.reset()
+    flag = dict(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+    with torch._dynamo.config.patch(**flag):
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        routed = router.routed
+        for step in (1, 2):
+            got = torch.autograd.grad(compiled(x)[0].sum(), list(model.parameters()))
+            assert all(torch.equal(e, g) for e, g in zip(eager, got))
+            assert router.routed == routed + 2 * step and not router.left_to_torch
+
+
 def test_make_fx_records_orchard_as_its_op():
     """make_fx traces through a torch dispatch mode, not Dynamo: orchard's kernels, called
     directly, ran unseen and the graph held the traced call's result as a constant (a second
