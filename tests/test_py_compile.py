@@ -13,6 +13,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import orchard_ops  # noqa: E402
 from orchard.attention_op import _Options, _op_arguments  # noqa: E402
+from orchard.hf_causal_lm import cache_keyword  # noqa: E402
 from orchard.flash_attn import (flash_attn_func, flash_attn_kvpacked_func,  # noqa: E402
                                 flash_attn_qkvpacked_func, flash_attn_varlen_func,
                                 flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func,
@@ -683,7 +684,7 @@ def test_transformers_static_cache_mask_not_left_padded_is_refused_when_compiled
 
     def forward(ids, real):
         cache = StaticCache(config=model.config, max_cache_len=16)
-        return model(input_ids=ids, attention_mask=real, cache=cache).logits
+        return model(input_ids=ids, attention_mask=real, **{cache_keyword(model): cache}).logits
 
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=real).logits

@@ -24,9 +24,11 @@ from orchard.model import GPT, GPTConfig
 from orchard.torch import patch_model
 model_cfg, batch, checkpointing = json.loads(sys.argv[1])
 x = torch.randint(0, model_cfg["vocab_size"], (batch, model_cfg["context"]))
-# A throw-away step first, so that the libraries' own pages are already counted.
+# A throw-away step first, checkpointed as the measured one, so that the libraries' own pages
+# are already counted (a CUDA build of torch loads its CUDA libraries at the first checkpoint).
 warm = GPT(GPTConfig(vocab_size=model_cfg["vocab_size"], context=8, n_layer=1, n_head=1,
                      n_kv_head=1, n_embd=8))
+warm.grad_checkpointing = checkpointing
 patch_model(warm)
 warm(x[:1, :8], x[:1, :8])[1].backward()
 del warm
