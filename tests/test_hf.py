@@ -600,7 +600,7 @@ def test_models_flash_attention_2_does_not_serve_are_refused(model_type, sizes, 
     refuses what that integration refuses."""
     from transformers import AutoConfig, AutoModelForCausalLM
     config = AutoConfig.for_model(model_type, vocab_size=VOCAB, **sizes)
-    if "in its own code" not in why:   # a reason of its own, but for this transformers?
+    if "in its own code" not in why:   # older 5.x refuse some of these for that reason
         skip_where_attention_is_the_models_own(config)
     assert why in hf.unsupported_reason(config)
     # refused as the model is built, as transformers refuses flash_attention_2

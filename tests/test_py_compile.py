@@ -13,11 +13,11 @@ import torch.nn.functional as F  # noqa: E402
 
 import orchard_ops  # noqa: E402
 from orchard.attention_op import _Options, _op_arguments  # noqa: E402
-from orchard.hf_causal_lm import cache_keyword  # noqa: E402
 from orchard.flash_attn import (flash_attn_func, flash_attn_kvpacked_func,  # noqa: E402
                                 flash_attn_qkvpacked_func, flash_attn_varlen_func,
                                 flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func,
                                 flash_attn_with_kvcache)
+from orchard.hf_causal_lm import cache_keyword  # noqa: E402
 from orchard.model import GPT, GPTConfig  # noqa: E402
 from orchard.torch import flash_attention, patch_model  # noqa: E402
 
