@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 import orchard_ops  # noqa: E402
 import orchard.hf as hf  # noqa: E402
+from orchard.hf_causal_lm import checkpointing_name  # noqa: E402
 from orchard.reference import ref_fwd  # noqa: E402
 from orchard.torch import _seed  # noqa: E402
 from test_py_support import run_python  # noqa: E402
@@ -64,10 +65,8 @@ def pair(name, dtype=torch.float32, **changes):
 
 
 def checkpointing_enable(model, reentrant):
-    """Gradient checkpointing on, by the name this transformers gives it (activation_ from
-    5.24, gradient_ before)."""
-    name = ("activation" if hasattr(model, "activation_checkpointing_enable") else "gradient")
-    getattr(model, name + "_checkpointing_enable")({"use_reentrant": reentrant})
+    """Gradient checkpointing on, by the name this transformers gives it."""
+    getattr(model, checkpointing_name(model) + "_enable")({"use_reentrant": reentrant})
 
 
 def skip_where_attention_is_the_models_own(config):

@@ -33,6 +33,14 @@ def cache_keyword(hf_model):
     return "cache" if "cache" in params else "past_key_values"
 
 
+def checkpointing_name(hf_model):
+    """The prefix of a transformers model's checkpointing methods and flag (its _enable,
+    _disable, is_): transformers 5.2x renamed gradient_checkpointing_* to
+    activation_checkpointing_* (the old names warn, to go in 6); before, only the old exist."""
+    return ("activation" if hasattr(hf_model, "activation_checkpointing_enable")
+            else "gradient") + "_checkpointing"
+
+
 class HFModelError(ConfigError):
     """An --hf-config or --hf-model that cannot be used; the message names the path."""
 
@@ -183,12 +191,9 @@ class HFCausalLM(torch.nn.Module):
         the model's max_position_embeddings, else the context it was trained on."""
         return getattr(self.hf.config, "max_position_embeddings", None) or self.trained_context
 
-    # transformers 5.2x renamed gradient_checkpointing_* to activation_checkpointing_* (the old
-    # names warn, to go in 6); before, only the old names exist
     @property
     def _checkpointing(self):
-        return ("activation" if hasattr(self.hf, "activation_checkpointing_enable")
-                else "gradient") + "_checkpointing"
+        return checkpointing_name(self.hf)
 
     @property
     def grad_checkpointing(self):
