@@ -351,7 +351,7 @@ static int shape_error(or_call *c, const char *name, const char *what)
 
 
 /* An OpenCL device chosen automatically that cannot take a call (float64 without
- * cl_khr_fp64, paged k and v) hands it to the native path, as one whose kernels fail does
+ * cl_khr_fp64) hands it to the native path, as one whose kernels fail does
  * (module.c run); returns 1 if it did. Operands staged for the device before serve the native
  * path as they are. */
 static int native_if_automatic(or_call *c)
@@ -685,19 +685,12 @@ int or_check_varlen(or_call *c, const or_opts *o, PyObject *cuq_obj, PyObject *c
     return 0;
 }
 
-/* Paged k and v (a block_table given): each (num_pages, page_size, Hkv, D), on the native
- * device. Records the pages' geometry and leaves page 0, a (page_size, Hkv, D) view, as the
- * operand, so that the varlen checks and tables see k and v as for packed sequences. */
+/* Paged k and v (a block_table given): each (num_pages, page_size, Hkv, D). Records the pages'
+ * geometry and extent (what a device buffer covers) and leaves page 0, a (page_size, Hkv, D)
+ * view, as the operand, so that the varlen checks and tables see k and v as for packed
+ * sequences. */
 int or_check_paged_kv(or_call *c)
 {
-    if (c->device.index != 0 && !native_if_automatic(c)) {
-        PyObject *id = or_device_id(c->device.index);
-        if (id != NULL)
-            PyErr_Format(PyExc_ValueError, "%s(): 'block_table' (paged k and v) is read on "
-                         "device 'cpu' only, not %S: gather the pages for it", c->func, id);
-        Py_XDECREF(id);
-        return -1;
-    }
     PyArrayObject *k = c->arr[OR_K], *v = c->arr[OR_V];
     if (PyArray_NDIM(k) != 4 || PyArray_NDIM(v) != 4 || PyArray_DIM(k, 0) < 1
         || PyArray_DIM(k, 1) < 1 || PyArray_DIM(v, 0) != PyArray_DIM(k, 0)
@@ -716,6 +709,7 @@ int or_check_paged_kv(or_call *c)
     c->p.pages.k_stride = PyArray_STRIDE(k, 0);
     c->p.pages.v_stride = PyArray_STRIDE(v, 0);
     for (int s = OR_K; s <= OR_V; s++) {
+        or_extent(c->arr[s], &c->page_lo[s - OR_K], &c->page_nbytes[s - OR_K]);
         PyArrayObject *page0 = (PyArrayObject *)PySequence_GetItem((PyObject *)c->arr[s], 0);
         if (page0 == NULL)
             return -1;

@@ -95,12 +95,29 @@ static int operand_buffers(launch_t *L)
     return rc;
 }
 
-/* The meta table (params.h): row strides, then per unit its element offsets, nq, nk and its
- * first row in the backward's per-row buffers. */
+/* The words of the page lists of a paged call (0 when not paged): one list per run of kv units
+ * of one sequence (the heads of a batch entry share its row of block_table), from its page 0
+ * to its last key's page. */
+static size_t page_words(const or_problem *p)
+{
+    size_t words = 0;
+    for (or_ssize w = 0; p->pages.rows > 0 && w < p->n_units / p->prm.group; w++)
+        if (w == 0 || p->pages.table[w] != p->pages.table[w - 1]
+            || p->pages.first[w] != p->pages.first[w - 1])
+            words += (size_t)((p->pages.first[w] + p->nk[w * p->prm.group] + p->pages.rows - 1)
+                              / p->pages.rows);
+    return words;
+}
+
+/* The meta table (params.h): row strides and the pages' geometry, then per unit its element
+ * offsets, nq, nk, its first row in the backward's per-row buffers and its page list, then the
+ * page lists. */
 static int meta_buffer(launch_t *L)
 {
     const or_problem *p = L->p;
-    size_t words = OR_NSLOTS + (size_t)p->n_units * OR_UNIT_WORDS;
+    const or_pages *pg = &p->pages;
+    const size_t units_end = OR_META_HEAD + (size_t)p->n_units * OR_UNIT_WORDS,
+                 words = units_end + page_words(p);
     cl_long *meta = calloc(words, sizeof(cl_long));
     if (meta == NULL)
         return OR_ENOMEM;
@@ -109,20 +126,38 @@ static int meta_buffer(launch_t *L)
         if (w->offs != NULL)
             meta[s] = w->row_stride / w->itemsize;
     }
+    if (pg->rows > 0) {
+        meta[OR_META_PAGE_ROWS] = pg->rows;
+        meta[OR_META_PAGE_K] = pg->k_stride / p->view[OR_K].itemsize;
+        meta[OR_META_PAGE_V] = pg->v_stride / p->view[OR_V].itemsize;
+    }
+    size_t list = units_end, list_end = units_end;
     for (or_ssize u = 0; u < p->n_units; u++) {
-        cl_long *row = meta + OR_NSLOTS + u * OR_UNIT_WORDS;
+        cl_long *row = meta + OR_META_HEAD + u * OR_UNIT_WORDS;
+        const or_ssize kv = u / p->prm.group;
         for (int s = 0; s < OR_NSLOTS; s++) {
             const or_view *w = &p->view[s];
             int kv_side = s == OR_K || s == OR_V || s == OR_DK || s == OR_DV;
             /* in integers: a resident operand's base and lo address no memory */
             if (w->offs != NULL && w->nbytes > 0)
-                row[s] = ((w->base - w->lo) + w->offs[kv_side ? u / p->prm.group : u]
+                row[s] = ((w->base - w->lo) + w->offs[kv_side ? kv : u]
                           + (or_ssize)L->shift[s]) / w->itemsize;
         }
         row[OR_UNIT_NQ] = p->nq[u];
         row[OR_UNIT_NK] = p->nk[u];
         row[OR_UNIT_ROW0] = L->rows;
         L->rows += p->nq[u];
+        row[OR_UNIT_PAGES] = -1;
+        if (pg->rows == 0)
+            continue;
+        if (u % p->prm.group == 0 && (kv == 0 || pg->table[kv] != pg->table[kv - 1]
+                                      || pg->first[kv] != pg->first[kv - 1])) {
+            list = list_end;    /* a new sequence's pages, up to its last key's */
+            for (or_ssize t = 0; t < (pg->first[kv] + p->nk[u] + pg->rows - 1) / pg->rows; t++)
+                meta[list_end++] = pg->table[kv][t];
+        }
+        row[OR_UNIT_PAGES] = (cl_long)list;
+        row[OR_UNIT_FIRST] = pg->first[kv];
     }
     int rc = new_buffer(L, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR, words * sizeof(cl_long), meta,
                         &L->meta);

@@ -589,7 +589,7 @@ PyDoc_STRVAR(varlen_fwd_doc,
 "slot in k/v, from cu_seqlens_k, may be longer: a KV cache with room to grow). Sequence b's\n"
 "keys are positions leftpad_k[b] (default 0) to cu_seqlens_k[b + 1] - cu_seqlens_k[b] (or\n"
 "seqused_k[b]) of its slot, or with block_table (B, max_pages) of ints of its pages: k/v\n"
-"are then pages (num_pages, page_size, Hkv, D/Dv), read in place (device 'cpu' only).");
+"are then pages (num_pages, page_size, Hkv, D/Dv), read in place.");
 PyDoc_STRVAR(varlen_bwd_doc,
 "flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,\n"
 "                      max_seqlen_q=None, max_seqlen_k=None, scale=None, dropout_p=0.0,\n"

@@ -42,7 +42,9 @@ typedef struct {
 /* Paged keys and values (FlashAttention's block_table), when rows > 0: K and V lie in pages of
  * `rows` rows, k_stride and v_stride bytes apart, and key j of kv unit w is row r of page
  * table[w][t], (t, r) = divmod(first[w] + j, rows), at that row's address plus offs[w] (the
- * head's offset within a row) in its view. Only the native path reads pages (args.c). */
+ * head's offset within a row) in its view. The forward reads them in place on every device (the
+ * OpenCL kernels through the meta table's page lists, kernels/params.h); no backward takes
+ * pages. */
 typedef struct {
     or_ssize rows;                  /* keys per page; 0: K and V are not paged */
     or_ssize k_stride, v_stride;

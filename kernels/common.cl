@@ -73,7 +73,21 @@ typedef REAL_T storage_t;
 #define OR_EXPF_FLOAT CAT(as_float, VW)
 #endif
 
-#define UNIT(meta, u) ((meta) + OR_NSLOTS + (long)(u) * OR_UNIT_WORDS)  /* a unit's meta words */
+#define UNIT(meta, u) ((meta) + OR_META_HEAD + (long)(u) * OR_UNIT_WORDS)  /* a unit's meta words */
+
+/* The element offset of row r of operand slot s of a unit: r row strides from the unit's
+ * offset, or for the keys and values of a paged call, through the unit's page list (the meta
+ * table, params.h). The forward's K and V loads come here; the backward reads no pages. */
+inline long row_at(__global const long *meta, __global const long *unit, int s, long r)
+{
+    if ((s == OR_K || s == OR_V) && unit[OR_UNIT_PAGES] >= 0) {
+        const long rows = meta[OR_META_PAGE_ROWS], t = unit[OR_UNIT_FIRST] + r;
+        return unit[s] + meta[unit[OR_UNIT_PAGES] + t / rows]
+                             * meta[s == OR_K ? OR_META_PAGE_K : OR_META_PAGE_V]
+               + t % rows * meta[s];
+    }
+    return unit[s] + r * meta[s];
+}
 
 /* The score of (row i, key j) after softcap, ALiBi and masks (the spec's order); *dcap is
  * d(capped)/d(raw), 0 where masked (a key no row sees may hold NaN, and so its dcap).
@@ -155,17 +169,19 @@ inline real vdot(const realv *a, __local const realv *b, int n)
     return hsum(acc);
 }
 
-/* Rows [r0, r0 + rows) of two operands into local tiles, loaded by the whole work-group of
- * BQ work-items: x (HEAD_D wide, times x_scale) into a, y (HEAD_DV wide) into b. */
-inline void load_tiles(__local realv (*a)[DP], __global const storage_t *x, long x_base,
-                       long x_rs, real x_scale, __local realv (*b)[DVP],
-                       __global const storage_t *y, long y_base, long y_rs, long r0, int rows,
-                       int lid)
+/* Rows [r0, r0 + rows) of two operands of a unit (slots xs and ys, row_at) into local tiles,
+ * loaded by the whole work-group of BQ work-items: x (HEAD_D wide, times x_scale) into a,
+ * y (HEAD_DV wide) into b. */
+inline void load_tiles(__global const long *meta, __global const long *unit, long r0, int rows,
+                       int lid, __local realv (*a)[DP], __global const storage_t *x, int xs,
+                       real x_scale, __local realv (*b)[DVP], __global const storage_t *y, int ys)
 {
     for (int e = lid; e < rows * DP; e += BQ)
-        a[e / DP][e % DP] = load_vec(x, x_base + (r0 + e / DP) * x_rs, e % DP * VW, HEAD_D, x_scale);
+        a[e / DP][e % DP] = load_vec(x, row_at(meta, unit, xs, r0 + e / DP), e % DP * VW, HEAD_D,
+                                     x_scale);
     for (int e = lid; e < rows * DVP; e += BQ)
-        b[e / DVP][e % DVP] = load_vec(y, y_base + (r0 + e / DVP) * y_rs, e % DVP * VW, HEAD_DV, 1);
+        b[e / DVP][e % DVP] = load_vec(y, row_at(meta, unit, ys, r0 + e / DVP), e % DVP * VW,
+                                       HEAD_DV, 1);
 }
 
 /* The backward's first kernel, in every family: D_i = rowsum(dO_i * O_i), one work-item per

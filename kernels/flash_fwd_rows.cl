@@ -2,6 +2,7 @@
  * per query row.
  *
  *   q   (unit, Nq, HEAD_D)   k (kv unit, Nk, HEAD_D)   v (kv unit, Nk, HEAD_DV)
+ *       (rows of k and v: row_at, common.cl; a paged call's through its page lists)
  *   out (unit, Nq, HEAD_DV)  lse (unit, Nq), natural log, -inf for a row that sees no key
  *
  * Each work-item keeps its query row (pre-scaled) and output accumulator in private vectors;
@@ -72,7 +73,7 @@ inline void row_keys(__global const storage_t *q, __global const storage_t *k,
     for (long j0 = lo; j0 < hi; j0 += BK) {
         const int cols = (int)min((long)BK, hi - j0);
         barrier(CLK_LOCAL_MEM_FENCE);
-        load_tiles(kt, k, kvunit[OR_K], meta[OR_K], 1, vt, v, kvunit[OR_V], meta[OR_V], j0, cols, lid);
+        load_tiles(meta, kvunit, j0, cols, lid, kt, k, OR_K, 1, vt, v, OR_V);
         barrier(CLK_LOCAL_MEM_FENCE);
         if (valid)
             row_tile(qv, acc, m, l, kt, vt, cols, u, i, j0, off, slope, p);

@@ -60,15 +60,26 @@ typedef uint32_t or_u32;
 #define OR_DV 8
 #define OR_NSLOTS 9
 
-/* The OpenCL meta table (64-bit words): OR_NSLOTS row strides in elements, then per unit
- * OR_NSLOTS element offsets followed by nq, nk and the unit's first row in the backward's
+/* The OpenCL meta table (64-bit words). A header of OR_META_HEAD words: OR_NSLOTS row strides in
+ * elements, then the pages of a paged call's keys and values (FlashAttention's block_table;
+ * 0 words when not paged): keys per page and the K and V page strides in elements. Then per
+ * unit OR_NSLOTS element offsets followed by nq, nk, the unit's first row in the backward's
  * per-row buffers (D and dQ accumulators): the nq of the units before it, so that they hold
  * the rows there are (a packed batch of many short sequences and one long one, padded to its
- * longest, needed gigabytes). */
-#define OR_UNIT_WORDS (OR_NSLOTS + 3)
+ * longest, needed gigabytes); and, for paged keys, the word of the table where its page list
+ * starts (-1: not paged) and the page position of its key 0. The page lists (page numbers)
+ * follow the units: key j of a paged kv unit is row (first + j) % rows of page
+ * list[(first + j) / rows], its offset and row stride within that page those of slot K or V. */
+#define OR_META_PAGE_ROWS OR_NSLOTS
+#define OR_META_PAGE_K (OR_NSLOTS + 1)
+#define OR_META_PAGE_V (OR_NSLOTS + 2)
+#define OR_META_HEAD (OR_NSLOTS + 3)
+#define OR_UNIT_WORDS (OR_NSLOTS + 5)
 #define OR_UNIT_NQ OR_NSLOTS
 #define OR_UNIT_NK (OR_NSLOTS + 1)
 #define OR_UNIT_ROW0 (OR_NSLOTS + 2)
+#define OR_UNIT_PAGES (OR_NSLOTS + 3)
+#define OR_UNIT_FIRST (OR_NSLOTS + 4)
 
 /* The score parameters: X(kind, name), in struct order. 64-bit fields first, then the reals,
  * then the 32-bit ones, so that host and device lay the struct out alike. REAL is float, or

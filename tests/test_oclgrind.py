@@ -65,9 +65,9 @@ cases = [
     (np.float64, (1, 1, 1, 16, 120, 5, 3), dict(causal=True)),
     (np.float16, (2, 3, 1, 1, 200, 16, 8), dict()),
 ]
-# past the cases: varlen, then a dense forward over a KV cache
-chosen = [int(a) for a in sys.argv[1:]] or range(len(cases) + 2)
-assert all(c <= len(cases) + 1 for c in chosen), chosen
+# past the cases: varlen, a dense forward over a KV cache, then paged keys
+chosen = [int(a) for a in sys.argv[1:]] or range(len(cases) + 3)
+assert all(c <= len(cases) + 2 for c in chosen), chosen
 for dtype, (b, h, hkv, nq, nk, d, dv), kw in (cases[c] for c in chosen if c < len(cases)):
     q, do = randn(b, h, nq, d, dtype=dtype), randn(b, h, nq, dv, dtype=dtype)
     k, v = randn(b, hkv, nk, d, dtype=dtype), randn(b, hkv, nk, dv, dtype=dtype)
@@ -98,6 +98,25 @@ if len(cases) + 1 in chosen:
         row, keys = slice(b, b + 1), slice(pads[b], used[b])
         check((out[row], lse[row]), ref_fwd(q[row].astype(np.float64), k[row, :, keys],
                                             v[row, :, keys], causal=True), 1e-4)
+
+if len(cases) + 2 in chosen:
+    # pages of 3 keys in scrambled order, sequences 0 and 1 sharing a row of block_table,
+    # left padding; a decode step (3 query rows each) and a prefill (20)
+    kp, vp = randn(12, 3, 1, 8), randn(12, 3, 1, 6)
+    table = np.array([[7, 2, 9, 4, 0], [7, 2, 9, 4, 0], [11, 5, 3, 1, 8]])
+    used, pads = np.array([14, 9, 13]), np.array([0, 2, 5])
+    keys = lambda x, b: x[table[b]].reshape(15, 1, -1)[pads[b]:used[b]]
+    cu_k = np.concatenate([[0], np.cumsum(used - pads)])
+    for nq in (3, 20):
+        q = randn(3 * nq, 2, 8)
+        cu_q = np.arange(4) * nq
+        out, lse = o.flash_attn_varlen_fwd(q, kp, vp, cu_q, np.arange(4) * 15, causal=True,
+                                           seqused_k=used, leftpad_k=pads, block_table=table,
+                                           device="opencl:0")
+        want = ref_varlen_fwd(q.astype(np.float64), np.concatenate([keys(kp, b) for b in range(3)]),
+                              np.concatenate([keys(vp, b) for b in range(3)]), cu_q, cu_k,
+                              causal=True)
+        check((out, lse), want, 1e-4)
 print("kernels ok")
 """
 
@@ -131,7 +150,7 @@ def test_kernels_clean_under_oclgrind(tmp_path, mode, family, vector):
             # (plugins/Uninitialized.cpp allocates one only where none is), so a later buffer at
             # the same address reads as uninitialised past the old one's size, as the split-KV
             # decode's scratch does in a process's second decode call
-            runs = [[str(c)] for c in range(len(re.findall(r"^    \(np\.", SCRIPT, re.M)) + 2)]
+            runs = [[str(c)] for c in range(len(re.findall(r"^    \(np\.", SCRIPT, re.M)) + 3)]
         env.update(ORCHARD_CL_TRANSFERS=1, ORCHARD_CL_OPTIONS="-cl-opt-disable")
     for cases in runs:
         r = subprocess.run(["oclgrind", *checks, sys.executable, str(script), *cases],

@@ -9,10 +9,9 @@ roof is memory bandwidth: GB/s here are bytes of K and V per second, against a s
 
 Each case has a second row: the same keys and values laid out as FlashAttention's caches are,
 (1, n, kv heads, D), the heads of each row side by side, read in place through a strided view;
-on the native device a third: as a paged cache (pages of PAGE rows, (num_pages, PAGE, kv heads,
-D), in scrambled order, read in place through a block_table). Both against torch SDPA on the
-contiguous tensors, timed alongside. OpenCL devices gather pages into a copy
-(orchard.flash_attn), so they get no paged row.
+and a third: as a paged cache (pages of PAGE rows, (num_pages, PAGE, kv heads, D), in scrambled
+order, read in place through a block_table). Both against torch SDPA on the contiguous
+tensors, timed alongside.
 """
 import statistics
 import time
@@ -71,7 +70,6 @@ def measure(cases=CASES, dtypes=DTYPES, rounds=5, device="cpu"):
     fractions of the machine's bandwidth and of a sum over as many bytes as the cache (the
     roof where the cache fits in a cache of the CPU's)."""
     bandwidth = read_bandwidth()
-    native = orchard_ops.resolve_device(device) == "cpu"
     rows = []
     for h, hkv, d, n in cases:
         g = torch.Generator().manual_seed(0)
@@ -83,17 +81,17 @@ def measure(cases=CASES, dtypes=DTYPES, rounds=5, device="cpu"):
             kv_bytes = 2 * hkv * n * d * k.element_size()
             cache_sum = read_bandwidth(nbytes=kv_bytes)
             ks, vs = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
+            order = torch.randperm(-(-n // PAGE), generator=g)     # scrambled pages
+            kp, vp, qp = paged(k, order), paged(v, order), q[0].transpose(0, 1)
+            table = order[None].to(torch.int32)
+            cu_q, cu_k = (torch.tensor([0, m], dtype=torch.int32) for m in (1, n))
             calls = {"contiguous": lambda: orchard_ops.flash_attn_fwd(q, k, v, causal=True,
                                                                       device=device),
                      "side by side": lambda: orchard_ops.flash_attn_fwd(q, ks, vs, causal=True,
-                                                                        device=device)}
-            if native:
-                order = torch.randperm(-(-n // PAGE), generator=g)     # scrambled pages
-                kp, vp, qp = paged(k, order), paged(v, order), q[0].transpose(0, 1)
-                table = order[None].to(torch.int32)
-                cu_q, cu_k = (torch.tensor([0, m], dtype=torch.int32) for m in (1, n))
-                calls["paged %d" % PAGE] = lambda: orchard_ops.flash_attn_varlen_fwd(
-                    qp, kp, vp, cu_q, cu_k, causal=True, block_table=table, device=device)
+                                                                        device=device),
+                     "paged %d" % PAGE: lambda: orchard_ops.flash_attn_varlen_fwd(
+                         qp, kp, vp, cu_q, cu_k, causal=True, block_table=table,
+                         device=device)}
             for layout, call in calls.items():
                 ours, theirs = [], []
                 for _ in range(rounds):

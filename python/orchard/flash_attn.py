@@ -324,12 +324,6 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 # ----------------------------------------------------------------------------- varlen
 
 
-def _reads_pages(device):
-    """Whether this device reads a paged cache in place: the native path does; for OpenCL
-    devices orchard gathers the pages into a copy."""
-    return orchard_ops.resolve_device(device) == "cpu"
-
-
 def _check_pages(fn, name, t, layout):
     """ValueError naming it unless pages t have num_blocks and page_block_size >= 1."""
     if t.shape[0] < 1 or t.shape[1] < 1:
@@ -430,8 +424,8 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             if cu_k[0]:     # pages: only the offsets' differences count
                 cu_seqlens_k = cu_seqlens_k - cu_k[0]
                 cu_k = [x - cu_k[0] for x in cu_k]
-            # read in place, unless gradients must reach the pages or the device is OpenCL
-            in_place = _reads_pages(device) and not (torch.is_grad_enabled() and (
+            # read in place, unless gradients must reach the pages
+            in_place = not (torch.is_grad_enabled() and (
                 q.requires_grad or k.requires_grad or v.requires_grad))
             k, v = _paged_gather(fn, k, v, cu_k, block_table, q.shape[2], not in_place)
             if not in_place:
@@ -479,7 +473,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     headdim), sequence b at rows cu_seqlens[b]:cu_seqlens[b + 1] (int32). With block_table
     (batch, max_num_blocks_per_seq), k and v are pages (num_blocks, page_block_size, nheads_k,
     headdim) of any page size, read in place (gathered into a copy per call when gradients
-    must reach them, or for an OpenCL device). softmax_lse is (nheads, total_q);
+    must reach them). softmax_lse is (nheads, total_q);
     S_dmask (batch, nheads, max_seqlen_q, max_seqlen_k) with dropout, else empty. cu_seqlens may
     start after the first row and end before the last: rows outside are padding (out 0, lse
     -inf)."""
@@ -594,9 +588,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     when rotary_cos/rotary_sin are given). Sequence b uses cache row cache_batch_idx[b] from
     cache_leftpad[b] to cache_seqlens[b] + seqlen_new. The cache is (batch_cache, seqlen_cache,
     nheads_k, headdim), or with block_table pages (num_blocks, page_block_size, nheads_k,
-    headdim) of any page size, both read in place (pages for an OpenCL device are gathered
-    into a copy per call). One call for the
-    whole batch; a decode step (seqlen_q <= 16) takes the split-KV path. Not differentiable.
+    headdim) of any page size, both read in place, on every device. One call for the whole
+    batch; a decode step (seqlen_q <= 16) takes the split-KV path. Not differentiable.
     Returns out, or (out, softmax_lse) with return_softmax_lse."""
     fn = "flash_attn_with_kvcache"
     try:
@@ -779,20 +772,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         return (out, lse) if return_softmax_lse else out
 
     # One call over the whole batch: sequence b's keys are cache rows [leftpad, seqlen + n),
-    # read in place: from its pages (a varlen call: the native path reads block_table
-    # itself), or from its row of the cache (a dense call). Pages on an OpenCL device, or a
-    # reordered cache, are gathered first (a copy).
-    if paged and _reads_pages(device):
+    # read in place: from its pages (a varlen call: orchard_ops reads block_table itself), or
+    # from its row of the cache (a dense call). A reordered cache is gathered first (a copy).
+    if paged:
         starts = [0] + list(itertools.accumulate(s + n for s in seqlens))
         out, lse = _cache_call(q, k_cache, v_cache, starts, opts, block_table=block_table,
                                leftpad_k=cache_leftpad)
-    elif paged:
-        index = torch.cat([(torch.tensor(table[b], dtype=torch.long)[:, None] * page
-                            + torch.arange(page)).flatten()[p:s + n]
-                           for b, (s, p) in enumerate(zip(seqlens, leftpad))])
-        starts = [0] + list(itertools.accumulate(s + n - p for s, p in zip(seqlens, leftpad)))
-        out, lse = _cache_call(q, k_cache.flatten(0, 1)[index], v_cache.flatten(0, 1)[index],
-                               starts, opts)
     else:
         if not in_place or k_cache.shape[0] != batch:
             slots = slice(0, batch) if in_place else rows
