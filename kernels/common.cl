@@ -75,18 +75,33 @@ typedef REAL_T storage_t;
 
 #define UNIT(meta, u) ((meta) + OR_META_HEAD + (long)(u) * OR_UNIT_WORDS)  /* a unit's meta words */
 
-/* The element offset of row r of operand slot s of a unit: r row strides from the unit's
- * offset, or for the keys and values of a paged call, through the unit's page list (the meta
- * table, params.h). The forward's K and V loads come here; the backward reads no pages. */
-inline long row_at(__global const long *meta, __global const long *unit, int s, long r)
+/* Where the rows of one unit's operand lie (rows_of), read once per tile into registers: row r
+ * at element base + r * stride, or, for the keys and values of a paged call (pages >= 0),
+ * through the unit's page list in the meta table (params.h): row (first + r) % per_page of page
+ * meta[pages + (first + r) / per_page], pages page_stride elements apart. */
+typedef struct {
+    __global const long *meta;
+    long base, stride, pages, first, per_page, page_stride;
+} or_rows;
+
+inline or_rows rows_of(__global const long *meta, __global const long *unit, int s)
 {
-    if ((s == OR_K || s == OR_V) && unit[OR_UNIT_PAGES] >= 0) {
-        const long rows = meta[OR_META_PAGE_ROWS], t = unit[OR_UNIT_FIRST] + r;
-        return unit[s] + meta[unit[OR_UNIT_PAGES] + t / rows]
-                             * meta[s == OR_K ? OR_META_PAGE_K : OR_META_PAGE_V]
-               + t % rows * meta[s];
-    }
-    return unit[s] + r * meta[s];
+    const int paged = (s == OR_K || s == OR_V) && unit[OR_UNIT_PAGES] >= 0;
+    const or_rows at = {meta, unit[s], meta[s], paged ? unit[OR_UNIT_PAGES] : -1,
+                        unit[OR_UNIT_FIRST], meta[OR_META_PAGE_ROWS],
+                        meta[s == OR_K ? OR_META_PAGE_K : OR_META_PAGE_V]};
+    return at;
+}
+
+/* The element offset of row r (rows_of). The forward's K and V loads come here; the backward
+ * reads no pages. */
+inline long row_at(const or_rows *at, long r)
+{
+    if (at->pages < 0)
+        return at->base + r * at->stride;
+    const long t = at->first + r;
+    return at->base + at->meta[at->pages + t / at->per_page] * at->page_stride
+           + t % at->per_page * at->stride;
 }
 
 /* The score of (row i, key j) after softcap, ALiBi and masks (the spec's order); *dcap is
@@ -169,19 +184,16 @@ inline real vdot(const realv *a, __local const realv *b, int n)
     return hsum(acc);
 }
 
-/* Rows [r0, r0 + rows) of two operands of a unit (slots xs and ys, row_at) into local tiles,
- * loaded by the whole work-group of BQ work-items: x (HEAD_D wide, times x_scale) into a,
- * y (HEAD_DV wide) into b. */
-inline void load_tiles(__global const long *meta, __global const long *unit, long r0, int rows,
-                       int lid, __local realv (*a)[DP], __global const storage_t *x, int xs,
-                       real x_scale, __local realv (*b)[DVP], __global const storage_t *y, int ys)
+/* Rows [r0, r0 + rows) of two operands (rows_of) into local tiles, loaded by the whole
+ * work-group of BQ work-items: x (HEAD_D wide, times x_scale) into a, y (HEAD_DV wide) into b. */
+inline void load_tiles(__local realv (*a)[DP], __global const storage_t *x, or_rows x_at,
+                       real x_scale, __local realv (*b)[DVP], __global const storage_t *y,
+                       or_rows y_at, long r0, int rows, int lid)
 {
     for (int e = lid; e < rows * DP; e += BQ)
-        a[e / DP][e % DP] = load_vec(x, row_at(meta, unit, xs, r0 + e / DP), e % DP * VW, HEAD_D,
-                                     x_scale);
+        a[e / DP][e % DP] = load_vec(x, row_at(&x_at, r0 + e / DP), e % DP * VW, HEAD_D, x_scale);
     for (int e = lid; e < rows * DVP; e += BQ)
-        b[e / DVP][e % DVP] = load_vec(y, row_at(meta, unit, ys, r0 + e / DVP), e % DVP * VW,
-                                       HEAD_DV, 1);
+        b[e / DVP][e % DVP] = load_vec(y, row_at(&y_at, r0 + e / DVP), e % DVP * VW, HEAD_DV, 1);
 }
 
 /* The backward's first kernel, in every family: D_i = rowsum(dO_i * O_i), one work-item per

@@ -61,8 +61,8 @@ typedef uint32_t or_u32;
 #define OR_NSLOTS 9
 
 /* The OpenCL meta table (64-bit words). A header of OR_META_HEAD words: OR_NSLOTS row strides in
- * elements, then the pages of a paged call's keys and values (FlashAttention's block_table;
- * 0 words when not paged): keys per page and the K and V page strides in elements. Then per
+ * elements, then the geometry of a paged call's keys and values (FlashAttention's block_table;
+ * zeros when not paged): keys per page and the K and V page strides in elements. Then per
  * unit OR_NSLOTS element offsets followed by nq, nk, the unit's first row in the backward's
  * per-row buffers (D and dQ accumulators): the nq of the units before it, so that they hold
  * the rows there are (a packed batch of many short sequences and one long one, padded to its
