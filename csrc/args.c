@@ -686,9 +686,9 @@ int or_check_varlen(or_call *c, const or_opts *o, PyObject *cuq_obj, PyObject *c
 }
 
 /* Paged k and v (a block_table given): each (num_pages, page_size, Hkv, D). Records the pages'
- * geometry and extent (what a device buffer covers) and leaves page 0, a (page_size, Hkv, D)
- * view, as the operand, so that the varlen checks and tables see k and v as for packed
- * sequences. */
+ * geometry and extent (what a device buffer over all of them covers) and leaves page 0, a
+ * (page_size, Hkv, D) view, as the operand, so that the varlen checks and tables see k and v
+ * as for packed sequences. */
 int or_check_paged_kv(or_call *c)
 {
     PyArrayObject *k = c->arr[OR_K], *v = c->arr[OR_V];
@@ -704,12 +704,12 @@ int or_check_paged_kv(or_call *c)
         Py_XDECREF(vs);
         return -1;
     }
-    c->num_pages = PyArray_DIM(k, 0);
+    c->p.pages.count = PyArray_DIM(k, 0);
     c->p.pages.rows = PyArray_DIM(k, 1);
     c->p.pages.k_stride = PyArray_STRIDE(k, 0);
     c->p.pages.v_stride = PyArray_STRIDE(v, 0);
     for (int s = OR_K; s <= OR_V; s++) {
-        or_extent(c->arr[s], &c->page_lo[s - OR_K], &c->page_nbytes[s - OR_K]);
+        or_extent(c->arr[s], &c->p.pages.lo[s - OR_K], &c->p.pages.nbytes[s - OR_K]);
         PyArrayObject *page0 = (PyArrayObject *)PySequence_GetItem((PyObject *)c->arr[s], 0);
         if (page0 == NULL)
             return -1;
@@ -775,10 +775,10 @@ int or_check_key_ranges(or_call *c, const or_opts *o)
             return -1;
         }
         for (npy_intp t = first / page; t < (len + page - 1) / page; t++)
-            if (tbl[b * width + t] < 0 || tbl[b * width + t] >= c->num_pages) {
+            if (tbl[b * width + t] < 0 || tbl[b * width + t] >= c->p.pages.count) {
                 PyErr_Format(PyExc_ValueError, "%s(): 'block_table'[%zd, %zd] = %lld is not a "
                              "page: k and v hold %zd", c->func, b, t,
-                             (long long)tbl[b * width + t], c->num_pages);
+                             (long long)tbl[b * width + t], c->p.pages.count);
                 return -1;
             }
     }

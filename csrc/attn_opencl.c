@@ -6,7 +6,10 @@
  * explicit copy in and out (counted in stats()). A device-resident operand (a DeviceArray,
  * or_view.mem) is its own buffer: used as it is, never copied, and not released here. The
  * per-unit offsets and lengths travel in one "meta" buffer (kernels/common.cl), so dense,
- * strided, GQA and varlen inputs run the same kernels. A forward with few query rows per unit
+ * strided, GQA and varlen inputs run the same kernels; paged keys and values (a block_table)
+ * are one buffer over all their pages, with each kv unit's page list in the meta table, or,
+ * where the device would copy them whole (or cannot hold them in one buffer), a copy of the
+ * pages the call reads. A forward with few query rows per unit
  * (or_is_decode) runs the split-KV decode instead (kernels/flash_decode.cl): partial outputs
  * per key split into scratch buffers, then one combining pass.
  */
@@ -42,7 +45,12 @@ typedef struct {
     unsigned outputs;           /* bit per slot written by the kernels */
     int in_place;               /* buffers over host memory, else explicit copies */
     size_t shift[OR_NSLOTS];    /* bytes an in-place buffer starts before its array */
+    char *lo[OR_NSLOTS];        /* the host address the operand's buffer starts at (after the
+                                   shift): its array's lowest, or its pages' */
     or_ssize rows;              /* query rows of every unit: the backward's per-row buffers */
+    /* paged K and V copied as the pages the call reads (compact_pages): page p of K and V
+     * is page slot[p] of the copies, which hold n_used pages; NULL when read in place */
+    or_ssize *slot, n_used;
 } launch_t;
 
 #define TRY(L, expr, name)                                                                   \
@@ -59,16 +67,91 @@ static int new_buffer(launch_t *L, cl_mem_flags flags, size_t size, void *host, 
     return *out ? OR_OK : or_cl_fail(L->err, rc, "clCreateBuffer");
 }
 
-/* One buffer per operand, over the whole extent of its array. */
+/* Each page's key positions the call reads, from page index t0 to t1 of kv unit w's list. */
+static void read_pages(const or_problem *p, or_ssize w, or_ssize *t0, or_ssize *t1)
+{
+    const or_pages *pg = &p->pages;
+    *t0 = pg->first[w] / pg->rows;
+    *t1 = (pg->first[w] + p->nk[w * p->prm.group] + pg->rows - 1) / pg->rows;
+}
+
+/* Whether paged K and V travel as a copy of the pages the call reads: on a device without
+ * shared memory, which would otherwise copy every page of the pool each call, and where the
+ * pool is larger than one buffer may be. Resident pages are read where they lie. */
+static int compact_pages(const launch_t *L)
+{
+    const or_pages *pg = &L->p->pages;
+    if (pg->rows == 0 || L->p->view[OR_K].mem != NULL)
+        return 0;
+    return !L->in_place || pg->nbytes[0] > L->info->max_alloc
+           || pg->nbytes[1] > L->info->max_alloc;
+}
+
+/* The pages the call reads, numbered in order of first use: L->slot of each (-1: unread). */
+static int number_pages(launch_t *L)
+{
+    const or_problem *p = L->p;
+    if (!(L->slot = malloc(sizeof(or_ssize) * (size_t)p->pages.count)))
+        return OR_ENOMEM;
+    for (or_ssize i = 0; i < p->pages.count; i++)
+        L->slot[i] = -1;
+    for (or_ssize w = 0; w < p->n_units / p->prm.group; w++) {
+        or_ssize t0, t1;
+        read_pages(p, w, &t0, &t1);
+        for (or_ssize t = t0; t < t1; t++)
+            if (L->slot[p->pages.table[w][t]] < 0)
+                L->slot[p->pages.table[w][t]] = L->n_used++;
+    }
+    return OR_OK;
+}
+
+/* A buffer holding the pages the call reads of slot s (K or V), one after another, each as
+ * many bytes as its view (page 0) spans. */
+static int compact_buffer(launch_t *L, int s)
+{
+    const or_problem *p = L->p;
+    const or_view *w = &p->view[s];
+    const or_ssize stride = s == OR_K ? p->pages.k_stride : p->pages.v_stride;
+    char *host = malloc(w->nbytes * (size_t)L->n_used + 1);
+    if (host == NULL)
+        return OR_ENOMEM;
+    for (or_ssize i = 0; i < p->pages.count; i++)
+        if (L->slot[i] >= 0)
+            memcpy(host + w->nbytes * (size_t)L->slot[i], w->lo + i * stride, w->nbytes);
+    OR_COUNT(L->ct, staged_buffers, 1);
+    OR_COUNT(L->ct, bytes_staged, w->nbytes * (size_t)L->n_used);
+    if (!L->in_place) {
+        OR_COUNT(L->ct, host_to_device, 1);
+        OR_COUNT(L->ct, host_to_device_bytes, w->nbytes * (size_t)L->n_used);
+    }
+    L->lo[s] = w->lo;
+    int rc = new_buffer(L, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR,
+                        w->nbytes * (size_t)L->n_used + 1, host, &L->mem[s]);
+    free(host);
+    return rc;
+}
+
+/* One buffer per operand, over the whole extent of its array (of all its pages, for paged K
+ * and V read in place). */
 static int operand_buffers(launch_t *L)
 {
     int rc = new_buffer(L, CL_MEM_READ_WRITE, 64, NULL, &L->dummy);
+    if (rc == OR_OK && compact_pages(L))
+        rc = number_pages(L);
     for (int s = 0; rc == OR_OK && s < OR_NSLOTS; s++) {
         const or_view *w = &L->p->view[s];
-        int out = (L->outputs >> s) & 1;
+        const int out = (L->outputs >> s) & 1,
+                  paged = L->p->pages.rows > 0 && (s == OR_K || s == OR_V);
         if (w->offs == NULL)
             continue;
-        if (w->nbytes == 0) {           /* nothing to read or write: any buffer will do */
+        if (paged && L->slot != NULL) {
+            rc = compact_buffer(L, s);
+            continue;
+        }
+        char *lo = paged ? L->p->pages.lo[s - OR_K] : w->lo;
+        const size_t nbytes = paged ? L->p->pages.nbytes[s - OR_K] : w->nbytes;
+        L->lo[s] = lo;
+        if (nbytes == 0) {              /* nothing to read or write: any buffer will do */
             L->mem[s] = L->dummy;
             continue;
         }
@@ -77,41 +160,48 @@ static int operand_buffers(launch_t *L)
             continue;
         }
         cl_mem_flags flags = out ? CL_MEM_READ_WRITE : CL_MEM_READ_ONLY;
-        char *host = w->lo;
+        char *host = lo;
         if (L->in_place) {
             /* the device takes host memory on its base alignment: the buffer starts there,
              * before the array (in the same page), and the kernels' offsets skip the gap */
-            host -= (uintptr_t)w->lo % L->info->base_align;
+            host -= (uintptr_t)lo % L->info->base_align;
             flags |= CL_MEM_USE_HOST_PTR;
         } else if (!out) {
             flags |= CL_MEM_COPY_HOST_PTR;
             OR_COUNT(L->ct, host_to_device, 1);
-            OR_COUNT(L->ct, host_to_device_bytes, w->nbytes);
+            OR_COUNT(L->ct, host_to_device_bytes, nbytes);
         }
-        L->shift[s] = (size_t)(w->lo - host);
-        rc = new_buffer(L, flags, w->nbytes + L->shift[s], (L->in_place || !out) ? host : NULL,
+        L->shift[s] = (size_t)(lo - host);
+        rc = new_buffer(L, flags, nbytes + L->shift[s], (L->in_place || !out) ? host : NULL,
                         &L->mem[s]);
     }
     return rc;
 }
 
-/* The words of the page lists of a paged call (0 when not paged): one list per run of kv units
- * of one sequence (the heads of a batch entry share its row of block_table), from its page 0
+/* Whether kv unit w of a paged call starts a page list: the kv heads of a batch entry share
+ * one (its row of block_table, from the same left padding). */
+static int starts_list(const or_problem *p, or_ssize w)
+{
+    return w == 0 || p->pages.table[w] != p->pages.table[w - 1]
+           || p->pages.first[w] != p->pages.first[w - 1];
+}
+
+/* The words of the page lists of a paged call (0 when not paged): each list from page index 0
  * to its last key's page. */
 static size_t page_words(const or_problem *p)
 {
     size_t words = 0;
-    for (or_ssize w = 0; p->pages.rows > 0 && w < p->n_units / p->prm.group; w++)
-        if (w == 0 || p->pages.table[w] != p->pages.table[w - 1]
-            || p->pages.first[w] != p->pages.first[w - 1])
-            words += (size_t)((p->pages.first[w] + p->nk[w * p->prm.group] + p->pages.rows - 1)
-                              / p->pages.rows);
+    for (or_ssize w = 0; p->pages.rows > 0 && w < p->n_units / p->prm.group; w++) {
+        or_ssize t0, t1;
+        read_pages(p, w, &t0, &t1);
+        words += starts_list(p, w) ? (size_t)t1 : 0;
+    }
     return words;
 }
 
 /* The meta table (params.h): row strides and the pages' geometry, then per unit its element
  * offsets, nq, nk, its first row in the backward's per-row buffers and its page list, then the
- * page lists. */
+ * page lists (the pages' numbers in the buffers of K and V; 0 before the first page read). */
 static int meta_buffer(launch_t *L)
 {
     const or_problem *p = L->p;
@@ -126,10 +216,12 @@ static int meta_buffer(launch_t *L)
         if (w->offs != NULL)
             meta[s] = w->row_stride / w->itemsize;
     }
-    if (pg->rows > 0) {
+    if (pg->rows > 0) {     /* a copy's pages lie as many bytes apart as each spans */
         meta[OR_META_PAGE_ROWS] = pg->rows;
-        meta[OR_META_PAGE_K] = pg->k_stride / p->view[OR_K].itemsize;
-        meta[OR_META_PAGE_V] = pg->v_stride / p->view[OR_V].itemsize;
+        meta[OR_META_PAGE_K] = (L->slot ? (or_ssize)p->view[OR_K].nbytes : pg->k_stride)
+                               / p->view[OR_K].itemsize;
+        meta[OR_META_PAGE_V] = (L->slot ? (or_ssize)p->view[OR_V].nbytes : pg->v_stride)
+                               / p->view[OR_V].itemsize;
     }
     size_t list = units_end, list_end = units_end;
     for (or_ssize u = 0; u < p->n_units; u++) {
@@ -140,7 +232,7 @@ static int meta_buffer(launch_t *L)
             int kv_side = s == OR_K || s == OR_V || s == OR_DK || s == OR_DV;
             /* in integers: a resident operand's base and lo address no memory */
             if (w->offs != NULL && w->nbytes > 0)
-                row[s] = ((w->base - w->lo) + w->offs[kv_side ? kv : u]
+                row[s] = ((w->base - L->lo[s]) + w->offs[kv_side ? kv : u]
                           + (or_ssize)L->shift[s]) / w->itemsize;
         }
         row[OR_UNIT_NQ] = p->nq[u];
@@ -150,11 +242,14 @@ static int meta_buffer(launch_t *L)
         row[OR_UNIT_PAGES] = -1;
         if (pg->rows == 0)
             continue;
-        if (u % p->prm.group == 0 && (kv == 0 || pg->table[kv] != pg->table[kv - 1]
-                                      || pg->first[kv] != pg->first[kv - 1])) {
-            list = list_end;    /* a new sequence's pages, up to its last key's */
-            for (or_ssize t = 0; t < (pg->first[kv] + p->nk[u] + pg->rows - 1) / pg->rows; t++)
-                meta[list_end++] = pg->table[kv][t];
+        if (u % p->prm.group == 0 && starts_list(p, kv)) {
+            or_ssize t0, t1;
+            read_pages(p, kv, &t0, &t1);
+            list = list_end;
+            for (or_ssize t = 0; t < t1; t++, list_end++)
+                meta[list_end] = t < t0   ? 0
+                                 : L->slot ? L->slot[pg->table[kv][t]]
+                                           : pg->table[kv][t];
         }
         row[OR_UNIT_PAGES] = (cl_long)list;
         row[OR_UNIT_FIRST] = pg->first[kv];
@@ -305,6 +400,7 @@ static int finish_outputs(launch_t *L)
 static void release(launch_t *L)
 {
     const or_cl_api *api = L->prog.api;
+    free(L->slot);
     if (api == NULL)
         return;
     /* after a failure, kernels already enqueued may still write into host memory that the

@@ -86,13 +86,14 @@ static void query_info(device_t *dev)
         snprintf(in->platform_version, sizeof(in->platform_version), "unknown");
     cl_device_type type = 0;
     cl_uint cu = 0, align_bits = 0, float_width = 0;
-    cl_ulong gmem = 0, lmem = 0;
+    cl_ulong gmem = 0, lmem = 0, max_alloc = 0;
     size_t wg = 1;
     cl_bool unified = CL_FALSE;
     api->clGetDeviceInfo(d, CL_DEVICE_TYPE, sizeof(type), &type, NULL);
     api->clGetDeviceInfo(d, CL_DEVICE_MAX_COMPUTE_UNITS, sizeof(cu), &cu, NULL);
     api->clGetDeviceInfo(d, CL_DEVICE_GLOBAL_MEM_SIZE, sizeof(gmem), &gmem, NULL);
     api->clGetDeviceInfo(d, CL_DEVICE_LOCAL_MEM_SIZE, sizeof(lmem), &lmem, NULL);
+    api->clGetDeviceInfo(d, CL_DEVICE_MAX_MEM_ALLOC_SIZE, sizeof(max_alloc), &max_alloc, NULL);
     api->clGetDeviceInfo(d, CL_DEVICE_MAX_WORK_GROUP_SIZE, sizeof(wg), &wg, NULL);
     api->clGetDeviceInfo(d, CL_DEVICE_MEM_BASE_ADDR_ALIGN, sizeof(align_bits), &align_bits, NULL);
     api->clGetDeviceInfo(d, CL_DEVICE_PREFERRED_VECTOR_WIDTH_FLOAT, sizeof(float_width),
@@ -104,6 +105,7 @@ static void query_info(device_t *dev)
     in->compute_units = cu;
     in->global_mem = gmem;
     in->local_mem = lmem;
+    in->max_alloc = max_alloc;
     in->max_work_group = wg ? wg : 1;
     in->unified = unified || (type & CL_DEVICE_TYPE_CPU);
     in->base_align = align_bits >= 8 ? align_bits / 8 : 1;

@@ -16,6 +16,7 @@ typedef struct {
     int fp16, fp64, unified;
     int subgroups;                  /* cl_khr_subgroups or cl_intel_subgroups */
     size_t base_align;              /* CL_DEVICE_MEM_BASE_ADDR_ALIGN, in bytes */
+    unsigned long long max_alloc;   /* CL_DEVICE_MAX_MEM_ALLOC_SIZE: the largest buffer */
     unsigned float_width;           /* CL_DEVICE_PREFERRED_VECTOR_WIDTH_FLOAT */
 } or_cl_info;
 

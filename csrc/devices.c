@@ -292,11 +292,12 @@ PyObject *or_devices_list(void)
         if (id == NULL)
             goto fail;
         item = Py_BuildValue(
-            "{s:N, s:s, s:s, s:s, s:s, s:s, s:s, s:I, s:K, s:K, s:n, s:O, s:O, s:O, s:O, s:s, s:n}",
+            "{s:N, s:s, s:s, s:s, s:s, s:s, s:s, s:I, s:K, s:K, s:K, s:n, s:O, s:O, s:O, s:O, s:s, s:n}",
             "id", id, "name", in->name, "vendor", in->vendor, "kind", in->kind,
             "backend", "opencl", "platform", in->platform, "driver_version", in->driver,
             "compute_units", in->compute_units, "global_mem_bytes", in->global_mem,
-            "local_mem_bytes", in->local_mem, "max_work_group_size", (Py_ssize_t)in->max_work_group,
+            "local_mem_bytes", in->local_mem, "max_alloc_bytes", in->max_alloc,
+            "max_work_group_size", (Py_ssize_t)in->max_work_group,
             "fp16", in->fp16 ? Py_True : Py_False, "fp64", in->fp64 ? Py_True : Py_False,
             "unified_memory", in->unified ? Py_True : Py_False,
             "subgroups", in->subgroups ? Py_True : Py_False, "opencl_version", in->version,

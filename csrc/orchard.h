@@ -47,7 +47,10 @@ typedef struct {
  * pages. */
 typedef struct {
     or_ssize rows;                  /* keys per page; 0: K and V are not paged */
+    or_ssize count;                 /* pages in K and V */
     or_ssize k_stride, v_stride;
+    char *lo[2];                    /* the extent of all of K's pages and of V's (the views */
+    size_t nbytes[2];               /*   of K and V cover page 0) */
     const int64_t *const *table;    /* per kv unit: its sequence's row of the block table */
     const or_ssize *first;          /* per kv unit: the page position of its key 0 */
 } or_pages;

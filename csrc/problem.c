@@ -277,10 +277,6 @@ int or_build_problem(or_call *c, PyObject *alibi_slopes)
         w->offs = c->offs[s];
         w->itemsize = (int)PyArray_ITEMSIZE(c->arr[s]);
         or_extent(c->arr[s], &w->lo, &w->nbytes);
-        if (c->pages != NULL && (s == OR_K || s == OR_V)) {    /* every page, not page 0's */
-            w->lo = c->page_lo[s - OR_K];
-            w->nbytes = c->page_nbytes[s - OR_K];
-        }
         w->dtype = c->dt[s];
         w->mem = c->dev[s] ? or_device_array_mem(c->dev[s]) : NULL;
     }

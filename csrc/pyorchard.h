@@ -105,9 +105,6 @@ typedef struct {
     PyArrayObject *pages, *leftpad; /* int64 copies of block_table and leftpad_k, or NULL */
     const int64_t **page_list;      /* per kv unit: its row of pages (or_pages.table) */
     or_ssize *page_first;           /* per kv unit: its leftpad (or_pages.first) */
-    npy_intp num_pages;             /* pages in k and v */
-    char *page_lo[2];               /* the extent of all pages of k and of v (or_extent) */
-    size_t page_nbytes[2];
     or_ssize *nq, *nk;
     double *slopes;
     or_ssize heads;                 /* query heads H (dense: size of dim -3, or 1) */

@@ -45,8 +45,7 @@ __kernel void flash_bwd_rows_dq(__global const storage_t *q, __global const stor
     for (long j0 = lo; j0 < hi; j0 += BK) {
         const int cols = (int)min((long)BK, hi - j0);
         barrier(CLK_LOCAL_MEM_FENCE);
-        load_tiles(kt, k, rows_of(meta, kvunit, OR_K), 1, vt, v, rows_of(meta, kvunit, OR_V), j0,
-                   cols, lid);
+        load_tiles(meta, kvunit, j0, cols, lid, kt, k, OR_K, 1, vt, v, OR_V);
         barrier(CLK_LOCAL_MEM_FENCE);
         if (lse_i == -INFINITY)
             continue;           /* padding, or a row that sees no key: zero gradient */
@@ -111,8 +110,7 @@ __kernel void flash_bwd_rows_dkdv(__global const storage_t *q, __global const st
         for (long i0 = ilo; i0 < ihi; i0 += BK) {
             const int rows = (int)min((long)BK, ihi - i0);
             barrier(CLK_LOCAL_MEM_FENCE);
-            load_tiles(qt, q, rows_of(meta, unit, OR_Q), p.scale, dot_t, dout,
-                       rows_of(meta, unit, OR_DO), i0, rows, lid);
+            load_tiles(meta, unit, i0, rows, lid, qt, q, OR_Q, p.scale, dot_t, dout, OR_DO);
             for (int e = lid; e < rows; e += BQ) {
                 lse_t[e] = lse[unit[OR_LSE] + (i0 + e) * meta[OR_LSE]];
                 di_t[e] = di[unit[OR_UNIT_ROW0] + i0 + e];

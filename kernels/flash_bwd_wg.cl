@@ -26,18 +26,19 @@
 #define BLDP OR_WG_LD(BK)                           /* row length of ps and ds */
 #define BWG_THREADS OR_WG_THREADS(BQ)
 
-/* A tile of both backward kernels: rows [r0, r0 + n) of x (rows_of; HEAD_D wide, times
- * x_scale) and of y (HEAD_DV wide) into cs and cvs (zero past n), then this work-item's
- * micro-tiles of S = rs cs^T and dP = rvs cvs^T (or their transposes, in dK/dV). */
-inline void wg_bwd_tile(__global const storage_t *x, or_rows x_at, real x_scale,
-                        __global const storage_t *y, or_rows y_at, long r0, int n,
+/* A tile of both backward kernels: rows [r0, r0 + n) of a unit's x (slot xs, HEAD_D wide,
+ * times x_scale) and y (slot ys, HEAD_DV wide) into cs and cvs (zero past n), then this
+ * work-item's micro-tiles of S = rs cs^T and dP = rvs cvs^T (or their transposes, in dK/dV). */
+inline void wg_bwd_tile(__global const long *meta, __global const long *unit,
+                        __global const storage_t *x, int xs, real x_scale,
+                        __global const storage_t *y, int ys, long r0, int n,
                         __local const real *rs, __local const real *rvs, __local real *cs,
                         __local real *cvs, real *s, real *dp, int tx, int ty)
 {
     const int lid = ty * LANES + tx;
     barrier(CLK_LOCAL_MEM_FENCE);       /* every product with the last tile is done */
-    wg_load(cs, LDQ, x, x_at, r0, n, BK, HEAD_D, x_scale, lid, BWG_THREADS);
-    wg_load(cvs, LDV, y, y_at, r0, n, BK, HEAD_DV, 1, lid, BWG_THREADS);
+    wg_load(cs, LDQ, x, meta, unit, xs, r0, n, BK, HEAD_D, x_scale, lid, BWG_THREADS);
+    wg_load(cvs, LDV, y, meta, unit, ys, r0, n, BK, HEAD_DV, 1, lid, BWG_THREADS);
     barrier(CLK_LOCAL_MEM_FENCE);
     wg_dot_tile(s, BWN, rs, LDQ, cs, LDQ, HEAD_D, tx, ty);
     wg_dot_tile(dp, BWN, rvs, LDV, cvs, LDV, HEAD_DV, tx, ty);
@@ -65,16 +66,16 @@ __kernel void flash_bwd_wg_dq(__global const storage_t *q, __global const storag
         for (int g = 0; g < WD4; g++)
             acc[a * WD4 + g] = 0;
     }
-    wg_load(rs, LDQ, q, rows_of(meta, b.unit, OR_Q), b.i0, b.rows, BQ, HEAD_D, p.scale, lid,
+    wg_load(rs, LDQ, q, meta, b.unit, OR_Q, b.i0, b.rows, BQ, HEAD_D, p.scale, lid,
             BWG_THREADS);
-    wg_load(rvs, LDV, dout, rows_of(meta, b.unit, OR_DO), b.i0, b.rows, BQ, HEAD_DV, 1, lid,
+    wg_load(rvs, LDV, dout, meta, b.unit, OR_DO, b.i0, b.rows, BQ, HEAD_DV, 1, lid,
             BWG_THREADS);
 
     for (long j0 = b.lo; j0 < b.hi; j0 += BK) {
         const int cols = (int)min((long)BK, b.hi - j0);
         real s[WTM * BWN], dp[WTM * BWN];
-        wg_bwd_tile(k, rows_of(meta, b.kvunit, OR_K), 1, v, rows_of(meta, b.kvunit, OR_V), j0,
-                    cols, rs, rvs, cs, cvs, s, dp, tx, ty);
+        wg_bwd_tile(meta, b.kvunit, k, OR_K, 1, v, OR_V, j0, cols, rs, rvs, cs, cvs, s, dp, tx,
+                    ty);
         for (int a = 0; a < WTM; a++) {
             const long i = b.i0 + ty * WTM + a;
             for (int c = 0; c < BWN; c++) {
@@ -133,8 +134,8 @@ __kernel void flash_bwd_wg_dkdv(__global const storage_t *q, __global const stor
         for (int g = 0; g < WDV4; g++)
             dva[a * WDV4 + g] = 0;
     }
-    wg_load(rs, LDQ, k, rows_of(meta, kvunit, OR_K), j0, keys, BQ, HEAD_D, 1, lid, BWG_THREADS);
-    wg_load(rvs, LDV, v, rows_of(meta, kvunit, OR_V), j0, keys, BQ, HEAD_DV, 1, lid, BWG_THREADS);
+    wg_load(rs, LDQ, k, meta, kvunit, OR_K, j0, keys, BQ, HEAD_D, 1, lid, BWG_THREADS);
+    wg_load(rvs, LDV, v, meta, kvunit, OR_V, j0, keys, BQ, HEAD_DV, 1, lid, BWG_THREADS);
 
     for (int g = 0; g < p.group; g++) {
         const long u = w * p.group + g;
@@ -151,8 +152,8 @@ __kernel void flash_bwd_wg_dkdv(__global const storage_t *q, __global const stor
                 di_t[e] = e < rows ? di[unit[OR_UNIT_ROW0] + i0 + e] : 0;
             }
             real s[WTM * BWN], dp[WTM * BWN];
-            wg_bwd_tile(q, rows_of(meta, unit, OR_Q), p.scale, dout, rows_of(meta, unit, OR_DO),
-                        i0, rows, rs, rvs, cs, cvs, s, dp, tx, ty);
+            wg_bwd_tile(meta, unit, q, OR_Q, p.scale, dout, OR_DO, i0, rows, rs, rvs, cs, cvs, s,
+                        dp, tx, ty);
             for (int a = 0; a < WTM; a++) {
                 const long j = j0 + ty * WTM + a;
                 for (int c = 0; c < BWN; c++) {

@@ -73,8 +73,7 @@ inline void row_keys(__global const storage_t *q, __global const storage_t *k,
     for (long j0 = lo; j0 < hi; j0 += BK) {
         const int cols = (int)min((long)BK, hi - j0);
         barrier(CLK_LOCAL_MEM_FENCE);
-        load_tiles(kt, k, rows_of(meta, kvunit, OR_K), 1, vt, v, rows_of(meta, kvunit, OR_V), j0,
-                   cols, lid);
+        load_tiles(meta, kvunit, j0, cols, lid, kt, k, OR_K, 1, vt, v, OR_V);
         barrier(CLK_LOCAL_MEM_FENCE);
         if (valid)
             row_tile(qv, acc, m, l, kt, vt, cols, u, i, j0, off, slope, p);

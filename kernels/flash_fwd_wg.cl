@@ -43,13 +43,13 @@ __kernel void flash_fwd_wg(__global const storage_t *q, __global const storage_t
         for (int g = 0; g < WDV4; g++)
             o[a * WDV4 + g] = 0;
     }
-    wg_load(qs, LDQ, q, rows_of(meta, b.unit, OR_Q), b.i0, b.rows, FQ, HEAD_D, p.scale, lid,
+    wg_load(qs, LDQ, q, meta, b.unit, OR_Q, b.i0, b.rows, FQ, HEAD_D, p.scale, lid,
             threads);
 
     for (long j0 = b.lo; j0 < b.hi; j0 += FK) {
         const int cols = (int)min((long)FK, b.hi - j0);
         barrier(CLK_LOCAL_MEM_FENCE);
-        wg_load(kvs, LDKV, k, rows_of(meta, b.kvunit, OR_K), j0, cols, FK, HEAD_D, 1, lid,
+        wg_load(kvs, LDKV, k, meta, b.kvunit, OR_K, j0, cols, FK, HEAD_D, 1, lid,
                 threads);
         barrier(CLK_LOCAL_MEM_FENCE);
         real s[WTM * FWN], mx[WTM];
@@ -92,7 +92,7 @@ __kernel void flash_fwd_wg(__global const storage_t *q, __global const storage_t
                 o[a * WDV4 + g] *= alpha;
         }
         barrier(CLK_LOCAL_MEM_FENCE);       /* every product with the key tile is done */
-        wg_load(kvs, LDKV, v, rows_of(meta, b.kvunit, OR_V), j0, cols, FK, HEAD_DV, 1, lid,
+        wg_load(kvs, LDKV, v, meta, b.kvunit, OR_V, j0, cols, FK, HEAD_DV, 1, lid,
                 threads);
         barrier(CLK_LOCAL_MEM_FENCE);
         wg_acc_tile(o, WDV4, ps, FLDP, kvs, LDKV, cols, HEAD_DV, tx, ty);

@@ -20,11 +20,14 @@
  * into three stores, an aligned vector store is one (4 % faster forward and backward). */
 #define TILE_VEC(p) (*(__local realv *)(p))
 
-/* Rows [r0, r0 + rows) of an operand (rows_of), times mul, into a local tile of ld columns;
- * columns [n, ld) and rows [rows, pad_rows) are zero. */
-inline void load_block(__local real *dst, int ld, __global const storage_t *src, or_rows at,
-                       long r0, int rows, int pad_rows, int n, real mul)
+/* Rows [r0, r0 + rows) of operand slot s of a unit (rows_of), times mul, into a local tile of ld
+ * columns; columns [n, ld) and rows [rows, pad_rows) are zero. */
+inline void load_block(__local real *dst, int ld, __global const storage_t *src,
+                       __global const long *meta, __global const long *unit, int s, long r0,
+                       int rows, int pad_rows, int n, real mul)
 {
+    or_rows at;
+    rows_of(&at, meta, unit, s);
     for (int r = 0; r < pad_rows; r++) {
         const long row = r < rows ? row_at(&at, r0 + r) : 0;
         for (int x = 0; x < ld; x++)
@@ -33,9 +36,12 @@ inline void load_block(__local real *dst, int ld, __global const storage_t *src,
 }
 
 /* The same rows transposed, n columns of them: dst[x * ld + r]; rows [rows, pad_rows) zero. */
-inline void load_block_t(__local real *dst, int ld, __global const storage_t *src, or_rows at,
-                         long r0, int rows, int pad_rows, int n, real mul)
+inline void load_block_t(__local real *dst, int ld, __global const storage_t *src,
+                         __global const long *meta, __global const long *unit, int s, long r0,
+                         int rows, int pad_rows, int n, real mul)
 {
+    or_rows at;
+    rows_of(&at, meta, unit, s);
     for (int r = 0; r < pad_rows; r++) {
         const long row = r < rows ? row_at(&at, r0 + r) : 0;
         for (int x = 0; x < n; x++)

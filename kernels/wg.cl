@@ -81,14 +81,17 @@ inline int wg_query_block(__global const long *meta, __global const real *slopes
     return 1;
 }
 
-/* Rows [r0, r0 + rows) of an operand (rows_of), n elements each, times mul, into a local tile
- * of row length ld (OR_WG_LD(n): whole vectors of VW fit), VW elements per global read and
- * local write, zero past n; rows [rows, pad_rows) are zero. Every one of the group's `threads`
- * work-items takes part. */
-inline void wg_load(__local real *dst, int ld, __global const storage_t *src, or_rows at,
-                    long r0, int rows, int pad_rows, int n, real mul, int lid, int threads)
+/* Rows [r0, r0 + rows) of operand slot s of a unit (rows_of), n elements each, times mul, into
+ * a local tile of row length ld (OR_WG_LD(n): whole vectors of VW fit), VW elements per global
+ * read and local write, zero past n; rows [rows, pad_rows) are zero. Every one of the group's
+ * `threads` work-items takes part. */
+inline void wg_load(__local real *dst, int ld, __global const storage_t *src,
+                    __global const long *meta, __global const long *unit, int s, long r0,
+                    int rows, int pad_rows, int n, real mul, int lid, int threads)
 {
     const int nv = (n + VW - 1) / VW;
+    or_rows at;
+    rows_of(&at, meta, unit, s);
     for (int e = lid; e < pad_rows * nv; e += threads) {
         const int r = e / nv, x0 = e % nv * VW;
         const realv t = r < rows ? load_vec(src, row_at(&at, r0 + r), x0, n, mul) : 0;

@@ -95,7 +95,8 @@ def test_device_names(ops):
     info = [d for d in ops.devices() if d["backend"] == "opencl"]
     first = info[0]
     for key in ("name", "vendor", "kind", "platform", "driver_version", "compute_units",
-                "global_mem_bytes", "local_mem_bytes", "max_work_group_size", "fp16", "fp64",
+                "global_mem_bytes", "local_mem_bytes", "max_alloc_bytes", "max_work_group_size",
+                "fp16", "fp64",
                 "unified_memory"):
         assert key in first, key
     assert first["kind"] in ("cpu", "gpu", "accelerator")

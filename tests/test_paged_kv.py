@@ -11,7 +11,7 @@ import re
 import numpy as np
 import pytest
 
-from conftest import OPENCL_IDS, assert_close, run_python
+from conftest import OPENCL_IDS, assert_close, needs_test_hooks, run_python
 
 torch = pytest.importorskip("torch")
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
@@ -214,6 +214,58 @@ def test_opencl_reads_the_pages_in_place(family):
     r = run_python(PAGED_RUN % ((OPENCL_IDS[0],) * 3), timeout=600, ORCHARD_CL_FAMILY=family)
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(r.stdout.strip().splitlines()[-1]) == [12, True]
+
+
+COPY_RUN = """
+    import json, numpy as np, orchard_ops as o
+    rng = np.random.default_rng(0)
+    kp, vp = (rng.standard_normal((4096, 16, 2, 64)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((2, 8, 64)).astype(np.float32)
+    args = (q, kp, vp, np.array([0, 1, 2]), np.array([0, 20, 37]))
+    kw = dict(block_table=np.array([[4000, 9], [9, 17]]), leftpad_k=np.array([0, 16]))
+    want = o.flash_attn_varlen_fwd(*args, device="cpu", **kw)
+    o.reset_stats()
+    got = o.flash_attn_varlen_fwd(*args, device="%s", **kw)
+    st = o.stats()["per_device"]["%s"]
+    print(json.dumps([all(np.allclose(g, w, rtol=1e-5, atol=1e-6) for g, w in zip(got, want)),
+                      st["host_to_device_bytes"], st["bytes_staged"]]))
+"""
+
+
+@pytest.mark.skipif(not OPENCL_IDS, reason="no OpenCL device")
+@needs_test_hooks
+def test_a_device_without_shared_memory_gets_the_pages_read():
+    """Where buffers are copies (a discrete GPU; ORCHARD_CL_TRANSFERS=1 here), a paged call
+    sends the pages it reads, not the pool: 3 pages of 4,096 (one shared, one skipped by the
+    left padding), the result the native path's."""
+    r = run_python(COPY_RUN % ((OPENCL_IDS[0],) * 2), ORCHARD_CL_TRANSFERS=1)
+    assert r.returncode == 0, r.stderr[-3000:]
+    same, to_device, staged = json.loads(r.stdout.strip().splitlines()[-1])
+    page = 16 * 2 * 64 * 4
+    assert same and staged == 2 * 3 * page
+    assert to_device == 2 * 3 * page + 2 * 8 * 64 * 4       # the pages and q
+
+
+@pytest.mark.skipif(not OPENCL_IDS, reason="no OpenCL device")
+def test_a_pool_larger_than_a_buffer_may_be(tmp_path):
+    """Pages past the device's largest buffer (max_alloc_bytes; a sparse file mapped, so
+    nothing is written) are read as a copy of the pages the call reads."""
+    device = next(d for d in orchard_ops.devices() if d["id"] == OPENCL_IDS[0])
+    page_bytes = 16 * 2 * 64 * 4
+    n = device["max_alloc_bytes"] // page_bytes + 1
+    if n * page_bytes > 64 << 30:
+        pytest.skip("the device takes buffers of %d bytes" % device["max_alloc_bytes"])
+    path = tmp_path / "pool.bin"
+    with open(path, "wb") as f:
+        f.truncate(2 * n * page_bytes)
+    pool = np.memmap(path, np.float32, "r", shape=(2, n, 16, 2, 64))
+    q = np.ones((1, 8, 64), np.float32)
+    args = (q, pool[0], pool[1], np.array([0, 1]), np.array([0, 20]))
+    kw = dict(block_table=np.array([[n - 1, 7]]))
+    orchard_ops.reset_stats()
+    out, lse = orchard_ops.flash_attn_varlen_fwd(*args, device=OPENCL_IDS[0], **kw)
+    assert not out.any() and np.allclose(lse, np.log(20))   # zero keys: all weights equal
+    assert orchard_ops.stats()["per_device"][OPENCL_IDS[0]]["bytes_staged"] == 2 * 2 * page_bytes
 
 
 def test_varlen_func_reads_pages_in_place_without_grad():
