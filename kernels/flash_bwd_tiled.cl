@@ -37,9 +37,9 @@ void flash_bwd_tiled(__global const storage_t *q, __global const storage_t *k,
     for (long j0 = 0; j0 < nk; j0 += BK) {
         const int cols = (int)min((long)BK, nk - j0), cols_tm = (cols + TM - 1) / TM * TM,
                   cols_tn = (cols + TN - 1) / TN * TN;
-        load_block_t(kt, BK, k, meta, kvunit, OR_K, j0, cols, BK, HEAD_D, 1);
-        load_block_t(vt, BK, v, meta, kvunit, OR_V, j0, cols, BK, HEAD_DV, 1);
-        load_block(kb, DT, k, meta, kvunit, OR_K, j0, cols, BK, HEAD_D, 1);
+        load_block(kt, BK, 1, k, meta, kvunit, OR_K, j0, cols, BK, HEAD_D, 1);
+        load_block(vt, BK, 1, v, meta, kvunit, OR_V, j0, cols, BK, HEAD_DV, 1);
+        load_block(kb, DT, 0, k, meta, kvunit, OR_K, j0, cols, BK, HEAD_D, 1);
         for (int e = 0; e < BK * DT; e++)
             dka[e] = 0;
         for (int e = 0; e < BK * DVT; e++)
@@ -56,8 +56,8 @@ void flash_bwd_tiled(__global const storage_t *q, __global const storage_t *k,
             for (long i0 = ilo; i0 < ihi; i0 += BQ) {
                 const int rows = (int)min((long)BQ, ihi - i0);
                 const int rows_tm = (rows + TM - 1) / TM * TM;
-                load_block(qs, DT, q, meta, unit, OR_Q, i0, rows, rows_tm, HEAD_D, p.scale);
-                load_block(dos, DVT, dout, meta, unit, OR_DO, i0, rows, rows_tm, HEAD_DV, 1);
+                load_block(qs, DT, 0, q, meta, unit, OR_Q, i0, rows, rows_tm, HEAD_D, p.scale);
+                load_block(dos, DVT, 0, dout, meta, unit, OR_DO, i0, rows, rows_tm, HEAD_DV, 1);
                 for (int r = 0; r < rows_tm; r++) {
                     lse_t[r] = r < rows ? lse[unit[OR_LSE] + (i0 + r) * meta[OR_LSE]] : -INFINITY;
                     di_t[r] = r < rows ? di[unit[OR_UNIT_ROW0] + i0 + r] : 0;

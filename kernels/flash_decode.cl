@@ -163,7 +163,7 @@ void flash_decode_split(__global const storage_t *q, __global const storage_t *k
     const int rows = nunits * irows, rows_tm = (rows + TM - 1) / TM * TM;
     for (int r = 0; r < rows_tm; r++) {
         __global const long *unit = UNIT(meta, u0 + ua + (r < rows ? r / irows : 0));
-        load_block(qs + r * HEAD_D, HEAD_D, q, meta, unit, OR_Q, i0 + r % irows,
+        load_block(qs + r * HEAD_D, HEAD_D, 0, q, meta, unit, OR_Q, i0 + r % irows,
                    r < rows, 1, HEAD_D, p.scale);
         for (int x = 0; x < DVT; x++)
             o[r * DVT + x] = 0;
@@ -175,8 +175,8 @@ void flash_decode_split(__global const storage_t *q, __global const storage_t *k
     split_keys(&p, nq, nk, i0, irows, split, chunk, &lo, &hi);
     for (long j0 = lo; j0 < hi; j0 += BK) {
         const int cols = (int)min((long)BK, hi - j0), cols_tn = (cols + TN - 1) / TN * TN;
-        load_block_t(kt, BK, k, meta, kvunit, OR_K, j0, cols, cols_tn, HEAD_D, 1);
-        load_block(vs, DVT, v, meta, kvunit, OR_V, j0, cols, cols_tn, HEAD_DV, 1);
+        load_block(kt, BK, 1, k, meta, kvunit, OR_K, j0, cols, cols_tn, HEAD_D, 1);
+        load_block(vs, DVT, 0, v, meta, kvunit, OR_V, j0, cols, cols_tn, HEAD_DV, 1);
         tile_product(s, BK, qs, HEAD_D, 1, kt, BK, rows_tm, cols_tn, HEAD_D, 0);
         for (int r = 0; r < rows; r++) {
             const long u = u0 + ua + r / irows;

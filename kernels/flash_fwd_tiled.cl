@@ -92,7 +92,7 @@ void flash_fwd_tiled(__global const storage_t *q, __global const storage_t *k,
     const int rows = (int)min((long)BQ, nq - i0), rows_st = (rows + STEP - 1) / STEP * STEP;
     const real slope = p.has_alibi ? slopes[u] : 0;
 
-    load_block_t(qt, BQ, q, meta, unit, OR_Q, i0, rows, rows_st, HEAD_D, p.scale);
+    load_block(qt, BQ, 1, q, meta, unit, OR_Q, i0, rows, rows_st, HEAD_D, p.scale);
     for (int r = 0; r < rows_st; r++) {
         for (int x = 0; x < DVT; x++)
             o[r * DVT + x] = 0;
@@ -104,8 +104,8 @@ void flash_fwd_tiled(__global const storage_t *q, __global const storage_t *k,
     or_key_range(p.left, p.right, nq, nk, i0, i0 + rows, &lo, &hi);
     for (long j0 = lo; j0 < hi; j0 += BK) {
         const int cols = (int)min((long)BK, hi - j0), cols_tm = (cols + TM - 1) / TM * TM;
-        load_block(kb, HEAD_D, k, meta, kvunit, OR_K, j0, cols, cols_tm, HEAD_D, 1);
-        load_block(vs, DVT, v, meta, kvunit, OR_V, j0, cols, cols_tm, HEAD_DV, 1);
+        load_block(kb, HEAD_D, 0, k, meta, kvunit, OR_K, j0, cols, cols_tm, HEAD_D, 1);
+        load_block(vs, DVT, 0, v, meta, kvunit, OR_V, j0, cols, cols_tm, HEAD_DV, 1);
         const long reach = i0 + off + p.right - j0;     /* row r sees keys <= r + reach */
         const int cut = p.right >= 0 && reach + 1 < cols, sr = cut ? STEP : rows_st;
         for (int r0 = 0; r0 < rows_st; r0 += sr) {

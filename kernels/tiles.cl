@@ -20,9 +20,10 @@
  * into three stores, an aligned vector store is one (4 % faster forward and backward). */
 #define TILE_VEC(p) (*(__local realv *)(p))
 
-/* Rows [r0, r0 + rows) of operand slot s of a unit (rows_of), times mul, into a local tile of ld
- * columns; columns [n, ld) and rows [rows, pad_rows) are zero. */
-inline void load_block(__local real *dst, int ld, __global const storage_t *src,
+/* Rows [r0, r0 + rows) of operand slot s of a unit (rows_of), times mul, into a local tile
+ * with ld elements between its rows: as rows (dst[r * ld + x]; columns [n, ld) are zero) or,
+ * transposed, as n columns (dst[x * ld + r]); rows [rows, pad_rows) are zero. */
+inline void load_block(__local real *dst, int ld, int transposed, __global const storage_t *src,
                        __global const long *meta, __global const long *unit, int s, long r0,
                        int rows, int pad_rows, int n, real mul)
 {
@@ -30,22 +31,9 @@ inline void load_block(__local real *dst, int ld, __global const storage_t *src,
     rows_of(&at, meta, unit, s);
     for (int r = 0; r < pad_rows; r++) {
         const long row = r < rows ? row_at(&at, r0 + r) : 0;
-        for (int x = 0; x < ld; x++)
-            dst[r * ld + x] = r < rows && x < n ? (real)LOAD(src, row + x) * mul : 0;
-    }
-}
-
-/* The same rows transposed, n columns of them: dst[x * ld + r]; rows [rows, pad_rows) zero. */
-inline void load_block_t(__local real *dst, int ld, __global const storage_t *src,
-                         __global const long *meta, __global const long *unit, int s, long r0,
-                         int rows, int pad_rows, int n, real mul)
-{
-    or_rows at;
-    rows_of(&at, meta, unit, s);
-    for (int r = 0; r < pad_rows; r++) {
-        const long row = r < rows ? row_at(&at, r0 + r) : 0;
-        for (int x = 0; x < n; x++)
-            dst[x * ld + r] = r < rows ? (real)LOAD(src, row + x) * mul : 0;
+        for (int x = 0; x < (transposed ? n : ld); x++)
+            dst[transposed ? x * ld + r : r * ld + x] =
+                r < rows && x < n ? (real)LOAD(src, row + x) * mul : 0;
     }
 }
 
