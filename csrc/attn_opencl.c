@@ -67,7 +67,8 @@ static int new_buffer(launch_t *L, cl_mem_flags flags, size_t size, void *host, 
     return *out ? OR_OK : or_cl_fail(L->err, rc, "clCreateBuffer");
 }
 
-/* Each page's key positions the call reads, from page index t0 to t1 of kv unit w's list. */
+/* The entries [t0, t1) of kv unit w's row of block_table that the call reads: the pages from
+ * its first key's (after the left padding) to its last key's. */
 static void read_pages(const or_problem *p, or_ssize w, or_ssize *t0, or_ssize *t1)
 {
     const or_pages *pg = &p->pages;
