@@ -187,22 +187,22 @@ static int starts_list(const or_problem *p, or_ssize w)
            || p->pages.first[w] != p->pages.first[w - 1];
 }
 
-/* The words of the page lists of a paged call (0 when not paged): each list from page index 0
- * to its last key's page. */
+/* The words of the page lists of a paged call (0 when not paged): each list the pages its
+ * kv units read. */
 static size_t page_words(const or_problem *p)
 {
     size_t words = 0;
     for (or_ssize w = 0; p->pages.rows > 0 && w < p->n_units / p->prm.group; w++) {
         or_ssize t0, t1;
         read_pages(p, w, &t0, &t1);
-        words += starts_list(p, w) ? (size_t)t1 : 0;
+        words += starts_list(p, w) ? (size_t)(t1 - t0) : 0;
     }
     return words;
 }
 
 /* The meta table (params.h): row strides and the pages' geometry, then per unit its element
  * offsets, nq, nk, its first row in the backward's per-row buffers and its page list, then the
- * page lists (the pages' numbers in the buffers of K and V; 0 before the first page read). */
+ * page lists (the pages' numbers in the buffers of K and V). */
 static int meta_buffer(launch_t *L)
 {
     const or_problem *p = L->p;
@@ -247,13 +247,11 @@ static int meta_buffer(launch_t *L)
             or_ssize t0, t1;
             read_pages(p, kv, &t0, &t1);
             list = list_end;
-            for (or_ssize t = 0; t < t1; t++, list_end++)
-                meta[list_end] = t < t0   ? 0
-                                 : L->slot ? L->slot[pg->table[kv][t]]
-                                           : pg->table[kv][t];
+            for (or_ssize t = t0; t < t1; t++)
+                meta[list_end++] = L->slot ? L->slot[pg->table[kv][t]] : pg->table[kv][t];
         }
         row[OR_UNIT_PAGES] = (cl_long)list;
-        row[OR_UNIT_FIRST] = pg->first[kv];
+        row[OR_UNIT_FIRST] = pg->first[kv] % pg->rows;     /* within its list's first page */
     }
     int rc = new_buffer(L, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR, words * sizeof(cl_long), meta,
                         &L->meta);

@@ -93,9 +93,11 @@ inline void rows_of(or_rows *at, __global const long *meta, __global const long 
     at->base = unit[s];
     at->stride = meta[s];
     at->pages = (s == OR_K || s == OR_V) ? unit[OR_UNIT_PAGES] : -1;
-    at->first = unit[OR_UNIT_FIRST];
-    at->per_page = meta[OR_META_PAGE_ROWS];
-    at->page_stride = meta[s == OR_K ? OR_META_PAGE_K : OR_META_PAGE_V];
+    if (at->pages >= 0) {
+        at->first = unit[OR_UNIT_FIRST];
+        at->per_page = meta[OR_META_PAGE_ROWS];
+        at->page_stride = meta[s == OR_K ? OR_META_PAGE_K : OR_META_PAGE_V];
+    }
 }
 
 /* The element offset of row r (rows_of). */

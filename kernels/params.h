@@ -67,9 +67,10 @@ typedef uint32_t or_u32;
  * per-row buffers (D and dQ accumulators): the nq of the units before it, so that they hold
  * the rows there are (a packed batch of many short sequences and one long one, padded to its
  * longest, needed gigabytes); and, for paged keys, the word of the table where its page list
- * starts (-1: not paged) and the page position of its key 0. The page lists (page numbers)
- * follow the units: key j of a paged kv unit is row (first + j) % rows of page
- * list[(first + j) / rows], its offset and row stride within that page those of slot K or V. */
+ * starts (-1: not paged) and the row of its key 0 in the list's first page. The page lists
+ * (page numbers, from the first page a unit reads) follow the units: key j of a paged kv unit
+ * is row (first + j) % rows of page list[(first + j) / rows], its offset and row stride within
+ * that page those of slot K or V. */
 #define OR_META_PAGE_ROWS OR_NSLOTS
 #define OR_META_PAGE_K (OR_NSLOTS + 1)
 #define OR_META_PAGE_V (OR_NSLOTS + 2)
