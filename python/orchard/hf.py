@@ -42,7 +42,8 @@ if int(transformers.__version__.split(".")[0]) != 5:
                       % (transformers.__version__, _INSTALL % "hf"))
 
 from orchard.bert_padding import pad_input, unpad_input
-from orchard.flash_attn import _options, _read_cache, flash_attn_varlen_func
+from orchard.flash_attn import (_options, _read_cache, flash_attn_varlen_func,
+                                flash_attn_with_kvcache)
 from orchard.torch import _MAX_HEAD_DIM, _ROUTABLE_DTYPES, _as_autocast, _attention, _recording
 
 __all__ = ["register", "attention_forward", "attention_mask", "computes_attention_itself",
@@ -570,7 +571,7 @@ def _why_not(query, key, value, mask, sliding_window, in_place, config, kwargs):
     if kwargs.get("position_bias") is not None:
         return "an additive position bias"
     if kwargs.get("cache") is not None:
-        return "a paged KV cache (continuous batching)"
+        return "a cache passed to the attention function (cache=), which it would have to write"
     if mask is None or getattr(mask, "orchard_packed", False):
         return None
     if _key_padding(mask, query.shape[0], key.shape[2]) is not None:
@@ -593,14 +594,25 @@ def _why_not(query, key, value, mask, sliding_window, in_place, config, kwargs):
     return None
 
 
-def _visible(mask, batch, nq, nk, causal, window, device):
+def _visible(mask, batch, nq, nk, causal, window, device, cu=None):
     """(batch, 1, nq, nk) bool: the keys each query sees in orchard's reading of the mask
-    (queries the last nq positions), for the fallback."""
+    (queries the last nq positions), for the fallback. cu = (cu_seq_lens_q, cu_seq_lens_k):
+    packed sequences in one row instead, each query the last of its sequence's positions,
+    seeing its own sequence's keys alone."""
     packed = getattr(mask, "orchard_packed", False)
     if mask is not None and not packed:
         nk = mask.shape[1]
-    q = torch.arange(nk - nq, nk, device=device)[:, None]
-    k = torch.arange(nk, device=device)[None, :]
+    q, k = torch.arange(nq, device=device), torch.arange(nk, device=device)
+    if cu is None:
+        q = q + nk - nq
+    else:       # positions within each sequence, its queries aligned with its last keys
+        cu_q, cu_k = (c.to(device=device, dtype=torch.int64) for c in cu)
+        seq_q = torch.bucketize(q, cu_q[1:], right=True)
+        seq_k = torch.bucketize(k, cu_k[1:], right=True)
+        before = (cu_k[1:] - cu_k[:-1]) - (cu_q[1:] - cu_q[:-1])   # keys before the queries
+        q = q - cu_q[seq_q] + before[seq_q]
+        k = k - cu_k[seq_k]
+    q, k = q[:, None], k[None, :]
     seen = torch.ones(nq, nk, dtype=torch.bool, device=device)
     if causal:
         seen &= k <= q
@@ -608,10 +620,12 @@ def _visible(mask, batch, nq, nk, causal, window, device):
         seen &= k >= q - window[0]
     if window[1] >= 0:
         seen &= k <= q + window[1]
+    if cu is not None:
+        seen &= seq_q[:, None] == seq_k[None, :]
     seen = seen.expand(batch, 1, nq, nk)
-    if packed:
+    if packed and cu is None:
         seen = seen & (mask[:, None, :, None] == mask[:, None, None, :])
-    elif mask is not None:
+    elif mask is not None and not packed:
         seen = seen & mask.bool()[:, None, None, :]
     return seen
 
@@ -622,28 +636,41 @@ def _fallback(reason, module, query, key, value, mask, causal, window, dropout, 
     attention sinks (sdpa has neither), on the mask orchard was given, materialised."""
     if getattr(mask, "orchard_written", None) is not None:   # a static cache's written keys
         mask = mask[:, :int(mask.orchard_written)]
+    batch = query.shape[0]
+    cu = None
+    if mask is None or getattr(mask, "orchard_packed", False):
+        cu = _given_offsets(kwargs)
+    if cu is not None:      # one row of the batch's tokens, as orchard's varlen call reads them
+        _check_covers("cu_seq_lens_q", cu[0], batch * query.shape[2])
+        _check_covers("cu_seq_lens_k", cu[1], batch * key.shape[2])
+        query, key, value = (t.transpose(0, 1).flatten(1, 2)[None]
+                             for t in (query, key, value))
     if mask is None or mask.dim() == 2:
         if mask is not None and not getattr(mask, "orchard_packed", False):
             key, value = key[:, :, :mask.shape[1]], value[:, :, :mask.shape[1]]
-        if mask is not None or causal or window != (-1, -1):
+        if mask is not None or causal or window != (-1, -1) or cu is not None:
             mask = _visible(mask, query.shape[0], query.shape[2], key.shape[2], causal,
-                            window, query.device)
+                            window, query.device, cu)
     if softcap is None and kwargs.get("s_aux") is None:
         _warn_once(reason, "transformers' sdpa attention")
-        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout,
-                                      scaling=scaling, is_causal=causal, **kwargs)
-    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    if eager is None:
-        raise ValueError("orchard.hf: %s, and sdpa has no softcap or attention sinks: use "
-                         "attn_implementation='eager'" % reason)
-    _warn_once(reason, "the model's eager attention (sdpa has no softcap or attention sinks)")
-    if mask is not None and mask.dtype == torch.bool:     # eager adds the mask to the scores
-        mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
-            ~mask, torch.finfo(query.dtype).min)
-    if softcap is not None:
-        kwargs = dict(kwargs, softcap=softcap)
-    out, _ = eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
-    return out, None
+        out, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=dropout,
+                                        scaling=scaling, is_causal=causal, **kwargs)
+    else:
+        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward",
+                        None)
+        if eager is None:
+            raise ValueError("orchard.hf: %s, and sdpa has no softcap or attention sinks: use "
+                             "attn_implementation='eager'" % reason)
+        _warn_once(reason, "the model's eager attention (sdpa has no softcap or attention "
+                   "sinks)")
+        if mask is not None and mask.dtype == torch.bool:     # eager adds the mask to the scores
+            mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                ~mask, torch.finfo(query.dtype).min)
+        if softcap is not None:
+            kwargs = dict(kwargs, softcap=softcap)
+        out, _ = eager(module, query, key, value, mask, dropout=dropout, scaling=scaling,
+                       **kwargs)
+    return out.reshape(batch, -1, *out.shape[2:]), None
 
 
 # ----------------------------------------------------------------------------- attention
@@ -675,6 +702,13 @@ def _packed_offsets(mask, batch):
         return torch.cat([starts, starts.new_tensor([tokens])])
     starts = torch.nonzero(ids[1:] != ids[:-1]).flatten() + 1
     return torch.cat([starts.new_zeros(1), starts, starts.new_tensor([tokens])])
+
+
+def _given_offsets(kwargs):
+    """(cu_seq_lens_q, cu_seq_lens_k) where the caller gave both (transformers' continuous
+    batching, DataCollatorWithFlattening), else None."""
+    cu = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    return None if cu[0] is None or cu[1] is None else cu
 
 
 def _check_covers(name, cu, tokens):
@@ -842,6 +876,51 @@ def _keys_attention(query, key, value, keys, options):
     return out.view(batch, nq, *out.shape[1:])
 
 
+def _paged_decode(query, key, value, kwargs, options):
+    """A decode-only batch on continuous batching's fast path (block_table, k_cache and v_cache
+    in kwargs): query (1, H, B, D), one token of each of B requests, key and value (1, Hkv, B,
+    D) theirs, written at each request's end in its pages of k_cache and v_cache (pages, page
+    size, Hkv, D) and every key read there, in place (flash_attn_with_kvcache's call, as
+    transformers makes it for FlashAttention). out (1, B, H, Dv)."""
+    table = kwargs["block_table"]
+    batch = table.shape[0]
+    if query.shape[2] != batch:
+        raise ValueError("orchard.hf: a 'block_table' of %d requests with %d query tokens: the "
+                         "paged decode step takes one token a request" % (batch,
+                                                                          query.shape[2]))
+    cu_k = kwargs["cu_seq_lens_k"][:batch + 1]
+    q, k, v = (t.permute(2, 0, 1, 3) for t in (query, key, value))     # (B, 1, H, D) views
+    out = flash_attn_with_kvcache(q, kwargs["k_cache"], kwargs["v_cache"], k, v,
+                                  cache_seqlens=(cu_k[1:] - cu_k[:-1] - 1).to(torch.int32),
+                                  block_table=table.to(torch.int32),
+                                  softmax_scale=options["softmax_scale"],
+                                  causal=options["causal"], window_size=options["window_size"],
+                                  softcap=options["softcap"])
+    return out.transpose(0, 1)
+
+
+def _unpaged(key, value, kwargs):
+    """_paged_decode's keys and values for a fallback: the new ones written at each request's
+    end in its pages, then every request's keys gathered in order, (1, Hkv, keys, D), as
+    transformers' other path gives them, with cu_seq_lens of as many requests."""
+    table = kwargs["block_table"].long()
+    batch = table.shape[0]
+    cu_k = kwargs["cu_seq_lens_k"][:batch + 1].long()
+    caches = kwargs["k_cache"], kwargs["v_cache"]
+    page = caches[0].shape[1]
+    lengths = cu_k[1:] - cu_k[:-1]
+    requests = torch.arange(batch, device=table.device)
+    ends = lengths - 1
+    for cache, new in zip(caches, (key, value)):
+        cache[table[requests, ends // page], ends % page] = new[0].transpose(0, 1).to(cache.dtype)
+    request = torch.repeat_interleave(requests, lengths)
+    at = torch.arange(int(cu_k[-1]), device=table.device) - cu_k[request]
+    pages, rows = table[request, at // page], at % page
+    key, value = (cache[pages, rows].transpose(0, 1)[None] for cache in caches)
+    return key, value, dict(kwargs, cu_seq_lens_q=kwargs["cu_seq_lens_q"][:batch + 1],
+                            cu_seq_lens_k=cu_k)
+
+
 # sliding_window's default: a layer that passes none (Qwen2-MoE, PhiMoE) is told apart from one
 # that passes None for a full-attention layer while keeping its model's window (Exaone 4)
 _NOT_PASSED = object()
@@ -883,11 +962,16 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         mask.orchard_packed = True
     in_place = _in_place(query, key, value, dropout)
     reason = _why_not(query, key, value, mask, sliding_window, in_place, config, kwargs)
+    paged = kwargs.get("block_table") is not None
     if reason is not None:
+        if paged:
+            key, value, kwargs = _unpaged(key, value, kwargs)
         return _fallback(reason, module, query, key, value, mask, causal, window, dropout,
                          scaling, softcap, kwargs)
     options = dict(dropout_p=dropout, softmax_scale=scaling, causal=causal, window_size=window,
                    softcap=softcap or 0.0)
+    if paged:
+        return _paged_decode(query, key, value, kwargs, options), None
     batch, heads, nq, _ = query.shape
     if keys is not None:
         return _keys_attention(query, key, value, keys, options), None
@@ -902,12 +986,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             return _sorted_attention(query, key, value, mask, options), None
         return _padded(query, key, value, mask, options, in_place), None
 
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    cu_q, cu_k = _given_offsets(kwargs) or (None, None)
     if cu_q is None and packed:
         cu_q = cu_k = _packed_offsets(mask, batch)
         if torch.compiler.is_compiling():   # no sequence spans two rows
             kwargs = dict(kwargs, max_length_q=mask.shape[1], max_length_k=mask.shape[1])
-    if cu_q is not None and cu_k is not None:
+    if cu_q is not None:
         (cu_q, max_q), (cu_k, max_k) = (_lengths(cu_q, kwargs.get("max_length_q")),
                                         _lengths(cu_k, kwargs.get("max_length_k")))
         # (B * N, H, D) of transformers' (B, H, N, D) tensors
@@ -935,6 +1019,40 @@ def _refusing(check):
     return get_correct_attn_implementation
 
 
+def _batching(switch):
+    """transformers' continuous batching (generate_batch, init_continuous_batching) switches a
+    model to an implementation it knows (sdpa, "paged|eager", FlashAttention's), refusing any
+    other. "orchard" runs there as FlashAttention does, so it is kept: without a mask, one
+    varlen call over the batch's requests (cu_seq_lens_q/k), each query over its own request's
+    keys, where sdpa runs the batch as one sequence under a block mask."""
+    @functools.wraps(switch)
+    def switch_to_cb_friendly_attn(self, model, *args, **kwargs):
+        if model.config._attn_implementation == NAME:
+            return None
+        return switch(self, model, *args, **kwargs)
+    switch_to_cb_friendly_attn.orchard_batching = True
+    return switch_to_cb_friendly_attn
+
+
+def _fast_decoding(ensure, batching):
+    """transformers' continuous batching (module `batching`) keeps its decode fast path (a
+    decode-only batch's keys read in their pages through a block table, the new ones written
+    there by the attention call: no copy of every key at every step) for FlashAttention on CUDA
+    and XPU alone. orchard reads pages on every device (_paged_decode), so "orchard" keeps it
+    wherever every layer type of the model has block tables (full attention, not sliding
+    windows), as FlashAttention does."""
+    @functools.wraps(ensure)
+    def ensure_decode_fast_path_is_available(config, cb_config, *args, **kwargs):
+        if config._attn_implementation != NAME:
+            return ensure(config, cb_config, *args, **kwargs)
+        types = batching.group_layers_by_attn_type(config)
+        if not all(batching.ATTN_TYPE_TO_ALLOCATOR[t].supports_block_table for t in types):
+            cb_config.max_blocks_per_request = 0
+        return None
+    ensure_decode_fast_path_is_available.orchard_batching = True
+    return ensure_decode_fast_path_is_available
+
+
 def register():
     """Make attn_implementation="orchard" available in transformers (idempotent)."""
     AttentionInterface.register(NAME, attention_forward)
@@ -942,6 +1060,20 @@ def register():
     model = transformers.PreTrainedModel
     if not hasattr(model.get_correct_attn_implementation, "orchard_refusing"):
         model.get_correct_attn_implementation = _refusing(model.get_correct_attn_implementation)
+    try:
+        from transformers.generation.continuous_batching import continuous_api, initialization
+    except ImportError:     # (a transformers without continuous batching)
+        return
+    manager = getattr(continuous_api, "ContinuousBatchingManager", None)
+    switch = getattr(manager, "switch_to_cb_friendly_attn", None)
+    if switch is not None and not hasattr(switch, "orchard_batching"):
+        manager.switch_to_cb_friendly_attn = _batching(switch)
+    ensure = getattr(initialization, "ensure_decode_fast_path_is_available", None)
+    if (ensure is not None and not hasattr(ensure, "orchard_batching")
+            and hasattr(initialization, "group_layers_by_attn_type")
+            and hasattr(initialization, "ATTN_TYPE_TO_ALLOCATOR")):
+        initialization.ensure_decode_fast_path_is_available = _fast_decoding(ensure,
+                                                                             initialization)
 
 
 register()
