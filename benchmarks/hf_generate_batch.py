@@ -72,15 +72,12 @@ def main(argv=None):
     blocks = sum(math.ceil((int(n) + args.new) / page) + 1 for n in lengths)
     generation = GenerationConfig(max_new_tokens=args.new, do_sample=False, pad_token_id=0,
                                   eos_token_id=-1)
-    models, weights = {}, None
+    torch.manual_seed(0)
+    model = LlamaForCausalLM._from_config(config, dtype=dtype).eval()
+    models = {}
     for name, (impl, _) in RUNS.items():
-        torch.manual_seed(0)
-        model = LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation=impl,
-                                              dtype=dtype).eval()
-        if weights is None:
-            weights = model.state_dict()
-        model.load_state_dict(weights)
-        models[name] = model
+        models[name] = copy.deepcopy(model)     # (the config too: each keeps its attention)
+        models[name].set_attn_implementation(impl)
 
     def run(name):
         batching = ContinuousBatchingConfig(page_size=page, num_blocks=blocks, **RUNS[name][1])

@@ -829,8 +829,10 @@ def test_a_window_over_padding_gaps_falls_back(fresh_warnings):
     assert_close(got[real.bool()], ref(**inputs).logits[real.bool()])
 
 
-def test_attention_sinks_fall_back_to_eager(fresh_warnings):
-    """gpt-oss adds a learned sink per head (s_aux); sdpa has none, the model's eager has."""
+def sinks_pair():
+    """(eager, orchard) gpt-oss models with the same weights: a learned sink per head (s_aux),
+    which sdpa lacks and the model's eager attention has, sinks made to matter (they start at
+    zero)."""
     config = GptOssConfig(num_key_value_heads=2, head_dim=16, num_local_experts=2,
                           num_experts_per_tok=1, sliding_window=4, **SMALL)
     MODELS["gpt-oss"] = (GptOssForCausalLM, config, "eager")
@@ -838,10 +840,16 @@ def test_attention_sinks_fall_back_to_eager(fresh_warnings):
         ref, model = pair("gpt-oss")
     finally:
         del MODELS["gpt-oss"]
-    with torch.no_grad():      # sinks start at zero; make them matter
+    with torch.no_grad():
         for layer in model.model.layers:
             torch.nn.init.normal_(layer.self_attn.sinks)
     ref.load_state_dict(model.state_dict())
+    return ref, model
+
+
+def test_attention_sinks_fall_back_to_eager(fresh_warnings):
+    """gpt-oss's sinks: on the model's eager attention."""
+    ref, model = sinks_pair()
     ids = tokens(2, 12)
     with pytest.warns(UserWarning, match="attention sinks"):
         got = model(input_ids=ids).logits

@@ -17,11 +17,10 @@ transformers = pytest.importorskip("transformers")
 
 import orchard_ops  # noqa: E402
 import orchard.hf as hf  # noqa: E402
-from test_hf import (LAYERS, MODELS, SMALL, assert_close, fresh_warnings,  # noqa: E402,F401
-                     no_fallback, pair, tokens)
+from test_hf import (LAYERS, MODELS, assert_close, pair, sinks_pair, tokens)  # noqa: E402
+from test_hf import fresh_warnings, no_fallback  # noqa: E402,F401  (fixtures)
 from test_py_support import run_python  # noqa: E402
-from transformers import (ContinuousBatchingConfig, GenerationConfig, GptOssConfig,  # noqa: E402
-                          GptOssForCausalLM)
+from transformers import ContinuousBatchingConfig, GenerationConfig  # noqa: E402
 
 PROMPTS = (3, 9, 5, 14, 7)      # tokens per request
 NEW = 8
@@ -44,11 +43,12 @@ def alone(ref, requests):
             for p in requests]
 
 
-def batched(model, requests):
+def batched(model, requests, **options):
     """generate_batch's greedy tokens per request, in batches of at most 12 tokens and 3
     requests: the 14-token prompt takes two batches, and later prompts share batches with
     earlier requests' decode steps."""
-    batching = ContinuousBatchingConfig(max_batch_tokens=12, max_requests_per_batch=3)
+    batching = ContinuousBatchingConfig(**{"max_batch_tokens": 12, "max_requests_per_batch": 3,
+                                           **options})
     out = model.generate_batch(requests, generation_config=greedy(), progress_bar=False,
                                continuous_batching_config=batching)
     return [out["req_%d" % i].generated_tokens for i in range(len(requests))]
@@ -90,6 +90,30 @@ def test_generate_batch_gives_each_request_its_own_tokens(name, no_fallback):
     assert stats["fwd_calls"] >= LAYERS * (sum(PROMPTS) + len(PROMPTS) * (NEW - 1)) // 12
 
 
+def test_compiled_generate_batch(no_fallback):
+    """Continuous batching's compile option (torch.compile of the model's forward): batches
+    padded to fixed sizes, cu_seq_lens ending before the padding, and decode-only batches
+    padded to a power of two of requests (3 to 4 here), the padding requests without keys."""
+    ref, model = pair("llama-gqa")
+    requests = prompts()
+    want = alone(ref, requests)
+    counted = []
+    requests_of = hf._requests
+
+    def spy(query, kwargs):
+        table, lengths, batch = requests_of(query, kwargs)
+        counted.append((table.shape[0], batch))
+        return table, lengths, batch
+
+    hf._requests = spy
+    try:
+        got = batched(model, requests, default_compile_level=1, max_requests_per_batch=4)
+    finally:
+        hf._requests = requests_of
+    assert got == want
+    assert (4, 3) in counted    # (block table rows, requests)
+
+
 @pytest.mark.parametrize("device", [d["id"] for d in orchard_ops.devices()
                                     if d["backend"] == "opencl"] or
                          [pytest.param("opencl", marks=pytest.mark.skip("no OpenCL device"))])
@@ -108,29 +132,12 @@ def test_generate_batch_on_an_opencl_device(device, monkeypatch, no_fallback):
     assert calls[device]["fwd_calls"] == len(paged) and calls["cpu"]["fwd_calls"] == 0
 
 
-def sinks_model():
-    """gpt-oss (attention sinks, which orchard leaves to the model's eager attention), sinks
-    made to matter."""
-    config = GptOssConfig(num_key_value_heads=2, head_dim=16, num_local_experts=2,
-                          num_experts_per_tok=1, sliding_window=4, **SMALL)
-    MODELS["gpt-oss"] = (GptOssForCausalLM, config, "eager")
-    try:
-        ref, model = pair("gpt-oss")
-    finally:
-        del MODELS["gpt-oss"]
-    with torch.no_grad():      # sinks start at zero
-        for layer in model.model.layers:
-            torch.nn.init.normal_(layer.self_attn.sinks)
-    ref.load_state_dict(model.state_dict())
-    return ref, model
-
-
 @pytest.mark.parametrize("case, warning", [("head-dim", "head dimension 288"),
                                            ("sinks", "attention sinks")])
 def test_a_fallback_keeps_the_requests_apart(case, warning, fresh_warnings):
     """The fallback's mask is each request's own keys (cu_seq_lens), not one causal sequence
     over the batch."""
-    ref, model = pair("llama-gqa", head_dim=288) if case == "head-dim" else sinks_model()
+    ref, model = pair("llama-gqa", head_dim=288) if case == "head-dim" else sinks_pair()
     requests = prompts()
     want = alone(ref, requests)
     with pytest.warns(UserWarning, match=warning), paged_calls() as paged:

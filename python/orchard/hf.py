@@ -607,8 +607,11 @@ def _visible(mask, batch, nq, nk, causal, window, device, cu=None):
         q = q + nk - nq
     else:       # positions within each sequence, its queries aligned with its last keys
         cu_q, cu_k = (c.to(device=device, dtype=torch.int64) for c in cu)
-        seq_q = torch.bucketize(q, cu_q[1:], right=True)
-        seq_k = torch.bucketize(k, cu_k[1:], right=True)
+        # (tokens past the last sequence, continuous batching's padding: its own, past its
+        # keys, so that no real query sees them)
+        last = cu_q.numel() - 2
+        seq_q = torch.bucketize(q, cu_q[1:], right=True).clamp(max=last)
+        seq_k = torch.bucketize(k, cu_k[1:], right=True).clamp(max=last)
         before = (cu_k[1:] - cu_k[:-1]) - (cu_q[1:] - cu_q[:-1])   # keys before the queries
         q = q - cu_q[seq_q] + before[seq_q]
         k = k - cu_k[seq_k]
@@ -641,8 +644,8 @@ def _fallback(reason, module, query, key, value, mask, causal, window, dropout, 
     if mask is None or getattr(mask, "orchard_packed", False):
         cu = _given_offsets(kwargs)
     if cu is not None:      # one row of the batch's tokens, as orchard's varlen call reads them
-        _check_covers("cu_seq_lens_q", cu[0], batch * query.shape[2])
-        _check_covers("cu_seq_lens_k", cu[1], batch * key.shape[2])
+        _check_covers("cu_seq_lens_q", cu[0], batch * query.shape[2], kwargs)
+        _check_covers("cu_seq_lens_k", cu[1], batch * key.shape[2], kwargs)
         query, key, value = (t.transpose(0, 1).flatten(1, 2)[None]
                              for t in (query, key, value))
     if mask is None or mask.dim() == 2:
@@ -711,14 +714,19 @@ def _given_offsets(kwargs):
     return None if cu[0] is None or cu[1] is None else cu
 
 
-def _check_covers(name, cu, tokens):
+def _check_covers(name, cu, tokens, kwargs):
     """cu_seq_lens of a packed batch must cover its tokens, 0 to B * N: flash_attn_varlen_func
     takes tokens outside them as padding (FlashAttention-2's static buffers), and a packed
-    batch's tokens past a short cu_seq_lens got outputs 0, silently."""
+    batch's tokens past a short cu_seq_lens got outputs 0, silently. Continuous batching's
+    compiled batches (its keywords carry read_index) pad their tokens past the last request:
+    there cu_seq_lens may end before the tokens."""
+    padded = "read_index" in kwargs
     if torch.compiler.is_compiling():   # (a value read would break the graph)
-        torch._assert_async((cu[0] == 0) & (cu[-1] == tokens), "orchard.hf: '%s' must run "
-                            "from 0 to the batch's tokens (batch x sequence length)" % name)
-    elif cu.numel() == 0 or (int(cu[0]), int(cu[-1])) != (0, tokens):
+        last = cu[-1] <= tokens if padded else cu[-1] == tokens
+        torch._assert_async((cu[0] == 0) & last, "orchard.hf: '%s' must run from 0 to the "
+                            "batch's tokens (batch x sequence length)" % name)
+    elif cu.numel() == 0 or int(cu[0]) != 0 or not (
+            int(cu[-1]) <= tokens if padded else int(cu[-1]) == tokens):
         raise ValueError("orchard.hf: '%s' must run from 0 to the batch's %d tokens (batch x "
                          "sequence length), got %s" % (name, tokens, cu.tolist()))
 
@@ -876,48 +884,61 @@ def _keys_attention(query, key, value, keys, options):
     return out.view(batch, nq, *out.shape[1:])
 
 
+def _requests(query, kwargs):
+    """(block_table, each request's keys, the number of requests) of a decode-only batch on
+    continuous batching's fast path; compiled, it pads the batch with requests of no keys, at
+    its end, which are not counted."""
+    table = kwargs["block_table"]
+    if query.shape[2] != table.shape[0]:
+        raise ValueError("orchard.hf: a 'block_table' of %d requests with %d query tokens: the "
+                         "paged decode step takes one token a request" % (table.shape[0],
+                                                                          query.shape[2]))
+    lengths = kwargs["cu_seq_lens_k"][:table.shape[0] + 1].diff()
+    return table, lengths, int((lengths > 0).sum())
+
+
+# Compiled (continuous batching's compile options), Dynamo would recompile inside at every
+# step, the request count read being a value: run eagerly, as transformers runs
+# FlashAttention's paged call.
+@torch.compiler.disable
 def _paged_decode(query, key, value, kwargs, options):
     """A decode-only batch on continuous batching's fast path (block_table, k_cache and v_cache
     in kwargs): query (1, H, B, D), one token of each of B requests, key and value (1, Hkv, B,
     D) theirs, written at each request's end in its pages of k_cache and v_cache (pages, page
     size, Hkv, D) and every key read there, in place (flash_attn_with_kvcache's call, as
     transformers makes it for FlashAttention). out (1, B, H, Dv)."""
-    table = kwargs["block_table"]
-    batch = table.shape[0]
-    if query.shape[2] != batch:
-        raise ValueError("orchard.hf: a 'block_table' of %d requests with %d query tokens: the "
-                         "paged decode step takes one token a request" % (batch,
-                                                                          query.shape[2]))
-    cu_k = kwargs["cu_seq_lens_k"][:batch + 1]
-    q, k, v = (t.permute(2, 0, 1, 3) for t in (query, key, value))     # (B, 1, H, D) views
-    out = flash_attn_with_kvcache(q, kwargs["k_cache"], kwargs["v_cache"], k, v,
-                                  cache_seqlens=(cu_k[1:] - cu_k[:-1] - 1).to(torch.int32),
-                                  block_table=table.to(torch.int32),
-                                  softmax_scale=options["softmax_scale"],
-                                  causal=options["causal"], window_size=options["window_size"],
-                                  softcap=options["softcap"])
+    table, lengths, batch = _requests(query, kwargs)
+    q, k, v = (t[0, :, :batch].transpose(0, 1)[:, None] for t in (query, key, value))
+    out = query.new_zeros(query.shape[2], 1, query.shape[1], value.shape[3])
+    out[:batch] = flash_attn_with_kvcache(
+        q, kwargs["k_cache"], kwargs["v_cache"], k, v,
+        cache_seqlens=(lengths[:batch] - 1).to(torch.int32),
+        block_table=table[:batch].to(torch.int32), softmax_scale=options["softmax_scale"],
+        causal=options["causal"], window_size=options["window_size"],
+        softcap=options["softcap"])
     return out.transpose(0, 1)
 
 
-def _unpaged(key, value, kwargs):
+@torch.compiler.disable     # (as _paged_decode)
+def _unpaged(query, key, value, kwargs):
     """_paged_decode's keys and values for a fallback: the new ones written at each request's
     end in its pages, then every request's keys gathered in order, (1, Hkv, keys, D), as
     transformers' other path gives them, with cu_seq_lens of as many requests."""
-    table = kwargs["block_table"].long()
-    batch = table.shape[0]
-    cu_k = kwargs["cu_seq_lens_k"][:batch + 1].long()
+    table, lengths, batch = _requests(query, kwargs)
+    table, lengths = table.long(), lengths.long()
     caches = kwargs["k_cache"], kwargs["v_cache"]
     page = caches[0].shape[1]
-    lengths = cu_k[1:] - cu_k[:-1]
-    requests = torch.arange(batch, device=table.device)
-    ends = lengths - 1
+    ends = lengths[:batch] - 1
     for cache, new in zip(caches, (key, value)):
-        cache[table[requests, ends // page], ends % page] = new[0].transpose(0, 1).to(cache.dtype)
-    request = torch.repeat_interleave(requests, lengths)
+        cache[table[:batch].gather(1, (ends // page)[:, None])[:, 0], ends % page] = (
+            new[0, :, :batch].transpose(0, 1).to(cache.dtype))
+    request = torch.repeat_interleave(torch.arange(lengths.numel(), device=table.device),
+                                      lengths)
+    cu_k = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
     at = torch.arange(int(cu_k[-1]), device=table.device) - cu_k[request]
     pages, rows = table[request, at // page], at % page
     key, value = (cache[pages, rows].transpose(0, 1)[None] for cache in caches)
-    return key, value, dict(kwargs, cu_seq_lens_q=kwargs["cu_seq_lens_q"][:batch + 1],
+    return key, value, dict(kwargs, cu_seq_lens_q=kwargs["cu_seq_lens_q"][:table.shape[0] + 1],
                             cu_seq_lens_k=cu_k)
 
 
@@ -965,7 +986,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     paged = kwargs.get("block_table") is not None
     if reason is not None:
         if paged:
-            key, value, kwargs = _unpaged(key, value, kwargs)
+            key, value, kwargs = _unpaged(query, key, value, kwargs)
         return _fallback(reason, module, query, key, value, mask, causal, window, dropout,
                          scaling, softcap, kwargs)
     options = dict(dropout_p=dropout, softmax_scale=scaling, causal=causal, window_size=window,
@@ -996,8 +1017,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                                         _lengths(cu_k, kwargs.get("max_length_k")))
         # (B * N, H, D) of transformers' (B, H, N, D) tensors
         q, k, v = (t.transpose(1, 2).flatten(0, 1) for t in (query, key, value))
-        _check_covers("cu_seq_lens_q", cu_q, q.shape[0])
-        _check_covers("cu_seq_lens_k", cu_k, k.shape[0])
+        _check_covers("cu_seq_lens_q", cu_q, q.shape[0], kwargs)
+        _check_covers("cu_seq_lens_k", cu_k, k.shape[0], kwargs)
         out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **options)
         return out.view(batch, nq, heads, out.shape[-1]), None
 
