@@ -90,6 +90,17 @@ def test_generate_batch_gives_each_request_its_own_tokens(name, no_fallback):
     assert stats["fwd_calls"] >= LAYERS * (sum(PROMPTS) + len(PROMPTS) * (NEW - 1)) // 12
 
 
+def test_generate_with_a_paged_cache(no_fallback):
+    """generate(cache_implementation="paged"), which transformers routes to generate_batch."""
+    ref, model = pair("llama-gqa")
+    ids = tokens(3, 6)
+    want = ref.generate(ids, generation_config=greedy())
+    with paged_calls() as paged:
+        got = model.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                             eos_token_id=-1, cache_implementation="paged")
+    assert torch.equal(got.view_as(want), want) and any(paged)
+
+
 def test_compiled_generate_batch(no_fallback):
     """Continuous batching's compile option (torch.compile of the model's forward): batches
     padded to fixed sizes, cu_seq_lens ending before the padding, and decode-only batches
