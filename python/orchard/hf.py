@@ -909,13 +909,14 @@ def _paged_decode(query, key, value, kwargs, options):
     transformers makes it for FlashAttention). out (1, B, H, Dv)."""
     table, lengths, batch = _requests(query, kwargs)
     q, k, v = (t[0, :, :batch].transpose(0, 1)[:, None] for t in (query, key, value))
-    out = query.new_zeros(query.shape[2], 1, query.shape[1], value.shape[3])
-    out[:batch] = flash_attn_with_kvcache(
+    out = flash_attn_with_kvcache(
         q, kwargs["k_cache"], kwargs["v_cache"], k, v,
         cache_seqlens=(lengths[:batch] - 1).to(torch.int32),
         block_table=table[:batch].to(torch.int32), softmax_scale=options["softmax_scale"],
         causal=options["causal"], window_size=options["window_size"],
         softcap=options["softcap"])
+    if batch < table.shape[0]:      # the padding requests' outputs: zeros
+        out = torch.cat([out, out.new_zeros(table.shape[0] - batch, *out.shape[1:])])
     return out.transpose(0, 1)
 
 
