@@ -81,7 +81,7 @@ def main(argv=None):
 
     def run(name):
         batching = ContinuousBatchingConfig(page_size=page, num_blocks=blocks, **RUNS[name][1])
-        with torch.inference_mode(), warnings.catch_warnings():
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             start = time.perf_counter()
             out = models[name].generate_batch(prompts, generation_config=generation,

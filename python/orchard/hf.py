@@ -41,6 +41,12 @@ if int(transformers.__version__.split(".")[0]) != 5:
     raise ImportError("orchard.hf needs transformers 5.x, found %s %s"
                       % (transformers.__version__, _INSTALL % "hf"))
 
+try:    # continuous batching (generate_batch)
+    from transformers.generation.continuous_batching import (PagedAttentionCache,
+                                                             continuous_api, initialization)
+except ImportError:     # (a transformers without it)
+    PagedAttentionCache = continuous_api = initialization = None
+
 from orchard.bert_padding import pad_input, unpad_input
 from orchard.flash_attn import (_options, _read_cache, flash_attn_varlen_func,
                                 flash_attn_with_kvcache)
@@ -962,6 +968,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         warnings.warn("orchard.hf: output_attentions=True: orchard never forms the attention "
                       "weights, so none are returned (attn_implementation='eager' returns "
                       "them)", stacklevel=3)
+    if PagedAttentionCache is not None and isinstance(kwargs.get("cache"), PagedAttentionCache):
+        # transformers before 5.2x hands continuous batching's cache to the attention function,
+        # which writes the new keys and values (its own functions do): keys (1, Hkv, keys,
+        # D) of the batch's requests back, or the block table's keywords for the fast path
+        cache = kwargs.pop("cache")
+        key, value = cache.update(key_states=key, value_states=value,
+                                  layer_idx=module.layer_idx, kwargs=kwargs)
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     keys = _key_padding(attention_mask, query.shape[0], key.shape[2])
     if keys is not None:     # a bidirectional mask governs, as sdpa's
@@ -1082,10 +1095,6 @@ def register():
     model = transformers.PreTrainedModel
     if not hasattr(model.get_correct_attn_implementation, "orchard_refusing"):
         model.get_correct_attn_implementation = _refusing(model.get_correct_attn_implementation)
-    try:
-        from transformers.generation.continuous_batching import continuous_api, initialization
-    except ImportError:     # (a transformers without continuous batching)
-        return
     manager = getattr(continuous_api, "ContinuousBatchingManager", None)
     switch = getattr(manager, "switch_to_cb_friendly_attn", None)
     if switch is not None and not hasattr(switch, "orchard_batching"):
