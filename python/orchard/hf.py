@@ -13,7 +13,9 @@ the unwritten keys, so that torch.compile need not read their count), or the seq
 (batch, seqlen) of packed sequences. Any other mask (a caller's own 4-D mask, a mask function
 orchard does not know) is materialised for transformers' sdpa attention, which then computes
 those calls, with one warning per reason. It also makes transformers refuse "orchard" for a
-model orchard cannot run (unsupported_reason) as the model is built.
+model orchard cannot run (unsupported_reason) as the model is built, and keep it for
+continuous batching (generate_batch), where orchard runs as FlashAttention does (varlen calls
+over the batch's requests, decode-only batches read in their pages).
 """
 import collections
 import functools
@@ -969,9 +971,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                       "weights, so none are returned (attn_implementation='eager' returns "
                       "them)", stacklevel=3)
     if PagedAttentionCache is not None and isinstance(kwargs.get("cache"), PagedAttentionCache):
-        # transformers before 5.2x hands continuous batching's cache to the attention function,
-        # which writes the new keys and values (its own functions do): keys (1, Hkv, keys,
-        # D) of the batch's requests back, or the block table's keywords for the fast path
+        # transformers 5.20 hands continuous batching's cache to the attention function, which
+        # writes the new keys and values (its own functions do; 5.25's layers write them):
+        # keys (1, Hkv, keys, D) of the batch's requests back, or the fast path's keywords
         cache = kwargs.pop("cache")
         key, value = cache.update(key_states=key, value_states=value,
                                   layer_idx=module.layer_idx, kwargs=kwargs)
@@ -1069,8 +1071,8 @@ def _batching(switch):
     return switch_to_cb_friendly_attn
 
 
-def _fast_decoding(ensure, batching):
-    """transformers' continuous batching (module `batching`) keeps its decode fast path (a
+def _fast_decoding(ensure):
+    """transformers' continuous batching keeps its decode fast path (a
     decode-only batch's keys read in their pages through a block table, the new ones written
     there by the attention call: no copy of every key at every step) for FlashAttention on CUDA
     and XPU alone. orchard reads pages on every device (_paged_decode), so "orchard" keeps it
@@ -1080,8 +1082,8 @@ def _fast_decoding(ensure, batching):
     def ensure_decode_fast_path_is_available(config, cb_config, *args, **kwargs):
         if config._attn_implementation != NAME:
             return ensure(config, cb_config, *args, **kwargs)
-        types = batching.group_layers_by_attn_type(config)
-        if not all(batching.ATTN_TYPE_TO_ALLOCATOR[t].supports_block_table for t in types):
+        types = initialization.group_layers_by_attn_type(config)
+        if not all(initialization.ATTN_TYPE_TO_ALLOCATOR[t].supports_block_table for t in types):
             cb_config.max_blocks_per_request = 0
         return None
     ensure_decode_fast_path_is_available.orchard_batching = True
@@ -1103,8 +1105,7 @@ def register():
     if (ensure is not None and not hasattr(ensure, "orchard_batching")
             and hasattr(initialization, "group_layers_by_attn_type")
             and hasattr(initialization, "ATTN_TYPE_TO_ALLOCATOR")):
-        initialization.ensure_decode_fast_path_is_available = _fast_decoding(ensure,
-                                                                             initialization)
+        initialization.ensure_decode_fast_path_is_available = _fast_decoding(ensure)
 
 
 register()
