@@ -21,6 +21,7 @@ from test_hf import (LAYERS, MODELS, assert_close, pair, sinks_pair, tokens)  # 
 from test_hf import fresh_warnings, no_fallback  # noqa: E402,F401  (fixtures)
 from test_py_support import run_python  # noqa: E402
 from transformers import ContinuousBatchingConfig, GenerationConfig  # noqa: E402
+from transformers.generation.continuous_batching import initialization  # noqa: E402
 
 PROMPTS = (3, 9, 5, 14, 7)      # tokens per request
 NEW = 8
@@ -55,13 +56,26 @@ def batched(model, requests, **options):
     return [out["req_%d" % i].generated_tokens for i in range(len(requests))]
 
 
+def _lengths(kwargs, name):
+    """Each request's query or key count of a call's cu_seq_lens (transformers 5.20 gives
+    the keys' by layer type: this model has one)."""
+    cu = kwargs[name]
+    return (next(iter(cu.values())) if isinstance(cu, dict) else cu).diff().tolist()
+
+
 @contextlib.contextmanager
 def paged_calls():
-    """Whether each attention call came with a block table (the decode fast path)."""
+    """Whether each attention call came with a block table (the decode fast path); for the
+    calls without one, each request's (queries, keys) and the call's query tokens, in
+    calls_seen."""
     seen = []
+    calls_seen.clear()
 
     def spy(module, query, key, value, attention_mask, **kwargs):
         seen.append(kwargs.get("block_table") is not None)
+        if not seen[-1]:
+            calls_seen.append((list(zip(_lengths(kwargs, "cu_seq_lens_q"),
+                                        _lengths(kwargs, "cu_seq_lens_k"))), query.shape[2]))
         return hf.attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     transformers.AttentionInterface.register("orchard", spy)
@@ -69,6 +83,9 @@ def paged_calls():
         yield seen
     finally:
         hf.register()
+
+
+calls_seen = []
 
 
 # the models whose layers are all full attention, which transformers gives block tables
@@ -87,8 +104,11 @@ def test_generate_batch_gives_each_request_its_own_tokens(name, no_fallback):
     assert got == want
     assert any(paged) == (name in PAGED) and not all(paged)
     assert model.config._attn_implementation == "orchard"     # kept, not switched to sdpa
-    # one call per layer and batch: at least the batches the tokens need
-    assert stats["fwd_calls"] >= LAYERS * (sum(PROMPTS) + len(PROMPTS) * (NEW - 1)) // 12
+    assert stats["fwd_calls"] == len(paged)     # one orchard call per layer and batch
+    # a prompt's later chunk (its queries over more keys), and a batch mixing a prefill with
+    # decode steps
+    assert any(1 < q < k for call, _ in calls_seen for q, k in call)
+    assert any({q == 1 for q, _ in call} == {True, False} for call, _ in calls_seen)
 
 
 def test_generate_with_a_paged_cache(no_fallback):
@@ -119,10 +139,12 @@ def test_compiled_generate_batch(no_fallback):
 
     hf._requests = spy
     try:
-        got = batched(model, requests, default_compile_level=1, max_requests_per_batch=4)
+        with paged_calls():
+            got = batched(model, requests, default_compile_level=1, max_requests_per_batch=4)
     finally:
         hf._requests = requests_of
     assert got == want
+    assert any(sum(q for q, _ in call) < tokens for call, tokens in calls_seen)
     assert (4, 3) in counted    # (block table rows, requests)
 
 
@@ -159,8 +181,9 @@ def test_a_fallback_keeps_the_requests_apart(case, warning, fresh_warnings):
 
 
 def test_a_fallback_over_packed_sequences_keeps_them_apart(fresh_warnings):
-    """Training over sequences packed with cu_seq_lens keywords (DataCollatorWithFlattening),
-    on sdpa (head dim 288): each sequence's logits as if it ran alone."""
+    """A forward over sequences packed with cu_seq_lens keywords (DataCollatorWithFlattening's
+    padding-free training), on sdpa (head dim 288): each sequence's logits as if it ran
+    alone."""
     ref, model = pair("llama-gqa", head_dim=288)
     ids = tokens(1, 12)
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
@@ -175,18 +198,19 @@ def test_a_fallback_over_packed_sequences_keeps_them_apart(fresh_warnings):
 
 def test_other_implementations_are_switched_as_before():
     """Only "orchard" is kept: transformers' own choice for the rest is untouched ('eager'
-    becomes 'paged|eager'), and register() wraps its check once."""
+    becomes 'paged|eager', 'sdpa' stays), and register() wraps its functions once."""
     hf.register()
-    switch = transformers.ContinuousBatchingManager.switch_to_cb_friendly_attn
-    assert switch.orchard_batching and not hasattr(switch.__wrapped__, "orchard_batching")
-    ref, _ = pair("llama-gqa")
-    ref.set_attn_implementation("eager")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        manager = ref.init_continuous_batching(generation_config=GenerationConfig(
-            max_new_tokens=1, pad_token_id=0))
-    assert ref.config._attn_implementation == "paged|eager"
-    del manager
+    for wrapped in (transformers.ContinuousBatchingManager.switch_to_cb_friendly_attn,
+                    initialization.ensure_decode_fast_path_is_available):
+        assert wrapped.orchard_batching and not hasattr(wrapped.__wrapped__, "orchard_batching")
+    for impl, batching in (("eager", "paged|eager"), ("sdpa", "sdpa")):
+        ref, _ = pair("llama-gqa")
+        ref.set_attn_implementation(impl)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ref.init_continuous_batching(generation_config=GenerationConfig(
+                max_new_tokens=1, pad_token_id=0))
+        assert ref.config._attn_implementation == batching
 
 
 def test_the_benchmark_runs_at_tiny_size():

@@ -578,8 +578,6 @@ def _why_not(query, key, value, mask, sliding_window, in_place, config, kwargs):
         return "attention sinks (s_aux)"
     if kwargs.get("position_bias") is not None:
         return "an additive position bias"
-    if kwargs.get("cache") is not None:
-        return "a cache passed to the attention function (cache=), which it would have to write"
     if mask is None or getattr(mask, "orchard_packed", False):
         return None
     if _key_padding(mask, query.shape[0], key.shape[2]) is not None:
@@ -605,8 +603,8 @@ def _why_not(query, key, value, mask, sliding_window, in_place, config, kwargs):
 def _visible(mask, batch, nq, nk, causal, window, device, cu=None):
     """(batch, 1, nq, nk) bool: the keys each query sees in orchard's reading of the mask
     (queries the last nq positions), for the fallback. cu = (cu_seq_lens_q, cu_seq_lens_k):
-    packed sequences in one row instead, each query the last of its sequence's positions,
-    seeing its own sequence's keys alone."""
+    packed sequences in one row instead, each sequence's queries at its last positions
+    (bottom-right), seeing its own sequence's keys alone."""
     packed = getattr(mask, "orchard_packed", False)
     if mask is not None and not packed:
         nk = mask.shape[1]
@@ -615,8 +613,8 @@ def _visible(mask, batch, nq, nk, causal, window, device, cu=None):
         q = q + nk - nq
     else:       # positions within each sequence, its queries aligned with its last keys
         cu_q, cu_k = (c.to(device=device, dtype=torch.int64) for c in cu)
-        # (tokens past the last sequence, continuous batching's padding: its own, past its
-        # keys, so that no real query sees them)
+        # (tokens past the last sequence, continuous batching's padding: counted in the last
+        # sequence, after its keys, so that causally no real query sees them)
         last = cu_q.numel() - 2
         seq_q = torch.bucketize(q, cu_q[1:], right=True).clamp(max=last)
         seq_k = torch.bucketize(k, cu_k[1:], right=True).clamp(max=last)
@@ -644,7 +642,9 @@ def _visible(mask, batch, nq, nk, causal, window, device, cu=None):
 def _fallback(reason, module, query, key, value, mask, causal, window, dropout, scaling,
               softcap, kwargs):
     """transformers' sdpa attention, or the model's own eager attention for a softcap or
-    attention sinks (sdpa has neither), on the mask orchard was given, materialised."""
+    attention sinks (sdpa has neither), on the mask orchard was given, materialised. With
+    cu_seq_lens (and no mask but packed ids) the batch's tokens as one row, each sequence
+    masked to its own keys, as orchard's varlen call reads them."""
     if getattr(mask, "orchard_written", None) is not None:   # a static cache's written keys
         mask = mask[:, :int(mask.orchard_written)]
     batch = query.shape[0]
@@ -726,8 +726,8 @@ def _check_covers(name, cu, tokens, kwargs):
     """cu_seq_lens of a packed batch must cover its tokens, 0 to B * N: flash_attn_varlen_func
     takes tokens outside them as padding (FlashAttention-2's static buffers), and a packed
     batch's tokens past a short cu_seq_lens got outputs 0, silently. Continuous batching's
-    compiled batches (its keywords carry read_index) pad their tokens past the last request:
-    there cu_seq_lens may end before the tokens."""
+    keywords carry read_index, and its compiled batches pad their tokens past the last
+    request: there cu_seq_lens may end before the tokens."""
     padded = "read_index" in kwargs
     if torch.compiler.is_compiling():   # (a value read would break the graph)
         last = cu[-1] <= tokens if padded else cu[-1] == tokens
