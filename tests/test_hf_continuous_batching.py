@@ -111,6 +111,16 @@ def test_generate_batch_gives_each_request_its_own_tokens(name, no_fallback):
     assert any({q == 1 for q, _ in call} == {True, False} for call, _ in calls_seen)
 
 
+def test_generate_batch_with_one_kv_head_and_head_dim_80(no_fallback):
+    """MQA and a head dim that is no power of two, on the varlen calls and in the pages."""
+    ref, model = pair("llama-gqa", num_key_value_heads=1, head_dim=80)
+    requests = prompts()
+    want = alone(ref, requests)
+    with paged_calls() as paged:
+        got = batched(model, requests)
+    assert got == want and any(paged)
+
+
 def test_generate_with_a_paged_cache(no_fallback):
     """generate(cache_implementation="paged"), which transformers routes to generate_batch."""
     ref, model = pair("llama-gqa")
