@@ -939,7 +939,7 @@ def _unpaged(query, key, value, kwargs):
     page = caches[0].shape[1]
     ends = lengths[:batch] - 1
     for cache, new in zip(caches, (key, value)):
-        cache[table[:batch].gather(1, (ends // page)[:, None])[:, 0], ends % page] = (
+        cache[table[torch.arange(batch), ends // page], ends % page] = (
             new[0, :, :batch].transpose(0, 1).to(cache.dtype))
     request = torch.repeat_interleave(torch.arange(lengths.numel(), device=table.device),
                                       lengths)
