@@ -462,8 +462,8 @@ static int prepare(launch_t *L, int i, const or_problem *p, unsigned outputs, or
     return rc;
 }
 
-/* The forward of the program's family: bq query rows per work-group, a work-item each (rows),
- * one in all (tiled) or a micro-tile layout (wg). */
+/* The forward of the program's family: the forward's fq query rows per work-group (the rows
+ * family's bq), a work-item each (rows), one in all (tiled) or a micro-tile layout (wg). */
 static int fwd_kernel(launch_t *L)
 {
     static const int args[] = {OR_Q, OR_K, OR_V, OR_O, OR_LSE};
@@ -474,8 +474,8 @@ static int fwd_kernel(launch_t *L)
     if (rc == OR_OK && L->prog.family == OR_FAMILY_WG)
         return enqueue_wg(L, L->kernel[0], longest(p->nq, p->n_units), p->n_units, L->prog.fq);
     if (rc == OR_OK)
-        rc = enqueue(L, L->kernel[0], longest(p->nq, p->n_units), p->n_units, L->prog.bq,
-                     L->prog.family == OR_FAMILY_TILED ? 1 : L->prog.bq);
+        rc = enqueue(L, L->kernel[0], longest(p->nq, p->n_units), p->n_units, L->prog.fq,
+                     L->prog.family == OR_FAMILY_TILED ? 1 : L->prog.fq);
     return rc;
 }
 

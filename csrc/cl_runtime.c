@@ -548,26 +548,29 @@ static int fit_rows(const or_cl_info *in, size_t real, int d, int dv, int vw, in
     return 1;
 }
 
-/* Local bytes of the tiled kernels' tiles (params.h's lists): the largest of the three. */
+/* Local bytes of the tiled kernels' tiles (params.h's lists): the largest of the three, or
+ * the forward's alone. */
 #define OR_ADD_TILE(name, reals) +(unsigned long long)(reals)
-static unsigned long long tiled_bytes(size_t real, int d, int dv, int vw, int tq, int tk)
+static unsigned long long tiled_bytes(size_t real, int d, int dv, int vw, int tq, int tk,
+                                      int forward)
 {
     const int dt = round_up_to(d, OR_TN(vw)), dvt = round_up_to(dv, OR_TN(vw));
     const unsigned long long fwd = 0 OR_TILED_FWD_TILES(OR_ADD_TILE, d, dv, dt, dvt, tq, tk),
                              bwd = 0 OR_TILED_BWD_TILES(OR_ADD_TILE, d, dv, dt, dvt, tq, tk),
                              dec = 0 OR_TILED_DECODE_TILES(OR_ADD_TILE, d, dv, dt, dvt, tq, tk);
     const unsigned long long most = fwd > bwd ? fwd : bwd;
-    return real * (most > dec ? most : dec);
+    return real * (forward ? fwd : most > dec ? most : dec);
 }
 
-/* The tiled family's rule: blocks of rows and keys of whole register-tile steps
- * (or_tiled_step), shrunk until the tiles fit in local memory; 0 when even the smallest do
- * not (32 KiB, as some CPU runtimes report). */
-static int fit_tiles(const or_cl_info *in, size_t real, int d, int dv, int vw, int *bq, int *bk)
+/* Blocks of whole register-tile steps (or_tiled_step), shrunk until the tiles (all, or the
+ * forward's) fit in local memory; 0 when even the smallest do not. */
+static int fit_tiled_blocks(const or_cl_info *in, size_t real, int d, int dv, int vw, int *bq,
+                            int *bk, int forward)
 {
     const int step = or_tiled_step(vw);
     int tq = round_up_to(*bq, step), tk = round_up_to(*bk, step);
-    while (tiled_bytes(real, d, dv, vw, tq, tk) > in->local_mem && tq + tk > 2 * step) {
+    while (tiled_bytes(real, d, dv, vw, tq, tk, forward) > in->local_mem
+           && tq + tk > 2 * step) {
         if (tk >= tq)
             tk -= step;
         else
@@ -575,7 +578,29 @@ static int fit_tiles(const or_cl_info *in, size_t real, int d, int dv, int vw, i
     }
     *bq = tq;
     *bk = tk;
-    return tiled_bytes(real, d, dv, vw, tq, tk) <= in->local_mem;
+    return tiled_bytes(real, d, dv, vw, tq, tk, forward) <= in->local_mem;
+}
+
+/* The tiled family's rule: fit_tiled_blocks over every kernel's tiles (32 KiB, as some CPU
+ * runtimes report, holds none). */
+static int fit_tiles(const or_cl_info *in, size_t real, int d, int dv, int vw, int *bq, int *bk)
+{
+    return fit_tiled_blocks(in, real, d, dv, vw, bq, bk, 0);
+}
+
+/* The tiled forward's rule: at 16 lanes, twice the rows it starts from where the forward's
+ * tiles then take at most a quarter of local memory (PoCL's is a core's L2 cache), unless
+ * ORCHARD_CL_BLOCK_Q sets them. It copies each key and value block into local tiles once per
+ * block of rows, and 192 rows halve those copies: PoCL's forward 0.94-0.96x the time at D 64
+ * and 128 on an AVX-512 Xeon, where the backward ran 1.01x at D 64 with them (it keeps its
+ * 96); at D 256 (tiles past the quarter) 1.15x at N 256; the AVX2 machines' are unmeasured. */
+static void fit_tiles_fwd(const or_cl_info *in, size_t real, int d, int dv, int vw, int *bq,
+                          int *bk)
+{
+    if (vw == 16 && getenv("ORCHARD_CL_BLOCK_Q") == NULL
+        && tiled_bytes(real, d, dv, vw, 2 * *bq, *bk, 1) <= in->local_mem / 4)
+        *bq *= 2;
+    fit_tiled_blocks(in, real, d, dv, vw, bq, bk, 1);
 }
 
 /* Local bytes of the wg family's backward tiles (params.h's list; its forward's, smaller, are
@@ -630,7 +655,8 @@ static int fit_wg(const or_cl_info *in, size_t real, int d, int dv, int vw, int 
  * blocks: in 48 KiB at D 128, 32 x 32 where the backward gets 16 x 16): bk halves first, to 32
  * keys, then bq, then bk. It fits wherever the backward's blocks do: its tiles at the smallest
  * blocks are no larger than the backward's at any. */
-static void fit_wg_fwd(const or_cl_info *in, size_t real, int d, int dv, int *bq, int *bk)
+static void fit_wg_fwd(const or_cl_info *in, size_t real, int d, int dv, int vw, int *bq,
+                       int *bk)
 {
     int tq = wg_rows_within(round_up_to(*bq, OR_WG_TM), in->max_work_group),
         tk = round_up_to(*bk, OR_WG_LANES);
@@ -657,7 +683,8 @@ const or_cl_family or_cl_families[OR_NFAMILIES] = {
                         {{32, 32}, {64, 32}, {64, 64}, {128, 32}, {128, 64}}, fit_rows, NULL},
     [OR_FAMILY_TILED] = {"tiled", "cpu", "flash_fwd_tiled", "flash_bwd_tiled", NULL,
                          "flash_decode_split", 96, 96,
-                         {{48, 48}, {48, 96}, {96, 48}, {96, 96}, {144, 96}}, fit_tiles, NULL},
+                         {{48, 48}, {48, 96}, {96, 48}, {96, 96}, {144, 96}}, fit_tiles,
+                         fit_tiles_fwd},
     [OR_FAMILY_WG] = {"wg", "gpu", "flash_fwd_wg", "flash_bwd_wg_dq", "flash_bwd_wg_dkdv",
                       "flash_decode_split", 64, 64,
                       {{16, 32}, {32, 32}, {32, 64}, {64, 32}, {64, 64}}, fit_wg, fit_wg_fwd},
@@ -700,7 +727,7 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
         fk = env_int("ORCHARD_CL_BLOCK_K", f->bk);
         if (f->fit(&facts, real, d, dv, vw, &bq, &bk)) {
             if (f->fit_fwd != NULL)
-                f->fit_fwd(&facts, real, d, dv, &fq, &fk);
+                f->fit_fwd(&facts, real, d, dv, vw, &fq, &fk);
             else
                 fq = bq, fk = bk;
             break;

@@ -34,10 +34,11 @@ typedef struct {
     int candidates[5][2];           /* the blocks orchard-tune times */
     /* its local-memory rule: fits (bq, bk) to the device; 0 when nothing fits */
     int (*fit)(const or_cl_info *in, size_t real, int d, int dv, int vw, int *bq, int *bk);
-    /* the forward's own rule, where its tiles are smaller than the others' at the same blocks
-     * (NULL: the forward runs on the fitted (bq, bk)); it starts from the default blocks or
-     * ORCHARD_CL_BLOCK_Q/K */
-    void (*fit_fwd)(const or_cl_info *in, size_t real, int d, int dv, int *bq, int *bk);
+    /* the forward's own rule, where its tiles or its best blocks differ from the others' (NULL:
+     * the forward runs on the fitted (bq, bk)); it starts from the default blocks or
+     * ORCHARD_CL_BLOCK_Q/K, not from a tuned record */
+    void (*fit_fwd)(const or_cl_info *in, size_t real, int d, int dv, int vw, int *bq,
+                    int *bk);
 } or_cl_family;
 
 extern const or_cl_family or_cl_families[OR_NFAMILIES];

@@ -422,6 +422,52 @@ def test_wg_forward_blocks_not_taken_from_a_tuned_record(tmp_path):
     assert "wg kernels, blocks 16 x 16 (tuned) (forward 64 x 32)" in log.read_text()
 
 
+TILED_FWD_RUN = """
+    import json, numpy as np, orchard_ops as o
+    from orchard.reference import ref_fwd
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((1, 2, 400, %d)).astype(np.float32) for _ in range(3))
+    err = 0.0
+    for causal in (False, True):
+        got = o.flash_attn_fwd(q, k, v, causal=causal, window=(150, -1), device="%s")
+        want = ref_fwd(q, k, v, causal=causal, window=(150, -1))
+        err = max([err] + [float(np.abs(g - w).max()) for g, w in zip(got, want)])
+    print(json.dumps(err))
+"""
+
+
+@needs_opencl
+@needs_test_hooks
+@pytest.mark.parametrize("d, env, logged", [
+    (64, {}, "blocks 96 x 96 (forward 192 x 96), 16 lanes"),
+    (128, {}, "blocks 96 x 96 (forward 192 x 96), 16 lanes"),
+    (256, {}, "blocks 96 x 96 (forward 96 x 96), 16 lanes"),
+    (64, {"ORCHARD_CL_VECTOR": 8}, "blocks 96 x 96 (forward 96 x 96), 8 lanes"),
+    (64, {"ORCHARD_CL_BLOCK_Q": 96}, "blocks 96 x 96 (forward 96 x 96), 16 lanes"),
+    (64, {"ORCHARD_CL_BLOCK_Q": 320}, "blocks 320 x 96 (forward 320 x 96), 16 lanes"),
+    (128, {"ORCHARD_CL_LOCAL_MEM": 1 << 20}, "blocks 96 x 96 (forward 96 x 96), 16 lanes"),
+    (64, {"tuned": (64, 64)}, "blocks 64 x 64 (tuned) (forward 192 x 96), 16 lanes")])
+def test_tiled_forward_rows(tmp_path, d, env, logged):
+    """The tiled forward copies each key and value block into local tiles once per block of
+    query rows: at 16 lanes it takes twice the family's rows (192, not from a tuned record)
+    where its tiles then take at most a quarter of local memory (2 MiB here, as PoCL gives
+    on a 2 MiB L2: D 64 and 128 yes, D 256 no; 1 MiB: no), and ORCHARD_CL_BLOCK_Q sets them
+    as it sets the backward's. 400 query rows (blocks of 192, 192 and 16), causal and not
+    with a window, against the reference."""
+    dev, log = OPENCL_IDS[0], tmp_path / "orchard.log"
+    env = dict(env)
+    tuned = env.pop("tuned", None)
+    setup = ("""
+    import orchard_ops
+    assert orchard_ops.save_tuned_blocks("%s", %d, %d)
+""" % ((dev,) + tuned)) if tuned else ""
+    env = {"ORCHARD_CL_VECTOR": 16, "ORCHARD_CL_LOCAL_MEM": 2 << 20, **env}
+    err = child(setup + TILED_FWD_RUN % (d, dev), ORCHARD_CL_FAMILY="tiled",
+                ORCHARD_CACHE_DIR=tmp_path, ORCHARD_DEBUG_FLASH_ATN=1, ORCHARD_LOG=log, **env)
+    assert err < 1e-4
+    assert "tiled kernels, " + logged in log.read_text()
+
+
 @pytest.mark.skipif(not CPU_OPENCL_IDS, reason="no OpenCL CPU device listed")
 @pytest.mark.parametrize("d, dtype, rows", [
     (128, "float32", {682}),
