@@ -450,8 +450,8 @@ TILED_FWD_RUN = """
 def test_tiled_forward_rows(tmp_path, d, env, logged):
     """The tiled forward copies each key and value block into local tiles once per block of
     query rows: at 16 lanes it takes twice the family's rows (192, not from a tuned record)
-    where its tiles then take at most a quarter of local memory (2 MiB here, as PoCL gives
-    on a 2 MiB L2: D 64 and 128 yes, D 256 no; 1 MiB: no), and ORCHARD_CL_BLOCK_Q sets them
+    where its tiles then take at most a quarter of local memory (2 MiB here, as PoCL's on an
+    Emerald Rapids Xeon: D 64 and 128 yes, D 256 no; 1 MiB: no), and ORCHARD_CL_BLOCK_Q sets them
     as it sets the backward's. 400 query rows (blocks of 192, 192 and 16), causal and not
     with a window, against the reference."""
     dev, log = OPENCL_IDS[0], tmp_path / "orchard.log"
