@@ -598,7 +598,7 @@ static int fit_tiles(const or_cl_info *in, size_t real, int d, int dv, int vw, i
 static void fit_tiles_fwd(const or_cl_info *in, size_t real, int d, int dv, int vw, int *bq,
                           int *bk)
 {
-    if (vw == 16 && getenv("ORCHARD_CL_BLOCK_Q") == NULL
+    if (vw == 16 && env_int("ORCHARD_CL_BLOCK_Q", 0) == 0     /* unset or empty */
         && tiled_bytes(real, d, dv, vw, 2 * *bq, *bk, 1) <= in->local_mem / 4)
         *bq *= 2;
     fit_tiled_blocks(in, real, d, dv, vw, bq, bk, 1);
@@ -707,7 +707,7 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
 {
     static const int storage[] = {OR_DTYPES(OR_DTYPE_CL_STORAGE)};
     const size_t real = (size_t)or_dtypes[dt].compute_size;
-    const int overridden = getenv("ORCHARD_CL_BLOCK_Q") || getenv("ORCHARD_CL_BLOCK_K");
+    const int overridden = env_int("ORCHARD_CL_BLOCK_Q", 0) || env_int("ORCHARD_CL_BLOCK_K", 0);
     int family = family_of(dev), vw, bq, bk, fq, fk, tuned;
     or_cl_info facts = dev->info;       /* what the blocks are fitted to */
 #ifdef ORCHARD_TEST_HOOKS

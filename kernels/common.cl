@@ -17,7 +17,8 @@
  *                work-group's block and of each tile it streams, whole micro-tiles (wg.cl),
  *                in the backward and decoding.
  *   FQ, FK       the forward's blocks: the wg family's own (its tiles are about half the
- *                backward's at the same blocks), BQ and BK in the others.
+ *                backward's at the same blocks), the tiled family's own (twice the rows
+ *                where they fit, cl_runtime.c fit_tiles_fwd), BQ and BK in the rows family.
  *
  * Operands are addressed like the native path's views, through the meta table of params.h
  * (embedded ahead of this file, with the parameter struct, the mask rule and Philox). The last

@@ -444,6 +444,7 @@ TILED_FWD_RUN = """
     (256, {}, "blocks 96 x 96 (forward 96 x 96), 16 lanes"),
     (64, {"ORCHARD_CL_VECTOR": 8}, "blocks 96 x 96 (forward 96 x 96), 8 lanes"),
     (64, {"ORCHARD_CL_BLOCK_Q": 96}, "blocks 96 x 96 (forward 96 x 96), 16 lanes"),
+    (64, {"ORCHARD_CL_BLOCK_Q": ""}, "blocks 96 x 96 (forward 192 x 96), 16 lanes"),
     (64, {"ORCHARD_CL_BLOCK_Q": 320}, "blocks 320 x 96 (forward 320 x 96), 16 lanes"),
     (128, {"ORCHARD_CL_LOCAL_MEM": 1 << 20}, "blocks 96 x 96 (forward 96 x 96), 16 lanes"),
     (64, {"tuned": (64, 64)}, "blocks 64 x 64 (tuned) (forward 192 x 96), 16 lanes")])
@@ -451,9 +452,9 @@ def test_tiled_forward_rows(tmp_path, d, env, logged):
     """The tiled forward copies each key and value block into local tiles once per block of
     query rows: at 16 lanes it takes twice the family's rows (192, not from a tuned record)
     where its tiles then take at most a quarter of local memory (2 MiB here, as PoCL's on an
-    Emerald Rapids Xeon: D 64 and 128 yes, D 256 no; 1 MiB: no), and ORCHARD_CL_BLOCK_Q sets them
-    as it sets the backward's. 400 query rows (blocks of 192, 192 and 16), causal and not
-    with a window, against the reference."""
+    Emerald Rapids Xeon: D 64 and 128 yes, D 256 no; 1 MiB: no), and ORCHARD_CL_BLOCK_Q sets
+    them as it sets the backward's (empty, it is unset, as every variable). 400 query rows
+    (blocks of 192, 192 and 16), causal and not with a window, against the reference."""
     dev, log = OPENCL_IDS[0], tmp_path / "orchard.log"
     env = dict(env)
     tuned = env.pop("tuned", None)

@@ -11,8 +11,11 @@ override it. A candidate the device cannot run (too much local memory, a build f
 reported and skipped. The candidates are those of the kernel family the device runs, as
 devices() lists them from orchard_ops' family table: for the tiled family a block is (query
 rows, keys); for the rows family (work-group rows, keys per local tile); for the wg family
-(block rows, tile rows) of its backward, whose tiles are the larger: its forward fits blocks
-of its own to its tiles from the family's defaults (or ORCHARD_CL_BLOCK_Q/K).
+(block rows, tile rows). In the wg and tiled families the stored blocks are the backward's
+(and the tiled decode's): their forwards fit blocks of their own from the family's defaults
+(or ORCHARD_CL_BLOCK_Q/K), the wg forward to its smaller tiles, the tiled one to twice the
+rows where they fit. A candidate's forward runs on its own blocks (the variables set them),
+so its time is that of a step whose forward is not quite the later runs' one.
 """
 import json
 import os
