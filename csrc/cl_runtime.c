@@ -593,8 +593,8 @@ static int fit_tiles(const or_cl_info *in, size_t real, int d, int dv, int vw, i
  * a core's L2), unless ORCHARD_CL_BLOCK_Q sets them. It copies each key and value block into
  * local tiles once per block of rows, and 192 rows halve those copies: PoCL's forward
  * 0.94-0.96x the time at D 64 and 128 on that Xeon, where the backward ran 1.01x at D 64 with
- * them (it keeps its 96); at D 256 (tiles past the quarter) 1.15x at N 256; 8 lanes (AVX2)
- * unmeasured. */
+ * them (it keeps its 96); at D 256 (tiles past the quarter) 1.15x at N 256; at 8 lanes there
+ * 0.98-0.99x, too little to change what AVX2 machines, unmeasured, run. */
 static void fit_tiles_fwd(const or_cl_info *in, size_t real, int d, int dv, int vw, int *bq,
                           int *bk)
 {
