@@ -489,7 +489,7 @@ static int fwd_kernel(launch_t *L)
  * that a call's result never depends on timing. */
 static or_ssize decode_chunk(const launch_t *L, or_ssize nk_max, or_ssize groups)
 {
-    const or_ssize bk = L->prog.bk, want = DECODE_GROUPS_PER_CU * (or_ssize)L->info->compute_units,
+    const or_ssize bk = L->prog.sk, want = DECODE_GROUPS_PER_CU * (or_ssize)L->info->compute_units,
                    most = (nk_max + DECODE_MIN_BLOCKS * bk - 1) / (DECODE_MIN_BLOCKS * bk);
     or_ssize splits = groups > 0 ? (want + groups - 1) / groups : 1;   /* 0: no query rows */
     splits = splits > most ? most : splits;
@@ -505,7 +505,7 @@ static int decode_kernels(launch_t *L)
     const or_problem *p = L->p;
     const or_ssize nq_max = longest(p->nq, p->n_units), nk_max = longest(p->nk, p->n_units),
                    n_kv = p->n_units / p->prm.group,
-                   blocks = or_decode_blocks(nq_max, p->prm.group, L->prog.bq),
+                   blocks = or_decode_blocks(nq_max, p->prm.group, L->prog.sq),
                    chunk = decode_chunk(L, nk_max, blocks * n_kv),
                    nsplit = nk_max > 0 ? (nk_max + chunk - 1) / chunk : 1;
     const size_t real = dbl(L) ? sizeof(double) : sizeof(float),
@@ -542,7 +542,7 @@ static int decode_kernels(launch_t *L)
     if (rc == OR_OK)
         rc = set_mem(L, L->kernel[1], &idx, L->meta);
     /* the split kernel: bq work-items per block (rows family and wg) or one (tiled) */
-    const size_t lanes = L->prog.family == OR_FAMILY_TILED ? 1 : (size_t)L->prog.bq,
+    const size_t lanes = L->prog.family == OR_FAMILY_TILED ? 1 : (size_t)L->prog.sq,
                  split_global[3] = {(size_t)blocks * lanes, (size_t)nsplit, (size_t)n_kv},
                  split_local[3] = {lanes, 1, 1},
                  combine_global[3] = {(size_t)nq_max, (size_t)p->n_units, 1};

@@ -39,6 +39,10 @@ typedef struct {
      * ORCHARD_CL_BLOCK_Q/K, not from a tuned record */
     void (*fit_fwd)(const or_cl_info *in, size_t real, int d, int dv, int vw, int *bq,
                     int *bk);
+    /* the backward's own rule, where its best blocks differ (NULL: it runs on the fitted
+     * blocks); not where a tuned record or ORCHARD_CL_BLOCK_K sets its keys */
+    void (*fit_bwd)(const or_cl_info *in, size_t real, int d, int dv, int vw, int *bq,
+                    int *bk);
 } or_cl_family;
 
 extern const or_cl_family or_cl_families[OR_NFAMILIES];
@@ -50,8 +54,10 @@ typedef struct {
     cl_command_queue queue;
     cl_program program;
     int family;                     /* OR_FAMILY_ROWS, OR_FAMILY_TILED or OR_FAMILY_WG */
-    int bq, bk;                     /* the family's blocks, as in or_cl_family */
-    int fq, fk;                     /* the forward's (fit_fwd), else bq, bk */
+    int sq, sk;                     /* the family's blocks, as in or_cl_family, fitted: the
+                                       split-KV decode's */
+    int fq, fk;                     /* the forward's (fit_fwd), else sq, sk */
+    int bq, bk;                     /* the backward's (fit_bwd), else sq, sk */
     int prep_rows;                  /* work-group rows of flash_bwd_prep */
     int tile_d;                     /* head dim padded to whole register tiles (tiles.cl DT) */
 } or_cl_program;

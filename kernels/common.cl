@@ -11,14 +11,17 @@
  *                one work-item is one SIMD thread, 16 (the tiled family, where the device
  *                prefers 16-wide floats: AVX-512) or 8; 4 on GPUs (cl_runtime.c).
  *   OR_FAMILY    the kernel family the program holds (params.h); only its kernels are built.
- *   BQ, BK       the family's blocks. Rows: rows per work-group (one per work-item) and rows
- *                per local-memory tile. Tiled: query rows per single-work-item group and keys
- *                per block, multiples of the register tile (tiles.cl). Wg: rows of a
- *                work-group's block and of each tile it streams, whole micro-tiles (wg.cl),
- *                in the backward and decoding.
+ *   BQ, BK       the backward's blocks. Rows: rows per work-group (one per work-item) and
+ *                rows per local-memory tile. Tiled: query rows per single-work-item group and
+ *                keys per block, multiples of the register tile (tiles.cl). Wg: rows of a
+ *                work-group's block and of each tile it streams, whole micro-tiles (wg.cl).
  *   FQ, FK       the forward's blocks: the wg family's own (its tiles are about half the
  *                backward's at the same blocks), the tiled family's own (twice the rows
  *                where they fit, cl_runtime.c fit_tiles_fwd), BQ and BK in the rows family.
+ *   SQ, SK       the split-KV decode's blocks (flash_decode.cl): the family's, as fitted,
+ *                where the tiled backward takes twice the keys if they fit (cl_runtime.c
+ *                fit_tiles_bwd); BQ and BK in the rows and wg families, whose split kernel
+ *                streams keys with the rows forward's helpers (row_keys, load_tiles).
  *
  * Operands are addressed like the native path's views, through the meta table of params.h
  * (embedded ahead of this file, with the parameter struct, the mask rule and Philox). The last

@@ -7,7 +7,8 @@
  *   dqacc (rows, DT)             dQ summed over key blocks (zeroed by the host), scaled on store
  *
  * For each BK block of keys (its dK, dV accumulated in local tiles) and each BQ block
- * of the query rows of the unit's GQA group that may see it:
+ * of the query rows of the unit's GQA group that may see it (BQ x BK the backward's blocks:
+ * cl_runtime.c fit_tiles_bwd, twice the family's keys where they fit):
  *   S = q K^T, P = exp(S - lse), dP = dO V^T, dS = P (dP~ - D) dcap,
  *   dV += P~^T dO, dK += dS^T q, dQ += dS K.
  * One work-item sums every element it writes, in a fixed order: deterministic, no atomics.

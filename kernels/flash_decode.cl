@@ -28,13 +28,13 @@
  * group needs no block b. */
 inline int decode_block(long b, long nq, long group, long *ua, int *nunits, long *i0, int *irows)
 {
-    const long parts = (nq + BQ - 1) / BQ, per = nq > 0 && nq <= BQ ? BQ / nq : 1;
-    if (b >= or_decode_blocks(nq, group, BQ))
+    const long parts = (nq + SQ - 1) / SQ, per = nq > 0 && nq <= SQ ? SQ / nq : 1;
+    if (b >= or_decode_blocks(nq, group, SQ))
         return 0;
     *ua = b / parts * per;
     *nunits = (int)min(per, group - *ua);
-    *i0 = b % parts * BQ;
-    *irows = (int)min((long)BQ, nq - *i0);
+    *i0 = b % parts * SQ;
+    *irows = (int)min((long)SQ, nq - *i0);
     return 1;
 }
 
@@ -150,7 +150,7 @@ void flash_decode_split(__global const storage_t *q, __global const storage_t *k
                         const or_params params)
 {
     const or_params p = params;     /* a private copy: its fields stay in registers */
-    OR_TILED_DECODE_TILES(LOCAL_TILE, HEAD_D, HEAD_DV, DT, DVT, BQ, BK)
+    OR_TILED_DECODE_TILES(LOCAL_TILE, HEAD_D, HEAD_DV, DT, DVT, SQ, SK)
     const long split = get_group_id(1), nsplit = get_num_groups(1);
     const long u0 = (long)get_group_id(2) * p.group;   /* the group's first unit */
     __global const long *kvunit = UNIT(meta, u0);
@@ -173,18 +173,18 @@ void flash_decode_split(__global const storage_t *q, __global const storage_t *k
 
     long lo, hi;
     split_keys(&p, nq, nk, i0, irows, split, chunk, &lo, &hi);
-    for (long j0 = lo; j0 < hi; j0 += BK) {
-        const int cols = (int)min((long)BK, hi - j0), cols_tn = (cols + TN - 1) / TN * TN;
-        load_block(kt, BK, 1, k, meta, kvunit, OR_K, j0, cols, cols_tn, HEAD_D, 1);
+    for (long j0 = lo; j0 < hi; j0 += SK) {
+        const int cols = (int)min((long)SK, hi - j0), cols_tn = (cols + TN - 1) / TN * TN;
+        load_block(kt, SK, 1, k, meta, kvunit, OR_K, j0, cols, cols_tn, HEAD_D, 1);
         load_block(vs, DVT, 0, v, meta, kvunit, OR_V, j0, cols, cols_tn, HEAD_DV, 1);
-        tile_product(s, BK, qs, HEAD_D, 1, kt, BK, rows_tm, cols_tn, HEAD_D, 0);
+        tile_product(s, SK, qs, HEAD_D, 1, kt, SK, rows_tm, cols_tn, HEAD_D, 0);
         for (int r = 0; r < rows; r++) {
             const long u = u0 + ua + r / irows;
-            softmax_row(s + r * BK, o + r * DVT, m + r, l + r, u, i0 + r % irows, off,
+            softmax_row(s + r * SK, o + r * DVT, m + r, l + r, u, i0 + r % irows, off,
                         p.has_alibi ? slopes[u] : 0, j0, cols, cols_tn, &p);
         }
         /* padding rows of s are the products of zero queries: finite, and never stored */
-        tile_product(o, DVT, s, BK, 1, vs, DVT, rows_tm, DVT, cols_tn, 1);
+        tile_product(o, DVT, s, SK, 1, vs, DVT, rows_tm, DVT, cols_tn, 1);
     }
 
     for (int r = 0; r < rows; r++) {

@@ -1,7 +1,7 @@
 /* flash_fwd_tiled.cl - attention forward of the tiled family (CPU devices): one work-item per
  * work-group computes FQ query rows of one unit with register tiles, as the native path
  * does (csrc/attn_native_impl.h). FQ x FK are the forward's blocks (cl_runtime.c
- * fit_tiles_fwd: more rows than the backward's BQ where they fit).
+ * fit_tiles_fwd: twice the family's rows where they fit).
  *
  *   q   (unit, Nq, HEAD_D)   k (kv unit, Nk, HEAD_D)   v (kv unit, Nk, HEAD_DV)
  *       (rows of k and v: row_at, common.cl; a paged call's through its page lists)

@@ -390,7 +390,7 @@ FIT_RUN = """
 @needs_opencl
 @needs_test_hooks
 @pytest.mark.parametrize("dtype, d, logged", [
-    ("float32", 128, "wg kernels, blocks 16 x 16 (forward 32 x 32)"),
+    ("float32", 128, "wg kernels, blocks 16 x 16 (forward 32 x 32, backward 16 x 16)"),
     ("float64", 256, "rows kernels")])
 def test_wg_blocks_fit_local_memory(tmp_path, dtype, d, logged):
     """With 48 KiB of local memory, as GPUs commonly offer (ORCHARD_CL_LOCAL_MEM, a test
@@ -419,18 +419,22 @@ def test_wg_forward_blocks_not_taken_from_a_tuned_record(tmp_path):
                 ORCHARD_CACHE_DIR=tmp_path, ORCHARD_CL_LOCAL_MEM=48 * 1024,
                 ORCHARD_DEBUG_FLASH_ATN=1, ORCHARD_LOG=log)
     assert err < 1e-4
-    assert "wg kernels, blocks 16 x 16 (tuned) (forward 64 x 32)" in log.read_text()
+    assert ("wg kernels, blocks 16 x 16 (tuned) (forward 64 x 32, backward 16 x 16)"
+            in log.read_text())
 
 
-TILED_FWD_RUN = """
+TILED_BLOCKS_RUN = """
     import json, numpy as np, orchard_ops as o
-    from orchard.reference import ref_fwd
+    from orchard.reference import ref_fwd, ref_bwd
     rng = np.random.default_rng(3)
-    q, k, v = (rng.standard_normal((1, 2, 400, %d)).astype(np.float32) for _ in range(3))
+    q, k, v, do = (rng.standard_normal((1, 2, 400, %d)).astype(np.float32) for _ in range(4))
     err = 0.0
     for causal in (False, True):
-        got = o.flash_attn_fwd(q, k, v, causal=causal, window=(150, -1), device="%s")
-        want = ref_fwd(q, k, v, causal=causal, window=(150, -1))
+        out, lse = o.flash_attn_fwd(q, k, v, causal=causal, window=(150, -1), device="%s")
+        got = (out, lse) + o.flash_attn_bwd(do, q, k, v, out, lse, causal=causal,
+                                            window=(150, -1), device="%s")
+        want = (ref_fwd(q, k, v, causal=causal, window=(150, -1))
+                + ref_bwd(do, q, k, v, causal=causal, window=(150, -1)))
         err = max([err] + [float(np.abs(g - w).max()) for g, w in zip(got, want)])
     print(json.dumps(err))
 """
@@ -439,22 +443,33 @@ TILED_FWD_RUN = """
 @needs_opencl
 @needs_test_hooks
 @pytest.mark.parametrize("d, env, logged", [
-    (64, {}, "blocks 96 x 96 (forward 192 x 96), 16 lanes"),
-    (128, {}, "blocks 96 x 96 (forward 192 x 96), 16 lanes"),
-    (256, {}, "blocks 96 x 96 (forward 96 x 96), 16 lanes"),
-    (64, {"ORCHARD_CL_VECTOR": 8}, "blocks 96 x 96 (forward 96 x 96), 8 lanes"),
-    (64, {"ORCHARD_CL_BLOCK_Q": 96}, "blocks 96 x 96 (forward 96 x 96), 16 lanes"),
-    (64, {"ORCHARD_CL_BLOCK_Q": ""}, "blocks 96 x 96 (forward 192 x 96), 16 lanes"),
-    (64, {"ORCHARD_CL_BLOCK_Q": 320}, "blocks 320 x 96 (forward 320 x 96), 16 lanes"),
-    (128, {"ORCHARD_CL_LOCAL_MEM": 1 << 20}, "blocks 96 x 96 (forward 96 x 96), 16 lanes"),
-    (64, {"tuned": (64, 64)}, "blocks 64 x 64 (tuned) (forward 192 x 96), 16 lanes")])
-def test_tiled_forward_rows(tmp_path, d, env, logged):
+    (64, {}, "blocks 96 x 96 (forward 192 x 96, backward 96 x 192), 16 lanes"),
+    (128, {}, "blocks 96 x 96 (forward 192 x 96, backward 96 x 192), 16 lanes"),
+    (256, {}, "blocks 96 x 96 (forward 96 x 96, backward 96 x 96), 16 lanes"),
+    (64, {"ORCHARD_CL_VECTOR": 8},
+     "blocks 96 x 96 (forward 96 x 96, backward 96 x 192), 8 lanes"),
+    (64, {"ORCHARD_CL_BLOCK_Q": 96},
+     "blocks 96 x 96 (forward 96 x 96, backward 96 x 192), 16 lanes"),
+    (64, {"ORCHARD_CL_BLOCK_K": 96},
+     "blocks 96 x 96 (forward 192 x 96, backward 96 x 96), 16 lanes"),
+    (64, {"ORCHARD_CL_BLOCK_Q": "", "ORCHARD_CL_BLOCK_K": ""},
+     "blocks 96 x 96 (forward 192 x 96, backward 96 x 192), 16 lanes"),
+    (64, {"ORCHARD_CL_BLOCK_Q": 320},
+     "blocks 320 x 96 (forward 320 x 96, backward 320 x 96), 16 lanes"),
+    (128, {"ORCHARD_CL_LOCAL_MEM": 1 << 20},
+     "blocks 96 x 96 (forward 96 x 96, backward 96 x 96), 16 lanes"),
+    (64, {"tuned": (64, 64)},
+     "blocks 64 x 64 (tuned) (forward 192 x 96, backward 64 x 64), 16 lanes")])
+def test_tiled_forward_and_backward_blocks(tmp_path, d, env, logged):
     """The tiled forward copies each key and value block into local tiles once per block of
-    query rows: at 16 lanes it takes twice the family's rows (192, not from a tuned record)
-    where its tiles then take at most a quarter of local memory (2 MiB here, as PoCL's on an
-    Emerald Rapids Xeon: D 64 and 128 yes, D 256 no; 1 MiB: no), and ORCHARD_CL_BLOCK_Q sets
-    them as it sets the backward's (empty, it is unset, as every variable). 400 query rows
-    (blocks of 192, 192 and 16), causal and not with a window, against the reference."""
+    query rows, the backward each block of query rows once per block of keys: at 16 lanes the
+    forward takes twice the family's rows (192, not from a tuned record) where its tiles then
+    take at most a quarter of local memory, the backward, at any width, twice its keys (not
+    where a tuned record sets them) where its tiles take at most half (2 MiB here, as PoCL's on
+    an Emerald Rapids Xeon: D 64 and 128 yes, D 256 no; 1 MiB: no). ORCHARD_CL_BLOCK_Q sets
+    the rows and ORCHARD_CL_BLOCK_K the keys of both (empty, a variable is unset); decoding
+    keeps the family's blocks. 400 query rows (blocks of 192, 192 and 16), causal and not with a
+    window, forward and backward against the reference."""
     dev, log = OPENCL_IDS[0], tmp_path / "orchard.log"
     env = dict(env)
     tuned = env.pop("tuned", None)
@@ -463,7 +478,7 @@ def test_tiled_forward_rows(tmp_path, d, env, logged):
     assert orchard_ops.save_tuned_blocks("%s", %d, %d)
 """ % ((dev,) + tuned)) if tuned else ""
     env = {"ORCHARD_CL_VECTOR": 16, "ORCHARD_CL_LOCAL_MEM": 2 << 20, **env}
-    err = child(setup + TILED_FWD_RUN % (d, dev), ORCHARD_CL_FAMILY="tiled",
+    err = child(setup + TILED_BLOCKS_RUN % (d, dev, dev), ORCHARD_CL_FAMILY="tiled",
                 ORCHARD_CACHE_DIR=tmp_path, ORCHARD_DEBUG_FLASH_ATN=1, ORCHARD_LOG=log, **env)
     assert err < 1e-4
     assert "tiled kernels, " + logged in log.read_text()
@@ -540,7 +555,7 @@ def test_wg_subgroup_path_compiles(tmp_path, dtype):
         r = subprocess.run([CLANG, "-x", "cl", *options.split(), "-target", "spir64", "-Xclang",
                             "-finclude-default-header", "-DOR_FAMILY=2", "-DOR_STORAGE=%d" % storage,
                             "-DHEAD_D=72", "-DHEAD_DV=40", "-DVW=4", "-DBQ=32", "-DBK=32",
-                            "-DFQ=32", "-DFK=48",
+                            "-DFQ=32", "-DFK=48", "-DSQ=32", "-DSK=32",
                             "-DOR_PARAMS_SIZE=%d" % params_size, "-Dinline=", "-O0", "-emit-llvm",
                             "-S", "-o", str(ir), str(src)], capture_output=True, text=True)
         assert r.returncode == 0, (options, r.stderr[-3000:])
