@@ -484,6 +484,63 @@ def test_tiled_forward_and_backward_blocks(tmp_path, d, env, logged):
     assert "tiled kernels, " + logged in log.read_text()
 
 
+POCL_WORKERS_RUN = """
+    import ctypes, json, os, numpy as np
+    if %r:
+        os.sched_setaffinity(0, %r)
+    def threads():
+        return set(os.listdir("/proc/self/task"))
+    before = threads()
+    import orchard_ops as o
+    o.devices()     # discovery starts PoCL's worker threads
+    workers = threads() - before
+    q = np.ones((1, 2, 64, 16), np.float32)
+    assert float(o.flash_attn_fwd(q, q, q, device="%s")[0].sum()) == 2 * 64 * 16
+    def allowed(t):
+        with open("/proc/self/task/%%s/status" %% t) as f:
+            line = next(l for l in f if l.startswith("Cpus_allowed_list"))
+        return line.split()[1]
+    libc = ctypes.CDLL(None)
+    libc.getenv.restype = ctypes.c_char_p
+    print(json.dumps([sorted(allowed(t) for t in workers),
+                      (libc.getenv(b"POCL_AFFINITY") or b"").decode()]))
+"""
+
+def pocl_id():
+    """The first CPU device of PoCL's platform, or None."""
+    import orchard_ops
+    return next((d["id"] for d in orchard_ops.devices() if d["id"] in CPU_OPENCL_IDS
+                 and d["platform"] == "Portable Computing Language"), None)
+
+
+POCL_ID = pocl_id() if CPU_OPENCL_IDS else None
+
+
+@pytest.mark.skipif(POCL_ID is None or len(os.sched_getaffinity(0)) < 2
+                    or os.sched_getaffinity(0) != set(range(os.cpu_count())),
+                    reason="needs PoCL and a process that may run on every CPU (2 or more)")
+@pytest.mark.parametrize("env, mask", [({}, None), ({"POCL_AFFINITY": "0"}, None),
+                                       ({}, "last")])
+def test_pocl_workers_pinned(env, mask):
+    """PoCL's worker threads, woken for every command, often woke on one core between other
+    work and shared it: orchard sets POCL_AFFINITY=1 while it discovers the platforms (PoCL
+    pins worker i to CPU i as it starts them), for that time alone. Not where the user set it
+    (0: the workers may run anywhere), nor where the process may run on fewer CPUs (here only
+    the last: PoCL would pin a worker outside that set)."""
+    cpus = os.cpu_count()
+    only = {cpus - 1} if mask else None
+    workers, left = child(POCL_WORKERS_RUN % (only, only, POCL_ID),
+                          **{"POCL_AFFINITY": None, "POCL_MAX_PTHREAD_COUNT": None, **env})
+    assert left == env.get("POCL_AFFINITY", "")     # not left in the environment
+    assert workers
+    if mask:
+        assert set(workers) == {str(cpus - 1)}
+    elif env:
+        assert set(workers) == {"0-%d" % (cpus - 1)}
+    else:
+        assert sorted(workers, key=int) == [str(c) for c in range(len(workers))]
+
+
 @pytest.mark.skipif(not CPU_OPENCL_IDS, reason="no OpenCL CPU device listed")
 @pytest.mark.parametrize("d, dtype, rows", [
     (128, "float32", {682}),
