@@ -193,17 +193,22 @@ static const int taken_signals[] = {SIGHUP, SIGINT, SIGPIPE, SIGTERM, SIGUSR2};
  * with other work (torch's operations, the native path) two of them often woke on one core
  * and shared it until the kernel's load balancer moved one: PoCL's float32 forward at B4 H8
  * N1024 D64 took 26-39 ms in rounds with torch's calls against 25 ms alone, its backward 59-90
- * against 57 (2-core Xeon). Pinned, worker i to CPU i (POCL_AFFINITY=1, which PoCL reads as
- * it starts them, during discovery), 26-28 and 58-64 ms, and alone no slower. Set for the
- * discovery alone (children do not inherit it), unless the user set it or PoCL's thread count,
- * and only where the process may run on every one of the n online CPUs 0..n-1: PoCL pins by
- * index, and a CPU outside the process's set would fail. 1 where it was set. */
+ * against 57 (2-core Xeon). Pinned, worker i to CPU i (POCL_AFFINITY=1), 26-28 and 58-64 ms,
+ * and alone no slower. PoCL 3 reads it in each worker as it starts them, during discovery,
+ * which waits for them; so it is set for the discovery alone (children do not inherit it).
+ * Not where the user set it or PoCL's worker count (under any of its names), nor where the
+ * process may run on fewer than all the n online CPUs 0..n-1: PoCL pins by index, and would
+ * move a worker out of the process's set (taskset's; a cgroup's refuses). 1 where set. */
 static int pin_pocl_workers(void)
 {
+    static const char *const user_set[] = {"POCL_AFFINITY", "POCL_MAX_PTHREAD_COUNT",
+                                           "POCL_CPU_MAX_CU_COUNT", "POCL_MAX_COMPUTE_UNITS"};
+    for (size_t i = 0; i < sizeof(user_set) / sizeof(user_set[0]); i++)
+        if (getenv(user_set[i]) != NULL)
+            return 0;
     cpu_set_t set;
     const long n = sysconf(_SC_NPROCESSORS_ONLN);
-    if (getenv("POCL_AFFINITY") != NULL || getenv("POCL_MAX_PTHREAD_COUNT") != NULL || n < 2
-        || n > CPU_SETSIZE || sched_getaffinity(0, sizeof(set), &set) != 0
+    if (n < 2 || n > CPU_SETSIZE || sched_getaffinity(0, sizeof(set), &set) != 0
         || CPU_COUNT(&set) != n)
         return 0;
     for (long c = 0; c < n; c++)
@@ -321,7 +326,7 @@ enum { OPTIONS_MAX = 512 };
  * ones that read other head dims (wrong numbers), with a warning alone. (Not OR_PARAMS_SIZE:
  * the kernels check it against their struct, so a wrong one fails the build, as a test asks.) */
 static const char *const host_macros[] = {"OR_STORAGE", "HEAD_D", "HEAD_DV", "VW", "OR_FAMILY",
-                                          "BQ", "BK", "FQ", "FK", "OR_WG_SUBGROUPS"};
+                                          "BQ", "BK", "FQ", "FK", "SQ", "SK", "OR_WG_SUBGROUPS"};
 
 /* Whether the n characters at name name one of host_macros. */
 static int host_macro(const char *name, size_t n)
@@ -732,15 +737,15 @@ const or_cl_family or_cl_families[OR_NFAMILIES] = {
     [OR_FAMILY_ROWS] = {"rows", NULL, "flash_fwd_rows", "flash_bwd_rows_dq",
                         "flash_bwd_rows_dkdv", "flash_decode_split", 64, 64,
                         {{32, 32}, {64, 32}, {64, 64}, {128, 32}, {128, 64}}, fit_rows, NULL,
-                        NULL},
+                        NULL, 0},
     [OR_FAMILY_TILED] = {"tiled", "cpu", "flash_fwd_tiled", "flash_bwd_tiled", NULL,
                          "flash_decode_split", 96, 96,
                          {{48, 96}, {96, 48}, {96, 96}, {144, 96}, {96, 192}}, fit_tiles,
-                         fit_tiles_fwd, fit_tiles_bwd},
+                         fit_tiles_fwd, fit_tiles_bwd, 1},
     [OR_FAMILY_WG] = {"wg", "gpu", "flash_fwd_wg", "flash_bwd_wg_dq", "flash_bwd_wg_dkdv",
                       "flash_decode_split", 64, 64,
                       {{16, 32}, {32, 32}, {32, 64}, {64, 32}, {64, 64}}, fit_wg, fit_wg_fwd,
-                      NULL},
+                      NULL, 0},
 };
 
 /* Lanes of the kernels' vectors (VW): a CPU work-item is one SIMD thread, so the tiled family
@@ -760,7 +765,7 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
     static const int storage[] = {OR_DTYPES(OR_DTYPE_CL_STORAGE)};
     const size_t real = (size_t)or_dtypes[dt].compute_size;
     const int overridden = env_int("ORCHARD_CL_BLOCK_Q", 0) || env_int("ORCHARD_CL_BLOCK_K", 0);
-    int family = family_of(dev), vw, sq, sk, fq, fk, bq, bk, tuned;
+    int family = family_of(dev), vw, bq, bk, fq, fk, sq, sk, tuned;
     or_cl_info facts = dev->info;       /* what the blocks are fitted to */
 #ifdef ORCHARD_TEST_HOOKS
     /* ORCHARD_CL_LOCAL_MEM=bytes: a device with that much local memory, to test the rules */
@@ -769,21 +774,24 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
     for (;;) {      /* the family's blocks: defaults, a tuned record, the environment, its rule */
         const or_cl_family *f = &or_cl_families[family];
         vw = vector_width(&dev->info, family);
-        sq = f->bq;
-        sk = f->bk;
-        tuned = load_tuned(dev, family, &sq, &sk);
-        sq = env_int("ORCHARD_CL_BLOCK_Q", sq);
-        sk = env_int("ORCHARD_CL_BLOCK_K", sk);
+        bq = f->bq;
+        bk = f->bk;
+        tuned = load_tuned(dev, family, &bq, &bk);
+        bq = env_int("ORCHARD_CL_BLOCK_Q", bq);
+        bk = env_int("ORCHARD_CL_BLOCK_K", bk);
         /* a tuned record holds the blocks the backward ran as (tuning.py), smaller than what
-         * the forward fits from them: the forward starts from the defaults or the environment */
-        fq = env_int("ORCHARD_CL_BLOCK_Q", f->bq);
-        fk = env_int("ORCHARD_CL_BLOCK_K", f->bk);
-        if (f->fit(&facts, real, d, dv, vw, &sq, &sk)) {
+         * the forward fits from them: the forward starts from the defaults or the environment,
+         * and so does a decode kernel with blocks of its own */
+        fq = sq = env_int("ORCHARD_CL_BLOCK_Q", f->bq);
+        fk = sk = env_int("ORCHARD_CL_BLOCK_K", f->bk);
+        if (f->fit(&facts, real, d, dv, vw, &bq, &bk)
+            && (!f->decode_blocks || f->fit(&facts, real, d, dv, vw, &sq, &sk))) {
             if (f->fit_fwd != NULL)
                 f->fit_fwd(&facts, real, d, dv, vw, &fq, &fk);
             else
-                fq = sq, fk = sk;
-            bq = sq, bk = sk;
+                fq = bq, fk = bk;
+            if (!f->decode_blocks)
+                sq = bq, sk = bk;
             if (f->fit_bwd != NULL && !tuned)
                 f->fit_bwd(&facts, real, d, dv, vw, &bq, &bk);
             break;
@@ -818,9 +826,9 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
                                    bq, bk, prep > 1 ? prep : 1, round_up_to(d, OR_TN(vw))};
             if (or_env_flag("ORCHARD_DEBUG_FLASH_ATN"))
                 or_log("orchard: OpenCL program for %s D=%d Dv=%d on %s: %s kernels, "
-                       "blocks %d x %d%s (forward %d x %d, backward %d x %d), %d lanes",
+                       "blocks %d x %d (forward %d x %d, backward %d x %d%s), %d lanes",
                        or_dtypes[dt].name, d, dv, dev->info.name, or_cl_families[family].name,
-                       sq, sk, tuned && !overridden ? " (tuned)" : "", fq, fk, bq, bk, vw);
+                       sq, sk, fq, fk, bq, bk, tuned && !overridden ? ", tuned" : "", vw);
             return OR_OK;
         }
         api->clReleaseProgram(prog);    /* the kernels cannot run so wide here: narrower */

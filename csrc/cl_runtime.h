@@ -43,6 +43,10 @@ typedef struct {
      * blocks); not where a tuned record or ORCHARD_CL_BLOCK_K sets its keys */
     void (*fit_bwd)(const or_cl_info *in, size_t real, int d, int dv, int vw, int *bq,
                     int *bk);
+    /* 1: its decode kernel has blocks of its own (SQ, SK), fitted from the defaults or
+     * ORCHARD_CL_BLOCK_Q/K, not from a tuned record; 0: it runs on the backward's (the rows
+     * family's split kernel, sharing the rows forward's helpers) */
+    int decode_blocks;
 } or_cl_family;
 
 extern const or_cl_family or_cl_families[OR_NFAMILIES];
@@ -54,10 +58,10 @@ typedef struct {
     cl_command_queue queue;
     cl_program program;
     int family;                     /* OR_FAMILY_ROWS, OR_FAMILY_TILED or OR_FAMILY_WG */
-    int sq, sk;                     /* the family's blocks, as in or_cl_family, fitted: the
-                                       split-KV decode's */
-    int fq, fk;                     /* the forward's (fit_fwd), else sq, sk */
-    int bq, bk;                     /* the backward's (fit_bwd), else sq, sk */
+    int sq, sk;                     /* the split-KV decode's (decode_blocks), else bq, bk */
+    int fq, fk;                     /* the forward's (fit_fwd), else bq, bk */
+    int bq, bk;                     /* the backward's: the family's blocks, as in or_cl_family,
+                                       from a tuned record or the environment, fitted */
     int prep_rows;                  /* work-group rows of flash_bwd_prep */
     int tile_d;                     /* head dim padded to whole register tiles (tiles.cl DT) */
 } or_cl_program;

@@ -626,8 +626,9 @@ static PyMethodDef methods[] = {
      "tuned_blocks(device) -> (block_q, block_k) stored for this OpenCL device, or None"},
     {"program_blocks", (PyCFunction)(void (*)(void))program_blocks, METH_VARARGS | METH_KEYWORDS,
      "program_blocks(device, head_dim=64) -> (family, block_q, block_k) that this OpenCL\n"
-     "device's float32 programs of that head dim run with: ORCHARD_CL_BLOCK_Q/K or a tuned\n"
-     "record rounded and fitted by the family's rules (builds the program, as a call would)"},
+     "device's float32 backward of that head dim runs with (what orchard-tune stores):\n"
+     "ORCHARD_CL_BLOCK_Q/K or a tuned record rounded and fitted by the family's rules\n"
+     "(builds the program, as a call would)"},
     {"save_tuned_blocks", (PyCFunction)(void (*)(void))save_tuned_blocks,
      METH_VARARGS | METH_KEYWORDS,
      "save_tuned_blocks(device, block_q, block_k) -> bool; stores the block sizes that programs\n"

@@ -48,6 +48,9 @@ inline void split_keys(const or_params *p, long nq, long nk, long i0, int irows,
 }
 
 #if OR_FAMILY == OR_FAMILY_ROWS || OR_FAMILY == OR_FAMILY_WG
+#if SQ != BQ || SK != BK
+#error "the rows family's split kernel runs on the backward's blocks (row_keys, load_tiles)"
+#endif
 /* Rows family, and the wg family with its blocks: a work-item per query row of the block (BQ
  * work-items), K/V tiles of the split shared through local memory as in flash_fwd_rows
  * (row_keys). */

@@ -419,7 +419,7 @@ def test_wg_forward_blocks_not_taken_from_a_tuned_record(tmp_path):
                 ORCHARD_CACHE_DIR=tmp_path, ORCHARD_CL_LOCAL_MEM=48 * 1024,
                 ORCHARD_DEBUG_FLASH_ATN=1, ORCHARD_LOG=log)
     assert err < 1e-4
-    assert ("wg kernels, blocks 16 x 16 (tuned) (forward 64 x 32, backward 16 x 16)"
+    assert ("wg kernels, blocks 16 x 16 (forward 64 x 32, backward 16 x 16, tuned)"
             in log.read_text())
 
 
@@ -459,7 +459,9 @@ TILED_BLOCKS_RUN = """
     (128, {"ORCHARD_CL_LOCAL_MEM": 1 << 20},
      "blocks 96 x 96 (forward 96 x 96, backward 96 x 96), 16 lanes"),
     (64, {"tuned": (64, 64)},
-     "blocks 64 x 64 (tuned) (forward 192 x 96, backward 64 x 64), 16 lanes")])
+     "blocks 96 x 96 (forward 192 x 96, backward 64 x 64, tuned), 16 lanes"),
+    (64, {"tuned": (96, 192)},
+     "blocks 96 x 96 (forward 192 x 96, backward 96 x 192, tuned), 16 lanes")])
 def test_tiled_forward_and_backward_blocks(tmp_path, d, env, logged):
     """The tiled forward copies each key and value block into local tiles once per block of
     query rows, the backward each block of query rows once per block of keys: at 16 lanes the
@@ -468,8 +470,9 @@ def test_tiled_forward_and_backward_blocks(tmp_path, d, env, logged):
     where a tuned record sets them) where its tiles take at most half (2 MiB here, as PoCL's on
     an Emerald Rapids Xeon: D 64 and 128 yes, D 256 no; 1 MiB: no). ORCHARD_CL_BLOCK_Q sets
     the rows and ORCHARD_CL_BLOCK_K the keys of both (empty, a variable is unset); decoding
-    keeps the family's blocks. 400 query rows (blocks of 192, 192 and 16), causal and not with a
-    window, forward and backward against the reference."""
+    keeps the family's blocks (the log's first pair), a tuned record's too. 400 query rows
+    (blocks of 192, 192 and 16), causal and not with a window, forward and backward against
+    the reference."""
     dev, log = OPENCL_IDS[0], tmp_path / "orchard.log"
     env = dict(env)
     tuned = env.pop("tuned", None)
@@ -529,8 +532,9 @@ def test_pocl_workers_pinned(env, mask):
     the last: PoCL would pin a worker outside that set)."""
     cpus = os.cpu_count()
     only = {cpus - 1} if mask else None
-    workers, left = child(POCL_WORKERS_RUN % (only, only, POCL_ID),
-                          **{"POCL_AFFINITY": None, "POCL_MAX_PTHREAD_COUNT": None, **env})
+    unset = dict.fromkeys(["POCL_AFFINITY", "POCL_MAX_PTHREAD_COUNT", "POCL_CPU_MAX_CU_COUNT",
+                           "POCL_MAX_COMPUTE_UNITS"])
+    workers, left = child(POCL_WORKERS_RUN % (only, only, POCL_ID), **{**unset, **env})
     assert left == env.get("POCL_AFFINITY", "")     # not left in the environment
     assert workers
     if mask:
@@ -694,6 +698,7 @@ ENVIRONMENT_PROBE = """
      "defines that macro for every program"),
     ("ORCHARD_CL_OPTIONS", "-D HEAD_D=5", "-DHEAD_D: orchard defines that macro"),
     ("ORCHARD_CL_OPTIONS", "-UVW", "-UVW: orchard defines that macro"),
+    ("ORCHARD_CL_OPTIONS", "-w -DSK=7", "-DSK: orchard defines that macro"),
     ("ORCHARD_CL_OPTIONS", "-DBQX=1 -DHEAD_DIM", None),
     # a longer value was cut short at its buffer, dropping its last options unseen
     ("ORCHARD_CL_OPTIONS", "-DX=1 " * 100, "ORCHARD_CL_OPTIONS is 600 characters long: at most "
@@ -769,7 +774,7 @@ def test_tuned_blocks_stored_and_used(tmp_path):
     blocks, err = got
     # stored as they ran: whole register-tile steps, built as stored
     assert tuple(blocks) in {(96, 96), (192, 96), tuple(ran[1:])} and err < 1e-5
-    assert "blocks %d x %d (tuned)" % tuple(blocks) in log.read_text()
+    assert "backward %d x %d, tuned)" % tuple(blocks) in log.read_text()
 
 
 @needs_opencl

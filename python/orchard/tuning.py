@@ -12,10 +12,12 @@ reported and skipped. The candidates are those of the kernel family the device r
 devices() lists them from orchard_ops' family table: for the tiled family a block is (query
 rows, keys); for the rows family (work-group rows, keys per local tile); for the wg family
 (block rows, tile rows). In the wg and tiled families the stored blocks are the backward's
-(and the tiled decode's): their forwards fit blocks of their own from the family's defaults
-(or ORCHARD_CL_BLOCK_Q/K), the wg forward to its smaller tiles, the tiled one to twice the
-rows where they fit. A candidate's forward runs on its own blocks (the variables set them),
-so its time is that of a step whose forward is not quite the later runs' one.
+(and the wg decode's): their forwards, and the tiled decode, fit blocks of their own from the
+family's defaults (or ORCHARD_CL_BLOCK_Q/K), the wg forward to its smaller tiles, the tiled
+one to twice the rows where they fit; without a record the tiled backward takes twice the
+keys where they fit (96 x 192, a candidate). A candidate's forward runs on its own blocks (the
+variables set them), so its time is that of a step whose forward is not quite the later
+runs' one.
 """
 import json
 import os
