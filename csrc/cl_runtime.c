@@ -647,7 +647,7 @@ static void fit_tiles_fwd(const or_cl_info *in, size_t real, int d, int dv, int 
 /* The tiled backward's rule: twice the keys where its tiles then take at most half of local
  * memory. For each block of keys it copies every query row of the kv unit's GQA group (q
  * times scale, dO, the dQ sums: 5 % of the backward at D 64) into local tiles, and 192 keys
- * halve those copies: PoCL's backward 0.97x the time at D 64 and 0.94x at D 128 on an Emerald
+ * halve those copies: PoCL's backward 0.98x the time at D 64 and 0.95x at D 128 on an Emerald
  * Rapids Xeon (2 MiB), 0.89-0.97x at D 128 with 8 lanes; at D 256 (tiles past the half) 1.03x.
  * Decoding keeps the family's blocks: its splits are whole blocks of keys, and fewer, longer
  * ones ran 1.21x slower. */
@@ -729,8 +729,8 @@ static void fit_wg_fwd(const or_cl_info *in, size_t real, int d, int dv, int vw,
 
 /* The kernel families. Rows: a query (or key) row per work-item, K/V tiles shared through
  * local memory by the work-group (every device kind but CPUs and GPUs). Tiled: a single
- * work-item per group forms every product in register tiles, on 96 x 96 blocks as the native
- * path (a CPU runs a work-group on one core and a work-item on its SIMD lanes). Wg (GPUs): a
+ * work-item per group forms every product in register tiles, on 96 x 96 blocks by default as
+ * the native path (a CPU runs a work-group on one core and a work-item on its SIMD lanes). Wg (GPUs): a
  * work-group per block, each work-item a register micro-tile of it (wg.cl); it decodes with
  * the rows family's split kernel. */
 const or_cl_family or_cl_families[OR_NFAMILIES] = {
@@ -779,9 +779,9 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
         tuned = load_tuned(dev, family, &bq, &bk);
         bq = env_int("ORCHARD_CL_BLOCK_Q", bq);
         bk = env_int("ORCHARD_CL_BLOCK_K", bk);
-        /* a tuned record holds the blocks the backward ran as (tuning.py), smaller than what
-         * the forward fits from them: the forward starts from the defaults or the environment,
-         * and so does a decode kernel with blocks of its own */
+        /* a tuned record holds the blocks the backward ran as (tuning.py), not the forward's
+         * best: the forward starts from the defaults or the environment, and so does a decode
+         * kernel with blocks of its own */
         fq = sq = env_int("ORCHARD_CL_BLOCK_Q", f->bq);
         fk = sk = env_int("ORCHARD_CL_BLOCK_K", f->bk);
         if (f->fit(&facts, real, d, dv, vw, &bq, &bk)

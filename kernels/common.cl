@@ -19,10 +19,10 @@
  *                backward's at the same blocks), the tiled family's own (twice the rows
  *                where they fit, cl_runtime.c fit_tiles_fwd), BQ and BK in the rows family.
  *   SQ, SK       the split-KV decode's blocks (flash_decode.cl): the tiled family's own (its
- *                defaults, not a tuned record's, where the backward takes twice the keys if
- *                they fit: cl_runtime.c fit_tiles_bwd), BQ and BK in the rows and wg
- *                families, whose split kernel streams keys with the rows forward's helpers
- *                (row_keys, load_tiles).
+ *                defaults or ORCHARD_CL_BLOCK_Q/K, never a tuned record's, where the backward
+ *                takes twice the keys if they fit: cl_runtime.c fit_tiles_bwd), BQ and BK in
+ *                the rows and wg families, whose split kernel streams keys with the rows
+ *                forward's helpers (row_keys, load_tiles).
  *
  * Operands are addressed like the native path's views, through the meta table of params.h
  * (embedded ahead of this file, with the parameter struct, the mask rule and Philox). The last

@@ -470,7 +470,7 @@ def test_tiled_forward_and_backward_blocks(tmp_path, d, env, logged):
     where a tuned record sets them) where its tiles take at most half (2 MiB here, as PoCL's on
     an Emerald Rapids Xeon: D 64 and 128 yes, D 256 no; 1 MiB: no). ORCHARD_CL_BLOCK_Q sets
     the rows and ORCHARD_CL_BLOCK_K the keys of both (empty, a variable is unset); decoding
-    keeps the family's blocks (the log's first pair), a tuned record's too. 400 query rows
+    keeps the family's blocks (the log's first pair), with a tuned record too. 400 query rows
     (blocks of 192, 192 and 16), causal and not with a window, forward and backward against
     the reference."""
     dev, log = OPENCL_IDS[0], tmp_path / "orchard.log"
