@@ -541,7 +541,7 @@ static int decode_kernels(launch_t *L)
         rc = set_long(L, L->kernel[1], &idx, nsplit);
     if (rc == OR_OK)
         rc = set_mem(L, L->kernel[1], &idx, L->meta);
-    /* the split kernel: bq work-items per block (rows family and wg) or one (tiled) */
+    /* the split kernel: sq work-items per block (rows family and wg) or one (tiled) */
     const size_t lanes = L->prog.family == OR_FAMILY_TILED ? 1 : (size_t)L->prog.sq,
                  split_global[3] = {(size_t)blocks * lanes, (size_t)nsplit, (size_t)n_kv},
                  split_local[3] = {lanes, 1, 1},

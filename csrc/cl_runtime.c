@@ -730,9 +730,9 @@ static void fit_wg_fwd(const or_cl_info *in, size_t real, int d, int dv, int vw,
 /* The kernel families. Rows: a query (or key) row per work-item, K/V tiles shared through
  * local memory by the work-group (every device kind but CPUs and GPUs). Tiled: a single
  * work-item per group forms every product in register tiles, on 96 x 96 blocks by default as
- * the native path (a CPU runs a work-group on one core and a work-item on its SIMD lanes). Wg (GPUs): a
- * work-group per block, each work-item a register micro-tile of it (wg.cl); it decodes with
- * the rows family's split kernel. */
+ * the native path (a CPU runs a work-group on one core and a work-item on its SIMD lanes).
+ * Wg (GPUs): a work-group per block, each work-item a register micro-tile of it (wg.cl); it
+ * decodes with the rows family's split kernel. */
 const or_cl_family or_cl_families[OR_NFAMILIES] = {
     [OR_FAMILY_ROWS] = {"rows", NULL, "flash_fwd_rows", "flash_bwd_rows_dq",
                         "flash_bwd_rows_dkdv", "flash_decode_split", 64, 64,
