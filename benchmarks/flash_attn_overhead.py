@@ -8,7 +8,10 @@ hand-over of tensors in and out): forward without autograd, and forward + backwa
 v requiring gradients. Then a decode step's call as a model makes it, between other torch
 operations (a few small matrix products, which leave the caches to them): orchard_ops on torch
 tensors with and without a KV cache's seqused_k and leftpad_k, on NumPy arrays, and torch's
-scaled_dot_product_attention, medians over --between rounds.
+scaled_dot_product_attention, medians over --between rounds. Last a decode step over a paged
+KV cache (one new token per request written and read in place through a block_table) by
+flash_attn_with_kvcache against orchard_ops over the same pages: the cost of its checks and
+writes as the requests and their pages grow.
 
     ORCHARD_NUM_THREADS=1 python benchmarks/flash_attn_overhead.py [--repeats N] [--between N]
 
@@ -27,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 import orchard_ops  # noqa: E402
-from orchard.flash_attn import flash_attn_func  # noqa: E402
+from orchard.flash_attn import flash_attn_func, flash_attn_with_kvcache  # noqa: E402
 
 
 def per_call_us(fns, number, repeats):
@@ -79,6 +82,7 @@ def main():
     print("torch layer overhead: %.1f us per forward call (target <= 15); with the DLPack "
           "hand-over: %.1f us" % (ours - ops_t, ours - ops))
     between_operations(device, args.between)
+    paged_steps(device, args.repeats)
 
 
 def between_operations(device, rounds):
@@ -110,6 +114,32 @@ def between_operations(device, rounds):
     print("between other operations (batch 2, 4 heads over 2, 64 keys, D 64), median us per call:")
     for name, t in times.items():
         print("  %-48s %6.1f" % (name, statistics.median(t) * 1e6))
+
+
+def paged_steps(device, repeats):
+    """flash_attn_with_kvcache's decode step over pages (8 heads over 2, D 64, pages in
+    scrambled order, every request the same length) against orchard_ops' call on them."""
+    print("paged decode step (8 heads over 2, D 64), us per call:")
+    print("%-40s %12s %11s %9s" % ("requests x table entries, page, keys", "orchard_ops",
+                                   "flash_attn", "overhead"))
+    g = torch.Generator().manual_seed(0)
+    for batch, width, page, keys in ((1, 8, 16, 100), (8, 64, 16, 500), (32, 256, 16, 2000),
+                                     (64, 128, 32, 1000)):
+        pages = batch * width
+        kc, vc = (torch.randn(pages, page, 2, 64, generator=g) for _ in range(2))
+        table = torch.randperm(pages, generator=g).view(batch, width).to(torch.int32)
+        q, k, v = (torch.randn(batch, 1, h, 64, generator=g) for h in (8, 2, 2))
+        seqlens = torch.full((batch,), keys - 1, dtype=torch.int32)
+        cu_q = torch.arange(batch + 1, dtype=torch.int32)
+        ops, ours = per_call_us(
+            [lambda: orchard_ops.flash_attn_varlen_fwd(q[:, 0], kc, vc, cu_q, cu_q * keys,
+                                                       causal=True, block_table=table,
+                                                       device=device),
+             lambda: flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens,
+                                             block_table=table, causal=True, device=device)],
+            max(1, 20000 // (batch * keys // 100)), repeats)
+        print("%-40s %12.1f %11.1f %9.1f" % ("%d x %d, %d, %d" % (batch, width, page, keys),
+                                            ops, ours, ours - ops))
 
 
 if __name__ == "__main__":

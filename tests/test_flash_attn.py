@@ -899,6 +899,9 @@ def test_bad_kvcache_input_names_the_argument_and_writes_nothing():
                                                                       "rotary_sin"))
     paged_bad = [
         (ValueError, "'block_table'", dict(pkw, block_table=pkw["block_table"] + 100)),
+        # sequence 1's 7 + 2 keys fill its three pages of 4: a third that is no page is refused
+        (ValueError, r"'block_table' row 1 lists pages \[\d+, \d+, -1\], outside \[0, 7\)",
+         dict(pkw, block_table=torch.cat([pkw["block_table"][:, :2], i32(0, -1)[:, None]], 1))),
         (TypeError, "'block_table'", dict(pkw, block_table=pkw["block_table"].long())),
         (ValueError, "'cache_seqlens'", dict(pkw, cache_seqlens=i32(5, 11))),
         (ValueError, "'cache_batch_idx'", dict(pkw, cache_batch_idx=i32(0, 1))),
@@ -912,6 +915,31 @@ def test_bad_kvcache_input_names_the_argument_and_writes_nothing():
         with pytest.raises(error, match=name):
             flash_attn_with_kvcache(pq, **args)
         assert torch.equal(pk_cache, before[0]) and torch.equal(pv_cache, before[1]), name
+
+
+def test_unused_block_table_entries_may_hold_anything():
+    """As in FlashAttention-2, only the entries of block_table that hold a sequence's keys
+    are read: the others may name no page, in flash_attn_with_kvcache and in
+    flash_attn_varlen_func read in place or gathered (with gradients)."""
+    q, k_cache, v_cache, kw = make_kvcache(KV_CASES["paged rotary leftpad"], torch.float32)
+    want = flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), **kw)
+    table = kw["block_table"].clone()
+    table[0, 2] = -5        # sequence 0's 5 + 2 keys fill two pages of 4
+    assert torch.equal(flash_attn_with_kvcache(q, k_cache, v_cache, **dict(kw, block_table=table)),
+                       want)
+    kp, vp = k_cache.requires_grad_(), v_cache.clone().requires_grad_()
+    cu_q, cu_k = (torch.tensor(x, dtype=torch.int32) for x in ([0, 2, 4], [0, 7, 16]))
+    outs = []
+    for past in (None, 10**6, -1):
+        table = kw["block_table"].clone()
+        if past is not None:
+            table[0, 2] = past
+        for grad in (False, True):
+            with torch.set_grad_enabled(grad):
+                outs.append(flash_attn_varlen_func(q.flatten(0, 1), kp, vp, cu_q, cu_k, 2, 9,
+                                                   causal=True, block_table=table))
+    assert all(torch.equal(o, outs[0]) for o in outs[1:]), "entries past the keys were read"
+    assert [o.requires_grad for o in outs] == [False, True] * 3
 
 
 def test_alibi_slopes_of_any_real_dtype_with_or_without_grad():
