@@ -59,7 +59,10 @@ def test_bench_decode_table(tmp_path):
     for row in decode["results"]:
         assert row["orchard_ms"] > 0 and row["torch_ms"] > 0 and row["speedup"] > 0
         assert row["cache_sum_gbs"] > 0 and row["cache_sum_fraction"] > 0
+        assert row["orchard_evicted_ms"] > 0 and row["torch_evicted_ms"] > 0
+        assert row["evicted_speedup"] > 0
     assert "orchard / bandwidth" in r.stdout and "orchard / same-size sum" in r.stdout
+    assert "caches evicted: orchard ms" in r.stdout
 
 
 def test_update_readme_writes_targets_and_grid(tmp_path):

@@ -7,6 +7,12 @@ A decode step reads every key and value once and does little arithmetic with the
 roof is memory bandwidth: GB/s here are bytes of K and V per second, against a sum over 1 GiB
 (memory) and a sum over as many bytes as the cache (memory, or the CPU's cache where it fits).
 
+Each step is timed twice: warm, the fastest of calls made back to back (the cache stays in the
+CPU's caches where it fits there, as a 4,096-key cache of 32 heads does in a 300 MB L3), and
+with the caches evicted, each call after a write over EVICT_BYTES, as a model's step finds
+its cache after the layers between (there orchard asks for every line ahead, which a warm
+cache in the L3 does not need: attn_native.c DECODE_STREAM_BYTES).
+
 Each case has a second row: the same keys and values laid out as FlashAttention's caches are,
 (1, n, kv heads, D), the heads of each row side by side, read in place through a strided view;
 and a third: as a paged cache (pages of PAGE rows, (num_pages, PAGE, kv heads, D), in scrambled
@@ -32,6 +38,8 @@ PAGE = 256  # rows per page of the paged rows (vLLM's and FlashAttention's usual
 # orchard call made meanwhile shares the cores with them (a bfloat16 GQA step at 4,096 keys:
 # 1.23-1.30 ms instead of 0.80): each side is timed over this long a run of its own calls
 SETTLE = 0.025
+# more bytes than the last-level cache of any CPU this runs on (300 MB on the Xeons measured)
+EVICT_BYTES = 1 << 30
 
 
 def settled_time(fn, seconds=SETTLE):
@@ -42,6 +50,19 @@ def settled_time(fn, seconds=SETTLE):
         fn()
         best = min(best, time.perf_counter() - start)
         n += 1
+    return best
+
+
+def evicted_time(fn, sweep, calls=3):
+    """Seconds of the fastest of `calls` calls of fn, each made after a write over `sweep`
+    (a tensor of EVICT_BYTES) and a pause for torch's threads to stop spinning."""
+    best = float("inf")
+    for _ in range(calls):
+        sweep.add_(1.0)
+        time.sleep(SETTLE)
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
     return best
 
 
@@ -70,6 +91,7 @@ def measure(cases=CASES, dtypes=DTYPES, rounds=5, device="cpu"):
     fractions of the machine's bandwidth and of a sum over as many bytes as the cache (the
     roof where the cache fits in a cache of the CPU's)."""
     bandwidth = read_bandwidth()
+    sweep = torch.zeros(EVICT_BYTES // 4)
     rows = []
     for h, hkv, d, n in cases:
         g = torch.Generator().manual_seed(0)
@@ -92,20 +114,27 @@ def measure(cases=CASES, dtypes=DTYPES, rounds=5, device="cpu"):
                      "paged %d" % PAGE: lambda: orchard_ops.flash_attn_varlen_fwd(
                          qp, kp, vp, cu_q, cu_k, causal=True, block_table=table,
                          device=device)}
+            def sdpa():
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
             for layout, call in calls.items():
-                ours, theirs = [], []
+                ours, theirs, ours_cold, theirs_cold = [], [], [], []
                 for _ in range(rounds):
                     ours.append(settled_time(call))
-                    theirs.append(settled_time(lambda: F.scaled_dot_product_attention(
-                        q, k, v, enable_gqa=gqa)))
+                    theirs.append(settled_time(sdpa))
+                    ours_cold.append(evicted_time(call, sweep))
+                    theirs_cold.append(evicted_time(sdpa, sweep))
                 t_o, t_t = statistics.median(ours), statistics.median(theirs)
                 # the ratio of each round's pair, taken side by side, drifts less than the
                 # ratio of two medians
                 speedup = statistics.median(t / o for o, t in zip(ours, theirs))
+                cold_speedup = statistics.median(t / o for o, t in zip(ours_cold, theirs_cold))
                 rows.append(dict(heads=h, kv_heads=hkv, d=d, n=n, dtype=str(dt).split(".")[-1],
                                  layout=layout, orchard_ms=t_o * 1e3, torch_ms=t_t * 1e3,
                                  orchard_gbs=kv_bytes / t_o / 1e9, torch_gbs=kv_bytes / t_t / 1e9,
                                  speedup=speedup,
+                                 orchard_evicted_ms=statistics.median(ours_cold) * 1e3,
+                                 torch_evicted_ms=statistics.median(theirs_cold) * 1e3,
+                                 evicted_speedup=cold_speedup,
                                  bandwidth_fraction=kv_bytes / t_o / 1e9 / bandwidth,
                                  cache_sum_gbs=cache_sum,
                                  cache_sum_fraction=kv_bytes / t_o / 1e9 / cache_sum))
@@ -118,13 +147,15 @@ def table(bandwidth, rows, device="cpu"):
              "%.1f GB/s (multithreaded sum, this run)" % (device, bandwidth), "",
              "| heads / kv heads | D | cache | layout | dtype | orchard ms | torch SDPA ms "
              "| orchard GB/s | torch GB/s | orchard vs torch | orchard / bandwidth "
-             "| same-size sum GB/s | orchard / same-size sum |",
-             "|" + " --- |" * 13]
+             "| same-size sum GB/s | orchard / same-size sum | caches evicted: orchard ms "
+             "| torch SDPA ms | orchard vs torch |",
+             "|" + " --- |" * 16]
     for r in rows:
         lines.append("| %d / %d | %d | %d | %s | %s | %.3f | %.3f | %.1f | %.1f | %.2fx | %.0f %% "
-                     "| %.1f | %.0f %% |" % (
+                     "| %.1f | %.0f %% | %.3f | %.3f | %.2fx |" % (
                          r["heads"], r["kv_heads"], r["d"], r["n"], r["layout"], r["dtype"],
                          r["orchard_ms"], r["torch_ms"], r["orchard_gbs"], r["torch_gbs"],
                          r["speedup"], 100 * r["bandwidth_fraction"], r["cache_sum_gbs"],
-                         100 * r["cache_sum_fraction"]))
+                         100 * r["cache_sum_fraction"], r["orchard_evicted_ms"],
+                         r["torch_evicted_ms"], r["evicted_speedup"]))
     return "\n".join(lines)
