@@ -917,27 +917,45 @@ def test_bad_kvcache_input_names_the_argument_and_writes_nothing():
         assert torch.equal(pk_cache, before[0]) and torch.equal(pv_cache, before[1]), name
 
 
-def test_unused_block_table_entries_may_hold_anything():
+def widened(table, width):
+    """table with garbage columns up to `width` entries a row (no sequence reads them)."""
+    return torch.cat([table, torch.full((table.shape[0], width - table.shape[1]), -7,
+                                        dtype=table.dtype)], 1)
+
+
+@pytest.mark.parametrize("width", [3, 600], ids=["narrow", "wide"])   # <= 1024 entries, more
+def test_unused_block_table_entries_may_hold_anything(width):
     """As in FlashAttention-2, only the entries of block_table that hold a sequence's keys
     are read: the others may name no page, in flash_attn_with_kvcache and in
-    flash_attn_varlen_func read in place or gathered (with gradients)."""
+    flash_attn_varlen_func read in place or gathered (with gradients); a used entry that
+    names no page is refused, naming its row, in a small table and in a large one."""
     q, k_cache, v_cache, kw = make_kvcache(KV_CASES["paged rotary leftpad"], torch.float32)
     want = flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), **kw)
-    table = kw["block_table"].clone()
+    table = widened(kw["block_table"], width)
     table[0, 2] = -5        # sequence 0's 5 + 2 keys fill two pages of 4
+    bad = widened(kw["block_table"], width)
+    bad[1, 2] = 7           # sequence 1's 7 + 2 keys fill three; there are 7 pages
+    before = k_cache.clone()
+    with pytest.raises(ValueError, match=r"'block_table' row 1 lists pages \[\d+, \d+, 7\], "
+                                         r"outside \[0, 7\) \(num_blocks\)"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, **dict(kw, block_table=bad))
+    assert torch.equal(k_cache, before)
     assert torch.equal(flash_attn_with_kvcache(q, k_cache, v_cache, **dict(kw, block_table=table)),
                        want)
     kp, vp = k_cache.requires_grad_(), v_cache.clone().requires_grad_()
     cu_q, cu_k = (torch.tensor(x, dtype=torch.int32) for x in ([0, 2, 4], [0, 7, 16]))
     outs = []
     for past in (None, 10**6, -1):
-        table = kw["block_table"].clone()
+        table = widened(kw["block_table"], width)
         if past is not None:
             table[0, 2] = past
         for grad in (False, True):
             with torch.set_grad_enabled(grad):
                 outs.append(flash_attn_varlen_func(q.flatten(0, 1), kp, vp, cu_q, cu_k, 2, 9,
                                                    causal=True, block_table=table))
+            with pytest.raises(ValueError, match="'block_table' row 1 lists pages"):
+                flash_attn_varlen_func(q.flatten(0, 1), kp, vp, cu_q, cu_k, 2, 9, causal=True,
+                                       block_table=bad)
     assert all(torch.equal(o, outs[0]) for o in outs[1:]), "entries past the keys were read"
     assert [o.requires_grad for o in outs] == [False, True] * 3
 

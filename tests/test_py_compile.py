@@ -572,6 +572,31 @@ def test_paged_varlen_export_is_refused_naming_block_table():
         torch.export.export(Paged(), (q, pages, cu, table))
 
 
+@pytest.mark.parametrize("width", [2, 600], ids=["narrow", "wide"])   # <= 1024 entries, more
+def test_paged_calls_compile_around_their_pages(width):
+    """Paged calls read their pages' numbers (a graph break, as FlashAttention-2's), in small
+    and large block tables (checked in NumPy, which Dynamo would trace): compiled, the eager
+    results, and a page number out of range is refused naming block_table."""
+    q, pages = randn(12, 2, 16), randn(4, 8, 2, 16, seed=1)
+    cu = torch.tensor([0, 4, 12], dtype=torch.int32)
+    table = torch.cat([torch.tensor([[2, 0], [1, 3]], dtype=torch.int32),
+                       torch.full((2, width - 2), -1, dtype=torch.int32)], 1)   # unused
+    bad = table.clone()
+    bad[1, 0] = 4           # sequence 1's 8 keys: one page of 8
+    varlen = torch.compile(lambda q, pages, table: flash_attn_varlen_func(
+        q, pages, pages, cu, cu, 8, 8, causal=True, block_table=table), backend="eager")
+    kvcache = torch.compile(lambda q, pages, table: flash_attn_with_kvcache(
+        q, pages, pages, cache_seqlens=torch.tensor([4, 8], dtype=torch.int32),
+        block_table=table, causal=True), backend="eager")
+    qs = q[[3, 11]].unsqueeze(1)    # each sequence's last query
+    assert torch.equal(varlen(q, pages, table), flash_attn_varlen_func(
+        q, pages, pages, cu, cu, 8, 8, causal=True, block_table=table))
+    assert torch.equal(kvcache(qs, pages, table), varlen(q, pages, table)[[3, 11]].unsqueeze(1))
+    for call, x in ((varlen, q), (kvcache, qs)):
+        with pytest.raises(ValueError, match=r"'block_table' row 1 lists pages \[4\]"):
+            call(x, pages, bad)
+
+
 def tiny_llama(layers=2):
     pytest.importorskip("transformers")
     import orchard.hf  # noqa: F401  (registers "orchard")

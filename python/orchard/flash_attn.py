@@ -344,11 +344,10 @@ def _check_block_table(fn, table, keys, page, nblocks):
         bad = [b for b, (row, m) in enumerate(zip(table.tolist(), need))
                if m and (min(row[:m]) < 0 or max(row[:m]) >= nblocks)]
     else:
-        # thousands: whole-array operations (a row at a time took 0.2 ms at 32 x 256 entries);
-        # negative entries read as unsigned are past any page
+        # thousands: whole-array operations (a row at a time took 0.2 ms at 32 x 256 entries)
         rows = table.numpy()
         used = np.arange(rows.shape[1]) < np.array(need, dtype=np.int64)[:, None]
-        bad = ((rows.view(np.uint32) >= nblocks) & used).any(1).nonzero()[0]
+        bad = (((rows < 0) | (rows >= nblocks)) & used).any(1).nonzero()[0]
     if len(bad):
         b = int(bad[0])
         _fail(fn, "block_table", "row %d lists pages %s, outside [0, %d) (num_blocks)"
@@ -378,7 +377,8 @@ def _paged_gather(fn, k, v, cu_k, block_table, d, gather):
     lengths = torch.tensor(lengths, dtype=torch.long)
     # key i of sequence s: row i % page of page block_table[s, i // page]
     sequence = torch.repeat_interleave(torch.arange(batch), lengths)
-    at = torch.arange(len(sequence)) - torch.tensor(cu_k[:-1], dtype=torch.long)[sequence]
+    starts = torch.tensor(cu_k[:-1], dtype=torch.long) - cu_k[0]
+    at = torch.arange(len(sequence)) - starts[sequence]
     index = block_table[sequence, at // page].long() * page + at % page
     return k.flatten(0, 1)[index], v.flatten(0, 1)[index]
 
