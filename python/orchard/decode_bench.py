@@ -9,9 +9,9 @@ roof is memory bandwidth: GB/s here are bytes of K and V per second, against a s
 
 Each step is timed twice: warm, the fastest of calls made back to back (the cache stays in the
 CPU's caches where it fits there, as a 4,096-key cache of 32 heads does in a 300 MB L3), and
-with the caches evicted, each call after a write over EVICT_BYTES, as a model's step finds
-its cache after the layers between (there orchard asks for every line ahead, which a warm
-cache in the L3 does not need: attn_native.c DECODE_STREAM_BYTES).
+with the caches evicted, each call after a write over EVICT_BYTES, as a step of a model of
+many layers finds its cache after the other layers' (there orchard asks for every line ahead,
+which a warm cache in the L3 does not need: attn_native.c DECODE_STREAM_BYTES).
 
 Each case has a second row: the same keys and values laid out as FlashAttention's caches are,
 (1, n, kv heads, D), the heads of each row side by side, read in place through a strided view;
