@@ -11,7 +11,8 @@ tensors with and without a KV cache's seqused_k and leftpad_k, on NumPy arrays, 
 scaled_dot_product_attention, medians over --between rounds. Last a decode step over a paged
 KV cache (one new token per request written and read in place through a block_table) by
 flash_attn_with_kvcache against orchard_ops over the same pages: the cost of its checks and
-writes as the requests and their pages grow.
+writes as the requests and their pages grow; and the same step by orchard.hf, as transformers'
+continuous batching makes it (where transformers is installed).
 
     ORCHARD_NUM_THREADS=1 python benchmarks/flash_attn_overhead.py [--repeats N] [--between N]
 
@@ -118,11 +119,20 @@ def between_operations(device, rounds):
 
 def paged_steps(device, repeats):
     """flash_attn_with_kvcache's decode step over pages (8 heads over 2, D 64, pages in
-    scrambled order, every request the same length) against orchard_ops' call on them."""
-    print("paged decode step (8 heads over 2, D 64), us per call:")
-    print("%-40s %12s %11s %9s" % ("requests x table entries, page, keys", "orchard_ops",
-                                   "flash_attn", "overhead"))
+    scrambled order, every request the same length) against orchard_ops' call on them, and
+    orchard.hf's, continuous batching's decode fast path, on the same pages (transformers'
+    layout: one token of each request along the sequence axis) where transformers is
+    installed."""
+    try:
+        from orchard import hf
+    except ImportError:     # (no transformers)
+        hf = None
+    print("paged decode step (8 heads over 2, D 64), us per call, and over orchard_ops':")
+    print("%-40s %12s %11s %9s %10s %9s" % ("requests x table entries, page, keys",
+                                            "orchard_ops", "flash_attn", "overhead",
+                                            "orchard.hf", "overhead"))
     g = torch.Generator().manual_seed(0)
+    options = dict(softmax_scale=0.125, causal=True, window_size=(-1, -1), softcap=0.0)
     for batch, width, page, keys in ((1, 8, 16, 100), (8, 64, 16, 500), (32, 256, 16, 2000),
                                      (64, 128, 32, 1000)):
         pages = batch * width
@@ -131,16 +141,20 @@ def paged_steps(device, repeats):
         q, k, v = (torch.randn(batch, 1, h, 64, generator=g) for h in (8, 2, 2))
         seqlens = torch.full((batch,), keys - 1, dtype=torch.int32)
         cu_q = torch.arange(batch + 1, dtype=torch.int32)
-        ops, ours = per_call_us(
-            [lambda: orchard_ops.flash_attn_varlen_fwd(q[:, 0], kc, vc, cu_q, cu_q * keys,
-                                                       causal=True, block_table=table,
-                                                       device=device),
-             lambda: flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens,
-                                             block_table=table, causal=True, device=device)],
-            max(1, 20000 // (batch * keys // 100)), repeats)
-        print("%-40s %12.1f %11.1f %9.1f" % ("%d x %d, %d, %d" % (batch, width, page, keys),
-                                            ops, ours, ours - ops))
-
+        calls = [lambda: orchard_ops.flash_attn_varlen_fwd(q[:, 0], kc, vc, cu_q, cu_q * keys,
+                                                           causal=True, block_table=table,
+                                                           device=device),
+                 lambda: flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens,
+                                                 block_table=table, causal=True, device=device)]
+        if hf is not None:
+            kwargs = dict(block_table=table, cu_seq_lens_k=cu_q * keys, k_cache=kc, v_cache=vc)
+            query, key, value = (t.permute(1, 2, 0, 3) for t in (q, k, v))     # (1, H, batch, D)
+            calls.append(lambda: hf._paged_decode(query, key, value, kwargs, options))
+        times = per_call_us(calls, max(1, 20000 // (batch * keys // 100)), repeats)
+        ops, ours = times[:2]
+        hf_cells = ("%10.1f %9.1f" % (times[2], times[2] - ops)) if hf is not None else ""
+        print("%-40s %12.1f %11.1f %9.1f %s" % ("%d x %d, %d, %d" % (batch, width, page, keys),
+                                               ops, ours, ours - ops, hf_cells))
 
 if __name__ == "__main__":
     main()

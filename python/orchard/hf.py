@@ -19,6 +19,7 @@ over the batch's requests, decode-only batches read in their pages).
 """
 import collections
 import functools
+import itertools
 import sys
 import warnings
 import weakref
@@ -50,8 +51,8 @@ except ImportError:     # (a transformers without it)
     PagedAttentionCache = continuous_api = initialization = None
 
 from orchard.bert_padding import pad_input, unpad_input
-from orchard.flash_attn import (_options, _read_cache, flash_attn_varlen_func,
-                                flash_attn_with_kvcache)
+from orchard.flash_attn import (_cache_call, _options, _page_slots, _read_cache,
+                                flash_attn_varlen_func)
 from orchard.torch import _MAX_HEAD_DIM, _ROUTABLE_DTYPES, _as_autocast, _attention, _recording
 
 __all__ = ["register", "attention_forward", "attention_mask", "computes_attention_itself",
@@ -893,16 +894,17 @@ def _keys_attention(query, key, value, keys, options):
 
 
 def _requests(query, kwargs):
-    """(block_table, each request's keys, the number of requests) of a decode-only batch on
-    continuous batching's fast path; compiled, it pads the batch with requests of no keys, at
-    its end, which are not counted."""
+    """(block_table, each request's keys (a list), the number of requests) of a decode-only
+    batch on continuous batching's fast path; compiled, it pads the batch with requests of no
+    keys, at its end, which are not counted."""
     table = kwargs["block_table"]
     if query.shape[2] != table.shape[0]:
         raise ValueError("orchard.hf: a 'block_table' of %d requests with %d query tokens: the "
                          "paged decode step takes one token a request" % (table.shape[0],
                                                                           query.shape[2]))
-    lengths = kwargs["cu_seq_lens_k"][:table.shape[0] + 1].diff()
-    return table, lengths, int((lengths > 0).sum())
+    cu = kwargs["cu_seq_lens_k"][:table.shape[0] + 1].tolist()
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    return table, lengths, sum(n > 0 for n in lengths)
 
 
 # Compiled (continuous batching's compile options), Dynamo would recompile inside at every
@@ -913,18 +915,24 @@ def _paged_decode(query, key, value, kwargs, options):
     """A decode-only batch on continuous batching's fast path (block_table, k_cache and v_cache
     in kwargs): query (1, H, B, D), one token of each of B requests, key and value (1, Hkv, B,
     D) theirs, written at each request's end in its pages of k_cache and v_cache (pages, page
-    size, Hkv, D) and every key read there, in place (flash_attn_with_kvcache's call, as
-    transformers makes it for FlashAttention). out (1, B, H, Dv)."""
+    size, Hkv, D) and every key read there, in place: flash_attn_with_kvcache's write and call
+    without its checks, which took half of what a step spent around orchard_ops' call (130-370
+    us; transformers makes these arguments, and orchard_ops checks the pages it reads). out (1,
+    B, H, Dv)."""
     table, lengths, batch = _requests(query, kwargs)
+    caches = kwargs["k_cache"], kwargs["v_cache"]
+    page, table = caches[0].shape[1], table[:batch]
     q, k, v = (t[0, :, :batch].transpose(0, 1)[:, None] for t in (query, key, value))
-    out = flash_attn_with_kvcache(
-        q, kwargs["k_cache"], kwargs["v_cache"], k, v,
-        cache_seqlens=(lengths[:batch] - 1).to(torch.int32),
-        block_table=table[:batch].to(torch.int32), softmax_scale=options["softmax_scale"],
-        causal=options["causal"], window_size=options["window_size"],
-        softcap=options["softcap"])
-    if batch < table.shape[0]:      # the padding requests' outputs: zeros
-        out = torch.cat([out, out.new_zeros(table.shape[0] - batch, *out.shape[1:])])
+    at = _page_slots(table, [n - 1 for n in lengths[:batch]], 1, page)
+    for cache, new in zip(caches, (k, v)):
+        cache[at] = new
+    opts = _options("orchard.hf", q, table.shape[1] * page, 0.0, options["softmax_scale"],
+                    options["causal"], options["window_size"], options["softcap"], None, batch,
+                    None)
+    out, _ = _cache_call(q, *caches, [0] + list(itertools.accumulate(lengths[:batch])), opts,
+                         block_table=table)
+    if batch < len(lengths):      # the padding requests' outputs: zeros
+        out = torch.cat([out, out.new_zeros(len(lengths) - batch, *out.shape[1:])])
     return out.transpose(0, 1)
 
 
@@ -934,7 +942,7 @@ def _unpaged(query, key, value, kwargs):
     end in its pages, then every request's keys gathered in order, (1, Hkv, keys, D), as
     transformers' other path gives them, with cu_seq_lens of as many requests."""
     table, lengths, batch = _requests(query, kwargs)
-    table, lengths = table.long(), lengths.long()
+    table, lengths = table.long(), torch.tensor(lengths)
     caches = kwargs["k_cache"], kwargs["v_cache"]
     page = caches[0].shape[1]
     ends = lengths[:batch] - 1
