@@ -71,6 +71,22 @@ def _quiet(transformers):
             transformers.logging.enable_progress_bar()
 
 
+# Levels of objects and lists a config may have: transformers' nest a few; it copies them
+# recursively (copy.deepcopy), which 500 levels took past Python's recursion limit.
+MAX_NESTING = 64
+
+
+def _nesting(value):
+    """How many levels of objects and lists value has, counted a level at a time (not
+    recursively: what it guards against is nesting too deep to recurse into)."""
+    levels, level = 0, [value]
+    while level:
+        level = [x for x in level if isinstance(x, (dict, list))]
+        levels += bool(level)
+        level = [item for x in level for item in (x.values() if isinstance(x, dict) else x)]
+    return levels
+
+
 def _config_from_dict(values, path):
     transformers = _transformers(path)
     # `import orchard.hf` registers attn_implementation="orchard" (idempotent).
@@ -78,6 +94,9 @@ def _config_from_dict(values, path):
     if not isinstance(values, dict) or not isinstance(values.get("model_type"), str):
         raise HFModelError("%s: not a transformers config: expected a JSON object with a "
                            "'model_type'" % path)
+    if _nesting(values) > MAX_NESTING:
+        raise HFModelError("%s: not a transformers config: nested more than %d levels deep"
+                           % (path, MAX_NESTING))
     values = dict(values)
     model_type = values.pop("model_type")
     if model_type not in transformers.CONFIG_MAPPING:

@@ -256,17 +256,19 @@ def output_file(text):
     folder = os.path.dirname(os.path.abspath(text))
     if not text or text.endswith(os.sep) or os.path.isdir(text) or not os.path.isdir(folder):
         raise argparse.ArgumentTypeError("must be a file in an existing folder (got %r)" % text)
-    problem = folder_problem(folder)
+    problem = folder_problem(folder, os.path.basename(text))
     if problem:
         raise argparse.ArgumentTypeError("must be a file in a folder this user can write to "
                                          "(got %r: %s)" % (text, problem))
     return text
 
 
-def folder_problem(folder):
-    """Why folder (made when missing) cannot take new files, or None. Found by making and
-    removing a temporary file in its nearest existing ancestor: permission bits alone do not
-    say it for root or a read-only file system."""
+def folder_problem(folder, name=None):
+    """Why folder (made when missing) cannot take new files, or the file `name` there, or None.
+    Found by making and removing a temporary file in its nearest existing ancestor: permission
+    bits alone do not say it for root or a read-only file system; and by measuring the names
+    still to be made against that file system's limits, which would refuse them only when the
+    work is done."""
     existing = os.path.abspath(folder)
     while not os.path.lexists(existing):
         existing = os.path.dirname(existing)
@@ -277,9 +279,19 @@ def folder_problem(folder):
         return "%s is a file" % existing
     try:
         with tempfile.TemporaryFile(dir=existing):
-            return None
+            pass
     except OSError as exc:
         return "%s takes no new files (%s)" % (existing, exc.strerror or exc)
+    path = os.path.abspath(folder if name is None else os.path.join(folder, name))
+    longest = max(os.path.relpath(path, existing).split(os.sep), key=lambda n: len(os.fsencode(n)))
+    for what, size, limit in (("a name", len(os.fsencode(longest)), "PC_NAME_MAX"),
+                              ("the path", len(os.fsencode(path)) + 1, "PC_PATH_MAX")):
+        most = os.pathconf(existing, limit)
+        if size > most:
+            return "%s of %d bytes, where %s takes at most %d" % (
+                what if what == "the path" else "%s (%r)" % (what, longest[:40] + "..."),
+                size, existing, most)
+    return None
 
 
 def integer_list(minimum, maximum):

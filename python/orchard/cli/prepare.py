@@ -58,7 +58,8 @@ def main(argv=None):
     if os.path.exists(args.output) and not args.overwrite:
         raise UsageError("argument --output: the file exists; pass --overwrite to replace it "
                          "(%r)" % args.output)
-    problem = folder_problem(os.path.dirname(os.path.abspath(args.output)))
+    problem = folder_problem(os.path.dirname(os.path.abspath(args.output)),
+                             os.path.basename(args.output))
     if problem:
         raise UsageError("argument --output: cannot be made or written, %s (got %r)"
                          % (problem, args.output))
