@@ -57,6 +57,7 @@ def files(tmp_path_factory):
         "type.yaml": "model:\n  n_layer: two\n",
         "syntax.yaml": "model: [1, 2\n",
         "huge_model.yaml": "model:\n  n_embd: 100000\n",
+        "val_fraction.yaml": "training:\n  val_fraction: 0.99\n",
         "empty.json": "",
         "no_keys.json": "{}",
         "binary.yaml": b"\x89PNG\r\n\x1a\n\x00\xff",
@@ -220,6 +221,10 @@ def expected_cases(f):
         ("train", tiny[:2] + ["--sequences", f["short.json"], "--device", "cpu", "--output",
                               str(f["dir"] / "out_short")], {},
          [f["short.json"], "fewer than one batch"]),
+        # what held the rest out is named
+        ("train", ["--config", f["val_fraction.yaml"], "--sequences", f["sequences"], "--device",
+                   "cpu", "--output", str(f["dir"] / "out_val")], {},
+         ["fewer than one batch", "training.val_fraction 0.99 held out"]),
         ("train", tiny[:2] + ["--sequences", f["bools.json"], "--device", "cpu"], {},
          ["argument --sequences:", f["bools.json"], "item 2 is True"]),
         ("train", tiny[:2] + ["--sequences", f["huge_id.json"], "--device", "cpu"], {},

@@ -80,9 +80,12 @@ class Trainer:
         self.micro_batch = min(train["micro_batch"], self.rank_batch)
         self.steps_per_epoch = len(chunks) // train["batch_size"]
         if self.steps_per_epoch < 1:
+            held = ("" if self.val_chunks is None else
+                    "; training.val_fraction %g held out %d more for validation"
+                    % (train["val_fraction"], len(self.val_chunks)))
             raise DataError("%d sequence(s) of context %d are fewer than one batch of %d "
-                            "(training.batch_size)"
-                            % (len(chunks), cfg["model"]["context"], train["batch_size"]))
+                            "(training.batch_size)%s"
+                            % (len(chunks), cfg["model"]["context"], train["batch_size"], held))
 
         torch.manual_seed(seed)
         # hf_config: a transformers model (orchard.hf_causal_lm), whose attention reaches
