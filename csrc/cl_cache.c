@@ -13,7 +13,12 @@
  * holding "BQ BK". Anything that does not check out (truncated, corrupt, foreign, not a
  * regular file) is ignored and rebuilt;
  * files are written to a temporary name, synced and renamed, so readers never see half a file.
+ * The cache keeps at most CACHE_BYTES of entries: each store past it removes the least
+ * recently used (a load marks an entry used: its mtime) down to three quarters of it, so that
+ * the binaries of kernels that changed (each orchard version's, each build option's) do not
+ * pile up; entries under KEEP_BYTES (tuned block sizes: a few bytes) are kept.
  */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdint.h>
@@ -71,7 +76,8 @@ int or_cache_dir(char *out, size_t size)
 
 #ifdef ORCHARD_HAVE_OPENCL
 static const char MAGIC[16] = "ORCHARD-CL-BIN-2";
-enum { KEY_LEN = 32 };
+enum { KEY_LEN = 32, KEEP_BYTES = 4096 };
+static const uint64_t CACHE_BYTES = (uint64_t)256 << 20;
 
 static uint64_t fnv1a(uint64_t h, const void *data, size_t n)
 {
@@ -127,9 +133,74 @@ unsigned char *or_cache_load(const char *key, size_t *size)
             bin = NULL;
         }
     }
+    if (bin != NULL)
+        futimens(fileno(f), NULL);      /* used now (prune's order); read-only: never mind */
     fclose(f);
     *size = bin ? (size_t)n : 0;
     return bin;
+}
+
+typedef struct {
+    struct timespec used;
+    off_t size;
+    char name[KEY_LEN + 7];     /* key ".clbin" */
+} cache_entry;
+
+static int is_entry_name(const char *name)
+{
+    for (int i = 0; i < KEY_LEN; i++)
+        if (!((name[i] >= '0' && name[i] <= '9') || (name[i] >= 'a' && name[i] <= 'f')))
+            return 0;
+    return strcmp(name + KEY_LEN, ".clbin") == 0;
+}
+
+static int less_recently_used(const void *pa, const void *pb)
+{
+    const struct timespec *a = &((const cache_entry *)pa)->used,
+                          *b = &((const cache_entry *)pb)->used;
+    if (a->tv_sec != b->tv_sec)
+        return a->tv_sec < b->tv_sec ? -1 : 1;
+    return (a->tv_nsec > b->tv_nsec) - (a->tv_nsec < b->tv_nsec);
+}
+
+/* Removes the least recently used entries of dir while they come to more than CACHE_BYTES
+ * (see the top of this file). Best effort: an entry another process removed, or one this
+ * user cannot remove, is passed over. */
+static void prune(const char *dir)
+{
+    DIR *d = opendir(dir);
+    if (d == NULL)
+        return;
+    cache_entry *list = NULL;
+    size_t n = 0, room = 0;
+    uint64_t total = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        struct stat st;
+        if (!is_entry_name(e->d_name)
+            || fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0
+            || !S_ISREG(st.st_mode) || st.st_size < KEEP_BYTES)
+            continue;
+        if (n == room) {
+            cache_entry *grown = realloc(list, (room = room ? 2 * room : 256) * sizeof(*list));
+            if (grown == NULL)
+                break;
+            list = grown;
+        }
+        list[n].used = st.st_mtim;
+        list[n].size = st.st_size;
+        memcpy(list[n].name, e->d_name, sizeof(list[n].name));
+        total += (uint64_t)st.st_size;
+        n++;
+    }
+    if (total > CACHE_BYTES) {
+        qsort(list, n, sizeof(*list), less_recently_used);
+        for (size_t i = 0; i < n && total > CACHE_BYTES / 4 * 3; i++)
+            if (unlinkat(dirfd(d), list[i].name, 0) == 0)
+                total -= (uint64_t)list[i].size;
+    }
+    free(list);
+    closedir(d);
 }
 
 /* 1 when stored; failing to write the cache is not an error, it is an optimisation. */
@@ -157,6 +228,7 @@ int or_cache_store(const char *key, const unsigned char *binary, size_t size)
         unlink(tmp);
         return 0;
     }
+    prune(dir);
     return 1;
 }
 #endif

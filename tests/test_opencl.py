@@ -182,6 +182,37 @@ def test_program_cache_refuses_another_programs_entry_and_a_fifo(tmp_path):
 
 
 @needs_opencl
+def test_program_cache_removes_the_least_recently_used_past_its_bound(tmp_path):
+    """Past 256 MiB of entries a store removes the least recently used (a load marks an entry
+    used) down to 192 MiB; tuned block sizes (entries of a few bytes) and files that are no
+    entries stay. Sparse files of 100 MiB stand in for old programs."""
+    dev = OPENCL_IDS[0]
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    old = ["%032x.clbin" % i for i in range(4)]
+    for age, name in enumerate(old):
+        with open(cache / name, "wb") as f:
+            f.truncate(100 << 20)
+        os.utime(cache / name, (1000 + age, 1000 + age))   # old[0] the least recently used
+    (cache / ("%032x.clbin" % 99)).write_bytes(b"48 96")      # a tuned record's size
+    with open(cache / "notes.txt", "wb") as f:
+        f.truncate(300 << 20)
+    for name in ("notes.txt", "%032x.clbin" % 99):
+        os.utime(cache / name, (0, 0))
+    first = child(CACHE_RUN % (dev, dev), ORCHARD_CACHE_DIR=cache, ORCHARD_NO_CACHE=None)
+    assert first["builds"] == 1
+    left = sorted(f.name for f in cache.iterdir())
+    # 400 MiB and the new entry: the three oldest go, which leaves 100 MiB and the new one
+    assert [n for n in old if n in left] == old[3:]
+    assert "notes.txt" in left and "%032x.clbin" % 99 in left and len(left) == 4
+    [new] = [n for n in left if n not in old and n != "notes.txt" and not n.startswith("0" * 30)]
+    before = os.stat(cache / new).st_mtime
+    os.utime(cache / new, (before - 100, before - 100))
+    again = child(CACHE_RUN % (dev, dev), ORCHARD_CACHE_DIR=cache, ORCHARD_NO_CACHE=None)
+    assert again["hits"] == 1 and os.stat(cache / new).st_mtime > before - 50    # used now
+
+
+@needs_opencl
 def test_no_cache_env(tmp_path):
     dev = OPENCL_IDS[0]
     for _ in range(2):
