@@ -349,8 +349,8 @@ or_ssize *or_varlen_offsets(PyArrayObject *a, const int64_t *cu, or_ssize nseq, 
     return offs;
 }
 
-/* What an index or slope argument `obj` read as (`a`), for messages: "a float64 array of
- * shape (2, 2)", or obj's repr where NumPy made it an object array (not an array at all). */
+/* What an index or slope argument `obj` read as (`a`), for messages: "an array of dtype
+ * float64 and shape (2, 2)", or obj's repr where NumPy made it an object array (not an array at all). */
 PyObject *or_values_str(PyArrayObject *a, PyObject *obj)
 {
     if (PyArray_TYPE(a) == NPY_OBJECT)
@@ -358,8 +358,8 @@ PyObject *or_values_str(PyArrayObject *a, PyObject *obj)
     PyObject *shape = or_shape_str(a);
     if (shape == NULL)
         return NULL;
-    PyObject *s = PyUnicode_FromFormat("a %S array of shape %U", (PyObject *)PyArray_DESCR(a),
-                                       shape);
+    PyObject *s = PyUnicode_FromFormat("an array of dtype %S and shape %U",
+                                       (PyObject *)PyArray_DESCR(a), shape);
     Py_DECREF(shape);
     return s;
 }

@@ -261,16 +261,17 @@ def test_index_and_slope_messages_say_what_was_given(ops):
     pages = np.ones((4, 8, 1, 16), np.float32)
     cases = [
         (ValueError, r"'seqused_k' must be a 1-D integer array of 1 key counts \(one per "
-                     r"sequence\), got a float64 array of shape \(1,\)",
+                     r"sequence\), got an array of dtype float64 and shape \(1,\)",
          lambda: ops.flash_attn_fwd(q, q, q, seqused_k=np.array([3.0]))),
-        (ValueError, r"'block_table' must be an integer array .*, got a float64 array of shape "
-                     r"\(2, 2\)",
+        (ValueError, r"'block_table' must be an integer array .*, got an array of dtype "
+                     r"float64 and shape \(2, 2\)",
          lambda: ops.flash_attn_varlen_fwd(qp, pages, pages, cq, ck, block_table=np.zeros((2, 2)),
                                            device="cpu")),
-        (ValueError, r"'cu_seqlens_q' must be a 1-D integer array of B \+ 1 offsets, got a "
-                     r"float32 array of shape \(3,\)",
+        (ValueError, r"'cu_seqlens_q' must be a 1-D integer array of B \+ 1 offsets, got an "
+                     r"array of dtype float32 and shape \(3,\)",
          lambda: ops.flash_attn_varlen_fwd(qp, qp, qp, cq.astype(np.float32), cq)),
-        (TypeError, r"'alibi_slopes' must be an array of integers or floats, got a bool array",
+        (TypeError, r"'alibi_slopes' must be an array of integers or floats, got an array of dtype "
+                    r"bool",
          lambda: ops.flash_attn_fwd(q, q, q, alibi_slopes=torch.ones(2, dtype=torch.bool))),
         (TypeError, r"'alibi_slopes' must be an array of integers or floats \(a bfloat16 tensor: "
                     r"convert it first\)",
