@@ -301,6 +301,15 @@ PyArrayObject *or_from_dlpack(or_module_state *st, PyObject *obj, const char *fu
                      "whose data pointer is NULL, as a torch FakeTensor's is)", func, name);
         goto done;
     }
+    /* an offset past the address space (the kernels read wherever it wrapped to); one within
+     * it that is not the tensor's memory cannot be told apart */
+    if (t->byte_offset > (uint64_t)NPY_MAX_INTP
+        || (uintptr_t)t->data + t->byte_offset < (uintptr_t)t->data) {
+        PyErr_Format(PyExc_ValueError, "%s(): argument '%s' has DLPack byte_offset %llu, past "
+                     "the end of the address space", func, name,
+                     (unsigned long long)t->byte_offset);
+        goto done;
+    }
     /* from here the capsule's tensor is ours: the protocol marks it used, and our capsule
      * (the array's base) calls its deleter */
     if (PyCapsule_SetName(capsule, versioned ? "used_dltensor_versioned" : "used_dltensor") < 0)

@@ -247,6 +247,22 @@ def test_dlpack_vector_lanes_are_named(ops):
         ops.flash_attn_fwd(q, producer, q)
 
 
+def test_dlpack_offset_past_the_address_space_is_refused(ops):
+    """A byte_offset that wraps the data pointer around (a producer's error) is refused,
+    naming the argument; the kernels read wherever it pointed (a segmentation fault)."""
+    q = np.ones((1, 2, 4, 8), np.float32)
+    shape = (ctypes.c_int64 * 4)(1, 2, 4, 8)
+    deleter = DELETER(lambda _: None)
+    for offset in (2**63, 2**64 - 64):
+        tensor = DLManagedTensorVersioned(major=1, minor=0, deleter=deleter, tensor=DLTensor(
+            data=q.ctypes.data, device_type=1, ndim=4, code=2, bits=32, lanes=1, shape=shape,
+            byte_offset=offset))
+        producer, _ = capsule_producer(tensor)
+        with pytest.raises(ValueError, match="argument 'k' has DLPack byte_offset %d, past the "
+                                             "end of the address space" % offset):
+            ops.flash_attn_fwd(q, producer, q)
+
+
 def test_strided_tensor_views_in_place(ops):
     """A (B, N, H, D) tensor seen as (B, H, N, D) is read through its strides, no copy, and
     the results are laid out as their operands (as torch's empty_like): seen back as
