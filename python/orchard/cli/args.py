@@ -284,13 +284,15 @@ def folder_problem(folder, name=None):
         return "%s takes no new files (%s)" % (existing, exc.strerror or exc)
     path = os.path.abspath(folder if name is None else os.path.join(folder, name))
     longest = max(os.path.relpath(path, existing).split(os.sep), key=lambda n: len(os.fsencode(n)))
-    for what, size, limit in (("a name", len(os.fsencode(longest)), "PC_NAME_MAX"),
+    for what, size, limit in (("a name (%r)" % (longest[:40] + "..."), len(os.fsencode(longest)),
+                               "PC_NAME_MAX"),
                               ("the path", len(os.fsencode(path)) + 1, "PC_PATH_MAX")):
-        most = os.pathconf(existing, limit)
-        if size > most:
-            return "%s of %d bytes, where %s takes at most %d" % (
-                what if what == "the path" else "%s (%r)" % (what, longest[:40] + "..."),
-                size, existing, most)
+        try:
+            most = os.pathconf(existing, limit)
+        except OSError:     # (a file system that does not say)
+            continue
+        if 0 < most < size:
+            return "%s of %d bytes, where %s takes at most %d" % (what, size, existing, most)
     return None
 
 
