@@ -16,7 +16,8 @@
  * The cache keeps at most CACHE_BYTES of entries: each store past it removes the least
  * recently used (a load marks an entry used: its mtime) down to three quarters of it, so that
  * the binaries of kernels that changed (each orchard version's, each build option's) do not
- * pile up; entries under KEEP_BYTES (tuned block sizes: a few bytes) are kept.
+ * pile up; entries under KEEP_BYTES (tuned block sizes: a few bytes) are kept, and so is the
+ * one just stored. A temporary file a killed store left goes after STALE_SECONDS.
  */
 #include <dirent.h>
 #include <errno.h>
@@ -26,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "cl_runtime.h"
@@ -76,7 +78,7 @@ int or_cache_dir(char *out, size_t size)
 
 #ifdef ORCHARD_HAVE_OPENCL
 static const char MAGIC[16] = "ORCHARD-CL-BIN-2";
-enum { KEY_LEN = 32, KEEP_BYTES = 4096 };
+enum { KEY_LEN = 32, KEEP_BYTES = 4096, STALE_SECONDS = 3600 };
 static const uint64_t CACHE_BYTES = (uint64_t)256 << 20;
 
 static uint64_t fnv1a(uint64_t h, const void *data, size_t n)
@@ -146,12 +148,19 @@ typedef struct {
     char name[KEY_LEN + 7];     /* key ".clbin" */
 } cache_entry;
 
-static int is_entry_name(const char *name)
+/* 1 for an entry's name (key ".clbin"), 2 for a store's temporary file (key ".clbin.XXXXXX"),
+ * else 0. */
+static int entry_name(const char *name)
 {
     for (int i = 0; i < KEY_LEN; i++)
         if (!((name[i] >= '0' && name[i] <= '9') || (name[i] >= 'a' && name[i] <= 'f')))
             return 0;
-    return strcmp(name + KEY_LEN, ".clbin") == 0;
+    if (strncmp(name + KEY_LEN, ".clbin", 6) != 0)
+        return 0;
+    const char *rest = name + KEY_LEN + 6;
+    if (*rest == '\0')
+        return 1;
+    return rest[0] == '.' && strlen(rest) == 7 ? 2 : 0;     /* mkstemp's ".XXXXXX" */
 }
 
 static int less_recently_used(const void *pa, const void *pb)
@@ -163,10 +172,11 @@ static int less_recently_used(const void *pa, const void *pb)
     return (a->tv_nsec > b->tv_nsec) - (a->tv_nsec < b->tv_nsec);
 }
 
-/* Removes the least recently used entries of dir while they come to more than CACHE_BYTES
- * (see the top of this file). Best effort: an entry another process removed, or one this
- * user cannot remove, is passed over. */
-static void prune(const char *dir)
+/* Removes the least recently used entries of dir but `kept` (a name) while they come to more
+ * than CACHE_BYTES, and stale temporary files (see the top of this file). Best effort: an
+ * entry another process removed counts as removed, one this user cannot remove is passed
+ * over. */
+static void prune(const char *dir, const char *kept)
 {
     DIR *d = opendir(dir);
     if (d == NULL)
@@ -174,12 +184,21 @@ static void prune(const char *dir)
     cache_entry *list = NULL;
     size_t n = 0, room = 0;
     uint64_t total = 0;
+    const time_t now = time(NULL);
     struct dirent *e;
     while ((e = readdir(d)) != NULL) {
         struct stat st;
-        if (!is_entry_name(e->d_name)
+        const int kind = entry_name(e->d_name);
+        if (kind == 0 || strcmp(e->d_name, kept) == 0
             || fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0
-            || !S_ISREG(st.st_mode) || st.st_size < KEEP_BYTES)
+            || !S_ISREG(st.st_mode))
+            continue;
+        if (kind == 2) {
+            if (now - st.st_mtime > STALE_SECONDS)
+                unlinkat(dirfd(d), e->d_name, 0);
+            continue;
+        }
+        if (st.st_size < KEEP_BYTES)
             continue;
         if (n == room) {
             cache_entry *grown = realloc(list, (room = room ? 2 * room : 256) * sizeof(*list));
@@ -196,7 +215,7 @@ static void prune(const char *dir)
     if (total > CACHE_BYTES) {
         qsort(list, n, sizeof(*list), less_recently_used);
         for (size_t i = 0; i < n && total > CACHE_BYTES / 4 * 3; i++)
-            if (unlinkat(dirfd(d), list[i].name, 0) == 0)
+            if (unlinkat(dirfd(d), list[i].name, 0) == 0 || errno == ENOENT)
                 total -= (uint64_t)list[i].size;
     }
     free(list);
@@ -228,7 +247,7 @@ int or_cache_store(const char *key, const unsigned char *binary, size_t size)
         unlink(tmp);
         return 0;
     }
-    prune(dir);
+    prune(dir, path + strlen(dir) + 1);
     return 1;
 }
 #endif

@@ -350,7 +350,8 @@ or_ssize *or_varlen_offsets(PyArrayObject *a, const int64_t *cu, or_ssize nseq, 
 }
 
 /* What an index or slope argument `obj` read as (`a`), for messages: "an array of dtype
- * float64 and shape (2, 2)", or obj's repr where NumPy made it an object array (not an array at all). */
+ * float64 and shape (2, 2)", or obj's repr where NumPy made it an object array (not an array
+ * at all). */
 PyObject *or_values_str(PyArrayObject *a, PyObject *obj)
 {
     if (PyArray_TYPE(a) == NPY_OBJECT)

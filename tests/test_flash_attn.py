@@ -1081,6 +1081,12 @@ def test_kvcache_empty_batch_and_no_queries():
     out = flash_attn_with_kvcache(torch.randn(1, 0, 2, 8), k_cache, v_cache,
                                   torch.ones(1, 1, 2, 8), torch.ones(1, 1, 2, 8), cache_seqlens=3)
     assert out.shape == (1, 0, 2, 8) and k_cache[0, 3].eq(1).all() and v_cache[0, 3].eq(1).all()
+    # the same in pages (a call over no queries once failed there, after the write)
+    pages, table = torch.zeros(4, 2, 2, 8), torch.tensor([[2, 0, 3]], dtype=torch.int32)
+    out = flash_attn_with_kvcache(torch.randn(1, 0, 2, 8), pages, pages.clone(),
+                                  torch.ones(1, 1, 2, 8), torch.ones(1, 1, 2, 8), cache_seqlens=3,
+                                  block_table=table)
+    assert out.shape == (1, 0, 2, 8) and pages[0, 1].eq(1).all() and pages.sum() == 16
     # a cache of no rows, contiguous or seen through a transpose: no keys, zeros
     for empty in (torch.randn(3, 0, 2, 8), torch.randn(3, 2, 0, 8).transpose(1, 2)):
         out = flash_attn_with_kvcache(torch.randn(3, 1, 2, 8), empty, empty, cache_seqlens=0)

@@ -232,3 +232,32 @@ def test_the_benchmark_runs_at_tiny_size():
     assert "tokens/s" in result.stdout and "the same tokens from every run: yes" in result.stdout
     result = run_python(["benchmarks/hf_generate_batch.py", "--new", "0"])
     assert result.returncode == 2 and "argument --new: must be at least 1, got 0" in result.stderr
+
+
+def test_the_fast_path_refuses_a_negative_page_before_writing():
+    """The decode fast path writes the new keys without flash_attn_with_kvcache's checks: a
+    page of -1 where a request's new key goes (transformers' tables hold -1 where no page is)
+    would wrap to the cache's last page, another request's, so it is refused first; one a
+    request does not reach is not read. Its step equals flash_attn_with_kvcache's."""
+    g = torch.Generator().manual_seed(0)
+    k_cache, v_cache = (torch.randn(6, 4, 1, 8, generator=g) for _ in range(2))
+    query = torch.randn(1, 2, 2, 8, generator=g)        # (1, heads, requests, D)
+    key, value = (torch.randn(1, 1, 2, 8, generator=g) for _ in range(2))
+    options = dict(softmax_scale=0.3, causal=True, window_size=(-1, -1), softcap=0.0)
+    table = torch.tensor([[3, 0, -1], [5, 1, -1]], dtype=torch.int32)
+    kwargs = dict(block_table=table, k_cache=k_cache, v_cache=v_cache,
+                  cu_seq_lens_k=torch.tensor([0, 6, 14], dtype=torch.int32))
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    from orchard.flash_attn import flash_attn_with_kvcache
+    want = flash_attn_with_kvcache(
+        query[0].transpose(0, 1)[:, None], want_k, want_v, key[0].transpose(0, 1)[:, None],
+        value[0].transpose(0, 1)[:, None], cache_seqlens=torch.tensor([5, 7], dtype=torch.int32),
+        block_table=table, softmax_scale=0.3, causal=True)
+    out = hf._paged_decode(query, key, value, kwargs, options)     # (1, requests, heads, D)
+    assert torch.equal(out[0], want[:, 0])
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    table[1, 1] = -1        # request 1's new key (position 7) goes in its second page
+    kept = k_cache.clone()
+    with pytest.raises(ValueError, match="block_table.* row 1 lists page -1"):
+        hf._paged_decode(query, key, value, kwargs, options)
+    assert torch.equal(k_cache, kept)

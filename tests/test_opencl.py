@@ -184,8 +184,9 @@ def test_program_cache_refuses_another_programs_entry_and_a_fifo(tmp_path):
 @needs_opencl
 def test_program_cache_removes_the_least_recently_used_past_its_bound(tmp_path):
     """Past 256 MiB of entries a store removes the least recently used (a load marks an entry
-    used) down to 192 MiB; tuned block sizes (entries of a few bytes) and files that are no
-    entries stay. Sparse files of 100 MiB stand in for old programs."""
+    used) down to 192 MiB, and temporary files an hour old; tuned block sizes (entries of a few
+    bytes) and files that are no entries stay. Sparse files of 100 MiB stand in for old
+    programs."""
     dev = OPENCL_IDS[0]
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o700)
@@ -197,15 +198,21 @@ def test_program_cache_removes_the_least_recently_used_past_its_bound(tmp_path):
     (cache / ("%032x.clbin" % 99)).write_bytes(b"48 96")      # a tuned record's size
     with open(cache / "notes.txt", "wb") as f:
         f.truncate(300 << 20)
-    for name in ("notes.txt", "%032x.clbin" % 99):
-        os.utime(cache / name, (0, 0))
+    # temporary files of stores: one a killed process left two hours ago, one under way
+    stale, fresh = "%032x.clbin.Ab3dE9" % 7, "%032x.clbin.xY7zQ1" % 8
+    for name in (stale, fresh):
+        (cache / name).write_bytes(b"part of a binary")
+    for name in ("notes.txt", "%032x.clbin" % 99, stale):
+        os.utime(cache / name, (time.time() - 7200,) * 2)
     first = child(CACHE_RUN % (dev, dev), ORCHARD_CACHE_DIR=cache, ORCHARD_NO_CACHE=None)
     assert first["builds"] == 1
     left = sorted(f.name for f in cache.iterdir())
     # 400 MiB and the new entry: the three oldest go, which leaves 100 MiB and the new one
     assert [n for n in old if n in left] == old[3:]
-    assert "notes.txt" in left and "%032x.clbin" % 99 in left and len(left) == 4
-    [new] = [n for n in left if n not in old and n != "notes.txt" and not n.startswith("0" * 30)]
+    assert stale not in left and fresh in left
+    assert "notes.txt" in left and "%032x.clbin" % 99 in left and len(left) == 5
+    [new] = [n for n in left if n not in old and n not in ("notes.txt", fresh)
+             and not n.startswith("0" * 30)]
     before = os.stat(cache / new).st_mtime
     os.utime(cache / new, (before - 100, before - 100))
     again = child(CACHE_RUN % (dev, dev), ORCHARD_CACHE_DIR=cache, ORCHARD_NO_CACHE=None)

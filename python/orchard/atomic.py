@@ -24,6 +24,12 @@ def _temporary(name, part):
     return ".%s.%s.tmp" % (name, part)
 
 
+def temporary_name(name):
+    """The name of the temporary file a write to `name` makes first (the longest it gives a
+    file in that folder)."""
+    return _temporary(name, "0" * 16)   # (as secrets.token_hex(8) below)
+
+
 def leftovers(path):
     """The temporary files of writes to `path` that never finished (a killed process's): only
     for a caller that knows no write to it is under way."""

@@ -575,12 +575,20 @@ def _check_lengths(fn, seqlens, n, capacity):
               "cache's length" % (seqlens, n, capacity))
 
 
-def _page_slots(block_table, seqlens, n, page):
+# (compiled, eagerly: its numbers are the lengths, which Dynamo would guard on and recompile)
+@torch.compiler.disable
+def _page_slots(fn, block_table, seqlens, n, page):
     """(pages, rows): index tensors (batch, n) of the cache's rows that hold key positions
     seqlens[b] to seqlens[b] + n - 1 of sequence b, whose pages block_table (batch, pages)
-    lists. In NumPy: a torch operation on these few numbers costs 2-4 us, NumPy's about 1."""
+    lists; ValueError naming block_table where one of those is negative (indexing would wrap
+    it around to another sequence's page). In NumPy: a torch operation on these few numbers
+    costs 2-4 us, NumPy's about 1."""
     at = np.asarray(seqlens, dtype=np.int64)[:, None] + np.arange(n)
     pages = block_table.numpy()[np.arange(len(seqlens))[:, None], at // page]
+    if pages.size and pages.min() < 0:
+        b = int((pages < 0).any(1).nonzero()[0][0])
+        _fail(fn, "block_table", "row %d lists page %d for its new keys"
+              % (b, pages[b][pages[b] < 0][0]))
     return torch.from_numpy(pages).long(), torch.from_numpy(at % page)
 
 
@@ -591,7 +599,7 @@ def _cache_call(q, kc, vc, starts, opts, **extra):
     options saying which of them it uses (leftpad_k, block_table). The arguments are checked:
     the caller's work."""
     batch, nq = q.shape[:2]
-    cu_q = torch.arange(0, (batch + 1) * nq, nq, dtype=torch.int32)
+    cu_q = torch.arange(batch + 1, dtype=torch.int32) * nq
     out, lse = _forward(q.flatten(0, 1), kc, vc, opts._replace(
         cu_seqlens_q=cu_q, cu_seqlens_k=torch.as_tensor(starts, dtype=torch.int64), **extra))
     return out.unflatten(0, (batch, nq)), lse.unflatten(1, (batch, nq)).transpose(0, 1)
@@ -783,7 +791,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if one_offset:
             at = slice(0, batch), slice(seqlens[0], seqlens[0] + n)
         else:
-            at = (_page_slots(block_table, seqlens, n, page) if paged
+            at = (_page_slots(fn, block_table, seqlens, n, page) if paged
                   else ((torch.arange(batch) if rows is None else rows)[:, None], pos))
         k_cache[at] = k
         v_cache[at] = v

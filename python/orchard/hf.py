@@ -917,13 +917,18 @@ def _paged_decode(query, key, value, kwargs, options):
     D) theirs, written at each request's end in its pages of k_cache and v_cache (pages, page
     size, Hkv, D) and every key read there, in place: flash_attn_with_kvcache's write and call
     without its checks, which took half of what a step spent around orchard_ops' call (130-370
-    us; transformers makes these arguments, and orchard_ops checks the pages it reads). out (1,
-    B, H, Dv)."""
+    us; transformers makes these arguments, _page_slots refuses a negative page where the new
+    keys go, torch's indexing one past the cache, orchard_ops checks the pages it reads). out
+    (1, B, H, Dv)."""
     table, lengths, batch = _requests(query, kwargs)
     caches = kwargs["k_cache"], kwargs["v_cache"]
-    page, table = caches[0].shape[1], table[:batch]
+    if caches[0].dtype != query.dtype:      # (autocast's, say)
+        raise TypeError("orchard.hf: the paged cache holds %s, the layer's queries are %s"
+                        % (caches[0].dtype, query.dtype))
+    page, rows = caches[0].shape[1], table.shape[0]
+    table = table[:batch]
     q, k, v = (t[0, :, :batch].transpose(0, 1)[:, None] for t in (query, key, value))
-    at = _page_slots(table, [n - 1 for n in lengths[:batch]], 1, page)
+    at = _page_slots("orchard.hf", table, [n - 1 for n in lengths[:batch]], 1, page)
     for cache, new in zip(caches, (k, v)):
         cache[at] = new
     opts = _options("orchard.hf", q, table.shape[1] * page, 0.0, options["softmax_scale"],
@@ -931,8 +936,8 @@ def _paged_decode(query, key, value, kwargs, options):
                     None)
     out, _ = _cache_call(q, *caches, [0] + list(itertools.accumulate(lengths[:batch])), opts,
                          block_table=table)
-    if batch < len(lengths):      # the padding requests' outputs: zeros
-        out = torch.cat([out, out.new_zeros(len(lengths) - batch, *out.shape[1:])])
+    if batch < rows:      # the padding requests' outputs: zeros
+        out = torch.cat([out, out.new_zeros(rows - batch, *out.shape[1:])])
     return out.transpose(0, 1)
 
 
@@ -942,7 +947,7 @@ def _unpaged(query, key, value, kwargs):
     end in its pages, then every request's keys gathered in order, (1, Hkv, keys, D), as
     transformers' other path gives them, with cu_seq_lens of as many requests."""
     table, lengths, batch = _requests(query, kwargs)
-    table, lengths = table.long(), torch.tensor(lengths)
+    table, lengths = table.long(), torch.tensor(lengths, dtype=torch.long)
     caches = kwargs["k_cache"], kwargs["v_cache"]
     page = caches[0].shape[1]
     ends = lengths[:batch] - 1

@@ -21,7 +21,7 @@ import tempfile
 import threading
 import traceback
 
-from ..atomic import WriteErrors, is_stdout
+from ..atomic import WriteErrors, is_stdout, temporary_name
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -267,7 +267,8 @@ def folder_problem(folder, name=None):
     """Why folder (made when missing) cannot take new files, or the file `name` there, or None.
     Found by making and removing a temporary file in its nearest existing ancestor: permission
     bits alone do not say it for root or a read-only file system; and by measuring the names
-    still to be made against that file system's limits, which would refuse them only when the
+    still to be made, with the temporary file each write makes first (a run's folder: its
+    checkpoint's), against that file system's limits, which would refuse them only when the
     work is done."""
     existing = os.path.abspath(folder)
     while not os.path.lexists(existing):
@@ -282,11 +283,17 @@ def folder_problem(folder, name=None):
             pass
     except OSError as exc:
         return "%s takes no new files (%s)" % (existing, exc.strerror or exc)
-    path = os.path.abspath(folder if name is None else os.path.join(folder, name))
-    longest = max(os.path.relpath(path, existing).split(os.sep), key=lambda n: len(os.fsencode(n)))
-    for what, size, limit in (("a name (%r)" % (longest[:40] + "..."), len(os.fsencode(longest)),
-                               "PC_NAME_MAX"),
-                              ("the path", len(os.fsencode(path)) + 1, "PC_PATH_MAX")):
+    written = temporary_name(name or "checkpoint.pt")
+    made = [part for part in os.path.relpath(os.path.abspath(folder), existing).split(os.sep)
+            if part != "."]
+    checks = [("a name (%r)" % (part[:40] + "..."), len(os.fsencode(part)), "PC_NAME_MAX")
+              for part in made]
+    if name:
+        checks.append(("a name (%r) with its temporary file's" % (name[:40] + "..."),
+                       len(os.fsencode(written)), "PC_NAME_MAX"))
+    checks.append(("the path", len(os.fsencode(os.path.join(os.path.abspath(folder), written)))
+                   + 1, "PC_PATH_MAX"))
+    for what, size, limit in checks:
         try:
             most = os.pathconf(existing, limit)
         except OSError:     # (a file system that does not say)
