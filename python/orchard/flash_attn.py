@@ -575,23 +575,6 @@ def _check_lengths(fn, seqlens, n, capacity):
               "cache's length" % (seqlens, n, capacity))
 
 
-# (compiled, eagerly: its numbers are the lengths, which Dynamo would guard on and recompile)
-@torch.compiler.disable
-def _page_slots(fn, block_table, seqlens, n, page):
-    """(pages, rows): index tensors (batch, n) of the cache's rows that hold key positions
-    seqlens[b] to seqlens[b] + n - 1 of sequence b, whose pages block_table (batch, pages)
-    lists; ValueError naming block_table where one of those is negative (indexing would wrap
-    it around to another sequence's page). In NumPy: a torch operation on these few numbers
-    costs 2-4 us, NumPy's about 1."""
-    at = np.asarray(seqlens, dtype=np.int64)[:, None] + np.arange(n)
-    pages = block_table.numpy()[np.arange(len(seqlens))[:, None], at // page]
-    if pages.size and pages.min() < 0:
-        b = int((pages < 0).any(1).nonzero()[0][0])
-        _fail(fn, "block_table", "row %d lists page %d for its new keys"
-              % (b, pages[b][pages[b] < 0][0]))
-    return torch.from_numpy(pages).long(), torch.from_numpy(at % page)
-
-
 def _cache_call(q, kc, vc, starts, opts, **extra):
     """(out (batch, seqlen_q, nheads, headdim_v), lse (batch, nheads, seqlen_q)) of q (batch,
     seqlen_q, nheads, headdim) over keys kc and values vc (rows, nheads_k, headdim) where
@@ -784,14 +767,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         # every sequence writing at one offset (a batch of one, or of equal lengths) takes a
         # slice: a third of the time of the index_put below on a decode step
         one_offset = not traced and in_place and not paged and len(set(seqlens)) == 1
-        if rotary_cos is not None or not (one_offset or paged):
+        if rotary_cos is not None or not one_offset:
             pos = lengths[:, None] + torch.arange(n)      # (batch, n): the new tokens'
         if rotary_cos is not None:
             k = _rotary(k, rotary_cos, rotary_sin, pos, rotary_interleaved)
         if one_offset:
             at = slice(0, batch), slice(seqlens[0], seqlens[0] + n)
         else:
-            at = (_page_slots(fn, block_table, seqlens, n, page) if paged
+            at = ((block_table.long().gather(1, pos // page), pos % page) if paged
                   else ((torch.arange(batch) if rows is None else rows)[:, None], pos))
         k_cache[at] = k
         v_cache[at] = v

@@ -24,6 +24,8 @@ import sys
 import warnings
 import weakref
 
+import numpy as np
+
 # orchard's extras, from its source tree (PyPI's "orchard" is another project)
 _INSTALL = "(pip install '.[%s]' in orchard's source tree)"
 try:
@@ -51,8 +53,7 @@ except ImportError:     # (a transformers without it)
     PagedAttentionCache = continuous_api = initialization = None
 
 from orchard.bert_padding import pad_input, unpad_input
-from orchard.flash_attn import (_cache_call, _options, _page_slots, _read_cache,
-                                flash_attn_varlen_func)
+from orchard.flash_attn import _cache_call, _options, _read_cache, flash_attn_varlen_func
 from orchard.torch import _MAX_HEAD_DIM, _ROUTABLE_DTYPES, _as_autocast, _attention, _recording
 
 __all__ = ["register", "attention_forward", "attention_mask", "computes_attention_itself",
@@ -907,6 +908,21 @@ def _requests(query, kwargs):
     return table, lengths, sum(n > 0 for n in lengths)
 
 
+def _new_key_slots(table, ends, page):
+    """(pages, rows): index tensors (B,) of the cache rows where request b's new key goes, key
+    position ends[b] of the pages its row of table (B, pages) lists; ValueError where that page
+    is negative (transformers' tables hold -1 where no page is: indexing would wrap it around
+    to another request's page). In NumPy: a torch operation on these few numbers costs 2-4
+    us, NumPy's about 1."""
+    at = np.asarray(ends, dtype=np.int64)
+    pages = table.numpy()[np.arange(len(ends)), at // page]
+    if pages.size and pages.min() < 0:
+        b = int((pages < 0).nonzero()[0][0])
+        raise ValueError("orchard.hf: 'block_table' row %d lists page %d for its new key"
+                         % (b, pages[b]))
+    return torch.from_numpy(pages).long(), torch.from_numpy(at % page)
+
+
 # Compiled (continuous batching's compile options), Dynamo would recompile inside at every
 # step, the request count read being a value: run eagerly, as transformers runs
 # FlashAttention's paged call.
@@ -917,9 +933,9 @@ def _paged_decode(query, key, value, kwargs, options):
     D) theirs, written at each request's end in its pages of k_cache and v_cache (pages, page
     size, Hkv, D) and every key read there, in place: flash_attn_with_kvcache's write and call
     without its checks, which took half of what a step spent around orchard_ops' call (130-370
-    us; transformers makes these arguments, _page_slots refuses a negative page where the new
-    keys go, torch's indexing one past the cache, orchard_ops checks the pages it reads). out
-    (1, B, H, Dv)."""
+    us; transformers makes these arguments, _new_key_slots refuses a negative page where a
+    new key goes, torch's indexing one past the cache, orchard_ops checks the pages it reads).
+    out (1, B, H, Dv)."""
     table, lengths, batch = _requests(query, kwargs)
     caches = kwargs["k_cache"], kwargs["v_cache"]
     if caches[0].dtype != query.dtype:      # (autocast's, say)
@@ -928,9 +944,9 @@ def _paged_decode(query, key, value, kwargs, options):
     page, rows = caches[0].shape[1], table.shape[0]
     table = table[:batch]
     q, k, v = (t[0, :, :batch].transpose(0, 1)[:, None] for t in (query, key, value))
-    at = _page_slots("orchard.hf", table, [n - 1 for n in lengths[:batch]], 1, page)
+    at = _new_key_slots(table, [n - 1 for n in lengths[:batch]], page)
     for cache, new in zip(caches, (k, v)):
-        cache[at] = new
+        cache[at] = new[:, 0]
     opts = _options("orchard.hf", q, table.shape[1] * page, 0.0, options["softmax_scale"],
                     options["causal"], options["window_size"], options["softcap"], None, batch,
                     None)
