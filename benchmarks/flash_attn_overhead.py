@@ -156,5 +156,6 @@ def paged_steps(device, repeats):
         print("%-40s %12.1f %11.1f %9.1f %s" % ("%d x %d, %d, %d" % (batch, width, page, keys),
                                                ops, ours, ours - ops, hf_cells))
 
+
 if __name__ == "__main__":
     main()
