@@ -318,6 +318,26 @@ def test_out_of_memory_halves_the_micro_batch_and_retries(run_files, tmp_path, c
     assert load_checkpoint(str(tmp_path))["step"] == 2
 
 
+def test_a_model_whose_attention_orchard_cannot_compute_is_said_after_its_first_step(
+        run_files, tmp_path, caplog):
+    """A head dimension past 256 sends every call to torch: said after the first step, not only
+    in the run's last line; a model orchard computes gets no such warning."""
+    config, sequences = run_files
+    backend = get_device_backend("cpu")
+    for heads, warned in ((1, True), (4, False)):
+        cfg, _ = backend.adapt_config(load_config(config))
+        cfg["model"].update(n_embd=288, n_head=heads, n_kv_head=heads)
+        chunks = token_chunks(load_sequences(sequences)[0], cfg["model"]["context"])
+        trainer = Trainer(cfg, backend, chunks, str(tmp_path / str(heads)))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="orchard"):
+            assert trainer.run(max_steps=2) == 0
+        said = [r.getMessage() for r in caplog.records if "computed none" in r.getMessage()]
+        assert said == (["orchard computed none of the first step's attention calls (%d): "
+                         "torch's scaled_dot_product_attention did them (head dimension)"
+                         % cfg["model"]["n_layer"]] if warned else [])
+
+
 def test_other_errors_are_not_retried(run_files, tmp_path):
     trainer = make_trainer(run_files, tmp_path, micro_batch=8)
     trainer.model.forward = lambda x, y=None: (_ for _ in ()).throw(ValueError("bug"))

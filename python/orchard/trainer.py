@@ -273,6 +273,16 @@ class Trainer:
     def accumulation_steps(self):
         return math.ceil(self.rank_batch / self.micro_batch)
 
+    def _warn_if_unrouted(self):
+        """A warning, after the first step, where the router sent none of its attention calls
+        to orchard (a head dimension past 256, say): the run's last line says so too, but a
+        run is mostly over by then."""
+        router = self.router
+        if self.rank == 0 and router is not None and not router.routed and router.left_to_torch:
+            log.warning("orchard computed none of the first step's attention calls (%d): "
+                        "torch's scaled_dot_product_attention did them (%s)",
+                        sum(router.left_to_torch.values()), ", ".join(sorted(router.left_to_torch)))
+
     def micro_batch_text(self):
         """"micro-batch 4 x 2 accumulation", and where the micro-batches do not divide the
         batch, the size of the last (batch 8 as 3 + 3 + 2 would otherwise read as 9)."""
@@ -407,13 +417,15 @@ class Trainer:
         self.model.train()
         interrupted = diverged = False
         try:
-            timed, t0 = 0, time.perf_counter()
+            timed, t0, start = 0, time.perf_counter(), self.step
             while self.step < total:
                 inputs, targets = self.batch(self.step)
                 lr = self.learning_rate(self.step, total)
                 self.losses.append(self.train_step(inputs, targets, lr))
                 timed += 1
                 self.step += 1
+                if timed == 1 and self.step == start + 1:
+                    self._warn_if_unrouted()
                 validate = self.val_chunks is not None and (
                     self.step % train["eval_interval"] == 0 or self.step == total)
                 if self.step % train["log_interval"] == 0 or validate or self.step == total:
