@@ -519,6 +519,14 @@ def test_resuming_into_another_runs_folder_does_not_replace_its_checkpoint(tmp_p
     assert r["code"] == 2 and "argument --output: already holds a checkpoint" in r["stderr"]
     assert "continue it" not in r["stderr"], r
     assert (tmp_path / "B" / "checkpoint.pt").read_bytes() == b"run B"
+    # --resume of a copy beside B's checkpoint: --output defaults to B, which is named
+    (tmp_path / "B" / "backup.pt").write_bytes(b"a copy")
+    r = run_cases([["train", ["--resume", str(tmp_path / "B" / "backup.pt"), "--device", "cpu"],
+                    {}]])[0]
+    assert r["code"] == 2 and "argument --resume:" in r["stderr"] and (
+        "backup.pt is not the checkpoint of its folder" in r["stderr"]), r
+    assert "pass --output" in r["stderr"]
+    assert (tmp_path / "B" / "checkpoint.pt").read_bytes() == b"run B"
 
 
 def test_a_folder_another_run_is_writing_to_is_refused(files, tmp_path):

@@ -89,6 +89,7 @@ def parse_args(argv):
                     help="Train (fine-tune) the transformers causal LM of this local "
                          "pretrained folder; needs transformers.")
     args = parser.parse_args(argv)
+    args.output_given = args.output is not None
     if args.output is None:
         from ..checkpoint import checkpoint_path
 
@@ -117,6 +118,11 @@ def check_output(args):
     if continues_its_own_run(args) or args.overwrite:
         return
     if os.path.exists(path):
+        if args.resume and not args.output_given:     # (a copy beside a run's checkpoint)
+            raise UsageError("argument --resume: %s is not the checkpoint of its folder, whose "
+                             "checkpoint (%s) a resumed run would replace; pass --output to "
+                             "choose another folder for it, or --overwrite to replace that one "
+                             "(got %r)" % (args.resume, path, args.resume))
         # (resuming another run into this folder: continuing this one is not the advice)
         advice = "" if args.resume else "continue it with --resume %s, or " % args.output
         raise UsageError("argument --output: already holds a checkpoint (%s); %spass "
