@@ -943,10 +943,10 @@ def _paged_decode(query, key, value, kwargs, options):
                         % (caches[0].dtype, query.dtype))
     page, rows = caches[0].shape[1], table.shape[0]
     table = table[:batch]
-    q, k, v = (t[0, :, :batch].transpose(0, 1)[:, None] for t in (query, key, value))
     at = _new_key_slots(table, [n - 1 for n in lengths[:batch]], page)
-    for cache, new in zip(caches, (k, v)):
-        cache[at] = new[:, 0]
+    for cache, new in zip(caches, (key, value)):
+        cache[at] = new[0, :, :batch].transpose(0, 1)
+    q = query[0, :, :batch].transpose(0, 1)[:, None]       # (B, 1, H, D)
     opts = _options("orchard.hf", q, table.shape[1] * page, 0.0, options["softmax_scale"],
                     options["causal"], options["window_size"], options["softcap"], None, batch,
                     None)
@@ -963,13 +963,12 @@ def _unpaged(query, key, value, kwargs):
     end in its pages, then every request's keys gathered in order, (1, Hkv, keys, D), as
     transformers' other path gives them, with cu_seq_lens of as many requests."""
     table, lengths, batch = _requests(query, kwargs)
-    table, lengths = table.long(), torch.tensor(lengths, dtype=torch.long)
     caches = kwargs["k_cache"], kwargs["v_cache"]
     page = caches[0].shape[1]
-    ends = lengths[:batch] - 1
+    at = _new_key_slots(table[:batch], [n - 1 for n in lengths[:batch]], page)
     for cache, new in zip(caches, (key, value)):
-        cache[table[torch.arange(batch), ends // page], ends % page] = (
-            new[0, :, :batch].transpose(0, 1).to(cache.dtype))
+        cache[at] = new[0, :, :batch].transpose(0, 1).to(cache.dtype)
+    table, lengths = table.long(), torch.tensor(lengths, dtype=torch.long)
     request = torch.repeat_interleave(torch.arange(lengths.numel(), device=table.device),
                                       lengths)
     cu_k = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
