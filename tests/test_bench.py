@@ -190,3 +190,21 @@ def test_notebook_runs(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "notebook ok" in r.stdout
     assert (tmp_path / "figures" / "attention_gflops.png").exists()
+
+
+@pytest.mark.parametrize("sizes, expected", [(["48K", "2048K", "32M"], 128 << 20),
+                                             (["32K", "8192K"], 64 << 20),
+                                             (["300M"], 1 << 30), ([], 1 << 30),
+                                             (["junk"], 1 << 30)])
+def test_decode_eviction_sweep_follows_the_cpus_caches(tmp_path, monkeypatch, sizes, expected):
+    """The write that evicts the caches before a timed decode step covers four times the
+    largest cache Linux lists (at least 64 MiB, at most 1 GiB; 1 GiB where none can be
+    read): a small machine's --quick run does not hold 1 GiB."""
+    pytest.importorskip("torch")
+    from orchard import decode_bench
+    paths = []
+    for i, size in enumerate(sizes):
+        paths.append(tmp_path / ("index%d_size" % i))
+        paths[-1].write_text(size + "\n")
+    monkeypatch.setattr(decode_bench.glob, "glob", lambda pattern: [str(p) for p in paths])
+    assert decode_bench.evict_bytes() == expected

@@ -4,12 +4,13 @@ bandwidth (a large multithreaded sum measured in the same run). orchard-bench --
 benchmarks/decode.py print it.
 
 A decode step reads every key and value once and does little arithmetic with them, so its
-roof is memory bandwidth: GB/s here are bytes of K and V per second, against a sum over 1 GiB
-(memory) and a sum over as many bytes as the cache (memory, or the CPU's cache where it fits).
+roof is memory bandwidth: GB/s here are bytes of K and V per second, against a sum over
+evict_bytes() (memory: 1 GiB on the Xeons measured) and a sum over as many bytes as the cache
+(memory, or the CPU's cache where it fits).
 
 Each step is timed twice: warm, the fastest of calls made back to back (the cache stays in the
 CPU's caches where it fits there, as a 4,096-key cache of 32 heads does in a 300 MB L3), and
-with the caches evicted, each call after a write over EVICT_BYTES, as a step of a model of
+with the caches evicted, each call after a write over evict_bytes(), as a step of a model of
 many layers finds its cache after the other layers' (there orchard asks for every line ahead,
 which a warm cache in the L3 does not need: attn_native.c DECODE_STREAM_BYTES).
 
@@ -19,6 +20,7 @@ and a third: as a paged cache (pages of PAGE rows, (num_pages, PAGE, kv heads, D
 order, read in place through a block_table). Both against torch SDPA on the contiguous
 tensors, timed alongside.
 """
+import glob
 import statistics
 import time
 
@@ -38,8 +40,24 @@ PAGE = 256  # rows per page of the paged rows (vLLM's and FlashAttention's usual
 # orchard call made meanwhile shares the cores with them (a bfloat16 GQA step at 4,096 keys:
 # 1.23-1.30 ms instead of 0.80): each side is timed over this long a run of its own calls
 SETTLE = 0.025
-# more bytes than the last-level cache of any CPU this runs on (300 MB on the Xeons measured)
+# at most this many bytes swept to evict the caches: more than the last-level cache of any CPU
+# this runs on (300 MB on the Xeons measured)
 EVICT_BYTES = 1 << 30
+
+
+def evict_bytes():
+    """Bytes a write must cover to leave nothing of a cache in the CPU's caches: four times
+    its largest cache as Linux lists it (at least 64 MiB), at most EVICT_BYTES, which is also
+    taken where the sizes cannot be read; so that a small machine need not hold 1 GiB."""
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+            sizes.append(int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]])
+        except (OSError, ValueError, KeyError, IndexError):
+            pass
+    return min(EVICT_BYTES, max(64 << 20, 4 * max(sizes))) if sizes else EVICT_BYTES
 
 
 def settled_time(fn, seconds=SETTLE):
@@ -55,7 +73,7 @@ def settled_time(fn, seconds=SETTLE):
 
 def evicted_time(fn, sweep, calls=3):
     """Seconds of the fastest of `calls` calls of fn, each made after a write over `sweep`
-    (a tensor of EVICT_BYTES) and a pause for torch's threads to stop spinning."""
+    (a tensor of evict_bytes()) and a pause for torch's threads to stop spinning."""
     best = float("inf")
     for _ in range(calls):
         sweep.add_(1.0)
@@ -66,11 +84,12 @@ def evicted_time(fn, sweep, calls=3):
     return best
 
 
-def read_bandwidth(repeats=5, nbytes=1 << 30):
-    """GB/s of a sum over `nbytes` of float32 with all of torch's threads: the machine's
-    read bandwidth as a program sees it (from memory for 1 GiB; from the last-level cache
+def read_bandwidth(repeats=5, nbytes=None):
+    """GB/s of a sum over `nbytes` (None: evict_bytes()) of float32 with all of torch's
+    threads: the machine's read bandwidth as a program sees it (from memory for evict_bytes();
+    from the last-level cache
     for a size that fits there, as a 4,096-key cache of 32 heads does in a 260 MiB L3)."""
-    x = torch.ones(nbytes // 4)
+    x = torch.ones((nbytes or evict_bytes()) // 4)
     return nbytes / best_time(lambda: x.sum(), repeats) / 1e9
 
 
@@ -91,7 +110,7 @@ def measure(cases=CASES, dtypes=DTYPES, rounds=5, device="cpu"):
     fractions of the machine's bandwidth and of a sum over as many bytes as the cache (the
     roof where the cache fits in a cache of the CPU's)."""
     bandwidth = read_bandwidth()
-    sweep = torch.zeros(EVICT_BYTES // 4)
+    sweep = torch.zeros(evict_bytes() // 4)
     rows = []
     for h, hkv, d, n in cases:
         g = torch.Generator().manual_seed(0)
