@@ -718,6 +718,19 @@ def test_bad_dense_input_names_the_argument():
          lambda: flash_attn_kvpacked_func(q, torch.randn(1, 5, 2, 2, 9))),
         (ValueError, "'kv' has 3 heads, which must divide the 2 heads of q",
          lambda: flash_attn_kvpacked_func(q, torch.randn(1, 5, 2, 3, 8))),
+        # k's heads are checked before v's shape follows them, as in FlashAttention-2: a k of 3
+        # heads is named, not a v of q's 2
+        (ValueError, "'k' has 3 heads, which must divide the 2 heads of q",
+         lambda: flash_attn_func(q, torch.randn(1, 5, 3, 8), v)),
+        (ValueError, "'k' has 3 heads, which must divide the 2 heads of q",
+         lambda: flash_attn_varlen_func(q[0], torch.randn(5, 3, 8), v[0],
+                                        *[torch.tensor([0, 4], dtype=torch.int32)] * 2, 4, 4)),
+        (ValueError, "'k' has 3 heads, which must divide the 2 heads of q",
+         lambda: flash_attn_varlen_func(q[0], torch.randn(2, 4, 3, 8), torch.randn(2, 4, 2, 8),
+                                        *[torch.tensor([0, 4], dtype=torch.int32)] * 2, 4, 4,
+                                        block_table=torch.tensor([[1]], dtype=torch.int32))),
+        (ValueError, "'k_cache' has 3 heads, which must divide the 2 heads of q",
+         lambda: flash_attn_with_kvcache(q, torch.randn(1, 8, 3, 8), torch.randn(1, 8, 2, 8))),
         (ValueError, "'qkv' has 0 heads", lambda: flash_attn_qkvpacked_func(
             torch.randn(1, 4, 3, 0, 8))),
         (ValueError, "'qkv' has headdim 300", lambda: flash_attn_varlen_qkvpacked_func(

@@ -50,17 +50,22 @@ def _check_shape(fn, name, t, shape, layout):
                   "make it %d" % (layout, tuple(t.shape), i, n, s))
 
 
-def _check_heads(fn, q, k, v, head_axis, names=("q", "k", "v")):
-    """names: the arguments q, k and v came in (a packed one, a cache)."""
+def _check_heads(fn, q, k, head_axis, names=("q", "k")):
+    """q's heads and headdim, and k's heads, which must divide q's: checked before v's shape,
+    which follows k's, so that a k of the wrong heads is named as such (FlashAttention-2's
+    order). names: the arguments q and k came in (a packed one, a cache)."""
     h, hk = q.shape[head_axis], k.shape[head_axis]
     if h == 0:
         _fail(fn, names[0], "has 0 heads (orchard needs at least one)")
     if hk == 0 or h % hk:
         _fail(fn, names[1], "has %d heads, which must divide the %d heads of %s"
               % (hk, h, names[0]))
-    for name, d in ((names[0], q.shape[-1]), (names[2], v.shape[-1])):
-        if not 1 <= d <= _MAX_HEAD_DIM:
-            _fail(fn, name, "has headdim %d; orchard takes 1 to %d" % (d, _MAX_HEAD_DIM))
+    _check_head_dim(fn, names[0], q.shape[-1])
+
+
+def _check_head_dim(fn, name, d):
+    if not 1 <= d <= _MAX_HEAD_DIM:
+        _fail(fn, name, "has headdim %d; orchard takes 1 to %d" % (d, _MAX_HEAD_DIM))
 
 
 def _check_seqlens(fn, **tensors):
@@ -267,8 +272,9 @@ def _dense(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
         layout = "(batch_size, seqlen, nheads, headdim)"
         _check_shape(fn, "q", q, (None,) * 4, layout)
         _check_shape(fn, "k", k, (qs[0], None, None, qs[3]), layout)
+        _check_heads(fn, q, k, 2)
         _check_shape(fn, "v", v, tuple(ks[:3]) + (None,), layout)
-        _check_heads(fn, q, k, v, 2)
+        _check_head_dim(fn, "v", vs[3])
         _check_seqlens(fn, q=q, k=k)
     # orchard_ops reads the (batch, seqlen, nheads, headdim) operands as they lie: no transposes
     # (1.4 us each)
@@ -303,7 +309,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     _check_tensors(fn, qkv=qkv)
     _check_shape(fn, "qkv", qkv, (None, None, 3, None, None),
                  "(batch_size, seqlen, 3, nheads, headdim)")
-    _check_heads(fn, qkv, qkv, qkv, -2, ("qkv",) * 3)
+    _check_heads(fn, qkv, qkv, -2, ("qkv",) * 2)
     return _dense(fn, *qkv.unbind(2), dropout_p, softmax_scale, causal, window_size, softcap,
                   alibi_slopes, return_attn_probs, device)
 
@@ -317,7 +323,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     _check_shape(fn, "q", q, (None,) * 4, "(batch_size, seqlen, nheads, headdim)")
     _check_shape(fn, "kv", kv, (q.shape[0], None, 2, None, q.shape[3]),
                  "(batch_size, seqlen_k, 2, nheads_k, headdim)")
-    _check_heads(fn, q, kv, kv, -2, ("q", "kv", "kv"))
+    _check_heads(fn, q, kv, -2, ("q", "kv"))
     return _dense(fn, q, *kv.unbind(2), dropout_p, softmax_scale, causal, window_size, softcap,
                   alibi_slopes, return_attn_probs, device)
 
@@ -354,12 +360,13 @@ def _check_block_table(fn, table, keys, page, nblocks):
               % (b, table[b, :need[b]].tolist(), nblocks))
 
 
-def _paged_gather(fn, k, v, cu_k, block_table, d, gather):
+def _paged_gather(fn, q, k, v, cu_k, block_table, gather):
     """The keys and values of every sequence, packed (total_k, nheads_k, headdim), from the
     pages (num_blocks, page_block_size, nheads_k, headdim) that block_table lists; a copy
     through torch indexing, so gradients reach the pages. Without gather, only the checks."""
     layout = "(num_blocks, page_block_size, nheads_k, headdim) with a block_table"
-    _check_shape(fn, "k", k, (None, None, None, d), layout)
+    _check_shape(fn, "k", k, (None, None, None, q.shape[2]), layout)
+    _check_heads(fn, q, k, -2)
     _check_shape(fn, "v", v, tuple(k.shape[:3]) + (None,), layout)
     batch = len(cu_k) - 1
     _check_int32(fn, "block_table", block_table, (batch, None),
@@ -421,6 +428,7 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             if t.shape[0] == 0:
                 _fail(fn, name, "must have batch_size + 1 entries, got none")
         _check_shape(fn, "k", k, (None, None, q.shape[2]), layout)
+        _check_heads(fn, q, k, -2)
         _check_shape(fn, "v", v, tuple(k.shape[:2]) + (None,), layout)
         _check_entries(fn, cu_names, cu_seqlens_q.shape[0], cu_seqlens_k.shape[0])
         max_seqlen_q, max_seqlen_k = (_check_max_seqlen(fn, "max_seqlen" + suffix, x, 0)
@@ -440,6 +448,7 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         cu_q = _cu_seqlens(fn, cu_names[0], cu_seqlens_q, q.shape[0])
         if block_table is None:
             _check_shape(fn, "k", k, (None, None, q.shape[2]), layout)
+            _check_heads(fn, q, k, -2)
             _check_shape(fn, "v", v, tuple(k.shape[:2]) + (None,), layout)
             cu_k = _cu_seqlens(fn, cu_names[1], cu_seqlens_k, k.shape[0])
         else:
@@ -450,7 +459,7 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             # read in place, unless gradients must reach the pages
             in_place = not (torch.is_grad_enabled() and (
                 q.requires_grad or k.requires_grad or v.requires_grad))
-            k, v = _paged_gather(fn, k, v, cu_k, block_table, q.shape[2], not in_place)
+            k, v = _paged_gather(fn, q, k, v, cu_k, block_table, not in_place)
             if not in_place:
                 block_table = None
         _check_entries(fn, cu_names, len(cu_q), len(cu_k))
@@ -459,7 +468,7 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             n if x is None else _check_max_seqlen(fn, "max_seqlen" + suffix, x, n)
             for x, suffix, n in zip((max_seqlen_q, max_seqlen_k), suffixes, longest))
         batch = len(cu_q) - 1
-    _check_heads(fn, q, k, v, -2)
+    _check_head_dim(fn, "v", v.shape[-1])
     opts = _options(fn, q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
                     alibi_slopes, batch, device, cu_seqlens_q=cu_seqlens_q,
                     cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
@@ -477,7 +486,7 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     if cu_q is None:
         cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     if block_table is not None:
-        k, _ = _paged_gather(fn, k, v, cu_k, block_table, q.shape[2], True)
+        k, _ = _paged_gather(fn, q, k, v, cu_k, block_table, True)
     probs = _varlen_probs(q, k, opts, cu_q, cu_k, max_seqlen_q, max_seqlen_k).to(q.dtype)
     return out, lse, probs
 
@@ -513,7 +522,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     fn = "flash_attn_varlen_qkvpacked_func"
     _check_tensors(fn, qkv=qkv)
     _check_shape(fn, "qkv", qkv, (None, 3, None, None), "(total, 3, nheads, headdim)")
-    _check_heads(fn, qkv, qkv, qkv, -2, ("qkv",) * 3)
+    _check_heads(fn, qkv, qkv, -2, ("qkv",) * 2)
     return _varlen(fn, *qkv.unbind(1), cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                    dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                    return_attn_probs, None, device, suffixes=("", ""))
@@ -529,7 +538,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     _check_tensors(fn, q=q, kv=kv)
     _check_shape(fn, "q", q, (None,) * 3, "(total_q, nheads, headdim)")
     _check_shape(fn, "kv", kv, (None, 2, None, q.shape[2]), "(total_k, 2, nheads_k, headdim)")
-    _check_heads(fn, q, kv, kv, -2, ("q", "kv", "kv"))
+    _check_heads(fn, q, kv, -2, ("q", "kv"))
     return _varlen(fn, q, *kv.unbind(1), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                    return_attn_probs, None, device)
@@ -631,8 +640,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     cache_layout = ("(num_blocks, page_block_size, nheads_k, headdim) with a block_table" if paged
                     else "(batch_size_cache, seqlen_cache, nheads_k, headdim)")
     _check_shape(fn, "k_cache", k_cache, (None, None, None, d), cache_layout)
+    _check_heads(fn, q, k_cache, 2, ("q", "k_cache"))
     _check_shape(fn, "v_cache", v_cache, tuple(k_cache.shape[:3]) + (None,), cache_layout)
-    _check_heads(fn, q, k_cache, v_cache, 2, ("q", "k_cache", "v_cache"))
+    _check_head_dim(fn, "v_cache", v_cache.shape[3])
     hk, dv = k_cache.shape[2], v_cache.shape[3]
     n = 0
     if k is not None:
