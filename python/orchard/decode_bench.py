@@ -89,7 +89,8 @@ def read_bandwidth(repeats=5, nbytes=None):
     threads: the machine's read bandwidth as a program sees it (from memory for evict_bytes();
     from the last-level cache
     for a size that fits there, as a 4,096-key cache of 32 heads does in a 260 MiB L3)."""
-    x = torch.ones((nbytes or evict_bytes()) // 4)
+    nbytes = nbytes or evict_bytes()
+    x = torch.ones(nbytes // 4)
     return nbytes / best_time(lambda: x.sum(), repeats) / 1e9
 
 
