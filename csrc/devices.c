@@ -18,7 +18,10 @@
 #include "cl_runtime.h"
 #include "pyorchard.h"
 
-static or_counters *counters;   /* one per device, for the life of the process */
+/* The native path's counters apart, so that a device="cpu" call never loads OpenCL (its
+ * library, a CPU driver's threads and signal handlers, what a fork()ed child cannot use). */
+static or_counters native_counters;
+static or_counters *cl_counters;    /* one per OpenCL device, for the life of the process */
 static int ndevices = 1;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 
@@ -27,8 +30,8 @@ static void init(void)
 #ifdef ORCHARD_HAVE_OPENCL
     ndevices = 1 + or_cl_count();
 #endif
-    counters = calloc((size_t)ndevices, sizeof(or_counters));
-    if (counters == NULL)
+    cl_counters = calloc((size_t)ndevices, sizeof(or_counters));
+    if (cl_counters == NULL)
         abort();    /* a few dozen bytes at import time: nothing sensible is left to do */
 }
 
@@ -40,8 +43,10 @@ int or_device_count(void)
 
 or_counters *or_device_counters(int device)
 {
+    if (device == 0)
+        return &native_counters;
     or_device_count();
-    return &counters[device];
+    return &cl_counters[device - 1];
 }
 
 #ifdef ORCHARD_HAVE_OPENCL

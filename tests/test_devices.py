@@ -202,3 +202,19 @@ def test_listing_opencl_devices_leaves_the_signal_handlers_as_they_were():
     result = run_python(SIGNAL_HANDLERS)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split()[1] == "True", result.stdout
+
+
+def test_a_cpu_call_leaves_opencl_unloaded():
+    """device="cpu" never enumerates OpenCL: its library and a CPU driver's threads and
+    signal handlers stay out of a process that only uses the native path (a fork()ed child of
+    it may then use OpenCL)."""
+    r = run_python("""
+        import numpy as np, orchard_ops
+        q = np.ones((1, 2, 5, 8), np.float32)
+        orchard_ops.flash_attn_fwd(q, q, q, device="cpu")
+        orchard_ops.flash_attn_bwd(q, q, q, q, q, np.zeros((1, 2, 5), np.float32), device="cpu")
+        print(any("libOpenCL" in line for line in open("/proc/self/maps")))
+        print(orchard_ops.stats()["per_device"]["cpu"]["fwd_calls"])
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "1"]
