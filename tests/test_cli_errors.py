@@ -173,6 +173,7 @@ def expected_cases(f):
         ("tune", ["--repeats", "0"], {}, ["--repeats", "'0'"]),
         ("tune", ["--timeout", "0.5"], {}, ["--timeout", ">= 1", "'0.5'"]),
         ("tune", ["--timeout", "inf"], {}, ["--timeout", "finite", "'inf'"]),
+        ("tune", ["--timeout", "3e6"], {}, ["--timeout", "<= 1e+06", "'3e6'"]),
         ("prepare", [str(f["dir"]), "-o", "x.json", "--ext", ""], {},
          ["argument --ext:", "got ''"]),
         ("prepare", [str(f["dir"]), "-o", "x.json", "--max-bytes", "0"], {},

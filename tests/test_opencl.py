@@ -870,6 +870,19 @@ def test_tuned_blocks_errors(ops, tmp_path):
     """ % OPENCL_IDS[0], timeout=600, ORCHARD_CACHE_DIR=tmp_path, ORCHARD_NO_CACHE=1)
     assert r.returncode == 0 and "not stored" in r.stdout, (r.stdout, r.stderr)
     assert "cache is off (ORCHARD_NO_CACHE)" in r.stdout
+    # a store that fails beside a record of the same blocks (a read-only cache, here its
+    # failure made so) is reported as none, not as the record it found
+    r = run_python("""
+        import json, orchard_ops
+        from orchard.cli import tune
+        args = ["--device", "%s", "--shape", "1,2,64,16", "--repeats", "1", "--candidates",
+                "96x96", "--quiet", "--json"]
+        tune.main(args)
+        orchard_ops.save_tuned_blocks = lambda *blocks: False
+        tune.main(args)
+    """ % OPENCL_IDS[0], timeout=600, ORCHARD_CACHE_DIR=tmp_path / "ro")
+    assert r.returncode == 0, r.stderr
+    assert [json.loads(line)["stored"] for line in r.stdout.splitlines()] == [True, False]
     # a cache folder that cannot be made: named
     r = run_python("""
         from orchard.cli import tune

@@ -76,9 +76,10 @@ def default_candidates(device):
 
 def tune(device, shape=(1, 8, 1024, 64), candidates=None, repeats=3, report=print,
          progress=None, timeout=None):
-    """Times every candidate on `device`, stores the fastest; returns {(bq, bk): seconds},
-    keyed by the blocks that ran (a candidate the family's rules round or fit runs as other
-    blocks, which are what is stored). A candidate gets at most `timeout` seconds in all
+    """Times every candidate on `device`, stores the fastest; returns ({(bq, bk): seconds},
+    stored), the times keyed by the blocks that ran (a candidate the family's rules round or
+    fit runs as other blocks, which are what is stored), stored whether the store succeeded
+    (an older record of the same blocks does not count). A candidate gets at most `timeout` seconds in all
     (None: no limit). Each candidate's time (or failure) is passed to `report` as a line of
     text, and progress (an orchard.progress.Progress of len(candidates)) is updated after
     each."""
@@ -104,7 +105,7 @@ def tune(device, shape=(1, 8, 1024, 64), candidates=None, repeats=3, report=prin
         raise RuntimeError("tune(): no candidate block size ran on %s, the last: %s%s"
                            % (device, why, " (ORCHARD_CL_OPTIONS=%r is set)" % options
                               if options else ""))
-    best = min(times, key=times.get)
-    if not orchard_ops.save_tuned_blocks(device, *best):
+    stored = orchard_ops.save_tuned_blocks(device, *min(times, key=times.get))
+    if not stored:
         report("the OpenCL cache is off (ORCHARD_NO_CACHE) or not writable: nothing stored")
-    return times
+    return times, stored

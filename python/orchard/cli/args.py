@@ -201,8 +201,8 @@ def integer(minimum=None, maximum=INT_MAX):
     return _typed("integer", parse)
 
 
-def number(minimum=None):
-    """An argparse type: a finite float >= minimum."""
+def number(minimum=None, maximum=None):
+    """An argparse type: a finite float >= minimum and <= maximum."""
     def parse(text):
         try:
             value = float(text)
@@ -212,6 +212,8 @@ def number(minimum=None):
             raise argparse.ArgumentTypeError("must be a finite number (got %r)" % text)
         if minimum is not None and value < minimum:
             raise argparse.ArgumentTypeError("must be >= %g (got %r)" % (minimum, text))
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError("must be <= %g (got %r)" % (maximum, text))
         return value
     return _typed("number", parse)
 

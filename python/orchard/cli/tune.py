@@ -49,7 +49,7 @@ def main(argv=None):
                              "family.")
     parser.add_argument("--repeats", type=integer(1), default=3, metavar="N",
                         help="Timed calls per candidate (its best is kept).")
-    parser.add_argument("--timeout", type=number(1), default=600.0, metavar="SECONDS",
+    parser.add_argument("--timeout", type=number(1, 1e6), default=600.0, metavar="SECONDS",
                         help="The most a candidate may take, its program builds included; "
                              "one that takes longer is killed and reported as timed out.")
     parser.add_argument("--json", action="store_true",
@@ -72,14 +72,13 @@ def main(argv=None):
         % (args.device, ",".join(map(str, args.shape))))
     progress = Progress(len(candidates), "tuning", unit="candidates", enabled=not args.quiet)
     try:
-        times = tune(args.device, args.shape, candidates, args.repeats, report=log,
+        times, stored = tune(args.device, args.shape, candidates, args.repeats, report=log,
                      progress=progress, timeout=args.timeout)
     except RuntimeError as exc:
         raise UsageError(str(exc)) from None
     finally:
         progress.close()
     best = min(times, key=times.get)
-    stored = orchard_ops.tuned_blocks(args.device) == best  # not where the cache is off
     if args.json:
         print(json.dumps({"device": args.device, "shape": args.shape,
                           "ms": {"%dx%d" % bb: t * 1e3 for bb, t in times.items()},
