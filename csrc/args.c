@@ -391,7 +391,8 @@ int or_load_operands(or_call *c, PyObject **objs, const int *slots, int n)
             c->dev[s] = Py_NewRef(objs[i]);
             c->arr[s] = or_device_array_layout(objs[i], &c->dt[s]);
         } else {
-            c->arr[s] = or_operand(c->st, objs[i], c->func, slot_name[s], c->ct, align, &c->dt[s]);
+            c->arr[s] = or_operand(c->st, objs[i], c->func, slot_name[s], c->ct, align,
+                                   &c->dt[s], &c->staged[s]);
         }
         if (c->arr[s] == NULL)
             return -1;

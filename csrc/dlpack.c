@@ -42,11 +42,11 @@ typedef struct DLManagedTensorVersioned {
     struct { uint32_t major, minor; } version;
     void *manager_ctx;
     void (*deleter)(struct DLManagedTensorVersioned *self);
-    uint64_t flags;             /* read-only, copied: nothing to orchard, which only reads */
+    uint64_t flags;             /* DL_READ_ONLY, DL_IS_COPIED */
     DLTensor dl_tensor;
 } DLManagedTensorVersioned;
 
-enum { DL_CPU = 1, DL_MAJOR_VERSION = 1 };
+enum { DL_CPU = 1, DL_MAJOR_VERSION = 1, DL_READ_ONLY = 1, DL_IS_COPIED = 2 };
 
 /* A producer's tensor, unversioned (m) or versioned (mv): the other is NULL. */
 typedef struct {
@@ -325,9 +325,13 @@ PyArrayObject *or_from_dlpack(or_module_state *st, PyObject *obj, const char *fu
     }
     if (dt)
         *dt = (or_dtype)found;
+    /* writable (what a call's new keys and values are written into: kv_append.c) unless the
+     * producer marks it read-only, or a copy, whose writes the caller would never see; an
+     * unversioned tensor says neither */
+    const int writable = !versioned || !(given.mv->flags & (DL_READ_ONLY | DL_IS_COPIED));
     a = (PyArrayObject *)PyArray_NewFromDescr(
         &PyArray_Type, PyArray_DescrFromType(typenum), t->ndim, dims, strides,
-        (char *)t->data + t->byte_offset, 0, NULL);
+        (char *)t->data + t->byte_offset, writable ? NPY_ARRAY_WRITEABLE : 0, NULL);
     if (a != NULL && PyArray_SetBaseObject(a, owner) < 0) {     /* steals owner */
         Py_CLEAR(a);
     } else if (a == NULL) {

@@ -252,8 +252,10 @@ static int has_attr(PyObject *obj, PyObject *name)
 }
 
 PyArrayObject *or_operand(or_module_state *st, PyObject *obj, const char *func,
-                          const char *name, or_counters *ct, size_t align, or_dtype *dt)
+                          const char *name, or_counters *ct, size_t align, or_dtype *dt,
+                          int *staged_out)
 {
+    *staged_out = 0;
     const int dlpack = PyArray_Check(obj) ? 0 : has_attr(obj, st->dlpack_name);
     if (dlpack < 0)
         return or_unreadable(func, name, 0);
@@ -295,6 +297,7 @@ PyArrayObject *or_operand(or_module_state *st, PyObject *obj, const char *func,
     OR_COUNT(ct, bytes_staged, PyArray_NBYTES(staged));
     if (or_env_flag("ORCHARD_TENSOR_PROFILE"))
         or_log("orchard: %s %s: staged, %zd bytes copied", func, name, PyArray_NBYTES(staged));
+    *staged_out = 1;
     return staged;
 }
 

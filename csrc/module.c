@@ -157,8 +157,9 @@ static PyObject *attention(PyObject *module, or_call *c, or_opts *o, PyObject **
                || or_new_output(c, OR_LSE, lnd, lshape, or_dtypes[dt].lse, NULL) < 0) {
         goto done;
     }
-    if (or_build_problem(c, o->alibi) < 0)
+    if (or_build_problem(c, o->alibi) < 0 || or_load_new_kv(c, o) < 0)
         goto done;
+    or_write_new_kv(c);     /* everything checked: the cache takes its new rows */
     result = run(c, st, backward);
 done:
     or_call_clear(c);
@@ -170,7 +171,8 @@ done:
 #define OPTION_ARGS &o.window, &o.alibi, &o.softcap, &o.seed, &o.device
 #define OPTS_INIT {.scale = Py_None, .causal = Py_False, .alibi = Py_None, .device = Py_None, \
                    .max_q = Py_None, .max_k = Py_None, .seqused_k = Py_None, \
-                   .block_table = Py_None, .leftpad_k = Py_None, .seqlen_first = Py_False}
+                   .block_table = Py_None, .leftpad_k = Py_None, .seqlen_first = Py_False, \
+                   .k_new = Py_None, .v_new = Py_None}
 
 static const int FWD_SLOTS[] = {OR_Q, OR_K, OR_V};
 static const int BWD_SLOTS[] = {OR_DO, OR_Q, OR_K, OR_V, OR_O, OR_LSE};
@@ -178,14 +180,14 @@ static const int BWD_SLOTS[] = {OR_DO, OR_Q, OR_K, OR_V, OR_O, OR_LSE};
 static PyObject *flash_attn_fwd(PyObject *module, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"q", "k", "v", "scale", "dropout_p", "causal", OPTION_KWLIST,
-                             "seqused_k", "leftpad_k", "seqlen_first", NULL};
+                             "seqused_k", "leftpad_k", "seqlen_first", "k_new", "v_new", NULL};
     or_opts o = OPTS_INIT;
     PyObject *x[3];
     or_call c = {.func = "flash_attn_fwd"};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|OOO" OPTION_FORMAT "OOO:flash_attn_fwd",
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|OOO" OPTION_FORMAT "OOOOO:flash_attn_fwd",
                                      kwlist, &x[0], &x[1], &x[2], &o.scale, &o.dropout_p,
                                      &o.causal, OPTION_ARGS, &o.seqused_k, &o.leftpad_k,
-                                     &o.seqlen_first))
+                                     &o.seqlen_first, &o.k_new, &o.v_new))
         return NULL;
     return attention(module, &c, &o, x, FWD_SLOTS, 3, NULL, NULL);
 }
@@ -208,15 +210,16 @@ static PyObject *flash_attn_varlen_fwd(PyObject *module, PyObject *args, PyObjec
 {
     static char *kwlist[] = {"q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
                              "max_seqlen_k", "scale", "dropout_p", "causal", OPTION_KWLIST,
-                             "seqused_k", "block_table", "leftpad_k", NULL};
+                             "seqused_k", "block_table", "leftpad_k", "k_new", "v_new", NULL};
     or_opts o = OPTS_INIT;
     PyObject *x[3], *cuq, *cuk;
     or_call c = {.func = "flash_attn_varlen_fwd", .varlen = 1};
     if (!PyArg_ParseTupleAndKeywords(args, kw,
-                                     "OOOOO|OOOOO" OPTION_FORMAT "OOO:flash_attn_varlen_fwd",
+                                     "OOOOO|OOOOO" OPTION_FORMAT "OOOOO:flash_attn_varlen_fwd",
                                      kwlist, &x[0], &x[1], &x[2], &cuq, &cuk, &o.max_q, &o.max_k,
                                      &o.scale, &o.dropout_p, &o.causal, OPTION_ARGS,
-                                     &o.seqused_k, &o.block_table, &o.leftpad_k))
+                                     &o.seqused_k, &o.block_table, &o.leftpad_k, &o.k_new,
+                                     &o.v_new))
         return NULL;
     return attention(module, &c, &o, x, FWD_SLOTS, 3, cuq, cuk);
 }
@@ -567,14 +570,17 @@ static PyObject *build_info(PyObject *module, PyObject *unused)
 PyDoc_STRVAR(fwd_doc,
 "flash_attn_fwd(q, k, v, scale=None, dropout_p=0.0, causal=False, *, window=(-1, -1),\n"
 "               alibi_slopes=None, softcap=0.0, seed=0, device=None, seqused_k=None,\n"
-"               leftpad_k=None, seqlen_first=False) -> (out, lse)\n\n"
+"               leftpad_k=None, seqlen_first=False, k_new=None, v_new=None) -> (out, lse)\n\n"
 "Exact attention softmax(scale * q k^T + bias, masked) v in O(N) memory.\n"
 "q (..., Nq, D), k (..., Nk, D), v (..., Nk, Dv); 4-D k/v may have fewer heads (GQA).\n"
 "out has q's dtype; lse (..., Nq) is float32 (float64 for float64 input).\n"
 "seqlen_first=True: q, k, v and out are (..., N, H, D), as FlashAttention-2's, read in\n"
 "place; lse stays (..., H, Nq).\n"
 "A KV cache: sequence b (an index of the dimensions before the heads, (B, H, N, D): B) uses\n"
-"keys leftpad_k[b] (default 0) to seqused_k[b] (default Nk) of its Nk rows.");
+"keys leftpad_k[b] (default 0) to seqused_k[b] (default Nk) of its Nk rows.\n"
+"k_new, v_new: n new rows for every kv head, k's and v's shapes with n for Nk, written into\n"
+"k and v as each sequence's last n keys and values before they are read (a KV cache's\n"
+"append), once every argument is checked; k and v must be writable and read in place.");
 PyDoc_STRVAR(bwd_doc,
 "flash_attn_bwd(dout, q, k, v, out, lse, scale=None, dropout_p=0.0, causal=False, *,\n"
 "               window=(-1, -1), alibi_slopes=None, softcap=0.0, seed=0, device=None,\n"
@@ -583,13 +589,16 @@ PyDoc_STRVAR(bwd_doc,
 PyDoc_STRVAR(varlen_fwd_doc,
 "flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,\n"
 "                      max_seqlen_k=None, scale=None, dropout_p=0.0, causal=False, *, ...,\n"
-"                      seqused_k=None, block_table=None, leftpad_k=None) -> (out, lse)\n\n"
+"                      seqused_k=None, block_table=None, leftpad_k=None, k_new=None,\n"
+"                      v_new=None) -> (out, lse)\n\n"
 "Packed sequences: q (total_q, H, D), k/v (total_k, Hkv, D/Dv); out (total_q, H, Dv),\n"
 "lse (H, total_q). seqused_k (B,) uses only the first seqused_k[b] keys of sequence b (its\n"
 "slot in k/v, from cu_seqlens_k, may be longer: a KV cache with room to grow). Sequence b's\n"
 "keys are positions leftpad_k[b] (default 0) to cu_seqlens_k[b + 1] - cu_seqlens_k[b] (or\n"
 "seqused_k[b]) of its slot, or with block_table (B, max_pages) of ints of its pages: k/v\n"
-"are then pages (num_pages, page_size, Hkv, D/Dv), read in place.");
+"are then pages (num_pages, page_size, Hkv, D/Dv), read in place. k_new, v_new (B, n, Hkv,\n"
+"D/Dv): written into k and v (their rows or pages) as each sequence's last n keys and values\n"
+"before they are read, once every argument is checked.");
 PyDoc_STRVAR(varlen_bwd_doc,
 "flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,\n"
 "                      max_seqlen_q=None, max_seqlen_k=None, scale=None, dropout_p=0.0,\n"

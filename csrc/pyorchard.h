@@ -32,8 +32,10 @@ PyObject *or_device_error(or_module_state *st, const char *func, int device, con
 
 /* marshal.c */
 PyArrayObject *or_unreadable(const char *func, const char *name, int own_words);
+/* an operand as an array: in place, or a copy (*staged 1) where the kernels cannot read it so */
 PyArrayObject *or_operand(or_module_state *st, PyObject *obj, const char *func,
-                          const char *name, or_counters *ct, size_t align, or_dtype *dt);
+                          const char *name, or_counters *ct, size_t align, or_dtype *dt,
+                          int *staged);
 void or_extent(PyArrayObject *a, char **lo, size_t *nbytes);
 PyArrayObject *or_staged_copy(PyArrayObject *a, int typenum, size_t align);
 PyArrayObject *or_new_aligned(int nd, const npy_intp *dims, int typenum, size_t align,
@@ -84,6 +86,7 @@ typedef struct {
     PyObject *block_table, *leftpad_k;      /* paged K and V, left padding (varlen fwd), or None */
     PyObject *dropout_p, *softcap, *causal;
     PyObject *seqlen_first;     /* dense operands (..., seqlen, nheads, headdim) */
+    PyObject *k_new, *v_new;    /* new keys and values written into k and v (forwards) */
 } or_opts;
 
 /* One attention call in flight: what it owns and the problem handed to the kernels. */
@@ -92,6 +95,7 @@ typedef struct {
     int varlen;
     PyArrayObject *arr[OR_NSLOTS];
     or_dtype dt[OR_NSLOTS];         /* each operand's (bfloat16 arrays hold uint16 bits) */
+    int staged[OR_NSLOTS];          /* arr[s] is a copy of the operand, not its memory */
     PyObject *like;                 /* the first operand: results come back as its kind */
     or_module_state *st;
     int resident;                   /* the operands are DeviceArrays: so are the results */
@@ -110,6 +114,7 @@ typedef struct {
     or_ssize heads;                 /* query heads H (dense: size of dim -3, or 1) */
     or_device_choice device;
     or_counters *ct;                /* the chosen device's counters */
+    PyArrayObject *new_kv[2];       /* k_new and v_new, C-contiguous (kv unit, n, D) copies */
     or_problem p;
 } or_call;
 
@@ -153,6 +158,11 @@ PyArrayObject *or_device_array_layout(PyObject *obj, or_dtype *dt);
 void *or_device_array_mem(PyObject *obj);               /* its cl_mem (NULL: no bytes) */
 /* a result of a call on DeviceArrays: c->dev[slot], c->arr[slot] its layout */
 int or_device_output(or_call *c, int slot, int nd, const npy_intp *shape, or_dtype dt);
+
+/* kv_append.c: k_new and v_new checked against the built problem and copied, then written
+ * into k and v just before the kernels run */
+int or_load_new_kv(or_call *c, const or_opts *o);
+void or_write_new_kv(const or_call *c);
 
 /* problem.c */
 void or_out_shapes(or_call *c, npy_intp *oshape, npy_intp *lshape, int *ond, int *lnd);

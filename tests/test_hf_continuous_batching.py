@@ -235,10 +235,10 @@ def test_the_benchmark_runs_at_tiny_size():
 
 
 def test_the_fast_path_refuses_a_negative_page_before_writing():
-    """The decode fast path writes the new keys without flash_attn_with_kvcache's checks: a
-    page of -1 where a request's new key goes (transformers' tables hold -1 where no page is)
-    would wrap to the cache's last page, another request's, so it is refused first; one a
-    request does not reach is not read. Its step equals flash_attn_with_kvcache's."""
+    """The decode fast path skips flash_attn_with_kvcache's checks: a page of -1 where a
+    request's new key goes (transformers' tables hold -1 where no page is) would wrap to the
+    cache's last page, another request's; orchard_ops refuses it before it writes the keys. One
+    a request does not reach is not read. Its step equals flash_attn_with_kvcache's."""
     g = torch.Generator().manual_seed(0)
     k_cache, v_cache = (torch.randn(6, 4, 1, 8, generator=g) for _ in range(2))
     query = torch.randn(1, 2, 2, 8, generator=g)        # (1, heads, requests, D)
@@ -258,6 +258,6 @@ def test_the_fast_path_refuses_a_negative_page_before_writing():
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
     table[1, 1] = -1        # request 1's new key (position 7) goes in its second page
     kept = k_cache.clone()
-    with pytest.raises(ValueError, match="block_table.* row 1 lists page -1"):
+    with pytest.raises(ValueError, match=r"'block_table'\[1, 1\] = -1 is not a page"):
         hf._paged_decode(query, key, value, kwargs, options)
     assert torch.equal(k_cache, kept)

@@ -71,11 +71,11 @@ def refuse_batched(dout):
                "jacobian)")
 
 
-def ops_call(dense, varlen, o, *arrays):
+def ops_call(dense, varlen, o, *arrays, **new):
     """dense(*arrays, ...) or, with cu_seqlens, varlen(*arrays, ...): an orchard_ops call with
-    the options o."""
+    the options o; new: a forward's k_new and v_new (flash_attn_with_kvcache)."""
     # only the options that are set: fewer keywords to parse, about 1 us of a tiny call
-    kw = {}
+    kw = new
     if o.window != (-1, -1):
         kw["window"] = o.window
     if o.softcap:

@@ -20,7 +20,7 @@ import orchard_ops
 from orchard.attention_op import _Options
 from orchard.torch import (_MAX_HEAD_DIM, _attention, _check_device, _check_tensors,
                            _dropout_keep, _fail, _flag, _forward, _largest_option, _number,
-                           _seed)
+                           _recording, _seed)
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
            "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
@@ -584,27 +584,35 @@ def _check_lengths(fn, seqlens, n, capacity):
               "cache's length" % (seqlens, n, capacity))
 
 
-def _cache_call(q, kc, vc, starts, opts, **extra):
+def _cache_call(q, kc, vc, starts, opts, new=None, **extra):
     """(out (batch, seqlen_q, nheads, headdim_v), lse (batch, nheads, seqlen_q)) of q (batch,
     seqlen_q, nheads, headdim) over keys kc and values vc (rows, nheads_k, headdim) where
     sequence b's start at row starts[b]: one varlen call for the whole batch; extra: the
-    options saying which of them it uses (leftpad_k, block_table). The arguments are checked:
-    the caller's work."""
+    options saying which of them it uses (leftpad_k, block_table); new: (k_new, v_new) (batch,
+    seqlen_new, nheads_k, headdim) that the call writes as each sequence's last keys and
+    values, or None. The arguments are checked: the caller's work."""
     batch, nq = q.shape[:2]
     cu_q = torch.arange(batch + 1, dtype=torch.int32) * nq
     out, lse = _forward(q.flatten(0, 1), kc, vc, opts._replace(
-        cu_seqlens_q=cu_q, cu_seqlens_k=torch.as_tensor(starts, dtype=torch.int64), **extra))
+        cu_seqlens_q=cu_q, cu_seqlens_k=torch.as_tensor(starts, dtype=torch.int64), **extra),
+        **_new_rows(new))
     return out.unflatten(0, (batch, nq)), lse.unflatten(1, (batch, nq)).transpose(0, 1)
 
 
-def _read_cache(q, k_cache, v_cache, used, leftpad, opts):
+def _new_rows(new):
+    return {} if new is None else dict(k_new=new[0], v_new=new[1])
+
+
+def _read_cache(q, k_cache, v_cache, used, leftpad, opts, new=None):
     """(out (batch, seqlen_q, nheads, headdim_v), lse (batch, nheads, seqlen_q)) of q (batch,
     seqlen_q, nheads, headdim) over sequence b's rows [leftpad[b], used[b]) (leftpad None: 0)
     of caches k_cache, v_cache (batch, seqlen_cache, nheads_k, headdim): one dense call, which
     reads them in place whatever their strides (transformers' caches are (batch, nheads_k,
-    seqlen_cache, headdim) in memory). The arguments are checked: the caller's work."""
+    seqlen_cache, headdim) in memory); new as _cache_call's. The arguments are checked: the
+    caller's work."""
     out, lse = _forward(q, k_cache, v_cache,
-                        opts._replace(seqused_k=used, leftpad_k=leftpad, seqlen_first=True))
+                        opts._replace(seqused_k=used, leftpad_k=leftpad, seqlen_first=True),
+                        **_new_rows(new))
     return out.contiguous(), lse
 
 
@@ -721,7 +729,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if any(not 0 <= p <= s + n for p, s in zip(leftpad, seqlens)):
             _fail(fn, "cache_leftpad", "%s must lie in [0, cache_seqlens + seqlen_new]"
                   % leftpad)
-    if paged:
+    # The new keys and values go into the cache in the call that reads it: orchard_ops writes
+    # them once it has checked every argument, every page included (csrc/kv_append.c). A
+    # cache read through a gathered copy (cache_batch_idx) takes them here, as does a call
+    # torch records, whose graph would not see a write inside orchard's.
+    in_call = k is not None and (paged or in_place) and not _recording()
+    if paged and not in_call:
         _check_block_table(fn, block_table, [s + n for s in seqlens], page, k_cache.shape[0])
     opts = _options(fn, q, capacity, 0.0, softmax_scale, causal, window_size, softcap,
                     alibi_slopes, batch, device)
@@ -771,28 +784,27 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             # before the write (index_put_ copies element by element, so overlapping slots
             # would read keys already moved); traced, functionalization reads them so itself.
             # Memory, not storage objects: views made elsewhere (torch.from_numpy of a NumPy
-            # view of the cache's array) have their own.
+            # view of the cache's array) have their own. orchard_ops copies the new rows it
+            # writes first, but reads q after the write.
             caches = [_memory(t) for t in (k_cache, v_cache)]
-            q, k, v = (t.clone() if _overlaps(_memory(t), caches) else t for t in (q, k, v))
-        # every sequence writing at one offset (a batch of one, or of equal lengths) takes a
-        # slice: a third of the time of the index_put below on a decode step
-        one_offset = not traced and in_place and not paged and len(set(seqlens)) == 1
-        if rotary_cos is not None or not one_offset:
+            q = q.clone() if _overlaps(_memory(q), caches) else q
+            if not in_call:
+                k, v = (t.clone() if _overlaps(_memory(t), caches) else t for t in (k, v))
+        if rotary_cos is not None or not in_call:
             pos = lengths[:, None] + torch.arange(n)      # (batch, n): the new tokens'
         if rotary_cos is not None:
             k = _rotary(k, rotary_cos, rotary_sin, pos, rotary_interleaved)
-        if one_offset:
-            at = slice(0, batch), slice(seqlens[0], seqlens[0] + n)
-        else:
+        if not in_call:
             at = ((block_table.long().gather(1, pos // page), pos % page) if paged
                   else ((torch.arange(batch) if rows is None else rows)[:, None], pos))
-        k_cache[at] = k
-        v_cache[at] = v
+            k_cache[at] = k
+            v_cache[at] = v
     if rotary_cos is not None:
         # As FlashAttention-2: queries sit at the new tokens' positions when masks place
         # them, else all at cache_seqlens.
         steps = torch.arange(nq) if local else torch.zeros(nq, dtype=torch.long)
         q = _rotary(q, rotary_cos, rotary_sin, lengths[:, None] + steps, rotary_interleaved)
+    new = (k, v) if in_call else None
     if batch == 0:          # no sequence to attend with (its new keys, none, are written)
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         out, lse = q.new_zeros(0, nq, q.shape[2], dv), q.new_zeros(0, q.shape[2], nq,
@@ -804,11 +816,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # from its row of the cache (a dense call). A reordered cache is gathered first (a copy).
     if paged:
         starts = [0] + list(itertools.accumulate(s + n for s in seqlens))
-        out, lse = _cache_call(q, k_cache, v_cache, starts, opts, block_table=block_table,
+        out, lse = _cache_call(q, k_cache, v_cache, starts, opts, new, block_table=block_table,
                                leftpad_k=cache_leftpad)
     else:
         if not in_place or k_cache.shape[0] != batch:
             slots = slice(0, batch) if in_place else rows
             k_cache, v_cache = k_cache[slots], v_cache[slots]
-        out, lse = _read_cache(q, k_cache, v_cache, lengths + n, cache_leftpad, opts)
+        out, lse = _read_cache(q, k_cache, v_cache, lengths + n, cache_leftpad, opts, new)
     return (out, lse.contiguous()) if return_softmax_lse else out

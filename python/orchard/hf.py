@@ -912,8 +912,7 @@ def _new_key_slots(table, ends, page):
     """(pages, rows): index tensors (B,) of the cache rows where request b's new key goes, key
     position ends[b] of the pages its row of table (B, pages) lists; ValueError where that page
     is negative (transformers' tables hold -1 where no page is: indexing would wrap it around
-    to another request's page). In NumPy: a torch operation on these few numbers costs 2-4
-    us, NumPy's about 1."""
+    to another request's page)."""
     at = np.asarray(ends, dtype=np.int64)
     pages = table.numpy()[np.arange(len(ends)), at // page]
     if pages.size and pages.min() < 0:
@@ -931,11 +930,10 @@ def _paged_decode(query, key, value, kwargs, options):
     """A decode-only batch on continuous batching's fast path (block_table, k_cache and v_cache
     in kwargs): query (1, H, B, D), one token of each of B requests, key and value (1, Hkv, B,
     D) theirs, written at each request's end in its pages of k_cache and v_cache (pages, page
-    size, Hkv, D) and every key read there, in place: flash_attn_with_kvcache's write and call
-    without its checks, which took half of what a step spent around orchard_ops' call (130-370
-    us; transformers makes these arguments, _new_key_slots refuses a negative page where a
-    new key goes, torch's indexing one past the cache, orchard_ops checks the pages it reads).
-    out (1, B, H, Dv)."""
+    size, Hkv, D) and every key read there, in place: flash_attn_with_kvcache's call without
+    its checks, which took half of what a step spent around orchard_ops' call (130-370 us;
+    transformers makes these arguments, and orchard_ops checks every page the call reads, the
+    new keys' included, before it writes them). out (1, B, H, Dv)."""
     table, lengths, batch = _requests(query, kwargs)
     caches = kwargs["k_cache"], kwargs["v_cache"]
     if caches[0].dtype != query.dtype:      # (autocast's, say)
@@ -943,15 +941,13 @@ def _paged_decode(query, key, value, kwargs, options):
                         % (caches[0].dtype, query.dtype))
     page, rows = caches[0].shape[1], table.shape[0]
     table = table[:batch]
-    at = _new_key_slots(table, [n - 1 for n in lengths[:batch]], page)
-    for cache, new in zip(caches, (key, value)):
-        cache[at] = new[0, :, :batch].transpose(0, 1)
-    q = query[0, :, :batch].transpose(0, 1)[:, None]       # (B, 1, H, D)
+    # (B, 1, H, D) queries, (B, 1, Hkv, D) new keys and values
+    q, k, v = (x[0, :, :batch].transpose(0, 1)[:, None] for x in (query, key, value))
     opts = _options("orchard.hf", q, table.shape[1] * page, 0.0, options["softmax_scale"],
                     options["causal"], options["window_size"], options["softcap"], None, batch,
                     None)
     out, _ = _cache_call(q, *caches, [0] + list(itertools.accumulate(lengths[:batch])), opts,
-                         block_table=table)
+                         (k, v), block_table=table)
     if batch < rows:      # the padding requests' outputs: zeros
         out = torch.cat([out, out.new_zeros(rows - batch, *out.shape[1:])])
     return out.transpose(0, 1)

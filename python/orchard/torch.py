@@ -77,14 +77,16 @@ def _refuse_transforms(q, k, v):
         attention_op.refuse(why)
 
 
-def _forward(q, k, v, opts):
+def _forward(q, k, v, opts, **new):
     """(out, lse) by orchard_ops without autograd's bookkeeping; while torch records, its
-    custom op (differentiable: one graph node each way, the gradient's included)."""
+    custom op (differentiable: one graph node each way, the gradient's included). new:
+    k_new and v_new, written into k and v by the call (never while torch records)."""
     if not torch.compiler.is_compiling():   # (Dynamo handles torch.func itself)
         _refuse_transforms(q, k, v)
     if _recording():
         return attention_op.traced(q, k, v, opts)
-    return ops_call(orchard_ops.flash_attn_fwd, orchard_ops.flash_attn_varlen_fwd, opts, q, k, v)
+    return ops_call(orchard_ops.flash_attn_fwd, orchard_ops.flash_attn_varlen_fwd, opts, q, k, v,
+                    **new)
 
 
 class _FlashAttention(torch.autograd.Function):
