@@ -526,9 +526,11 @@ int or_check_like(or_call *c, int slot, const npy_intp *shape, int nd)
  * cast would wrap to a negative number (a message would show that number). */
 static PyArrayObject *as_int64(or_call *c, PyArrayObject *raw, const char *name, int nd)
 {
+    /* a copy: what is checked is what the kernels read, whatever another thread, or a call's
+     * own write of new keys (kv_append.c) into memory a table shares, does to the argument */
     PyArrayObject *a = (PyArrayObject *)PyArray_FromAny(
         (PyObject *)raw, PyArray_DescrFromType(NPY_INT64), nd, nd,
-        NPY_ARRAY_CARRAY | NPY_ARRAY_FORCECAST, NULL);
+        NPY_ARRAY_CARRAY | NPY_ARRAY_FORCECAST | NPY_ARRAY_ENSURECOPY, NULL);
     const int64_t *v = a != NULL && PyArray_ISUNSIGNED(raw) ? PyArray_DATA(a) : NULL;
     for (npy_intp i = 0; v != NULL && i < PyArray_SIZE(a); i++)
         if (v[i] < 0) {

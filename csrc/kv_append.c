@@ -4,10 +4,11 @@
  * k_new and v_new hold n rows for every kv unit: a dense call's in k's and v's own layout with
  * n rows on the sequence axis, a varlen call's (batch_size, n, Hkv, D / Dv). They become the
  * last n rows of each sequence (up to seqused_k, or its slot's length in cu_seqlens_k; some
- * may lie before leftpad_k, unread), written into k's and v's memory, rows or pages, once
- * every argument is checked and just before the kernels run: a refused call leaves the cache
- * as it was. They are copied first, so new rows that overlap the cache's memory read as they
- * were before the write.
+ * may lie before leftpad_k, unread, in pages checked here), written into k's and v's memory,
+ * rows or pages, once every argument is checked and just before the kernels run: a call
+ * refused for its arguments leaves the cache as it was (one whose kernels fail later, out of
+ * memory or on a device, has written it). They are copied first, so new rows that overlap the
+ * cache's memory read as they were before the write; q is read after it.
  */
 #include <string.h>
 
@@ -114,22 +115,37 @@ int or_load_new_kv(or_call *c, const or_opts *o)
         return -1;
     }
     or_ssize n = -1;
-    if (check_cache(c, OR_K) < 0 || check_cache(c, OR_V) < 0
-        || !(c->new_kv[0] = load_rows(c, o->k_new, OR_K, &n))
+    if (!(c->new_kv[0] = load_rows(c, o->k_new, OR_K, &n))
         || !(c->new_kv[1] = load_rows(c, o->v_new, OR_V, &n)))
         return -1;
-    const or_ssize group = c->p.prm.group, hkv = c->heads / group;
+    if (n == 0) {           /* nothing to write: any cache will do */
+        Py_CLEAR(c->new_kv[0]);
+        Py_CLEAR(c->new_kv[1]);
+        return 0;
+    }
+    const or_ssize group = c->p.prm.group, hkv = c->heads / group, rows = c->p.pages.rows;
     const int64_t *lp = c->leftpad ? PyArray_DATA(c->leftpad) : NULL;
-    for (or_ssize w = 0; w < c->p.n_units / group; w++) {
-        const or_ssize end = c->p.nk[w * group] + (lp ? lp[w / hkv] : 0);
+    for (or_ssize w = 0; w < c->p.n_units / group; w += hkv) {     /* a sequence's first */
+        const or_ssize b = w / hkv, end = c->p.nk[w * group] + (lp ? lp[b] : 0);
         if (end < n) {
-            PyErr_Format(PyExc_ValueError, "%s(): sequence %zd has %zd keys, fewer than the %zd "
-                         "new rows of 'k_new' that end them", c->func, (Py_ssize_t)(w / hkv),
+            PyErr_Format(PyExc_ValueError, "%s(): sequence %zd ends at position %zd, so it "
+                         "cannot end with the %zd new rows of 'k_new'", c->func, (Py_ssize_t)b,
                          (Py_ssize_t)end, (Py_ssize_t)n);
             return -1;
         }
+        /* or_check_key_ranges checked the pages from the left padding on: new rows before it
+         * go into pages of their own */
+        for (or_ssize t = rows ? (end - n) / rows : 0; rows && t <= (end - 1) / rows; t++) {
+            const int64_t page = c->p.pages.table[w][t];
+            if (page < 0 || page >= c->p.pages.count) {
+                PyErr_Format(PyExc_ValueError, "%s(): 'block_table'[%zd, %zd] = %lld is not a "
+                             "page: k and v hold %zd", c->func, (Py_ssize_t)b, (Py_ssize_t)t,
+                             (long long)page, (Py_ssize_t)c->p.pages.count);
+                return -1;
+            }
+        }
     }
-    return 0;
+    return check_cache(c, OR_K) < 0 || check_cache(c, OR_V) < 0 ? -1 : 0;
 }
 
 /* The address of key j of kv unit w in slot s (orchard.h: or_view, or_pages); j < 0: a row

@@ -1207,3 +1207,29 @@ def test_options_written_in_place_before_the_backward_raise_as_inputs_do(option)
     (cu if option == "cu_seqlens" else slopes).add_(1 if option == "cu_seqlens" else 0.5)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
+
+
+def test_kvcache_write_is_seen_by_autograd_and_reaches_strided_caches():
+    """The new keys written by orchard_ops' call bump the caches' version counters, as
+    torch's writes do: a backward that saved the cache refuses to run on the new values. A
+    cache not contiguous in its last dimension (read through a copy) is written by torch
+    first, with the same result."""
+    g = torch.Generator().manual_seed(5)
+    k_cache, v_cache = (torch.randn(2, 8, 2, 16, generator=g) for _ in range(2))
+    q, k, v = (torch.randn(2, 1, h, 16, generator=g) for h in (4, 2, 2))
+    seqlens = torch.tensor([3, 6], dtype=torch.int32)
+    w = torch.ones(2, 8, 2, 16, requires_grad=True)
+    loss = (w * k_cache).sum()      # saves k_cache for backward
+    versions = k_cache._version, v_cache._version
+    want = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens)
+    assert k_cache._version > versions[0] and v_cache._version > versions[1]
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    wide = [torch.randn(2, 8, 2, 32, generator=g) for _ in range(2)]
+    strided = [t[..., ::2] for t in wide]
+    for t, c in zip(strided, (k_cache, v_cache)):
+        t[:, :3], t[1, 3:6] = c[:, :3], c[1, 3:6]
+    got = flash_attn_with_kvcache(q, *strided, k, v, cache_seqlens=seqlens)
+    assert torch.equal(got, want)
+    for t, c in zip(strided, (k_cache, v_cache)):
+        assert torch.equal(t[0, :4], c[0, :4]) and torch.equal(t[1, :7], c[1, :7])

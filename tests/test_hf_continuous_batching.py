@@ -261,3 +261,29 @@ def test_the_fast_path_refuses_a_negative_page_before_writing():
     with pytest.raises(ValueError, match=r"'block_table'\[1, 1\] = -1 is not a page"):
         hf._paged_decode(query, key, value, kwargs, options)
     assert torch.equal(k_cache, kept)
+
+
+def test_the_fast_path_under_a_dispatch_mode_writes_the_new_keys():
+    """Under a torch dispatch mode (a FLOP counter, a user's mode) orchard is its custom op,
+    which writes nothing: the fast path then writes the new keys itself, with the same step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(1)
+    caches = [torch.randn(6, 4, 1, 8, generator=g) for _ in range(2)]
+    query = torch.randn(1, 2, 2, 8, generator=g)
+    key, value = (torch.randn(1, 1, 2, 8, generator=g) for _ in range(2))
+    options = dict(softmax_scale=0.3, causal=True, window_size=(-1, -1), softcap=0.0)
+    table = torch.tensor([[3, 0, -1], [5, 1, -1]], dtype=torch.int32)
+    kw = dict(block_table=table, cu_seq_lens_k=torch.tensor([0, 6, 14], dtype=torch.int32))
+    plain = [c.clone() for c in caches]
+    want = hf._paged_decode(query, key, value, dict(kw, k_cache=plain[0], v_cache=plain[1]),
+                            options)
+    with PassThrough():
+        got = hf._paged_decode(query, key, value, dict(kw, k_cache=caches[0],
+                                                       v_cache=caches[1]), options)
+    assert torch.equal(got, want)
+    assert torch.equal(caches[0], plain[0]) and torch.equal(caches[1], plain[1])

@@ -132,7 +132,7 @@ def test_refusals_leave_the_cache_as_it_was(ops, device, rng):
          dict(k_new=randn(rng, (2, 1, 3, D), np.float32), v_new=new)),
         (TypeError, "'k_new' has dtype float64 but 'k' has float32",
          dict(k_new=new.astype(np.float64), v_new=new)),
-        (ValueError, "sequence 0 has 3 keys, fewer than the 4 new rows",
+        (ValueError, "sequence 0 ends at position 3, so it cannot end with the 4 new rows",
          dict(k_new=np.concatenate([new] * 4, 1), v_new=np.concatenate([new] * 4, 1))),
     ]
     for error, match, extra in bad:
@@ -165,3 +165,33 @@ def test_backward_and_varlen_backward_take_no_new_rows(ops):
     q = np.zeros((1, 1, 2, 8), np.float32)
     with pytest.raises(TypeError, match="k_new"):
         ops.flash_attn_bwd(q, q, q, q, q, np.zeros((1, 1, 2), np.float32), k_new=q)
+
+
+def test_pages_of_new_rows_before_the_left_padding_are_checked(ops, device):
+    """A sequence whose left padding lies past its cached keys puts new rows in pages it does
+    not read: those pages are checked too, before anything is written."""
+    k = np.zeros((3, 4, 1, 8), np.float32)
+    v, q = k.copy(), np.ones((1, 1, 8), np.float32)
+    new = np.full((1, 3, 1, 8), 7, np.float32)       # positions 6, 7, 8: pages 1 and 2
+    cu_q, cu_k = np.array([0, 1], np.int32), np.array([0, 9], np.int32)
+    for bad in (-1, 10**6):
+        table = np.array([[bad, bad, 0]], np.int32)
+        with pytest.raises(ValueError, match=r"'block_table'\[0, 1\] = %d is not a page" % bad):
+            ops.flash_attn_varlen_fwd(q, k, v, cu_q, cu_k, block_table=table, device=device,
+                                      leftpad_k=np.array([8], np.int32), k_new=new, v_new=new)
+        assert not k.any() and not v.any()
+    table = np.array([[2, 1, 0]], np.int32)
+    ops.flash_attn_varlen_fwd(q, k, v, cu_q, cu_k, block_table=table, device=device,
+                              leftpad_k=np.array([8], np.int32), k_new=new, v_new=new)
+    assert (k[1, 2:] == 7).all() and (k[0, :1] == 7).all() and k.sum() == 7 * 3 * 8
+
+
+def test_no_new_rows_take_any_cache(ops):
+    """n = 0: nothing to write, so an empty cache, or one read through a copy, is fine."""
+    q = np.ones((1, 1, 1, 8), np.float32)
+    empty = np.zeros((1, 0, 1, 8), np.float32)
+    none = np.zeros((1, 0, 1, 8), np.float32)
+    out, _ = ops.flash_attn_fwd(q, empty, empty, seqlen_first=True, k_new=none, v_new=none)
+    assert not out.any()
+    strided = np.zeros((1, 4, 1, 16), np.float32)[..., ::2]
+    ops.flash_attn_fwd(q, strided, strided, seqlen_first=True, k_new=none, v_new=none)

@@ -603,6 +603,13 @@ def _new_rows(new):
     return {} if new is None else dict(k_new=new[0], v_new=new[1])
 
 
+def _written(*caches):
+    """Tells autograd that orchard_ops wrote the caches (as torch's own writes do), so that a
+    backward that saved one of them refuses to run on the new values."""
+    for cache in caches:
+        torch.autograd.graph.increment_version(cache)
+
+
 def _read_cache(q, k_cache, v_cache, used, leftpad, opts, new=None):
     """(out (batch, seqlen_q, nheads, headdim_v), lse (batch, nheads, seqlen_q)) of q (batch,
     seqlen_q, nheads, headdim) over sequence b's rows [leftpad[b], used[b]) (leftpad None: 0)
@@ -731,9 +738,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                   % leftpad)
     # The new keys and values go into the cache in the call that reads it: orchard_ops writes
     # them once it has checked every argument, every page included (csrc/kv_append.c). A
-    # cache read through a gathered copy (cache_batch_idx) takes them here, as does a call
-    # torch records, whose graph would not see a write inside orchard's.
-    in_call = k is not None and (paged or in_place) and not _recording()
+    # cache read through a gathered copy (cache_batch_idx) or through orchard_ops' own (not
+    # contiguous in its last dimension) takes them here, as does a call torch records, whose
+    # graph would not see a write inside orchard's.
+    in_call = (k is not None and (paged or in_place) and not _recording()
+               and all(t.stride(-1) == 1 or t.shape[-1] == 1 for t in (k_cache, v_cache)))
     if paged and not in_call:
         _check_block_table(fn, block_table, [s + n for s in seqlens], page, k_cache.shape[0])
     opts = _options(fn, q, capacity, 0.0, softmax_scale, causal, window_size, softcap,
@@ -823,4 +832,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             slots = slice(0, batch) if in_place else rows
             k_cache, v_cache = k_cache[slots], v_cache[slots]
         out, lse = _read_cache(q, k_cache, v_cache, lengths + n, cache_leftpad, opts, new)
+    if in_call:
+        _written(k_cache, v_cache)
     return (out, lse.contiguous()) if return_softmax_lse else out

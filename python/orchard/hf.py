@@ -53,7 +53,8 @@ except ImportError:     # (a transformers without it)
     PagedAttentionCache = continuous_api = initialization = None
 
 from orchard.bert_padding import pad_input, unpad_input
-from orchard.flash_attn import _cache_call, _options, _read_cache, flash_attn_varlen_func
+from orchard.flash_attn import (_cache_call, _options, _read_cache, _written,
+                                flash_attn_varlen_func)
 from orchard.torch import _MAX_HEAD_DIM, _ROUTABLE_DTYPES, _as_autocast, _attention, _recording
 
 __all__ = ["register", "attention_forward", "attention_mask", "computes_attention_itself",
@@ -943,11 +944,18 @@ def _paged_decode(query, key, value, kwargs, options):
     table = table[:batch]
     # (B, 1, H, D) queries, (B, 1, Hkv, D) new keys and values
     q, k, v = (x[0, :, :batch].transpose(0, 1)[:, None] for x in (query, key, value))
+    in_call = not _recording()      # (a dispatch mode's graph would not see orchard's write)
+    if not in_call:
+        at = _new_key_slots(table, [n - 1 for n in lengths[:batch]], page)
+        for cache, new in zip(caches, (k, v)):
+            cache[at] = new[:, 0]
     opts = _options("orchard.hf", q, table.shape[1] * page, 0.0, options["softmax_scale"],
                     options["causal"], options["window_size"], options["softcap"], None, batch,
                     None)
     out, _ = _cache_call(q, *caches, [0] + list(itertools.accumulate(lengths[:batch])), opts,
-                         (k, v), block_table=table)
+                         (k, v) if in_call else None, block_table=table)
+    if in_call:
+        _written(*caches)
     if batch < rows:      # the padding requests' outputs: zeros
         out = torch.cat([out, out.new_zeros(rows - batch, *out.shape[1:])])
     return out.transpose(0, 1)

@@ -84,6 +84,9 @@ def _forward(q, k, v, opts, **new):
     if not torch.compiler.is_compiling():   # (Dynamo handles torch.func itself)
         _refuse_transforms(q, k, v)
     if _recording():
+        if new:     # (its callers write them themselves there: the graph would not see it)
+            raise RuntimeError("orchard: new keys and values cannot be written by a call "
+                               "torch records")
         return attention_op.traced(q, k, v, opts)
     return ops_call(orchard_ops.flash_attn_fwd, orchard_ops.flash_attn_varlen_fwd, opts, q, k, v,
                     **new)
