@@ -263,9 +263,8 @@ PyObject *or_to_device(PyObject *module, PyObject *args, PyObject *kw)
     }
     or_counters *ct = or_device_counters(choice.index);
     or_dtype dt;
-    int staged;
     PyArrayObject *a = or_operand(st, obj, "to_device", "array", ct,
-                                  or_device_align(choice.index), &dt, &staged);
+                                  or_device_align(choice.index), &dt, NULL);
     if (a != NULL && !PyArray_IS_C_CONTIGUOUS(a))  /* a strided view: its C-order image */
         Py_SETREF(a, (PyArrayObject *)PyArray_NewCopy(a, NPY_CORDER));
     if (a == NULL)

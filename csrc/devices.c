@@ -21,7 +21,8 @@
 /* The native path's counters apart, so that a device="cpu" call never loads OpenCL (its
  * library, a CPU driver's threads and signal handlers, what a fork()ed child cannot use). */
 static or_counters native_counters;
-static or_counters *cl_counters;    /* one per OpenCL device, for the life of the process */
+static or_counters *cl_counters;    /* one per OpenCL device (and a spare, so that calloc is
+                                       never asked for 0), for the life of the process */
 static int ndevices = 1;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 

@@ -35,8 +35,8 @@ static int check_cache(const or_call *c, int slot)
     if (c->resident)
         why = "is a DeviceArray: new rows are written into host arrays";
     else if (c->staged[slot])
-        why = "is read through a copy (it is not contiguous in its last dimension, aligned and "
-              "in native byte order), so the new rows would not reach it";
+        why = "is read through a copy (it is not an array or tensor contiguous in its last "
+              "dimension, aligned and in native byte order), so the new rows would not reach it";
     else if (!PyArray_ISWRITEABLE(a))
         why = "is read-only";
     for (int i = 0; why == NULL && i < PyArray_NDIM(a) - 1; i++)
@@ -57,9 +57,9 @@ static int check_cache(const or_call *c, int slot)
 static PyArrayObject *load_rows(or_call *c, PyObject *obj, int slot, or_ssize *n)
 {
     const char *name = names[slot - OR_K];
-    int staged;
     or_dtype dt;
-    PyArrayObject *given = or_operand(c->st, obj, c->func, name, c->ct, 1, &dt, &staged);
+    /* (not counted in stats(): they are copied below whatever their layout) */
+    PyArrayObject *given = or_operand(c->st, obj, c->func, name, NULL, 1, &dt, NULL);
     PyArrayObject *a = NULL, *rows = NULL;
     if (given == NULL)
         return NULL;

@@ -255,7 +255,8 @@ PyArrayObject *or_operand(or_module_state *st, PyObject *obj, const char *func,
                           const char *name, or_counters *ct, size_t align, or_dtype *dt,
                           int *staged_out)
 {
-    *staged_out = 0;
+    if (staged_out != NULL)
+        *staged_out = 0;
     const int dlpack = PyArray_Check(obj) ? 0 : has_attr(obj, st->dlpack_name);
     if (dlpack < 0)
         return or_unreadable(func, name, 0);
@@ -273,8 +274,14 @@ PyArrayObject *or_operand(or_module_state *st, PyObject *obj, const char *func,
         Py_DECREF(a);
         return NULL;
     }
+    /* NumPy's array from another kind of object (a list, say) is memory of its own: a copy of
+     * the operand, which a write would never reach */
+    if (staged_out != NULL && !dlpack && !PyArray_Check(obj)
+        && PyArray_CHKFLAGS(a, NPY_ARRAY_OWNDATA))
+        *staged_out = 1;
     if (readable_in_place(a)) {
-        OR_COUNT(ct, zero_copy_buffers, 1);
+        if (ct != NULL)
+            OR_COUNT(ct, zero_copy_buffers, 1);
         if (or_env_flag("ORCHARD_TENSOR_PROFILE"))
             or_log("orchard: %s %s: zero-copy, %zd bytes in place", func, name, PyArray_NBYTES(a));
         return a;
@@ -293,11 +300,14 @@ PyArrayObject *or_operand(or_module_state *st, PyObject *obj, const char *func,
     }
     if (staged == NULL)
         return NULL;
-    OR_COUNT(ct, staged_buffers, 1);
-    OR_COUNT(ct, bytes_staged, PyArray_NBYTES(staged));
+    if (ct != NULL) {
+        OR_COUNT(ct, staged_buffers, 1);
+        OR_COUNT(ct, bytes_staged, PyArray_NBYTES(staged));
+    }
     if (or_env_flag("ORCHARD_TENSOR_PROFILE"))
         or_log("orchard: %s %s: staged, %zd bytes copied", func, name, PyArray_NBYTES(staged));
-    *staged_out = 1;
+    if (staged_out != NULL)
+        *staged_out = 1;
     return staged;
 }
 

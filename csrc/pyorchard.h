@@ -32,7 +32,8 @@ PyObject *or_device_error(or_module_state *st, const char *func, int device, con
 
 /* marshal.c */
 PyArrayObject *or_unreadable(const char *func, const char *name, int own_words);
-/* an operand as an array: in place, or a copy (*staged 1) where the kernels cannot read it so */
+/* an operand as an array: in place, or a copy (*staged 1) where the kernels cannot read it so
+ * or it was no array; ct (counted there) and staged may be NULL */
 PyArrayObject *or_operand(or_module_state *st, PyObject *obj, const char *func,
                           const char *name, or_counters *ct, size_t align, or_dtype *dt,
                           int *staged);

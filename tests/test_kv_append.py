@@ -104,6 +104,19 @@ def test_torch_tensors_and_bfloat16(ops, device):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def test_new_rows_are_not_counted_as_operands(ops, rng):
+    """stats() counts q, k and v of a call with new rows, none staged, even where the new
+    rows are strided (they are copied whatever their layout)."""
+    q = randn(rng, (1, 1, 2, D), np.float32)
+    k, v = randn(rng, (1, 8, 2, D), np.float32), randn(rng, (1, 8, 2, D), np.float32)
+    strided = randn(rng, (1, 1, 2, 2 * D), np.float32)[..., ::2]
+    ops.reset_stats()
+    ops.flash_attn_fwd(q, k, v, seqlen_first=True, device="cpu", k_new=strided, v_new=strided)
+    st = ops.stats()["per_device"]["cpu"]
+    assert (st["zero_copy_buffers"], st["staged_buffers"]) == (3, 0), st
+    np.testing.assert_array_equal(k[0, 7], strided[0, 0])
+
+
 def test_new_rows_over_the_cache_are_read_before_the_write(ops, rng):
     """New rows that are a view of the cache's own slots, shifted: written as they were."""
     k, v = randn(rng, (1, 8, 1, D), np.float32), randn(rng, (1, 8, 1, D), np.float32)
@@ -149,6 +162,11 @@ def test_refusals_leave_the_cache_as_it_was(ops, device, rng):
         with pytest.raises(ValueError, match=why + ".*it cannot take 'k_new'"):
             ops.flash_attn_fwd(q, cache, v, k_new=new, v_new=new, **kw)
     np.testing.assert_array_equal(readonly, k)
+    # a list is read as a new array of NumPy's: its own memory, which a write would not reach
+    wide = [x.astype(np.float64) for x in (q, k, v, new)]
+    with pytest.raises(ValueError, match="'k' is read through a copy.*it cannot take 'k_new'"):
+        ops.flash_attn_fwd(wide[0], wide[1].tolist(), wide[2], k_new=wide[3], v_new=wide[3],
+                           **kw)
 
 
 def test_device_arrays_are_refused(ops, rng):
@@ -165,6 +183,10 @@ def test_backward_and_varlen_backward_take_no_new_rows(ops):
     q = np.zeros((1, 1, 2, 8), np.float32)
     with pytest.raises(TypeError, match="k_new"):
         ops.flash_attn_bwd(q, q, q, q, q, np.zeros((1, 1, 2), np.float32), k_new=q)
+    cu = np.array([0, 2], np.int32)
+    with pytest.raises(TypeError, match="k_new"):
+        ops.flash_attn_varlen_bwd(q[0, 0], q[0, 0], q[0, 0], q[0, 0], q[0, 0],
+                                  np.zeros((1, 2), np.float32), cu, cu, k_new=q[0, 0])
 
 
 def test_pages_of_new_rows_before_the_left_padding_are_checked(ops, device):

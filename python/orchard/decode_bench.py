@@ -87,9 +87,10 @@ def evicted_time(fn, sweep, calls=3):
 def read_bandwidth(repeats=5, nbytes=None):
     """GB/s of a sum over `nbytes` (None: evict_bytes()) of float32 with all of torch's
     threads: the machine's read bandwidth as a program sees it (from memory for evict_bytes();
-    from the last-level cache
-    for a size that fits there, as a 4,096-key cache of 32 heads does in a 260 MiB L3)."""
-    nbytes = nbytes or evict_bytes()
+    from the last-level cache for a size that fits there, as a 4,096-key cache of 32 heads
+    does in a 260 MiB L3)."""
+    if nbytes is None:
+        nbytes = evict_bytes()
     x = torch.ones(nbytes // 4)
     return nbytes / best_time(lambda: x.sum(), repeats) / 1e9
 

@@ -590,7 +590,8 @@ def _cache_call(q, kc, vc, starts, opts, new=None, **extra):
     sequence b's start at row starts[b]: one varlen call for the whole batch; extra: the
     options saying which of them it uses (leftpad_k, block_table); new: (k_new, v_new) (batch,
     seqlen_new, nheads_k, headdim) that the call writes as each sequence's last keys and
-    values, or None. The arguments are checked: the caller's work."""
+    values, or None. The arguments are checked, but for the pages the call reads (orchard_ops
+    checks them, before it writes anything): the caller's work."""
     batch, nq = q.shape[:2]
     cu_q = torch.arange(batch + 1, dtype=torch.int32) * nq
     out, lse = _forward(q.flatten(0, 1), kc, vc, opts._replace(
@@ -740,10 +741,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # them once it has checked every argument, every page included (csrc/kv_append.c). A
     # cache read through a gathered copy (cache_batch_idx) or through orchard_ops' own (not
     # contiguous in its last dimension) takes them here, as does a call torch records, whose
-    # graph would not see a write inside orchard's.
+    # graph would not see a write inside orchard's; the pages are checked first then.
     in_call = (k is not None and (paged or in_place) and not _recording()
                and all(t.stride(-1) == 1 or t.shape[-1] == 1 for t in (k_cache, v_cache)))
-    if paged and not in_call:
+    if paged and k is not None and not in_call:
         _check_block_table(fn, block_table, [s + n for s in seqlens], page, k_cache.shape[0])
     opts = _options(fn, q, capacity, 0.0, softmax_scale, causal, window_size, softcap,
                     alibi_slopes, batch, device)
@@ -784,8 +785,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 st == 0 and size > 1 for st, size in zip(cache.stride(), cache.shape)):
             _fail(fn, name, "is an expanded view (stride 0): its rows share memory and "
                   "cannot take new keys and values")
-    # Checked: from here on nothing fails on the caller's input, so the cache is written only
-    # for a call that completes.
+    # Checked, but for the pages a call that writes in orchard_ops reads (it checks them
+    # before it writes): from here on nothing fails on the caller's input, so the cache is
+    # written only for a call that completes.
 
     if k is not None:
         if not traced:

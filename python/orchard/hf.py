@@ -944,7 +944,9 @@ def _paged_decode(query, key, value, kwargs, options):
     table = table[:batch]
     # (B, 1, H, D) queries, (B, 1, Hkv, D) new keys and values
     q, k, v = (x[0, :, :batch].transpose(0, 1)[:, None] for x in (query, key, value))
-    in_call = not _recording()      # (a dispatch mode's graph would not see orchard's write)
+    # written in orchard_ops' call, but under a dispatch mode (whose graph would not see it) or
+    # into a cache it reads through a copy
+    in_call = not _recording() and all(c.stride(-1) == 1 or c.shape[-1] == 1 for c in caches)
     if not in_call:
         at = _new_key_slots(table, [n - 1 for n in lengths[:batch]], page)
         for cache, new in zip(caches, (k, v)):

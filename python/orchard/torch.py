@@ -80,13 +80,11 @@ def _refuse_transforms(q, k, v):
 def _forward(q, k, v, opts, **new):
     """(out, lse) by orchard_ops without autograd's bookkeeping; while torch records, its
     custom op (differentiable: one graph node each way, the gradient's included). new:
-    k_new and v_new, written into k and v by the call (never while torch records)."""
+    k_new and v_new, written into k and v by the call; never given while torch records (the
+    callers write them there: a graph would not see orchard's write)."""
     if not torch.compiler.is_compiling():   # (Dynamo handles torch.func itself)
         _refuse_transforms(q, k, v)
     if _recording():
-        if new:     # (its callers write them themselves there: the graph would not see it)
-            raise RuntimeError("orchard: new keys and values cannot be written by a call "
-                               "torch records")
         return attention_op.traced(q, k, v, opts)
     return ops_call(orchard_ops.flash_attn_fwd, orchard_ops.flash_attn_varlen_fwd, opts, q, k, v,
                     **new)

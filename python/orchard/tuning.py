@@ -79,8 +79,8 @@ def tune(device, shape=(1, 8, 1024, 64), candidates=None, repeats=3, report=prin
     """Times every candidate on `device`, stores the fastest; returns ({(bq, bk): seconds},
     stored), the times keyed by the blocks that ran (a candidate the family's rules round or
     fit runs as other blocks, which are what is stored), stored whether the store succeeded
-    (an older record of the same blocks does not count). A candidate gets at most `timeout` seconds in all
-    (None: no limit). Each candidate's time (or failure) is passed to `report` as a line of
+    (an older record of the same blocks does not count). A candidate gets at most `timeout`
+    seconds in all (None: no limit). Each candidate's time (or failure) is passed to `report` as a line of
     text, and progress (an orchard.progress.Progress of len(candidates)) is updated after
     each."""
     try:
