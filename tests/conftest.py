@@ -166,10 +166,15 @@ def grad_floor(dout, out, q, k, scale=None, ratio=1.0):
     cancel to 0 (e.g. a row with a single visible key: dq = 0 exactly in the reference).
     dq_i = scale sum_j dS_ij k_j, so its error is bounded by scale * max|D-terms| * max|k|;
     dk_j sums over up to Nq/Nk rows per key (`ratio`).  The comparison then uses
-    atol = t * max(max|ref|, floor).
+    atol = t * max(max|ref|, floor).  A float16 `out` below 2**-14 is subnormal: its rounding
+    error is absolute, up to 2**-25 = 2**-11 * 2**-14, so it counts as 2**-14 there (an out of
+    3e-8 rounds to 0, and the D it gives is off by dO * 3e-8).
     """
     dout = np.asarray(dout, dtype=np.float64)
+    subnormal = native(np.asarray(out).dtype) == np.float16
     out = np.asarray(out, dtype=np.float64)
+    if subnormal:
+        out = np.maximum(np.abs(out), 2.0 ** -14)
     q = np.asarray(q, dtype=np.float64)
     k = np.asarray(k, dtype=np.float64)
     if dout.size == 0 or q.size == 0 or k.size == 0:
