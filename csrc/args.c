@@ -740,6 +740,20 @@ static PyArrayObject *int64_array(or_call *c, PyObject *obj, const char *name, i
     return as_int64(c, raw, name, nd);
 }
 
+/* Entries [t0, t1) of sequence b's row of block_table name pages of k and v. */
+int or_check_pages(or_call *c, npy_intp b, npy_intp t0, npy_intp t1)
+{
+    const int64_t *row = (const int64_t *)PyArray_DATA(c->pages) + b * PyArray_DIM(c->pages, 1);
+    for (npy_intp t = t0; t < t1; t++)
+        if (row[t] < 0 || row[t] >= c->p.pages.count) {
+            PyErr_Format(PyExc_ValueError, "%s(): 'block_table'[%zd, %zd] = %lld is not a "
+                         "page: k and v hold %zd", c->func, b, t, (long long)row[t],
+                         c->p.pages.count);
+            return -1;
+        }
+    return 0;
+}
+
 /* seqused_k of a dense forward (a varlen one's: or_check_varlen), then leftpad_k and
  * block_table (varlen only) of a forward, against the sequences' key counts: each sequence's
  * left padding lies within its keys, and every page a sequence reads is listed and exists. */
@@ -777,13 +791,8 @@ int or_check_key_ranges(or_call *c, const or_opts *o)
                          (long long)len, width, page);
             return -1;
         }
-        for (npy_intp t = first / page; t < (len + page - 1) / page; t++)
-            if (tbl[b * width + t] < 0 || tbl[b * width + t] >= c->p.pages.count) {
-                PyErr_Format(PyExc_ValueError, "%s(): 'block_table'[%zd, %zd] = %lld is not a "
-                             "page: k and v hold %zd", c->func, b, t,
-                             (long long)tbl[b * width + t], c->p.pages.count);
-                return -1;
-            }
+        if (or_check_pages(c, b, first / page, (len + page - 1) / page) < 0)
+            return -1;
     }
     return 0;
 }

@@ -135,15 +135,8 @@ int or_load_new_kv(or_call *c, const or_opts *o)
         }
         /* or_check_key_ranges checked the pages from the left padding on: new rows before it
          * go into pages of their own */
-        for (or_ssize t = rows ? (end - n) / rows : 0; rows && t <= (end - 1) / rows; t++) {
-            const int64_t page = c->p.pages.table[w][t];
-            if (page < 0 || page >= c->p.pages.count) {
-                PyErr_Format(PyExc_ValueError, "%s(): 'block_table'[%zd, %zd] = %lld is not a "
-                             "page: k and v hold %zd", c->func, (Py_ssize_t)b, (Py_ssize_t)t,
-                             (long long)page, (Py_ssize_t)c->p.pages.count);
-                return -1;
-            }
-        }
+        if (rows && or_check_pages(c, b, (end - n) / rows, (end - 1) / rows + 1) < 0)
+            return -1;
     }
     return check_cache(c, OR_K) < 0 || check_cache(c, OR_V) < 0 ? -1 : 0;
 }

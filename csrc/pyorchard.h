@@ -146,6 +146,7 @@ int or_check_scale(or_call *c, const or_opts *o);
 int or_check_varlen(or_call *c, const or_opts *o, PyObject *cuq_obj, PyObject *cuk_obj);
 int or_check_paged_kv(or_call *c);
 int or_check_key_ranges(or_call *c, const or_opts *o);
+int or_check_pages(or_call *c, npy_intp b, npy_intp t0, npy_intp t1);
 int or_check_like(or_call *c, int slot, const npy_intp *shape, int nd);
 int or_parse_shape(PyObject *obj, const char *name, npy_intp *dims);    /* its length or -1 */
 

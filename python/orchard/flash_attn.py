@@ -604,6 +604,13 @@ def _new_rows(new):
     return {} if new is None else dict(k_new=new[0], v_new=new[1])
 
 
+def _writable_in_call(*caches):
+    """Whether orchard_ops' call can write new keys and values into the caches itself: not
+    while torch records (its graph would not see the write), nor into a cache it reads through
+    a copy (not contiguous in its last dimension)."""
+    return not _recording() and all(c.stride(-1) == 1 or c.shape[-1] == 1 for c in caches)
+
+
 def _written(*caches):
     """Tells autograd that orchard_ops wrote the caches (as torch's own writes do), so that a
     backward that saved one of them refuses to run on the new values."""
@@ -739,11 +746,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                   % leftpad)
     # The new keys and values go into the cache in the call that reads it: orchard_ops writes
     # them once it has checked every argument, every page included (csrc/kv_append.c). A
-    # cache read through a gathered copy (cache_batch_idx) or through orchard_ops' own (not
-    # contiguous in its last dimension) takes them here, as does a call torch records, whose
-    # graph would not see a write inside orchard's; the pages are checked first then.
-    in_call = (k is not None and (paged or in_place) and not _recording()
-               and all(t.stride(-1) == 1 or t.shape[-1] == 1 for t in (k_cache, v_cache)))
+    # cache read through a gathered copy (cache_batch_idx), or one orchard_ops cannot write,
+    # takes them here; the pages are checked first then.
+    in_call = k is not None and (paged or in_place) and _writable_in_call(k_cache, v_cache)
     if paged and k is not None and not in_call:
         _check_block_table(fn, block_table, [s + n for s in seqlens], page, k_cache.shape[0])
     opts = _options(fn, q, capacity, 0.0, softmax_scale, causal, window_size, softcap,
