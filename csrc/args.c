@@ -15,7 +15,7 @@
  * (kernels/params.h or_key_range) stay within int64 */
 #define OR_WINDOW_MAX ((long long)1 << 62)
 
-static const char *slot_name[OR_NSLOTS] = {"q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv"};
+static const char *slot_name[OR_NSLOTS] = OR_SLOT_NAMES;
 
 int or_bad_value(void)
 {
@@ -376,10 +376,10 @@ PyArrayObject *or_swap_seq_heads(or_call *c, int slot, PyArrayObject *a)
     return (PyArrayObject *)PyArray_SwapAxes(a, nd - 3, nd - 2);
 }
 
-/* Converts the input operands named in `slots` and checks that they share q's dtype. */
+/* Reads the input operands named in `slots` as arrays (views: or_stage_operands copies what
+ * must be copied once the shapes are checked) and checks that they share q's dtype. */
 int or_load_operands(or_call *c, PyObject **objs, const int *slots, int n)
 {
-    const size_t align = or_device_align(c->device.index);
     if (c->seqlen_first && c->resident) {
         PyErr_Format(PyExc_TypeError, "%s(): seqlen_first=True takes host arrays or tensors, "
                      "not DeviceArrays (their layout is fixed on the device)", c->func);
@@ -391,8 +391,9 @@ int or_load_operands(or_call *c, PyObject **objs, const int *slots, int n)
             c->dev[s] = Py_NewRef(objs[i]);
             c->arr[s] = or_device_array_layout(objs[i], &c->dt[s]);
         } else {
-            c->arr[s] = or_operand(c->st, objs[i], c->func, slot_name[s], c->ct, align,
-                                   &c->dt[s], &c->staged[s]);
+            c->arr[s] = or_operand_view(c->st, objs[i], c->func, slot_name[s], &c->dt[s],
+                                        &c->staged[s]);
+            c->pending[s] = 1;
         }
         if (c->arr[s] == NULL)
             return -1;
@@ -414,13 +415,7 @@ int or_load_operands(or_call *c, PyObject **objs, const int *slots, int n)
                          c->func, or_dtypes[got].name, or_dtypes[lse].name);
             return -1;
         } else if (s == OR_LSE && got != lse) {
-            /* lse of another float type is accepted and converted to the kernels' own */
-            PyArrayObject *cast = or_staged_copy(c->arr[s], or_dtypes[lse].typenum, align);
-            if (cast == NULL)
-                return -1;
-            OR_COUNT(c->ct, staged_buffers, 1);
-            OR_COUNT(c->ct, bytes_staged, PyArray_NBYTES(cast));
-            Py_SETREF(c->arr[s], cast);
+            /* lse of another float type is accepted, and staged as the kernels' own */
             c->dt[s] = lse;
         } else if (s != OR_LSE && got != dt) {
             PyErr_Format(PyExc_TypeError, "%s(): argument '%s' has dtype %s but 'q' has %s",
@@ -438,6 +433,35 @@ int or_load_operands(or_call *c, PyObject **objs, const int *slots, int n)
         Py_XDECREF(id);
         return -1;
     }
+    return 0;
+}
+
+/* Operand s as the kernels read it, if it is still the caller's view (or_stage): a
+ * seqlen_first one copied in its own axis order, as its results are laid out. */
+static int stage_operand(or_call *c, int s)
+{
+    if (!c->pending[s])
+        return 0;
+    c->pending[s] = 0;
+    const int swap = c->seqlen_first && s != OR_LSE;
+    PyArrayObject *a = swap ? or_swap_seq_heads(c, s, c->arr[s])
+                            : (PyArrayObject *)Py_NewRef(c->arr[s]);
+    if (a != NULL)
+        a = or_stage(a, or_dtypes[c->dt[s]].typenum, c->func, slot_name[s], c->ct,
+                     or_device_align(c->device.index));
+    if (a != NULL && swap)
+        Py_SETREF(a, or_swap_seq_heads(c, s, a));
+    if (a == NULL)
+        return -1;
+    Py_SETREF(c->arr[s], a);
+    return 0;
+}
+
+int or_stage_operands(or_call *c)
+{
+    for (int s = 0; s < OR_NSLOTS; s++)
+        if (stage_operand(c, s) < 0)
+            return -1;
     return 0;
 }
 
@@ -707,6 +731,11 @@ int or_check_paged_kv(or_call *c)
         Py_XDECREF(vs);
         return -1;
     }
+    /* the pages' geometry is that of the memory the kernels read: the copies, if staged */
+    if (stage_operand(c, OR_K) < 0 || stage_operand(c, OR_V) < 0)
+        return -1;
+    k = c->arr[OR_K];
+    v = c->arr[OR_V];
     c->p.pages.count = PyArray_DIM(k, 0);
     c->p.pages.rows = PyArray_DIM(k, 1);
     c->p.pages.k_stride = PyArray_STRIDE(k, 0);

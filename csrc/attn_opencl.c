@@ -60,11 +60,21 @@ typedef struct {
             return or_cl_fail((L)->err, rc_, name);                                          \
     } while (0)
 
-static int new_buffer(launch_t *L, cl_mem_flags flags, size_t size, void *host, cl_mem *out)
+/* A buffer for `what`: a failure names it and the sizes. */
+static int new_buffer(launch_t *L, const char *what, cl_mem_flags flags, size_t size, void *host,
+                      cl_mem *out)
 {
-    cl_int rc;
-    *out = L->prog.api->clCreateBuffer(L->prog.ctx, flags, size, host, &rc);
-    return *out ? OR_OK : or_cl_fail(L->err, rc, "clCreateBuffer");
+    return or_cl_new_buffer(L->prog.api, L->prog.ctx, L->info, flags, size, host, what, out,
+                            L->err);
+}
+
+/* A buffer for slot s: a failure names the argument. */
+static int slot_buffer(launch_t *L, int s, cl_mem_flags flags, size_t size, void *host)
+{
+    static const char *const names[OR_NSLOTS] = OR_SLOT_NAMES;
+    char what[32];
+    snprintf(what, sizeof(what), "'%s'", names[s]);
+    return new_buffer(L, what, flags, size, host, &L->mem[s]);
 }
 
 /* The entries [t0, t1) of kv unit w's row of block_table that the call reads: the pages from
@@ -126,8 +136,8 @@ static int compact_buffer(launch_t *L, int s)
         OR_COUNT(L->ct, host_to_device_bytes, w->nbytes * (size_t)L->n_used);
     }
     L->lo[s] = w->lo;
-    int rc = new_buffer(L, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR,
-                        w->nbytes * (size_t)L->n_used + 1, host, &L->mem[s]);
+    int rc = slot_buffer(L, s, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR,
+                         w->nbytes * (size_t)L->n_used + 1, host);
     free(host);
     return rc;
 }
@@ -136,7 +146,7 @@ static int compact_buffer(launch_t *L, int s)
  * and V read in place). */
 static int operand_buffers(launch_t *L)
 {
-    int rc = new_buffer(L, CL_MEM_READ_WRITE, 64, NULL, &L->dummy);
+    int rc = new_buffer(L, "a placeholder", CL_MEM_READ_WRITE, 64, NULL, &L->dummy);
     if (rc == OR_OK && compact_pages(L))
         rc = number_pages(L);
     for (int s = 0; rc == OR_OK && s < OR_NSLOTS; s++) {
@@ -173,8 +183,7 @@ static int operand_buffers(launch_t *L)
             OR_COUNT(L->ct, host_to_device_bytes, nbytes);
         }
         L->shift[s] = (size_t)(lo - host);
-        rc = new_buffer(L, flags, nbytes + L->shift[s], (L->in_place || !out) ? host : NULL,
-                        &L->mem[s]);
+        rc = slot_buffer(L, s, flags, nbytes + L->shift[s], (L->in_place || !out) ? host : NULL);
     }
     return rc;
 }
@@ -253,8 +262,8 @@ static int meta_buffer(launch_t *L)
         row[OR_UNIT_PAGES] = (cl_long)list;
         row[OR_UNIT_FIRST] = pg->first[kv] % pg->rows;     /* within its list's first page */
     }
-    int rc = new_buffer(L, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR, words * sizeof(cl_long), meta,
-                        &L->meta);
+    int rc = new_buffer(L, "the call's tables", CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR,
+                        words * sizeof(cl_long), meta, &L->meta);
     free(meta);
     return rc;
 }
@@ -278,8 +287,8 @@ static int slopes_buffer(launch_t *L)
         else
             ((float *)host)[u] = (float)p->slopes[u];
     }
-    int rc = new_buffer(L, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR, real * (size_t)p->n_units,
-                        host, &L->slopes);
+    int rc = new_buffer(L, "'alibi_slopes'", CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR,
+                        real * (size_t)p->n_units, host, &L->slopes);
     free(host);
     return rc;
 }
@@ -510,10 +519,11 @@ static int decode_kernels(launch_t *L)
                    nsplit = nk_max > 0 ? (nk_max + chunk - 1) / chunk : 1;
     const size_t real = dbl(L) ? sizeof(double) : sizeof(float),
                  rows = (size_t)(p->n_units * nsplit * nq_max);
-    int idx, rc = new_buffer(L, CL_MEM_READ_WRITE, real * (rows * OR_DECODE_ROW(p->dv) + 1), NULL,
-                             &L->part);
+    int idx, rc = new_buffer(L, "the splits' partial outputs", CL_MEM_READ_WRITE,
+                             real * (rows * OR_DECODE_ROW(p->dv) + 1), NULL, &L->part);
     if (rc == OR_OK)
-        rc = new_buffer(L, CL_MEM_READ_WRITE, real * (2 * rows + 1), NULL, &L->part_ml);
+        rc = new_buffer(L, "the splits' maxima and sums", CL_MEM_READ_WRITE,
+                        real * (2 * rows + 1), NULL, &L->part_ml);
     static const int split_args[] = {OR_Q, OR_K, OR_V};
     if (rc == OR_OK)
         rc = kernel_with(L, 0, or_cl_families[L->prog.family].decode, split_args, 3, &idx);
@@ -595,7 +605,8 @@ static int tiled_bwd_kernel(launch_t *L)
     void *zeros = calloc(1, size);      /* dQ starts at 0; the kernel adds every key block */
     if (zeros == NULL)
         return OR_ENOMEM;
-    int idx, rc = new_buffer(L, CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR, size, zeros, &L->dqacc);
+    int idx, rc = new_buffer(L, "the dq accumulator", CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR,
+                             size, zeros, &L->dqacc);
     free(zeros);
     if (rc == OR_OK)
         rc = kernel_with(L, 1, or_cl_families[L->prog.family].bwd, bwd_args, 6, &idx);
@@ -616,7 +627,8 @@ int or_cl_bwd(int i, const or_problem *p, or_counters *ct, or_error *err)
     const size_t real = dbl(&L) ? sizeof(double) : sizeof(float);
     /* D_i = rowsum(dO * O), a unit's rows from its OR_UNIT_ROW0 */
     if (rc == OR_OK)
-        rc = new_buffer(&L, CL_MEM_READ_WRITE, real * (size_t)(L.rows + 1), NULL, &L.di);
+        rc = new_buffer(&L, "the rows' dout . out", CL_MEM_READ_WRITE,
+                        real * (size_t)(L.rows + 1), NULL, &L.di);
     static const int prep_args[] = {OR_DO, OR_O};
     if (rc == OR_OK && (rc = kernel_with(&L, 0, "flash_bwd_prep", prep_args, 2, &idx)) == OR_OK) {
         rc = set_mem(&L, L.kernel[0], &idx, L.meta);

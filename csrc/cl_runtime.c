@@ -66,6 +66,26 @@ int or_cl_fail(or_error *err, cl_int code, const char *call)
     return OR_EDEVICE;
 }
 
+int or_cl_buffer_fail(or_error *err, cl_int code, const char *what, size_t nbytes,
+                      const or_cl_info *in)
+{
+    err->cl_code = code;
+    snprintf(err->msg, sizeof(err->msg), "clCreateBuffer failed: %s (%d): %s takes %zu bytes; "
+             "the device's largest buffer (CL_DEVICE_MAX_MEM_ALLOC_SIZE) is %llu bytes, its "
+             "memory %llu", or_cl_error_name(code), (int)code, what, nbytes, in->max_alloc,
+             in->global_mem);
+    return OR_EDEVICE;
+}
+
+int or_cl_new_buffer(const or_cl_api *api, cl_context ctx, const or_cl_info *in,
+                     cl_mem_flags flags, size_t nbytes, void *host, const char *what, cl_mem *out,
+                     or_error *err)
+{
+    cl_int code = CL_INVALID_BUFFER_SIZE;
+    *out = nbytes <= in->max_alloc ? api->clCreateBuffer(ctx, flags, nbytes, host, &code) : NULL;
+    return *out ? OR_OK : or_cl_buffer_fail(err, code, what, nbytes, in);
+}
+
 static void info_string(cl_device_id d, cl_device_info what, char *out, size_t size)
 {
     if (api->clGetDeviceInfo(d, what, size, out, NULL) != CL_SUCCESS)

@@ -99,6 +99,15 @@ int or_cl_queue(int i, or_cl_queue_t *out, or_error *err);
 
 /* Fills err for a failed call; returns OR_EDEVICE. */
 int or_cl_fail(or_error *err, cl_int code, const char *call);
+/* Fills err for a buffer of nbytes for `what` (the argument it holds, say) that clCreateBuffer
+ * did not make, with code, naming the sizes; returns OR_EDEVICE. */
+int or_cl_buffer_fail(or_error *err, cl_int code, const char *what, size_t nbytes,
+                      const or_cl_info *in);
+/* A buffer of nbytes on the device of `in`: clCreateBuffer's, where the size is one the device
+ * can make (past its largest the specification's CL_INVALID_BUFFER_SIZE, asking nothing). */
+int or_cl_new_buffer(const or_cl_api *api, cl_context ctx, const or_cl_info *in,
+                     cl_mem_flags flags, size_t nbytes, void *host, const char *what, cl_mem *out,
+                     or_error *err);
 
 /* cl_cache.c: program binaries on disk, keyed by a hash of everything that shapes them. */
 unsigned char *or_cache_load(const char *key, size_t *size);

@@ -34,19 +34,28 @@ static _Alignas(64) char anchor[64];   /* the data pointer of layouts: never der
 /* ------------------------------------------------------------------ buffers */
 
 #ifdef ORCHARD_HAVE_OPENCL
-/* A buffer of nbytes on device index `device`, filled from host when it is not NULL. */
-static int buffer_new(int device, size_t nbytes, const void *host, void **mem,
+/* A buffer of nbytes for `what` on device index `device`, filled from host when it is not
+ * NULL. */
+static int buffer_new(int device, const char *what, size_t nbytes, const void *host, void **mem,
                       const void **api_out, or_error *err)
 {
     or_cl_queue_t cq;
     int rc = or_cl_queue(device - 1, &cq, err);
     if (rc != OR_OK)
         return rc;
-    cl_int code;
     cl_mem_flags flags = CL_MEM_READ_WRITE | (host ? CL_MEM_COPY_HOST_PTR : 0);
-    *mem = cq.api->clCreateBuffer(cq.ctx, flags, nbytes, (void *)host, &code);
     *api_out = cq.api;
-    return *mem ? OR_OK : or_cl_fail(err, code, "clCreateBuffer");
+    return or_cl_new_buffer(cq.api, cq.ctx, or_cl_info_get(device - 1), flags, nbytes,
+                            (void *)host, what, (cl_mem *)mem, err);
+}
+
+/* OR_OK where device index `device` can hold nbytes in one buffer: asked before a host copy
+ * is made for it. */
+static int buffer_fits(int device, const char *what, size_t nbytes, or_error *err)
+{
+    const or_cl_info *in = or_cl_info_get(device - 1);
+    return nbytes <= in->max_alloc ? OR_OK
+                                   : or_cl_buffer_fail(err, CL_INVALID_BUFFER_SIZE, what, nbytes, in);
 }
 
 static int buffer_read(int device, void *mem, size_t nbytes, void *host, or_error *err)
@@ -72,8 +81,12 @@ static int no_opencl(or_error *err)
     snprintf(err->msg, sizeof(err->msg), "orchard_ops was built without OpenCL headers");
     return OR_EDEVICE;
 }
-static int buffer_new(int device, size_t nbytes, const void *host, void **mem,
+static int buffer_new(int device, const char *what, size_t nbytes, const void *host, void **mem,
                       const void **api_out, or_error *err)
+{
+    return no_opencl(err);
+}
+static int buffer_fits(int device, const char *what, size_t nbytes, or_error *err)
 {
     return no_opencl(err);
 }
@@ -88,8 +101,9 @@ static void buffer_free(const void *api, void *mem) {}
 
 /* A DeviceArray of this shape and dtype on device index `device`, its buffer filled from
  * host (C-contiguous, nbytes) or left for kernels to write (host NULL). func names the
- * caller in errors. */
-static PyObject *device_array_new(or_module_state *st, const char *func, int device, int nd,
+ * caller in errors, what the array. */
+static PyObject *device_array_new(or_module_state *st, const char *func, const char *what,
+                                  int device, int nd,
                                   const npy_intp *dims, or_dtype dt, const void *host)
 {
     device_array *a = PyObject_New(device_array, st->device_array);
@@ -110,7 +124,7 @@ static PyObject *device_array_new(or_module_state *st, const char *func, int dev
     or_error err = {0};
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = buffer_new(device, a->nbytes, host, &a->mem, &a->api, &err);
+    rc = buffer_new(device, what, a->nbytes, host, &a->mem, &a->api, &err);
     Py_END_ALLOW_THREADS
     if (rc != OR_OK) {
         Py_DECREF(a);
@@ -263,13 +277,21 @@ PyObject *or_to_device(PyObject *module, PyObject *args, PyObject *kw)
     }
     or_counters *ct = or_device_counters(choice.index);
     or_dtype dt;
-    PyArrayObject *a = or_operand(st, obj, "to_device", "array", ct,
-                                  or_device_align(choice.index), &dt, NULL);
+    int copied;
+    PyArrayObject *a = or_operand_view(st, obj, "to_device", "array", &dt, &copied);
+    if (a == NULL)
+        return NULL;
+    or_error err = {0};
+    if (buffer_fits(choice.index, "'array'", (size_t)PyArray_NBYTES(a), &err) != OR_OK) {
+        Py_DECREF(a);
+        return or_device_error(st, "to_device", choice.index, &err);
+    }
+    a = or_stage(a, PyArray_TYPE(a), "to_device", "array", ct, or_device_align(choice.index));
     if (a != NULL && !PyArray_IS_C_CONTIGUOUS(a))  /* a strided view: its C-order image */
         Py_SETREF(a, (PyArrayObject *)PyArray_NewCopy(a, NPY_CORDER));
     if (a == NULL)
         return NULL;
-    PyObject *r = device_array_new(st, "to_device", choice.index,
+    PyObject *r = device_array_new(st, "to_device", "'array'", choice.index,
                                    PyArray_NDIM(a), PyArray_DIMS(a), dt, PyArray_DATA(a));
     if (r != NULL && PyArray_NBYTES(a) > 0) {   /* an empty array crosses nothing (.numpy()) */
         OR_COUNT(ct, host_to_device, 1);
@@ -303,7 +325,10 @@ void *or_device_array_mem(PyObject *obj)
 /* A result of a resident call: a DeviceArray on the call's device, and its layout. */
 int or_device_output(or_call *c, int slot, int nd, const npy_intp *shape, or_dtype dt)
 {
-    c->dev[slot] = device_array_new(c->st, c->func, c->device.index, nd, shape, dt, NULL);
+    static const char *const names[OR_NSLOTS] = OR_SLOT_NAMES;
+    char what[32];
+    snprintf(what, sizeof(what), "'%s'", names[slot]);
+    c->dev[slot] = device_array_new(c->st, c->func, what, c->device.index, nd, shape, dt, NULL);
     if (c->dev[slot] == NULL)
         return -1;
     c->arr[slot] = or_device_array_layout(c->dev[slot], &c->dt[slot]);

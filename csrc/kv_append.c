@@ -58,8 +58,8 @@ static PyArrayObject *load_rows(or_call *c, PyObject *obj, int slot, or_ssize *n
 {
     const char *name = names[slot - OR_K];
     or_dtype dt;
-    /* (not counted in stats(): they are copied below whatever their layout) */
-    PyArrayObject *given = or_operand(c->st, obj, c->func, name, NULL, 1, &dt, NULL);
+    int copied;
+    PyArrayObject *given = or_operand_view(c->st, obj, c->func, name, &dt, &copied);
     PyArrayObject *a = NULL, *rows = NULL;
     if (given == NULL)
         return NULL;
@@ -97,7 +97,8 @@ static PyArrayObject *load_rows(or_call *c, PyObject *obj, int slot, or_ssize *n
         goto done;
     }
     *n = PyArray_DIM(a, nd - 2);
-    rows = (PyArrayObject *)PyArray_NewCopy(a, NPY_CORDER);
+    /* (not counted in stats(): copied whatever their layout, into the native byte order) */
+    rows = or_staged_copy(a, PyArray_TYPE(a), 1);
 done:
     Py_XDECREF(a);
     Py_DECREF(given);

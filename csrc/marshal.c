@@ -251,12 +251,10 @@ static int has_attr(PyObject *obj, PyObject *name)
     return 0;
 }
 
-PyArrayObject *or_operand(or_module_state *st, PyObject *obj, const char *func,
-                          const char *name, or_counters *ct, size_t align, or_dtype *dt,
-                          int *staged_out)
+PyArrayObject *or_operand_view(or_module_state *st, PyObject *obj, const char *func,
+                               const char *name, or_dtype *dt, int *copied)
 {
-    if (staged_out != NULL)
-        *staged_out = 0;
+    *copied = 0;
     const int dlpack = PyArray_Check(obj) ? 0 : has_attr(obj, st->dlpack_name);
     if (dlpack < 0)
         return or_unreadable(func, name, 0);
@@ -276,24 +274,30 @@ PyArrayObject *or_operand(or_module_state *st, PyObject *obj, const char *func,
     }
     /* NumPy's array from another kind of object (a list, say) is memory of its own: a copy of
      * the operand, which a write would never reach */
-    if (staged_out != NULL && !dlpack && !PyArray_Check(obj)
-        && PyArray_CHKFLAGS(a, NPY_ARRAY_OWNDATA))
-        *staged_out = 1;
-    if (readable_in_place(a)) {
+    *copied = !readable_in_place(a)
+              || (!dlpack && !PyArray_Check(obj) && PyArray_CHKFLAGS(a, NPY_ARRAY_OWNDATA));
+    return a;
+}
+
+PyArrayObject *or_stage(PyArrayObject *a, int typenum, const char *func, const char *name,
+                        or_counters *ct, size_t align)
+{
+    if (readable_in_place(a) && PyArray_TYPE(a) == typenum) {
         if (ct != NULL)
             OR_COUNT(ct, zero_copy_buffers, 1);
         if (or_env_flag("ORCHARD_TENSOR_PROFILE"))
             or_log("orchard: %s %s: zero-copy, %zd bytes in place", func, name, PyArray_NBYTES(a));
         return a;
     }
-    PyArrayObject *staged = or_staged_copy(a, PyArray_TYPE(a), align);   /* native byte order */
+    PyArrayObject *staged = or_staged_copy(a, typenum, align);   /* native byte order */
     Py_DECREF(a);
     if (staged == NULL && PyErr_ExceptionMatches(PyExc_MemoryError)) {
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
         PyErr_Format(PyExc_MemoryError, "%s(): argument '%s' must be copied (it is not "
-                     "contiguous in its last dimension, aligned and in native byte order), and "
-                     "the copy fails: %S", func, name, value ? value : Py_None);
+                     "contiguous in its last dimension, aligned and in native byte order, or "
+                     "not of the type the kernels read), and the copy fails: %S", func, name,
+                     value ? value : Py_None);
         Py_XDECREF(type);
         Py_XDECREF(value);
         Py_XDECREF(tb);
@@ -306,9 +310,15 @@ PyArrayObject *or_operand(or_module_state *st, PyObject *obj, const char *func,
     }
     if (or_env_flag("ORCHARD_TENSOR_PROFILE"))
         or_log("orchard: %s %s: staged, %zd bytes copied", func, name, PyArray_NBYTES(staged));
-    if (staged_out != NULL)
-        *staged_out = 1;
     return staged;
+}
+
+PyArrayObject *or_operand(or_module_state *st, PyObject *obj, const char *func,
+                          const char *name, or_counters *ct, size_t align, or_dtype *dt)
+{
+    int copied;
+    PyArrayObject *a = or_operand_view(st, obj, func, name, dt, &copied);
+    return a ? or_stage(a, PyArray_TYPE(a), func, name, ct, align) : NULL;
 }
 
 /* n + 1 entries of elsize bytes, the per-unit tables, or NULL with MemoryError: n comes from

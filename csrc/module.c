@@ -144,10 +144,12 @@ static PyObject *attention(PyObject *module, or_call *c, or_opts *o, PyObject **
         goto done;
     or_dtype dt = c->p.view[OR_Q].dtype;
     or_out_shapes(c, oshape, lshape, &ond, &lnd);
+    if ((backward && (or_check_like(c, OR_DO, oshape, ond) < 0
+                      || or_check_like(c, OR_O, oshape, ond) < 0
+                      || or_check_like(c, OR_LSE, lshape, lnd) < 0))
+        || or_stage_operands(c) < 0)
+        goto done;
     if (backward) {
-        if (or_check_like(c, OR_DO, oshape, ond) < 0 || or_check_like(c, OR_O, oshape, ond) < 0
-            || or_check_like(c, OR_LSE, lshape, lnd) < 0)
-            goto done;
         for (int s = OR_DQ; s <= OR_DV; s++) {
             PyArrayObject *like = c->arr[s - OR_DQ + OR_Q];
             if (or_new_output(c, s, PyArray_NDIM(like), PyArray_DIMS(like), dt, like) < 0)

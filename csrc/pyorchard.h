@@ -32,11 +32,19 @@ PyObject *or_device_error(or_module_state *st, const char *func, int device, con
 
 /* marshal.c */
 PyArrayObject *or_unreadable(const char *func, const char *name, int own_words);
-/* an operand as an array: in place, or a copy (*staged 1) where the kernels cannot read it so
- * or it was no array; ct (counted there) and staged may be NULL */
+/* An operand as an array over its memory (NumPy's array of it where it is no array or
+ * tensor), its dtype in *dt, nothing copied yet; *copied 1 where the kernels will not read
+ * the operand's own memory: it was no array, or or_stage will copy it. A call checks its
+ * shapes between the two, so that a wrong one fails before copying a huge broadcast view. */
+PyArrayObject *or_operand_view(or_module_state *st, PyObject *obj, const char *func,
+                               const char *name, or_dtype *dt, int *copied);
+/* a (its reference taken) as the kernels read it: itself where they can in place as typenum,
+ * else an aligned C-ordered copy as typenum; counted in ct where it is not NULL */
+PyArrayObject *or_stage(PyArrayObject *a, int typenum, const char *func, const char *name,
+                        or_counters *ct, size_t align);
+/* the two at once, as the operand's own type */
 PyArrayObject *or_operand(or_module_state *st, PyObject *obj, const char *func,
-                          const char *name, or_counters *ct, size_t align, or_dtype *dt,
-                          int *staged);
+                          const char *name, or_counters *ct, size_t align, or_dtype *dt);
 void or_extent(PyArrayObject *a, char **lo, size_t *nbytes);
 PyArrayObject *or_staged_copy(PyArrayObject *a, int typenum, size_t align);
 PyArrayObject *or_new_aligned(int nd, const npy_intp *dims, int typenum, size_t align,
@@ -96,7 +104,9 @@ typedef struct {
     int varlen;
     PyArrayObject *arr[OR_NSLOTS];
     or_dtype dt[OR_NSLOTS];         /* each operand's (bfloat16 arrays hold uint16 bits) */
-    int staged[OR_NSLOTS];          /* arr[s] is a copy of the operand, not its memory */
+    int staged[OR_NSLOTS];          /* arr[s] is (or will be) a copy of the operand, not its
+                                     * memory */
+    int pending[OR_NSLOTS];         /* arr[s] is still the operand's view: or_stage_operands */
     PyObject *like;                 /* the first operand: results come back as its kind */
     or_module_state *st;
     int resident;                   /* the operands are DeviceArrays: so are the results */
@@ -139,6 +149,8 @@ int or_int_arg(const char *func, const char *name, PyObject *obj, long long lo, 
 int or_check_options(or_call *c, const or_opts *o);
 int or_call_device(or_call *c, PyObject *device, PyObject **objs, const int *slots, int n);
 int or_load_operands(or_call *c, PyObject **objs, const int *slots, int n);
+/* the operands read in place or, where the kernels cannot, copied: once shapes are checked */
+int or_stage_operands(or_call *c);
 PyArrayObject *or_swap_seq_heads(or_call *c, int slot, PyArrayObject *a);
 PyObject *or_operand_shape(or_call *c, int slot);
 int or_check_qkv(or_call *c);

@@ -59,6 +59,8 @@ typedef uint32_t or_u32;
 #define OR_DK 7
 #define OR_DV 8
 #define OR_NSLOTS 9
+/* the slots' names, as the Python API names the arguments (host code's messages) */
+#define OR_SLOT_NAMES {"q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv"}
 
 /* The OpenCL meta table (64-bit words). A header of OR_META_HEAD words: OR_NSLOTS row strides in
  * elements, then the geometry of a paged call's keys and values (FlashAttention's block_table;

@@ -250,18 +250,20 @@ print(json.dumps({"raised": raised, "recovered": bool((run() == host).all())}))
 
 
 @needs_test_hooks
-@pytest.mark.parametrize("fault, func, call", [
-    ("clCreateBuffer:1", "to_device", "clCreateBuffer"),
-    ("clCreateBuffer:3", "flash_attn_fwd", "clCreateBuffer"),   # the lse result
-    ("clEnqueueReadBuffer:1", "numpy", "clEnqueueReadBuffer")])
-def test_device_failures(fault, func, call):
+@pytest.mark.parametrize("fault, func, call, what", [
+    ("clCreateBuffer:1", "to_device", "clCreateBuffer", ": 'array' takes 1280 bytes; "),
+    ("clCreateBuffer:3", "flash_attn_fwd", "clCreateBuffer", ": 'lse' takes 160 bytes; "),
+    ("clEnqueueReadBuffer:1", "numpy", "clEnqueueReadBuffer", "")])
+def test_device_failures(fault, func, call, what):
     """A failing OpenCL call raises OrchardOutOfMemory naming the function, the device and the
-    call (ORCHARD_FAULT, csrc/cl_fault.c); the next calls work."""
+    call (ORCHARD_FAULT, csrc/cl_fault.c), and a buffer's the array and its size; the next calls
+    work."""
     r = run_python(FAULT_SCRIPT % {"dev": DEV}, timeout=300, ORCHARD_FAULT=fault)
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["raised"][:2] == ["OrchardOutOfMemory", True]
     assert got["raised"][2].startswith("%s() on %s: %s failed: CL_" % (func, DEV, call))
+    assert what in got["raised"][2]
     assert got["recovered"]
 
 

@@ -215,8 +215,12 @@ CASES = [
      "q, k, v = (np.broadcast_to(np.zeros((1,), np.float32), (2**16, 2**10, 1024, 64))"
      " for _ in range(3))", "fwd(q, k, v)", [ME], []),
     ("huge_staged_k_small_out",
-     "k = np.broadcast_to(np.zeros((1,), np.float32), (1, 2, 2**36, 8)); v = k",
+     "k = np.broadcast_to(np.zeros((1,), np.float32), (1, 2, 2**31, 8)); v = k",
      "fwd(q, k, v)", [ME], []),
+    # the size limits are shapes: checked before anything is copied
+    ("huge_staged_k_too_many_keys",
+     "k = np.broadcast_to(np.zeros((1,), np.float32), (1, 2, 2**36, 8)); v = k",
+     "fwd(q, k, v)", [VE], ["k"]),
     ("huge_dropout_mask", "", "ops.dropout_mask((2**20, 2**20, 8), (2**20, 2**20, 8), 0.5)", [ME],
      []),
 ]

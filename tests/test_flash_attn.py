@@ -1212,8 +1212,8 @@ def test_options_written_in_place_before_the_backward_raise_as_inputs_do(option)
 def test_kvcache_write_is_seen_by_autograd_and_reaches_strided_caches():
     """The new keys written by orchard_ops' call bump the caches' version counters, as
     torch's writes do: a backward that saved the cache refuses to run on the new values. A
-    cache not contiguous in its last dimension (read through a copy) is written by torch
-    first, with the same result."""
+    cache not contiguous in its last dimension, or not aligned (read through a copy), is
+    written by torch first, with the same result."""
     g = torch.Generator().manual_seed(5)
     k_cache, v_cache = (torch.randn(2, 8, 2, 16, generator=g) for _ in range(2))
     q, k, v = (torch.randn(2, 1, h, 16, generator=g) for h in (4, 2, 2))
@@ -1229,7 +1229,14 @@ def test_kvcache_write_is_seen_by_autograd_and_reaches_strided_caches():
     strided = [t[..., ::2] for t in wide]
     for t, c in zip(strided, (k_cache, v_cache)):
         t[:, :3], t[1, 3:6] = c[:, :3], c[1, 3:6]
-    got = flash_attn_with_kvcache(q, *strided, k, v, cache_seqlens=seqlens)
-    assert torch.equal(got, want)
-    for t, c in zip(strided, (k_cache, v_cache)):
-        assert torch.equal(t[0, :4], c[0, :4]) and torch.equal(t[1, :7], c[1, :7])
+    # and so is one whose elements are not aligned (torch.frombuffer at an odd offset)
+    raw = [torch.frombuffer(bytearray(c.numel() * 4 + 1), dtype=torch.float32, offset=1,
+                            count=c.numel()).view(c.shape) for c in (k_cache, v_cache)]
+    assert raw[0].data_ptr() % 4 == 1
+    for kind in (strided, raw):
+        for t, c in zip(kind, (k_cache, v_cache)):
+            t[:, :3], t[1, 3:6] = c[:, :3], c[1, 3:6]
+        got = flash_attn_with_kvcache(q, *kind, k, v, cache_seqlens=seqlens)
+        assert torch.equal(got, want)
+        for t, c in zip(kind, (k_cache, v_cache)):
+            assert torch.equal(t[0, :4], c[0, :4]) and torch.equal(t[1, :7], c[1, :7])

@@ -287,3 +287,30 @@ def test_the_fast_path_under_a_dispatch_mode_writes_the_new_keys():
                                                        v_cache=caches[1]), options)
     assert torch.equal(got, want)
     assert torch.equal(caches[0], plain[0]) and torch.equal(caches[1], plain[1])
+
+
+def test_the_fast_path_and_inference_tensors():
+    """Caches made under torch.inference_mode take the new keys in inference mode; outside it
+    the step refuses them, as flash_attn_with_kvcache does, and leaves them as they were
+    (torch's own indexing raises only once it has written)."""
+    g = torch.Generator().manual_seed(2)
+    with torch.inference_mode():
+        caches = [torch.randn(6, 4, 1, 8, generator=g) for _ in range(2)]
+    query = torch.randn(1, 2, 2, 8, generator=g)
+    key, value = (torch.randn(1, 1, 2, 8, generator=g) for _ in range(2))
+    options = dict(softmax_scale=0.3, causal=True, window_size=(-1, -1), softcap=0.0)
+    kw = dict(block_table=torch.tensor([[3, 0, -1], [5, 1, -1]], dtype=torch.int32),
+              cu_seq_lens_k=torch.tensor([0, 6, 14], dtype=torch.int32))
+    plain = [c.clone() for c in caches]
+    want = hf._paged_decode(query, key, value, dict(kw, k_cache=plain[0], v_cache=plain[1]),
+                            options)
+    kept = [c.clone() for c in caches]
+    with pytest.raises(ValueError, match="orchard.hf: 'k_cache' is an inference tensor"):
+        hf._paged_decode(query, key, value, dict(kw, k_cache=caches[0], v_cache=caches[1]),
+                         options)
+    assert torch.equal(caches[0], kept[0]) and torch.equal(caches[1], kept[1])
+    with torch.inference_mode():
+        got = hf._paged_decode(query, key, value, dict(kw, k_cache=caches[0],
+                                                       v_cache=caches[1]), options)
+    assert torch.equal(got, want)
+    assert torch.equal(caches[0], plain[0]) and torch.equal(caches[1], plain[1])

@@ -69,6 +69,60 @@ def test_unstageable_view_is_memory_error(ops, device):
         ops.flash_attn_fwd(small(2**20, 1, 8), k, k, device=device)
 
 
+def unstageable(*shape):
+    """A byte-swapped broadcast view: the kernels read it through a copy, which is too large to
+    make (over 0.5 TB here)."""
+    return np.broadcast_to(np.ones((1,) * (len(shape) - 1) + shape[-1:], ">f4"), shape)
+
+
+def paged_call(ops, device, q, table):
+    pages = small(4, 16, 1, 8)
+    return ops.flash_attn_varlen_fwd(q, pages, pages, np.array([0, len(q)]), np.array([0, 32]),
+                                     max_seqlen_q=len(q), max_seqlen_k=32, block_table=table,
+                                     device=device)
+
+
+BIG = (2**20, 2**14)    # rows and heads that no copy can hold at head dim 8
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda ops, dev: ops.flash_attn_fwd(unstageable(*BIG, 300), small(1, 4, 300),
+                                         small(1, 4, 300), device=dev), "'q' must have a head dim"),
+    (lambda ops, dev: ops.flash_attn_fwd(small(4, 3, 8), unstageable(*BIG, 8), unstageable(*BIG, 8),
+                                         device=dev), "'k' must have the batch dimensions"),
+    (lambda ops, dev: ops.flash_attn_fwd(unstageable(*BIG, 8), small(5, 8), small(5, 8),
+                                         device=dev, seqlen_first=True), "seqlen_first=True"),
+    (lambda ops, dev: ops.flash_attn_bwd(unstageable(*BIG, 8), small(1, 4, 8), small(1, 4, 8),
+                                         small(1, 4, 8), small(1, 4, 8), small(1, 4), device=dev),
+     "'dout' must have shape"),
+    (lambda ops, dev: ops.flash_attn_varlen_fwd(unstageable(*BIG, 8), small(3, 1, 8),
+                                                small(3, 1, 8), np.array([0, 2]),
+                                                np.array([0, 3]), device=dev), "'cu_seqlens_q'"),
+    (lambda ops, dev: paged_call(ops, dev, unstageable(*BIG, 8), np.array([[0, 7]])),
+     "'block_table'"),
+])
+def test_shape_errors_come_before_copies(ops, device, call, message):
+    """A call wrong in its shapes or tables fails at their check, having copied nothing, however
+    large the operands it would copy: staged first, views like these raised MemoryError (and
+    ones of a few GB that could be copied had the process killed)."""
+    before = ops.stats()["per_device"][device]["staged_buffers"]
+    with pytest.raises(ValueError, match=message):
+        call(ops, device)
+    assert ops.stats()["per_device"][device]["staged_buffers"] == before
+
+
+def test_to_device_past_the_largest_buffer_copies_nothing(ops, device):
+    """A view larger than the device's largest buffer is refused before its copy is made,
+    naming the sizes."""
+    if device == "cpu":
+        pytest.skip("to_device takes OpenCL devices")
+    largest = next(d for d in ops.devices() if d["id"] == device)["max_alloc_bytes"]
+    view = unstageable(largest // 4 // 8 + 1, 8)
+    with pytest.raises(ops.OrchardOutOfMemory, match="CL_INVALID_BUFFER_SIZE .*'array' takes "
+                                                     "%d bytes; .* is %d bytes" % (view.nbytes, largest)):
+        ops.to_device(view, device)
+
+
 def test_offsets_past_2_31_elements_are_computed_correctly(ops, device):
     """Units 2**26 elements apart in one 8.6 GB array that is never touched except for the
     rows used (zero pages are not resident): the last unit starts at element 2**31. The

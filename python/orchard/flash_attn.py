@@ -607,8 +607,19 @@ def _new_rows(new):
 def _writable_in_call(*caches):
     """Whether orchard_ops' call can write new keys and values into the caches itself: not
     while torch records (its graph would not see the write), nor into a cache it reads through
-    a copy (not contiguous in its last dimension)."""
-    return not _recording() and all(c.stride(-1) == 1 or c.shape[-1] == 1 for c in caches)
+    a copy (not contiguous in its last dimension, or elements not aligned)."""
+    return not _recording() and all((c.stride(-1) == 1 or c.shape[-1] == 1)
+                                    and c.data_ptr() % c.element_size() == 0 for c in caches)
+
+
+def _check_not_inference(fn, caches):
+    """Refuses a cache (name, tensor) made under torch.inference_mode outside inference mode:
+    torch forbids writing one there (its own indexing raises, but only once it has written)."""
+    if not torch.is_inference_mode_enabled():
+        for name, cache in caches:
+            if cache.is_inference():
+                _fail(fn, name, "is an inference tensor (made under torch.inference_mode): "
+                      "it can be written only in inference mode")
 
 
 def _written(*caches):
@@ -782,9 +793,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)) if k is not None else ():
         # (traced, Dynamo cannot ask: a cache made under inference_mode is then written as
         # any other by Inductor, refused by torch (RuntimeError) under aot_eager)
-        if not traced and cache.is_inference() and not torch.is_inference_mode_enabled():
-            _fail(fn, name, "is an inference tensor (made under torch.inference_mode): it "
-                  "can be written only in inference mode")
+        if not traced:
+            _check_not_inference(fn, [(name, cache)])
         # (an empty cache has no rows to share: NumPy gives any empty array strides of 0)
         if 0 in cache.stride() and cache.numel() > 0 and any(
                 st == 0 and size > 1 for st, size in zip(cache.stride(), cache.shape)):

@@ -53,8 +53,8 @@ except ImportError:     # (a transformers without it)
     PagedAttentionCache = continuous_api = initialization = None
 
 from orchard.bert_padding import pad_input, unpad_input
-from orchard.flash_attn import (_cache_call, _options, _read_cache, _writable_in_call,
-                                _written, flash_attn_varlen_func)
+from orchard.flash_attn import (_cache_call, _check_not_inference, _options, _read_cache,
+                                _writable_in_call, _written, flash_attn_varlen_func)
 from orchard.torch import _MAX_HEAD_DIM, _ROUTABLE_DTYPES, _as_autocast, _attention, _recording
 
 __all__ = ["register", "attention_forward", "attention_mask", "computes_attention_itself",
@@ -944,6 +944,7 @@ def _paged_decode(query, key, value, kwargs, options):
     table = table[:batch]
     # (B, 1, H, D) queries, (B, 1, Hkv, D) new keys and values
     q, k, v = (x[0, :, :batch].transpose(0, 1)[:, None] for x in (query, key, value))
+    _check_not_inference("orchard.hf", zip(("k_cache", "v_cache"), caches))
     in_call = _writable_in_call(*caches)
     if not in_call:
         at = _new_key_slots(table, [n - 1 for n in lengths[:batch]], page)
