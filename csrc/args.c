@@ -387,6 +387,7 @@ int or_load_operands(or_call *c, PyObject **objs, const int *slots, int n)
     }
     for (int i = 0; i < n; i++) {
         int s = slots[i];
+        c->obj[s] = objs[i];
         if (c->resident) {
             c->dev[s] = Py_NewRef(objs[i]);
             c->arr[s] = or_device_array_layout(objs[i], &c->dt[s]);

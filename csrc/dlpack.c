@@ -96,10 +96,12 @@ static PyObject *call_dlpack(or_module_state *st, PyObject *obj)
  * tuple: the Python code it runs (a check, an export) could make orchard read another module.
  * T_TENSOR is None for a module without tensors (a stand-in without Tensor, to_dlpack,
  * from_numpy, Tensor.view or the dtypes), whose objects are read as any DLPack producer's;
- * T_IS_NEG is None in a torch from before lazy negation; T_DTYPE + i torch's dtype i, None for
- * the ones NumPy has. */
-enum { T_MODULE, T_TENSOR, T_TO_DLPACK, T_FROM_NUMPY, T_VIEW, T_IS_NEG, T_DTYPE,
-       T_SIZE = T_DTYPE + OR_NDTYPES };
+ * T_IS_NEG is None in a torch from before lazy negation; T_INFERENCE_MODE
+ * (torch.is_inference_mode_enabled) and T_WRITTEN (torch.autograd.graph.increment_version),
+ * for the caches a call writes, None where torch lacks them; T_DTYPE + i torch's dtype i, None
+ * for the ones NumPy has. */
+enum { T_MODULE, T_TENSOR, T_TO_DLPACK, T_FROM_NUMPY, T_VIEW, T_IS_NEG, T_INFERENCE_MODE,
+       T_WRITTEN, T_DTYPE, T_SIZE = T_DTYPE + OR_NDTYPES };
 #define TORCH(t, i) PyTuple_GET_ITEM(t, i)
 
 /* The tuple for `module`, or NULL with an exception. */
@@ -118,8 +120,20 @@ static PyObject *read_torch(PyObject *module)
     for (int i = 0; ok && i < OR_NDTYPES; i++)
         ok = or_dtypes[i].numpy
              || (item[T_DTYPE + i] = PyObject_GetAttrString(module, or_dtypes[i].name)) != NULL;
-    if (ok)
-        item[T_IS_NEG] = PyObject_GetAttrString(tensor, "is_neg");
+    if (ok && !(item[T_IS_NEG] = PyObject_GetAttrString(tensor, "is_neg"))
+        && PyErr_ExceptionMatches(PyExc_AttributeError))
+        PyErr_Clear();
+    if (ok && !PyErr_Occurred()
+        && !(item[T_INFERENCE_MODE] = PyObject_GetAttrString(module, "is_inference_mode_enabled"))
+        && PyErr_ExceptionMatches(PyExc_AttributeError))
+        PyErr_Clear();
+    if (ok && !PyErr_Occurred()) {
+        PyObject *graph = PyImport_ImportModule("torch.autograd.graph");
+        if (graph != NULL) {
+            item[T_WRITTEN] = PyObject_GetAttrString(graph, "increment_version");
+            Py_DECREF(graph);
+        }
+    }
     if (PyErr_Occurred()) {
         if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
             Py_XDECREF(tensor);
@@ -165,6 +179,48 @@ static int torch_tensor(or_module_state *st, PyObject *obj, PyObject **torch)
     else
         Py_DECREF(t);
     return is;
+}
+
+int or_torch_write_refusal(or_module_state *st, PyObject *obj, const char **why)
+{
+    PyObject *torch;
+    const int is_torch = torch_tensor(st, obj, &torch);
+    if (is_torch <= 0)
+        return is_torch;
+    *why = NULL;
+    PyObject *grad = PyObject_GetAttrString(obj, "requires_grad");
+    int flag = grad == NULL ? -1 : PyObject_IsTrue(grad);
+    Py_XDECREF(grad);
+    if (flag > 0)
+        *why = "requires grad: autograd would not see orchard_ops' write (write it with "
+               "torch's indexing)";
+    PyObject *mode = flag == 0 && TORCH(torch, T_INFERENCE_MODE) != Py_None
+                         ? PyObject_CallNoArgs(TORCH(torch, T_INFERENCE_MODE)) : NULL;
+    if (mode != NULL) {
+        flag = PyObject_Not(mode);      /* 1: not in inference mode */
+        PyObject *inference = flag > 0 ? PyObject_CallMethod(obj, "is_inference", NULL) : NULL;
+        flag = flag <= 0 ? flag : inference == NULL ? -1 : PyObject_IsTrue(inference);
+        Py_XDECREF(inference);
+        if (flag > 0)
+            *why = "is an inference tensor (made under torch.inference_mode): it can be "
+                   "written only in inference mode";
+    }
+    Py_XDECREF(mode);
+    Py_DECREF(torch);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+int or_torch_written(or_module_state *st, PyObject *obj)
+{
+    PyObject *torch;
+    const int is_torch = torch_tensor(st, obj, &torch);
+    if (is_torch <= 0)
+        return is_torch;
+    PyObject *done = TORCH(torch, T_WRITTEN) != Py_None
+                         ? PyObject_CallOneArg(TORCH(torch, T_WRITTEN), obj) : Py_NewRef(Py_None);
+    Py_DECREF(torch);
+    Py_XDECREF(done);
+    return done ? 0 : -1;
 }
 
 /* The NumPy type of a DLPack integer, bool or float element, or -1. */

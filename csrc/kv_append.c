@@ -26,7 +26,7 @@ static const char *layout(const or_call *c)
 }
 
 /* Refuses what cannot take a write in place: a DeviceArray, a copy staged for the kernels, a
- * read-only array, rows that share memory. */
+ * read-only array, rows that share memory, a torch tensor torch would not write so. */
 static int check_cache(const or_call *c, int slot)
 {
     const char *name = slot == OR_K ? "k" : "v";
@@ -45,6 +45,8 @@ static int check_cache(const or_call *c, int slot)
     if (why == NULL && c->p.pages.rows && c->p.pages.count > 1
         && (slot == OR_K ? c->p.pages.k_stride : c->p.pages.v_stride) == 0)
         why = "is an expanded view (stride 0): its pages share memory";
+    if (why == NULL && or_torch_write_refusal(c->st, c->obj[slot], &why) < 0)
+        return -1;
     if (why == NULL)
         return 0;
     PyErr_Format(PyExc_ValueError, "%s(): '%s' %s; it cannot take '%s'", c->func, name, why,
@@ -119,7 +121,7 @@ int or_load_new_kv(or_call *c, const or_opts *o)
     if (!(c->new_kv[0] = load_rows(c, o->k_new, OR_K, &n))
         || !(c->new_kv[1] = load_rows(c, o->v_new, OR_V, &n)))
         return -1;
-    if (n == 0) {           /* nothing to write: any cache will do */
+    if (n == 0 || c->p.n_units == 0) {     /* nothing to write: any cache will do */
         Py_CLEAR(c->new_kv[0]);
         Py_CLEAR(c->new_kv[1]);
         return 0;
@@ -154,10 +156,13 @@ static char *key_row(const or_problem *p, int s, or_ssize w, or_ssize j)
            + at % p->pages.rows * v->row_stride + v->offs[w];
 }
 
-void or_write_new_kv(const or_call *c)
+int or_write_new_kv(or_call *c)
 {
     if (c->new_kv[0] == NULL)
-        return;
+        return 0;
+    /* (before the write: a failure leaves the caches as they were) */
+    if (or_torch_written(c->st, c->obj[OR_K]) < 0 || or_torch_written(c->st, c->obj[OR_V]) < 0)
+        return -1;
     const or_problem *p = &c->p;
     const or_ssize group = p->prm.group, units = p->n_units / group;
     for (int s = OR_K; s <= OR_V; s++) {
@@ -172,4 +177,5 @@ void or_write_new_kv(const or_call *c)
                 memcpy(key_row(p, s, w, nk - n + i), src, row_bytes);
         }
     }
+    return 0;
 }

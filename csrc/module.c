@@ -159,9 +159,9 @@ static PyObject *attention(PyObject *module, or_call *c, or_opts *o, PyObject **
                || or_new_output(c, OR_LSE, lnd, lshape, or_dtypes[dt].lse, NULL) < 0) {
         goto done;
     }
-    if (or_build_problem(c, o->alibi) < 0 || or_load_new_kv(c, o) < 0)
+    /* everything checked: the cache takes its new rows */
+    if (or_build_problem(c, o->alibi) < 0 || or_load_new_kv(c, o) < 0 || or_write_new_kv(c) < 0)
         goto done;
-    or_write_new_kv(c);     /* everything checked: the cache takes its new rows */
     result = run(c, st, backward);
 done:
     or_call_clear(c);

@@ -62,6 +62,13 @@ PyArrayObject *or_from_dlpack(or_module_state *st, PyObject *obj, const char *fu
                               const char *name, or_dtype *dt);
 PyArrayObject *or_values(or_module_state *st, PyObject *obj, const char *func, const char *name);
 PyObject *or_result_like(or_module_state *st, PyObject *like, PyArrayObject *a, or_dtype dt);
+/* For a cache a call writes: where obj is a torch tensor, *why says why torch would not have it
+ * written so (it requires grad; an inference tensor outside inference mode), else NULL; 0, or
+ * -1 with an exception */
+int or_torch_write_refusal(or_module_state *st, PyObject *obj, const char **why);
+/* tells autograd that obj, where it is a torch tensor, was written (its version counter, as
+ * torch's own writes bump it); 0, or -1 with an exception */
+int or_torch_written(or_module_state *st, PyObject *obj);
 
 /* cpu_info.c */
 PyObject *or_cpu_device_info(void);
@@ -108,6 +115,7 @@ typedef struct {
                                      * memory */
     int pending[OR_NSLOTS];         /* arr[s] is still the operand's view: or_stage_operands */
     PyObject *like;                 /* the first operand: results come back as its kind */
+    PyObject *obj[OR_NSLOTS];       /* each operand as given (borrowed), else NULL */
     or_module_state *st;
     int resident;                   /* the operands are DeviceArrays: so are the results */
     int seqlen_first;               /* arr[] holds (..., nheads, seqlen, headdim) views of
@@ -176,7 +184,7 @@ int or_device_output(or_call *c, int slot, int nd, const npy_intp *shape, or_dty
 /* kv_append.c: k_new and v_new checked against the built problem and copied, then written
  * into k and v just before the kernels run */
 int or_load_new_kv(or_call *c, const or_opts *o);
-void or_write_new_kv(const or_call *c);
+int or_write_new_kv(or_call *c);
 
 /* problem.c */
 void or_out_shapes(or_call *c, npy_intp *oshape, npy_intp *lshape, int *ond, int *lnd);

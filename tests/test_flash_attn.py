@@ -1194,6 +1194,12 @@ def test_unpad_input_for_concatenated_sequences_as_fa2_users_call_it():
             torch.testing.assert_close(out[b, start:start + n], alone[0])
             start += n
         assert not out[b, start:].any()
+    # lengths that cannot be (negative, or past the row) would give tokens and cu_seqlens
+    # that disagree
+    for bad in ([[4, 3, 0, 0, 0, 0]] * 3, [[2, 3, 0, 0, 0, 0], [-1, 3, 0, 0, 0, 0], [6] + [0] * 5]):
+        with pytest.raises(ValueError, match=r"'attention_mask_in_length' row (0|1) holds "
+                                             r"lengths \[(4, 3|-1, 3), 0, 0, 0, 0\]"):
+            unpad_input_for_concatenated_sequences(q, torch.tensor(bad))
 
 
 @pytest.mark.parametrize("option", ["cu_seqlens", "alibi_slopes"])

@@ -104,6 +104,35 @@ def test_torch_tensors_and_bfloat16(ops, device):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def test_torch_caches_as_torch_writes_them(ops, device):
+    """A torch cache written has its version counter bumped (a backward that saved it, or a
+    tensor sharing its memory, refuses to run: it computed a wrong gradient silently); one that
+    requires grad, or an inference tensor outside inference mode, is refused and left as it
+    was; in inference mode an inference tensor is written."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 1, 1, 8, generator=g)
+    k_new, v_new = (torch.randn(1, 1, 1, 8, generator=g) for _ in range(2))
+    kw = dict(k_new=k_new, v_new=v_new, device=device)
+    k = torch.ones(1, 1, 4, 8, requires_grad=True)
+    v = torch.ones(1, 1, 4, 8)
+    loss = (k * k).sum()                # saves k
+    ops.flash_attn_fwd(q, k.detach(), v, **kw)
+    assert torch.equal(k[0, 0, 3], k_new[0, 0, 0]) and k._version > 0 and v._version > 0
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    with torch.inference_mode():
+        frozen = torch.ones(1, 1, 4, 8)
+    for cache, why in [(k, "requires grad"), (frozen, "is an inference tensor")]:
+        before = cache.detach().clone()
+        with pytest.raises(ValueError, match="'k' %s.*it cannot take 'k_new'" % why):
+            ops.flash_attn_fwd(q, cache, v, **kw)
+        assert torch.equal(cache, before)
+    with torch.inference_mode():
+        ops.flash_attn_fwd(q, frozen, v, **kw)
+    assert torch.equal(frozen[0, 0, 3], k_new[0, 0, 0])
+
+
 def test_new_rows_are_not_counted_as_operands(ops, rng):
     """stats() counts q, k and v of a call with new rows, none staged, even where the new
     rows are strided (they are copied whatever their layout)."""
@@ -209,7 +238,8 @@ def test_pages_of_new_rows_before_the_left_padding_are_checked(ops, device):
 
 
 def test_no_new_rows_take_any_cache(ops):
-    """n = 0: nothing to write, so an empty cache, or one read through a copy, is fine."""
+    """n = 0, or no sequences or heads: nothing to write, so an empty cache, or one read
+    through a copy, is fine."""
     q = np.ones((1, 1, 1, 8), np.float32)
     empty = np.zeros((1, 0, 1, 8), np.float32)
     none = np.zeros((1, 0, 1, 8), np.float32)
@@ -217,3 +247,12 @@ def test_no_new_rows_take_any_cache(ops):
     assert not out.any()
     strided = np.zeros((1, 4, 1, 16), np.float32)[..., ::2]
     ops.flash_attn_fwd(q, strided, strided, seqlen_first=True, k_new=none, v_new=none)
+    for shape in ((0, 2), (1, 0)):      # (batch, kv heads)
+        z = lambda n: np.zeros(shape[:1] + (n,) + shape[1:] + (8,), np.float32)
+        out, _ = ops.flash_attn_fwd(z(1), z(5), z(5), seqlen_first=True, k_new=z(1), v_new=z(1))
+        assert out.shape == z(1).shape
+    z = np.zeros((0, 1, 8), np.float32)
+    new = np.zeros((0, 1, 1, 8), np.float32)     # (no sequences, a row each, Hkv, D)
+    out, _ = ops.flash_attn_varlen_fwd(z, z, z, np.array([0]), np.array([0]), k_new=new,
+                                       v_new=new)
+    assert out.shape == (0, 1, 8)

@@ -41,8 +41,14 @@ def unpad_input_for_concatenated_sequences(hidden_states, attention_mask_in_leng
     (total,), cu_seqlens (sequences + 1,) int32 over every row's sequences in order, the
     longest sequence (int)), as flash_attn's."""
     lengths = attention_mask_in_length
-    taken = (torch.arange(lengths.shape[1], device=lengths.device)
-             < lengths.sum(-1, keepdim=True))
+    totals = lengths.sum(-1)
+    bad = ((lengths < 0).any(-1) | (totals > lengths.shape[1])).nonzero()
+    if bad.numel():
+        b = int(bad[0, 0])
+        raise ValueError("unpad_input_for_concatenated_sequences: 'attention_mask_in_length' row "
+                         "%d holds lengths %s: they must be at least 0 and fill at most its %d "
+                         "positions" % (b, lengths[b].tolist(), lengths.shape[1]))
+    taken = torch.arange(lengths.shape[1], device=lengths.device) < totals[:, None]
     seqlens = lengths.flatten()
     seqlens = seqlens[seqlens > 0].to(torch.int32)
     cu_seqlens = torch.nn.functional.pad(seqlens.cumsum(0, dtype=torch.int32), (1, 0))

@@ -604,12 +604,16 @@ def _new_rows(new):
     return {} if new is None else dict(k_new=new[0], v_new=new[1])
 
 
-def _writable_in_call(*caches):
-    """Whether orchard_ops' call can write new keys and values into the caches itself: not
-    while torch records (its graph would not see the write), nor into a cache it reads through
-    a copy (not contiguous in its last dimension, or elements not aligned)."""
-    return not _recording() and all((c.stride(-1) == 1 or c.shape[-1] == 1)
-                                    and c.data_ptr() % c.element_size() == 0 for c in caches)
+def _writable_in_call(caches, new):
+    """Whether orchard_ops' call can write the new keys and values (tensors) into the caches
+    itself (it bumps their version counters, as torch's writes do): not while torch records,
+    nor where autograd would have to record the write (a cache or, in grad mode, a new tensor
+    that requires grad), since its graph would not see it; nor into a cache it reads through a
+    copy (not contiguous in its last dimension, or elements not aligned)."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in new)
+    return not _recording() and not grad and all(
+        not c.requires_grad and (c.stride(-1) == 1 or c.shape[-1] == 1)
+        and c.data_ptr() % c.element_size() == 0 for c in caches)
 
 
 def _check_not_inference(fn, caches):
@@ -620,13 +624,6 @@ def _check_not_inference(fn, caches):
             if cache.is_inference():
                 _fail(fn, name, "is an inference tensor (made under torch.inference_mode): "
                       "it can be written only in inference mode")
-
-
-def _written(*caches):
-    """Tells autograd that orchard_ops wrote the caches (as torch's own writes do), so that a
-    backward that saved one of them refuses to run on the new values."""
-    for cache in caches:
-        torch.autograd.graph.increment_version(cache)
 
 
 def _read_cache(q, k_cache, v_cache, used, leftpad, opts, new=None):
@@ -759,7 +756,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # them once it has checked every argument, every page included (csrc/kv_append.c). A
     # cache read through a gathered copy (cache_batch_idx), or one orchard_ops cannot write,
     # takes them here; the pages are checked first then.
-    in_call = k is not None and (paged or in_place) and _writable_in_call(k_cache, v_cache)
+    in_call = (k is not None and (paged or in_place)
+               and _writable_in_call((k_cache, v_cache), (k, v)))
     if paged and k is not None and not in_call:
         _check_block_table(fn, block_table, [s + n for s in seqlens], page, k_cache.shape[0])
     opts = _options(fn, q, capacity, 0.0, softmax_scale, causal, window_size, softcap,
@@ -849,6 +847,4 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             slots = slice(0, batch) if in_place else rows
             k_cache, v_cache = k_cache[slots], v_cache[slots]
         out, lse = _read_cache(q, k_cache, v_cache, lengths + n, cache_leftpad, opts, new)
-    if in_call:
-        _written(k_cache, v_cache)
     return (out, lse.contiguous()) if return_softmax_lse else out

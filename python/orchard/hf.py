@@ -54,7 +54,7 @@ except ImportError:     # (a transformers without it)
 
 from orchard.bert_padding import pad_input, unpad_input
 from orchard.flash_attn import (_cache_call, _check_not_inference, _options, _read_cache,
-                                _writable_in_call, _written, flash_attn_varlen_func)
+                                _writable_in_call, flash_attn_varlen_func)
 from orchard.torch import _MAX_HEAD_DIM, _ROUTABLE_DTYPES, _as_autocast, _attention, _recording
 
 __all__ = ["register", "attention_forward", "attention_mask", "computes_attention_itself",
@@ -945,7 +945,7 @@ def _paged_decode(query, key, value, kwargs, options):
     # (B, 1, H, D) queries, (B, 1, Hkv, D) new keys and values
     q, k, v = (x[0, :, :batch].transpose(0, 1)[:, None] for x in (query, key, value))
     _check_not_inference("orchard.hf", zip(("k_cache", "v_cache"), caches))
-    in_call = _writable_in_call(*caches)
+    in_call = _writable_in_call(caches, (k, v))
     if not in_call:
         at = _new_key_slots(table, [n - 1 for n in lengths[:batch]], page)
         for cache, new in zip(caches, (k, v)):
@@ -955,8 +955,6 @@ def _paged_decode(query, key, value, kwargs, options):
                     None)
     out, _ = _cache_call(q, *caches, [0] + list(itertools.accumulate(lengths[:batch])), opts,
                          (k, v) if in_call else None, block_table=table)
-    if in_call:
-        _written(*caches)
     if batch < rows:      # the padding requests' outputs: zeros
         out = torch.cat([out, out.new_zeros(rows - batch, *out.shape[1:])])
     return out.transpose(0, 1)
