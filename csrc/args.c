@@ -352,8 +352,7 @@ static int shape_error(or_call *c, const char *name, const char *what)
 
 /* An OpenCL device chosen automatically that cannot take a call (float64 without
  * cl_khr_fp64) hands it to the native path, as one whose kernels fail does
- * (module.c run); returns 1 if it did. Operands staged for the device before serve the native
- * path as they are. */
+ * (module.c run); returns 1 if it did. (Operands are staged later, for the device chosen.) */
 static int native_if_automatic(or_call *c)
 {
     if (!c->device.automatic || c->device.index == 0)
@@ -437,10 +436,37 @@ int or_load_operands(or_call *c, PyObject **objs, const int *slots, int n)
     return 0;
 }
 
+/* Paged k and v (c->pool, or_check_paged_kv) as the kernels read them: the pages' geometry and
+ * extent recorded, page 0 left as the operand. */
+static int stage_pages(or_call *c)
+{
+    for (int s = OR_K; s <= OR_V; s++) {
+        PyArrayObject *pool = c->pool[s - OR_K];
+        c->pool[s - OR_K] = NULL;
+        if (c->pending[s])
+            pool = or_stage(pool, or_dtypes[c->dt[s]].typenum, c->func, slot_name[s], c->ct,
+                            or_device_align(c->device.index));
+        c->pending[s] = 0;
+        PyArrayObject *page0 = pool ? (PyArrayObject *)PySequence_GetItem((PyObject *)pool, 0)
+                                    : NULL;
+        if (page0 != NULL) {
+            *(s == OR_K ? &c->p.pages.k_stride : &c->p.pages.v_stride) = PyArray_STRIDE(pool, 0);
+            or_extent(pool, &c->p.pages.lo[s - OR_K], &c->p.pages.nbytes[s - OR_K]);
+            Py_SETREF(c->arr[s], page0);
+        }
+        Py_XDECREF(pool);
+        if (page0 == NULL)
+            return -1;
+    }
+    return 0;
+}
+
 /* Operand s as the kernels read it, if it is still the caller's view (or_stage): a
  * seqlen_first one copied in its own axis order, as its results are laid out. */
 static int stage_operand(or_call *c, int s)
 {
+    if ((s == OR_K || s == OR_V) && c->pool[s - OR_K] != NULL)
+        return stage_pages(c);
     if (!c->pending[s])
         return 0;
     c->pending[s] = 0;
@@ -714,9 +740,10 @@ int or_check_varlen(or_call *c, const or_opts *o, PyObject *cuq_obj, PyObject *c
 }
 
 /* Paged k and v (a block_table given): each (num_pages, page_size, Hkv, D). Records the pages'
- * geometry and extent (what a device buffer over all of them covers) and leaves page 0, a
- * (page_size, Hkv, D) view, as the operand, so that the varlen checks and tables see k and v
- * as for packed sequences. */
+ * count and size, keeps the pools in c->pool (stage_pages records their strides and extent,
+ * what a device buffer over all of them covers, from the memory the kernels read) and leaves
+ * page 0, a (page_size, Hkv, D) view, as the operand, so that the varlen checks and tables see
+ * k and v as for packed sequences. */
 int or_check_paged_kv(or_call *c)
 {
     PyArrayObject *k = c->arr[OR_K], *v = c->arr[OR_V];
@@ -732,23 +759,17 @@ int or_check_paged_kv(or_call *c)
         Py_XDECREF(vs);
         return -1;
     }
-    /* the pages' geometry is that of the memory the kernels read: the copies, if staged */
-    if (stage_operand(c, OR_K) < 0 || stage_operand(c, OR_V) < 0)
-        return -1;
-    k = c->arr[OR_K];
-    v = c->arr[OR_V];
     c->p.pages.count = PyArray_DIM(k, 0);
     c->p.pages.rows = PyArray_DIM(k, 1);
-    c->p.pages.k_stride = PyArray_STRIDE(k, 0);
-    c->p.pages.v_stride = PyArray_STRIDE(v, 0);
     for (int s = OR_K; s <= OR_V; s++) {
-        or_extent(c->arr[s], &c->p.pages.lo[s - OR_K], &c->p.pages.nbytes[s - OR_K]);
         PyArrayObject *page0 = (PyArrayObject *)PySequence_GetItem((PyObject *)c->arr[s], 0);
         if (page0 == NULL)
             return -1;
-        Py_SETREF(c->arr[s], page0);
+        c->pool[s - OR_K] = c->arr[s];
+        c->arr[s] = page0;
     }
-    return 0;
+    /* a DeviceArray's pages are where they lie; a host array's once staged */
+    return c->resident ? stage_operand(c, OR_K) : 0;
 }
 
 /* An integer array argument as an int64 array of `n` entries (rank nd: n rows when 2-D). */

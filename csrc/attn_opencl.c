@@ -88,14 +88,16 @@ static void read_pages(const or_problem *p, or_ssize w, or_ssize *t0, or_ssize *
 
 /* Whether paged K and V travel as a copy of the pages the call reads: on a device without
  * shared memory, which would otherwise copy every page of the pool each call, and where the
- * pool is larger than one buffer may be. Resident pages are read where they lie. */
+ * pool is larger than one buffer may be (a buffer over it in place starts up to base_align
+ * bytes before it: operand_buffers). Resident pages are read where they lie. */
 static int compact_pages(const launch_t *L)
 {
     const or_pages *pg = &L->p->pages;
     if (pg->rows == 0 || L->p->view[OR_K].mem != NULL)
         return 0;
-    return !L->in_place || pg->nbytes[0] > L->info->max_alloc
-           || pg->nbytes[1] > L->info->max_alloc;
+    const size_t most = L->info->max_alloc;
+    return !L->in_place || pg->nbytes[0] + L->info->base_align > most
+           || pg->nbytes[1] + L->info->base_align > most;
 }
 
 /* The pages the call reads, numbered in order of first use: L->slot of each (-1: unread). */

@@ -82,7 +82,8 @@ int or_cl_new_buffer(const or_cl_api *api, cl_context ctx, const or_cl_info *in,
                      or_error *err)
 {
     cl_int code = CL_INVALID_BUFFER_SIZE;
-    *out = nbytes <= in->max_alloc ? api->clCreateBuffer(ctx, flags, nbytes, host, &code) : NULL;
+    const int fits = nbytes <= in->max_alloc || in->max_alloc == 0;     /* 0: not known */
+    *out = fits ? api->clCreateBuffer(ctx, flags, nbytes, host, &code) : NULL;
     return *out ? OR_OK : or_cl_buffer_fail(err, code, what, nbytes, in);
 }
 

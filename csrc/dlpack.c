@@ -96,12 +96,12 @@ static PyObject *call_dlpack(or_module_state *st, PyObject *obj)
  * tuple: the Python code it runs (a check, an export) could make orchard read another module.
  * T_TENSOR is None for a module without tensors (a stand-in without Tensor, to_dlpack,
  * from_numpy, Tensor.view or the dtypes), whose objects are read as any DLPack producer's;
- * T_IS_NEG is None in a torch from before lazy negation; T_INFERENCE_MODE
- * (torch.is_inference_mode_enabled) and T_WRITTEN (torch.autograd.graph.increment_version),
- * for the caches a call writes, None where torch lacks them; T_DTYPE + i torch's dtype i, None
- * for the ones NumPy has. */
-enum { T_MODULE, T_TENSOR, T_TO_DLPACK, T_FROM_NUMPY, T_VIEW, T_IS_NEG, T_INFERENCE_MODE,
-       T_WRITTEN, T_DTYPE, T_SIZE = T_DTYPE + OR_NDTYPES };
+ * T_IS_NEG is None in a torch from before lazy negation; T_GRAD_MODE (torch.is_grad_enabled),
+ * T_INFERENCE_MODE (torch.is_inference_mode_enabled) and T_WRITTEN
+ * (torch.autograd.graph.increment_version), for the caches a call writes, None where torch
+ * lacks them; T_DTYPE + i torch's dtype i, None for the ones NumPy has. */
+enum { T_MODULE, T_TENSOR, T_TO_DLPACK, T_FROM_NUMPY, T_VIEW, T_IS_NEG, T_GRAD_MODE,
+       T_INFERENCE_MODE, T_WRITTEN, T_DTYPE, T_SIZE = T_DTYPE + OR_NDTYPES };
 #define TORCH(t, i) PyTuple_GET_ITEM(t, i)
 
 /* The tuple for `module`, or NULL with an exception. */
@@ -123,17 +123,21 @@ static PyObject *read_torch(PyObject *module)
     if (ok && !(item[T_IS_NEG] = PyObject_GetAttrString(tensor, "is_neg"))
         && PyErr_ExceptionMatches(PyExc_AttributeError))
         PyErr_Clear();
-    if (ok && !PyErr_Occurred()
-        && !(item[T_INFERENCE_MODE] = PyObject_GetAttrString(module, "is_inference_mode_enabled"))
-        && PyErr_ExceptionMatches(PyExc_AttributeError))
+    static const struct { int item; const char *name; } modes[] = {
+        {T_GRAD_MODE, "is_grad_enabled"}, {T_INFERENCE_MODE, "is_inference_mode_enabled"}};
+    for (int i = 0; ok && !PyErr_Occurred() && i < 2; i++)
+        if (!(item[modes[i].item] = PyObject_GetAttrString(module, modes[i].name))
+            && PyErr_ExceptionMatches(PyExc_AttributeError))
+            PyErr_Clear();
+    PyObject *autograd = ok && !PyErr_Occurred() ? PyObject_GetAttrString(module, "autograd")
+                                                 : NULL;
+    PyObject *graph = autograd ? PyObject_GetAttrString(autograd, "graph") : NULL;
+    if (graph != NULL)
+        item[T_WRITTEN] = PyObject_GetAttrString(graph, "increment_version");
+    Py_XDECREF(autograd);
+    Py_XDECREF(graph);
+    if (PyErr_Occurred() && PyErr_ExceptionMatches(PyExc_AttributeError))
         PyErr_Clear();
-    if (ok && !PyErr_Occurred()) {
-        PyObject *graph = PyImport_ImportModule("torch.autograd.graph");
-        if (graph != NULL) {
-            item[T_WRITTEN] = PyObject_GetAttrString(graph, "increment_version");
-            Py_DECREF(graph);
-        }
-    }
     if (PyErr_Occurred()) {
         if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
             Py_XDECREF(tensor);
@@ -181,6 +185,34 @@ static int torch_tensor(or_module_state *st, PyObject *obj, PyObject **torch)
     return is;
 }
 
+/* Whether autograd would record a write into or from tensor obj: it requires grad while grad
+ * mode is on (torch writes one unrecorded outside it, as an optimizer's step does); -1 with an
+ * exception. */
+static int recorded(PyObject *torch, PyObject *obj)
+{
+    PyObject *grad = TORCH(torch, T_GRAD_MODE) != Py_None
+                         ? PyObject_CallNoArgs(TORCH(torch, T_GRAD_MODE)) : Py_NewRef(Py_False);
+    int flag = grad == NULL ? -1 : PyObject_IsTrue(grad);
+    Py_XDECREF(grad);
+    if (flag > 0) {
+        PyObject *requires = PyObject_GetAttrString(obj, "requires_grad");
+        flag = requires == NULL ? -1 : PyObject_IsTrue(requires);
+        Py_XDECREF(requires);
+    }
+    return flag;
+}
+
+int or_torch_recorded(or_module_state *st, PyObject *obj)
+{
+    PyObject *torch;
+    int flag = torch_tensor(st, obj, &torch);
+    if (flag > 0) {
+        flag = recorded(torch, obj);
+        Py_DECREF(torch);
+    }
+    return flag;
+}
+
 int or_torch_write_refusal(or_module_state *st, PyObject *obj, const char **why)
 {
     PyObject *torch;
@@ -188,12 +220,10 @@ int or_torch_write_refusal(or_module_state *st, PyObject *obj, const char **why)
     if (is_torch <= 0)
         return is_torch;
     *why = NULL;
-    PyObject *grad = PyObject_GetAttrString(obj, "requires_grad");
-    int flag = grad == NULL ? -1 : PyObject_IsTrue(grad);
-    Py_XDECREF(grad);
+    int flag = recorded(torch, obj);
     if (flag > 0)
-        *why = "requires grad: autograd would not see orchard_ops' write (write it with "
-               "torch's indexing)";
+        *why = "requires grad, in grad mode: autograd would not see orchard_ops' write (write "
+               "it with torch's indexing, or under torch.no_grad())";
     PyObject *mode = flag == 0 && TORCH(torch, T_INFERENCE_MODE) != Py_None
                          ? PyObject_CallNoArgs(TORCH(torch, T_INFERENCE_MODE)) : NULL;
     if (mode != NULL) {

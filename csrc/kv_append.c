@@ -71,6 +71,15 @@ static PyArrayObject *load_rows(or_call *c, PyObject *obj, int slot, or_ssize *n
                      or_dtypes[c->dt[slot]].name);
         goto done;
     }
+    const int recorded = or_torch_recorded(c->st, obj);
+    if (recorded != 0) {
+        if (recorded > 0)
+            PyErr_Format(PyExc_ValueError, "%s(): '%s' requires grad, in grad mode: autograd "
+                         "would not see orchard_ops write it into '%s' (write it with torch's "
+                         "indexing, or under torch.no_grad())", c->func, name,
+                         slot == OR_K ? "k" : "v");
+        goto done;
+    }
     /* the new rows of kv unit w, as k's rows: (..., Hkv, n, D) */
     PyArrayObject *cache = c->arr[slot];
     const int nd = PyArray_NDIM(given), want = c->varlen ? 4 : PyArray_NDIM(cache);

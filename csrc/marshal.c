@@ -313,14 +313,6 @@ PyArrayObject *or_stage(PyArrayObject *a, int typenum, const char *func, const c
     return staged;
 }
 
-PyArrayObject *or_operand(or_module_state *st, PyObject *obj, const char *func,
-                          const char *name, or_counters *ct, size_t align, or_dtype *dt)
-{
-    int copied;
-    PyArrayObject *a = or_operand_view(st, obj, func, name, dt, &copied);
-    return a ? or_stage(a, PyArray_TYPE(a), func, name, ct, align) : NULL;
-}
-
 /* n + 1 entries of elsize bytes, the per-unit tables, or NULL with MemoryError: n comes from
  * a product of dimensions that a stride-0 view can make huge. */
 void *or_alloc_units(or_ssize n, size_t elsize)

@@ -20,6 +20,8 @@ void or_call_clear(or_call *c)
     }
     Py_CLEAR(c->new_kv[0]);
     Py_CLEAR(c->new_kv[1]);
+    Py_CLEAR(c->pool[0]);
+    Py_CLEAR(c->pool[1]);
     Py_CLEAR(c->cu_q);
     Py_CLEAR(c->cu_k);
     Py_CLEAR(c->used_k);

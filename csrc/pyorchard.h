@@ -34,17 +34,15 @@ PyObject *or_device_error(or_module_state *st, const char *func, int device, con
 PyArrayObject *or_unreadable(const char *func, const char *name, int own_words);
 /* An operand as an array over its memory (NumPy's array of it where it is no array or
  * tensor), its dtype in *dt, nothing copied yet; *copied 1 where the kernels will not read
- * the operand's own memory: it was no array, or or_stage will copy it. A call checks its
- * shapes between the two, so that a wrong one fails before copying a huge broadcast view. */
+ * the operand's own memory: it was no array, or or_stage will copy it as its own type. A call
+ * checks its shapes between the two, so that a wrong one fails before copying a huge
+ * broadcast view. */
 PyArrayObject *or_operand_view(or_module_state *st, PyObject *obj, const char *func,
                                const char *name, or_dtype *dt, int *copied);
 /* a (its reference taken) as the kernels read it: itself where they can in place as typenum,
  * else an aligned C-ordered copy as typenum; counted in ct where it is not NULL */
 PyArrayObject *or_stage(PyArrayObject *a, int typenum, const char *func, const char *name,
                         or_counters *ct, size_t align);
-/* the two at once, as the operand's own type */
-PyArrayObject *or_operand(or_module_state *st, PyObject *obj, const char *func,
-                          const char *name, or_counters *ct, size_t align, or_dtype *dt);
 void or_extent(PyArrayObject *a, char **lo, size_t *nbytes);
 PyArrayObject *or_staged_copy(PyArrayObject *a, int typenum, size_t align);
 PyArrayObject *or_new_aligned(int nd, const npy_intp *dims, int typenum, size_t align,
@@ -66,6 +64,9 @@ PyObject *or_result_like(or_module_state *st, PyObject *like, PyArrayObject *a, 
  * written so (it requires grad; an inference tensor outside inference mode), else NULL; 0, or
  * -1 with an exception */
 int or_torch_write_refusal(or_module_state *st, PyObject *obj, const char **why);
+/* 1 where obj is a torch tensor that requires grad in grad mode (autograd would record what
+ * torch wrote from it), 0 where not, -1 with an exception */
+int or_torch_recorded(or_module_state *st, PyObject *obj);
 /* tells autograd that obj, where it is a torch tensor, was written (its version counter, as
  * torch's own writes bump it); 0, or -1 with an exception */
 int or_torch_written(or_module_state *st, PyObject *obj);
@@ -114,6 +115,7 @@ typedef struct {
     int staged[OR_NSLOTS];          /* arr[s] is (or will be) a copy of the operand, not its
                                      * memory */
     int pending[OR_NSLOTS];         /* arr[s] is still the operand's view: or_stage_operands */
+    PyArrayObject *pool[2];         /* paged k and v whole, until staged (args.c stage_pages) */
     PyObject *like;                 /* the first operand: results come back as its kind */
     PyObject *obj[OR_NSLOTS];       /* each operand as given (borrowed), else NULL */
     or_module_state *st;

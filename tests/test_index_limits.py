@@ -75,8 +75,8 @@ def unstageable(*shape):
     return np.broadcast_to(np.ones((1,) * (len(shape) - 1) + shape[-1:], ">f4"), shape)
 
 
-def paged_call(ops, device, q, table):
-    pages = small(4, 16, 1, 8)
+def paged_call(ops, device, q, table, pages=None):
+    pages = small(4, 16, 1, 8) if pages is None else pages
     return ops.flash_attn_varlen_fwd(q, pages, pages, np.array([0, len(q)]), np.array([0, 32]),
                                      max_seqlen_q=len(q), max_seqlen_k=32, block_table=table,
                                      device=device)
@@ -100,6 +100,10 @@ BIG = (2**20, 2**14)    # rows and heads that no copy can hold at head dim 8
                                                 np.array([0, 3]), device=dev), "'cu_seqlens_q'"),
     (lambda ops, dev: paged_call(ops, dev, unstageable(*BIG, 8), np.array([[0, 7]])),
      "'block_table'"),
+    (lambda ops, dev: paged_call(ops, dev, small(1, 1, 8), np.array([[0, 2**31]]),
+                                 unstageable(2**30, 16, 1, 8)), "'block_table'"),
+    (lambda ops, dev: paged_call(ops, dev, small(1, 1, 9), np.array([[0, 1]]),
+                                 unstageable(2**30, 16, 1, 8)), "'k' must have the head dim"),
 ])
 def test_shape_errors_come_before_copies(ops, device, call, message):
     """A call wrong in its shapes or tables fails at their check, having copied nothing, however

@@ -107,8 +107,9 @@ def test_torch_tensors_and_bfloat16(ops, device):
 def test_torch_caches_as_torch_writes_them(ops, device):
     """A torch cache written has its version counter bumped (a backward that saved it, or a
     tensor sharing its memory, refuses to run: it computed a wrong gradient silently); one that
-    requires grad, or an inference tensor outside inference mode, is refused and left as it
-    was; in inference mode an inference tensor is written."""
+    requires grad in grad mode, or an inference tensor outside inference mode, is refused and
+    left as it was; in inference mode an inference tensor is written, under no_grad one that
+    requires grad, as torch writes them."""
     torch = pytest.importorskip("torch")
     g = torch.Generator().manual_seed(1)
     q = torch.randn(1, 1, 1, 8, generator=g)
@@ -131,6 +132,12 @@ def test_torch_caches_as_torch_writes_them(ops, device):
     with torch.inference_mode():
         ops.flash_attn_fwd(q, frozen, v, **kw)
     assert torch.equal(frozen[0, 0, 3], k_new[0, 0, 0])
+    wanting = k_new.clone().requires_grad_()
+    with pytest.raises(ValueError, match="'k_new' requires grad, in grad mode"):
+        ops.flash_attn_fwd(q, k.detach(), v, **dict(kw, k_new=wanting))
+    with torch.no_grad():       # as torch writes a tensor that requires grad there
+        ops.flash_attn_fwd(q, k, v, **dict(kw, k_new=2 * k_new))
+    assert torch.equal(k[0, 0, 3], 2 * k_new[0, 0, 0])
 
 
 def test_new_rows_are_not_counted_as_operands(ops, rng):

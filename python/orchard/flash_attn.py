@@ -607,13 +607,13 @@ def _new_rows(new):
 def _writable_in_call(caches, new):
     """Whether orchard_ops' call can write the new keys and values (tensors) into the caches
     itself (it bumps their version counters, as torch's writes do): not while torch records,
-    nor where autograd would have to record the write (a cache or, in grad mode, a new tensor
-    that requires grad), since its graph would not see it; nor into a cache it reads through a
-    copy (not contiguous in its last dimension, or elements not aligned)."""
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in new)
+    nor where autograd would record the write (in grad mode, a cache or new tensor that
+    requires grad), since its graph would not see it; nor into a cache it reads through a copy
+    (not contiguous in its last dimension, or elements not aligned)."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (*caches, *new))
     return not _recording() and not grad and all(
-        not c.requires_grad and (c.stride(-1) == 1 or c.shape[-1] == 1)
-        and c.data_ptr() % c.element_size() == 0 for c in caches)
+        (c.stride(-1) == 1 or c.shape[-1] == 1) and c.data_ptr() % c.element_size() == 0
+        for c in caches)
 
 
 def _check_not_inference(fn, caches):
