@@ -104,6 +104,19 @@ enum { T_MODULE, T_TENSOR, T_TO_DLPACK, T_FROM_NUMPY, T_VIEW, T_IS_NEG, T_GRAD_M
        T_INFERENCE_MODE, T_WRITTEN, T_DTYPE, T_SIZE = T_DTYPE + OR_NDTYPES };
 #define TORCH(t, i) PyTuple_GET_ITEM(t, i)
 
+/* obj.name, for what only a call that writes a cache needs: None where it cannot be read
+ * (an Exception, cleared: a stand-in module's, a lazy import's), so that reading operands never
+ * depends on it; NULL with any other exception (KeyboardInterrupt). obj None: None. */
+static PyObject *optional_attr(PyObject *obj, const char *name)
+{
+    PyObject *got = obj != Py_None ? PyObject_GetAttrString(obj, name) : Py_NewRef(Py_None);
+    if (got == NULL && PyErr_ExceptionMatches(PyExc_Exception)) {
+        PyErr_Clear();
+        got = Py_NewRef(Py_None);
+    }
+    return got;
+}
+
 /* The tuple for `module`, or NULL with an exception. */
 static PyObject *read_torch(PyObject *module)
 {
@@ -123,21 +136,15 @@ static PyObject *read_torch(PyObject *module)
     if (ok && !(item[T_IS_NEG] = PyObject_GetAttrString(tensor, "is_neg"))
         && PyErr_ExceptionMatches(PyExc_AttributeError))
         PyErr_Clear();
-    static const struct { int item; const char *name; } modes[] = {
-        {T_GRAD_MODE, "is_grad_enabled"}, {T_INFERENCE_MODE, "is_inference_mode_enabled"}};
-    for (int i = 0; ok && !PyErr_Occurred() && i < 2; i++)
-        if (!(item[modes[i].item] = PyObject_GetAttrString(module, modes[i].name))
-            && PyErr_ExceptionMatches(PyExc_AttributeError))
-            PyErr_Clear();
-    PyObject *autograd = ok && !PyErr_Occurred() ? PyObject_GetAttrString(module, "autograd")
-                                                 : NULL;
-    PyObject *graph = autograd ? PyObject_GetAttrString(autograd, "graph") : NULL;
-    if (graph != NULL)
-        item[T_WRITTEN] = PyObject_GetAttrString(graph, "increment_version");
-    Py_XDECREF(autograd);
-    Py_XDECREF(graph);
-    if (PyErr_Occurred() && PyErr_ExceptionMatches(PyExc_AttributeError))
-        PyErr_Clear();
+    if (ok && !PyErr_Occurred()) {
+        PyObject *autograd = optional_attr(module, "autograd");
+        PyObject *graph = autograd ? optional_attr(autograd, "graph") : NULL;
+        if (graph != NULL && (item[T_GRAD_MODE] = optional_attr(module, "is_grad_enabled"))
+            && (item[T_INFERENCE_MODE] = optional_attr(module, "is_inference_mode_enabled")))
+            item[T_WRITTEN] = optional_attr(graph, "increment_version");
+        Py_XDECREF(autograd);
+        Py_XDECREF(graph);
+    }
     if (PyErr_Occurred()) {
         if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
             Py_XDECREF(tensor);

@@ -71,15 +71,6 @@ static PyArrayObject *load_rows(or_call *c, PyObject *obj, int slot, or_ssize *n
                      or_dtypes[c->dt[slot]].name);
         goto done;
     }
-    const int recorded = or_torch_recorded(c->st, obj);
-    if (recorded != 0) {
-        if (recorded > 0)
-            PyErr_Format(PyExc_ValueError, "%s(): '%s' requires grad, in grad mode: autograd "
-                         "would not see orchard_ops write it into '%s' (write it with torch's "
-                         "indexing, or under torch.no_grad())", c->func, name,
-                         slot == OR_K ? "k" : "v");
-        goto done;
-    }
     /* the new rows of kv unit w, as k's rows: (..., Hkv, n, D) */
     PyArrayObject *cache = c->arr[slot];
     const int nd = PyArray_NDIM(given), want = c->varlen ? 4 : PyArray_NDIM(cache);
@@ -134,6 +125,16 @@ int or_load_new_kv(or_call *c, const or_opts *o)
         Py_CLEAR(c->new_kv[0]);
         Py_CLEAR(c->new_kv[1]);
         return 0;
+    }
+    for (int s = OR_K; s <= OR_V; s++) {
+        const int recorded = or_torch_recorded(c->st, s == OR_K ? o->k_new : o->v_new);
+        if (recorded > 0)
+            PyErr_Format(PyExc_ValueError, "%s(): '%s' requires grad, in grad mode: autograd "
+                         "would not see orchard_ops write it into '%s' (write it with torch's "
+                         "indexing, or under torch.no_grad())", c->func, names[s - OR_K],
+                         s == OR_K ? "k" : "v");
+        if (recorded != 0)
+            return -1;
     }
     const or_ssize group = c->p.prm.group, hkv = c->heads / group, rows = c->p.pages.rows;
     const int64_t *lp = c->leftpad ? PyArray_DATA(c->leftpad) : NULL;

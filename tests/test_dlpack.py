@@ -383,6 +383,33 @@ def test_torch_module_dropped_during_the_tensor_check():
     assert r.stdout.strip() == "(1, 2, 4)"
 
 
+def test_torch_module_whose_autograd_cannot_be_read():
+    """What only a write into a torch cache needs of torch (grad and inference mode, the
+    version counters) is read as absent where it cannot be read (a lazy attribute that raises,
+    a module without autograd): reading operands never depends on it."""
+    code = """if True:
+        import sys, types
+        import numpy as np, orchard_ops
+        fake = types.ModuleType("torch")
+        fake.Tensor = type("Tensor", (), {"view": lambda self, dtype: self})
+        fake.to_dlpack = lambda t: t.__dlpack__()
+        fake.from_numpy = lambda a: a
+        fake.bfloat16 = None
+        def lazy(name):
+            raise ImportError("lazy " + name)
+        fake.__getattr__ = lazy
+        sys.modules["torch"] = fake
+        class Producer:
+            def __dlpack__(self, **kwargs):
+                return np.ones((1, 2, 4), np.float32).__dlpack__()
+        out, lse = orchard_ops.flash_attn_fwd(Producer(), Producer(), Producer())
+        print(out.shape)
+    """
+    r = run_python(code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "(1, 2, 4)"
+
+
 def test_torch_module_replaced_while_a_call_reads_a_tensor():
     """What orchard calls of torch stays alive through a call that, in the Python code the call
     runs (here a tensor subclass's is_neg), makes orchard read another torch module."""

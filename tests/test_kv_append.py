@@ -135,6 +135,8 @@ def test_torch_caches_as_torch_writes_them(ops, device):
     wanting = k_new.clone().requires_grad_()
     with pytest.raises(ValueError, match="'k_new' requires grad, in grad mode"):
         ops.flash_attn_fwd(q, k.detach(), v, **dict(kw, k_new=wanting))
+    none = wanting[:, :, :0]            # no rows: nothing written, nothing to record
+    ops.flash_attn_fwd(q, k.detach(), v, **dict(kw, k_new=none, v_new=v_new[:, :, :0]))
     with torch.no_grad():       # as torch writes a tensor that requires grad there
         ops.flash_attn_fwd(q, k, v, **dict(kw, k_new=2 * k_new))
     assert torch.equal(k[0, 0, 3], 2 * k_new[0, 0, 0])
