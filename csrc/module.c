@@ -159,7 +159,7 @@ static PyObject *attention(PyObject *module, or_call *c, or_opts *o, PyObject **
                || or_new_output(c, OR_LSE, lnd, lshape, or_dtypes[dt].lse, NULL) < 0) {
         goto done;
     }
-    /* everything checked: the cache takes its new rows */
+    /* the cache takes its new rows once every argument is checked (theirs last) */
     if (or_build_problem(c, o->alibi) < 0 || or_load_new_kv(c, o) < 0 || or_write_new_kv(c) < 0)
         goto done;
     result = run(c, st, backward);
