@@ -351,25 +351,20 @@ def test_dlpack_producer_errors_name_the_argument(ops):
             ops.flash_attn_fwd(q, producer, q)
 
 
-def test_torch_module_dropped_during_the_tensor_check():
-    # orchard holds its own references to sys.modules["torch"] and what it calls of it while it
-    # asks whether an operand is a tensor (Python code runs then): here that code drops the
-    # module (it crashed)
+def call_with_a_stand_in_torch(tensor, extra=""):
+    """flash_attn_fwd of DLPack producers (not NumPy arrays) while sys.modules["torch"] is a
+    stand-in module: its Tensor the class that source `tensor` defines, then source `extra` run
+    on it (`fake`); the call must give its result."""
     code = """if True:
         import gc, sys, types
         import numpy as np, orchard_ops
-        class Meta(type):
-            def __instancecheck__(cls, obj):
-                sys.modules.pop("torch", None)
-                gc.collect()
-                return True
-        class Tensor(metaclass=Meta):
-            view = lambda self, dtype: self
+%s
         fake = types.ModuleType("torch")
         fake.Tensor = Tensor
         fake.to_dlpack = lambda t: np.ones((1, 2, 4), np.float32).__dlpack__()
         fake.from_numpy = lambda a: a
         fake.bfloat16 = None
+%s
         sys.modules["torch"] = fake
         del fake
         class Producer:
@@ -377,37 +372,36 @@ def test_torch_module_dropped_during_the_tensor_check():
                 return np.ones((1, 2, 4), np.float32).__dlpack__()
         out, lse = orchard_ops.flash_attn_fwd(Producer(), Producer(), Producer())
         print(out.shape)
-    """
+    """ % (tensor, extra)
     r = run_python(code)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "(1, 2, 4)"
+
+
+def test_torch_module_dropped_during_the_tensor_check():
+    # orchard holds its own references to sys.modules["torch"] and what it calls of it while it
+    # asks whether an operand is a tensor (Python code runs then): here that code drops the
+    # module (it crashed)
+    call_with_a_stand_in_torch("""
+        class Meta(type):
+            def __instancecheck__(cls, obj):
+                sys.modules.pop("torch", None)
+                gc.collect()
+                return True
+        class Tensor(metaclass=Meta):
+            view = lambda self, dtype: self""")
 
 
 def test_torch_module_whose_autograd_cannot_be_read():
     """What only a write into a torch cache needs of torch (grad and inference mode, the
     version counters) is read as absent where it cannot be read (a lazy attribute that raises,
     a module without autograd): reading operands never depends on it."""
-    code = """if True:
-        import sys, types
-        import numpy as np, orchard_ops
-        fake = types.ModuleType("torch")
-        fake.Tensor = type("Tensor", (), {"view": lambda self, dtype: self})
-        fake.to_dlpack = lambda t: t.__dlpack__()
-        fake.from_numpy = lambda a: a
-        fake.bfloat16 = None
+    call_with_a_stand_in_torch("""
+        class Tensor:
+            view = lambda self, dtype: self""", """
         def lazy(name):
             raise ImportError("lazy " + name)
-        fake.__getattr__ = lazy
-        sys.modules["torch"] = fake
-        class Producer:
-            def __dlpack__(self, **kwargs):
-                return np.ones((1, 2, 4), np.float32).__dlpack__()
-        out, lse = orchard_ops.flash_attn_fwd(Producer(), Producer(), Producer())
-        print(out.shape)
-    """
-    r = run_python(code)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "(1, 2, 4)"
+        fake.__getattr__ = lazy""")
 
 
 def test_torch_module_replaced_while_a_call_reads_a_tensor():
