@@ -583,7 +583,8 @@ PyDoc_STRVAR(fwd_doc,
 "k_new, v_new: n new rows for every kv head, k's and v's shapes with n for Nk, written into\n"
 "k and v as each sequence's last n keys and values before they are read (a KV cache's\n"
 "append; q is read after it), once every argument is checked; k and v must be writable\n"
-"and read in place.");
+"and read in place, and torch tensors torch would write (not requiring grad in grad mode,\n"
+"no inference tensor outside inference mode; their version counters are bumped).");
 PyDoc_STRVAR(bwd_doc,
 "flash_attn_bwd(dout, q, k, v, out, lse, scale=None, dropout_p=0.0, causal=False, *,\n"
 "               window=(-1, -1), alibi_slopes=None, softcap=0.0, seed=0, device=None,\n"
