@@ -418,10 +418,13 @@ PyArrayObject *or_from_dlpack(or_module_state *st, PyObject *obj, const char *fu
     }
     if (dt)
         *dt = (or_dtype)found;
-    /* writable (what a call's new keys and values are written into: kv_append.c) unless the
-     * producer marks it read-only, or a copy, whose writes the caller would never see; an
-     * unversioned tensor says neither */
-    const int writable = !versioned || !(given.mv->flags & (DL_READ_ONLY | DL_IS_COPIED));
+    /* writable (what a call's new keys and values are written into: kv_append.c) where the
+     * producer says so: a versioned tensor not marked read-only, or a copy whose writes the
+     * caller would never see; a torch tensor (torch.to_dlpack's are unversioned; kv_append.c
+     * asks torch's own rules). Another producer's unversioned tensor says neither, and may be
+     * immutable (an older JAX's array): read-only. */
+    const int writable = versioned ? !(given.mv->flags & (DL_READ_ONLY | DL_IS_COPIED))
+                                   : is_torch;
     a = (PyArrayObject *)PyArray_NewFromDescr(
         &PyArray_Type, PyArray_DescrFromType(typenum), t->ndim, dims, strides,
         (char *)t->data + t->byte_offset, writable ? NPY_ARRAY_WRITEABLE : 0, NULL);

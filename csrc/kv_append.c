@@ -38,7 +38,8 @@ static int check_cache(const or_call *c, int slot)
         why = "is read through a copy (it is not an array or tensor contiguous in its last "
               "dimension, aligned and in native byte order), so the new rows would not reach it";
     else if (!PyArray_ISWRITEABLE(a))
-        why = "is read-only";
+        why = "is read-only (as is a DLPack producer's tensor that does not say it may be "
+              "written)";
     for (int i = 0; why == NULL && i < PyArray_NDIM(a) - 1; i++)
         if (PyArray_STRIDE(a, i) == 0 && PyArray_DIM(a, i) > 1)
             why = "is an expanded view (stride 0): its rows share memory";

@@ -207,6 +207,32 @@ def test_refusals_leave_the_cache_as_it_was(ops, device, rng):
                            **kw)
 
 
+def test_dlpack_producers_caches_are_written_where_they_say_so(ops, rng):
+    """A DLPack 1.x tensor not marked read-only takes the new rows; an unversioned one (an
+    older producer's, which may be immutable: JAX's arrays) is refused as read-only."""
+    class Producer:
+        def __init__(self, array, versioned):
+            self.array, self.versioned = array, versioned
+
+        def __dlpack__(self, **kwargs):
+            return self.array.__dlpack__(**(kwargs if self.versioned else {}))
+
+        def __dlpack_device__(self):
+            return self.array.__dlpack_device__()
+
+    q = randn(rng, (1, 1, 1, 8), np.float32)
+    k, v, new = (np.zeros((1, 1, 4, 8), np.float32) for _ in range(3))
+    new[...] = 1
+    ops.flash_attn_fwd(q, Producer(k, True), Producer(v, True), k_new=new[:, :, :1],
+                       v_new=new[:, :, :1])
+    assert (k[0, 0, 3] == 1).all() and (v[0, 0, 3] == 1).all() and not k[0, 0, :3].any()
+    k[...] = 0
+    with pytest.raises(ValueError, match="'k' is read-only .*DLPack producer's tensor"):
+        ops.flash_attn_fwd(q, Producer(k, False), Producer(v, True), k_new=new[:, :, :1],
+                           v_new=new[:, :, :1])
+    assert not k.any()
+
+
 def test_device_arrays_are_refused(ops, rng):
     from conftest import OPENCL_IDS
     if not OPENCL_IDS:
