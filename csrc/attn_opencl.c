@@ -95,9 +95,8 @@ static int compact_pages(const launch_t *L)
     const or_pages *pg = &L->p->pages;
     if (pg->rows == 0 || L->p->view[OR_K].mem != NULL)
         return 0;
-    const size_t most = L->info->max_alloc;     /* 0: not known */
-    return !L->in_place || (most != 0 && (pg->nbytes[0] + L->info->base_align > most
-                                          || pg->nbytes[1] + L->info->base_align > most));
+    return !L->in_place || !or_cl_buffer_fits(L->info, pg->nbytes[0] + L->info->base_align)
+           || !or_cl_buffer_fits(L->info, pg->nbytes[1] + L->info->base_align);
 }
 
 /* The pages the call reads, numbered in order of first use: L->slot of each (-1: unread). */

@@ -77,13 +77,18 @@ int or_cl_buffer_fail(or_error *err, cl_int code, const char *what, size_t nbyte
     return OR_EDEVICE;
 }
 
+int or_cl_buffer_fits(const or_cl_info *in, size_t nbytes)
+{
+    return nbytes <= in->max_alloc || in->max_alloc == 0;
+}
+
 int or_cl_new_buffer(const or_cl_api *api, cl_context ctx, const or_cl_info *in,
                      cl_mem_flags flags, size_t nbytes, void *host, const char *what, cl_mem *out,
                      or_error *err)
 {
     cl_int code = CL_INVALID_BUFFER_SIZE;
-    const int fits = nbytes <= in->max_alloc || in->max_alloc == 0;     /* 0: not known */
-    *out = fits ? api->clCreateBuffer(ctx, flags, nbytes, host, &code) : NULL;
+    *out = or_cl_buffer_fits(in, nbytes) ? api->clCreateBuffer(ctx, flags, nbytes, host, &code)
+                                         : NULL;
     return *out ? OR_OK : or_cl_buffer_fail(err, code, what, nbytes, in);
 }
 

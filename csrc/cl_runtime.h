@@ -103,6 +103,9 @@ int or_cl_fail(or_error *err, cl_int code, const char *call);
  * did not make, with code, naming the sizes; returns OR_EDEVICE. */
 int or_cl_buffer_fail(or_error *err, cl_int code, const char *what, size_t nbytes,
                       const or_cl_info *in);
+/* Whether the device of `in` can make a buffer of nbytes: at most its largest (where that is
+ * known: a failed query leaves 0). */
+int or_cl_buffer_fits(const or_cl_info *in, size_t nbytes);
 /* A buffer of nbytes on the device of `in`: clCreateBuffer's, where the size is one the device
  * can make (past its largest the specification's CL_INVALID_BUFFER_SIZE, asking nothing). */
 int or_cl_new_buffer(const or_cl_api *api, cl_context ctx, const or_cl_info *in,

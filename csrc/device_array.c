@@ -54,7 +54,7 @@ static int buffer_new(int device, const char *what, size_t nbytes, const void *h
 static int buffer_fits(int device, const char *what, size_t nbytes, or_error *err)
 {
     const or_cl_info *in = or_cl_info_get(device - 1);
-    return nbytes <= in->max_alloc || in->max_alloc == 0     /* 0: not known */
+    return or_cl_buffer_fits(in, nbytes)
                ? OR_OK : or_cl_buffer_fail(err, CL_INVALID_BUFFER_SIZE, what, nbytes, in);
 }
 
