@@ -140,7 +140,7 @@ static PyObject *attention(PyObject *module, or_call *c, or_opts *o, PyObject **
         || (o->block_table != Py_None && or_check_paged_kv(c) < 0)
         || or_check_qkv(c) < 0 || or_check_scale(c, o) < 0
         || (c->varlen && or_check_varlen(c, o, cuq, cuk) < 0)
-        || or_check_key_ranges(c, o) < 0)
+        || or_check_key_ranges(c, o) < 0 || or_check_alibi(c, o->alibi) < 0)
         goto done;
     or_dtype dt = c->p.view[OR_Q].dtype;
     or_out_shapes(c, oshape, lshape, &ond, &lnd);
@@ -160,7 +160,7 @@ static PyObject *attention(PyObject *module, or_call *c, or_opts *o, PyObject **
         goto done;
     }
     /* the cache takes its new rows once every argument is checked (theirs last) */
-    if (or_build_problem(c, o->alibi) < 0 || or_load_new_kv(c, o) < 0 || or_write_new_kv(c) < 0)
+    if (or_build_problem(c) < 0 || or_load_new_kv(c, o) < 0 || or_write_new_kv(c) < 0)
         goto done;
     result = run(c, st, backward);
 done:

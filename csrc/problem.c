@@ -27,6 +27,7 @@ void or_call_clear(or_call *c)
     Py_CLEAR(c->used_k);
     Py_CLEAR(c->pages);
     Py_CLEAR(c->leftpad);
+    Py_CLEAR(c->alibi);
     PyMem_Free(c->page_list);
     PyMem_Free(c->page_first);
     c->page_list = NULL;
@@ -197,9 +198,9 @@ static int varlen_tables(or_call *c)
     return 0;
 }
 
-/* ALiBi slopes, one per unit. Accepted shapes: (H,) or the unit grid (dense: q.shape[:-2];
- * varlen: (B, H)). */
-static int alibi_table(or_call *c, PyObject *obj)
+/* ALiBi slopes: (H,) or the unit grid (dense: q.shape[:-2]; varlen: (B, H)), checked before
+ * the operands are staged and kept as float64 in c->alibi. */
+int or_check_alibi(or_call *c, PyObject *obj)
 {
     if (obj == Py_None)
         return 0;
@@ -218,7 +219,7 @@ static int alibi_table(or_call *c, PyObject *obj)
         return -1;
     }
     /* the shape first: a wrong one may be a broadcast view too large to copy */
-    or_ssize n = c->p.n_units, h = c->heads, size = PyArray_SIZE(raw);
+    or_ssize h = c->heads, size = PyArray_SIZE(raw);
     int nd = PyArray_NDIM(raw), per_head = nd <= 1 && size == h, per_unit = 0;
     if (!per_head) {
         npy_intp grid[2];
@@ -261,17 +262,27 @@ static int alibi_table(or_call *c, PyObject *obj)
             Py_DECREF(a);
             return -1;
         }
+    c->alibi = a;
+    return 0;
+}
+
+/* The checked slopes, one per unit: per head, or the grid's own (then one per unit). */
+static int alibi_table(or_call *c)
+{
+    if (c->alibi == NULL)
+        return 0;
+    const double *v = PyArray_DATA(c->alibi);
+    const or_ssize n = c->p.n_units, size = PyArray_SIZE(c->alibi);
     c->slopes = (double *)or_alloc_units(n, sizeof(double));
     for (or_ssize u = 0; c->slopes != NULL && u < n; u++)
-        c->slopes[u] = per_head ? v[h > 0 ? u % h : 0] : v[u];
-    Py_DECREF(a);
+        c->slopes[u] = v[size == n ? u : u % size];
     return c->slopes ? 0 : -1;
 }
 
 /* Fills the per-unit tables and the views: after this, c->p is what the kernels read. */
-int or_build_problem(or_call *c, PyObject *alibi_slopes)
+int or_build_problem(or_call *c)
 {
-    if ((c->varlen ? varlen_tables(c) : dense_tables(c)) < 0 || alibi_table(c, alibi_slopes) < 0)
+    if ((c->varlen ? varlen_tables(c) : dense_tables(c)) < 0 || alibi_table(c) < 0)
         return -1;
     for (int s = 0; s < OR_NSLOTS; s++) {
         if (c->arr[s] == NULL)

@@ -131,6 +131,7 @@ typedef struct {
     const int64_t **page_list;      /* per kv unit: its row of pages (or_pages.table) */
     or_ssize *page_first;           /* per kv unit: its leftpad (or_pages.first) */
     or_ssize *nq, *nk;
+    PyArrayObject *alibi;           /* float64 copy of alibi_slopes (or_check_alibi), or NULL */
     double *slopes;
     or_ssize heads;                 /* query heads H (dense: size of dim -3, or 1) */
     or_device_choice device;
@@ -192,7 +193,9 @@ int or_write_new_kv(or_call *c);
 void or_out_shapes(or_call *c, npy_intp *oshape, npy_intp *lshape, int *ond, int *lnd);
 int or_new_output(or_call *c, int slot, int nd, const npy_intp *shape, or_dtype dt,
                   PyArrayObject *like);
-int or_build_problem(or_call *c, PyObject *alibi_slopes);
+/* alibi_slopes checked (before staging), then every per-unit table and view built */
+int or_check_alibi(or_call *c, PyObject *obj);
+int or_build_problem(or_call *c);
 void or_call_clear(or_call *c);
 
 #endif

@@ -104,9 +104,15 @@ BIG = (2**20, 2**14)    # rows and heads that no copy can hold at head dim 8
                                  unstageable(2**30, 16, 1, 8)), "'block_table'"),
     (lambda ops, dev: paged_call(ops, dev, small(1, 1, 9), np.array([[0, 1]]),
                                  unstageable(2**30, 16, 1, 8)), "'k' must have the head dim"),
+    (lambda ops, dev: ops.flash_attn_fwd(unstageable(1, *BIG, 8), small(1, 16, 4, 8),
+                                         small(1, 16, 4, 8), alibi_slopes=np.ones(3), device=dev),
+     "'alibi_slopes' must have shape"),
+    (lambda ops, dev: ops.flash_attn_fwd(unstageable(1, *BIG, 8), small(1, 16, 4, 8),
+                                         small(1, 16, 4, 8), alibi_slopes=np.full(BIG[0], np.inf),
+                                         device=dev), "'alibi_slopes' must be finite"),
 ])
 def test_shape_errors_come_before_copies(ops, device, call, message):
-    """A call wrong in its shapes or tables fails at their check, having copied nothing, however
+    """A call wrong in its shapes, tables or ALiBi slopes fails at their check, having copied nothing, however
     large the operands it would copy: staged first, views like these raised MemoryError (and
     ones of a few GB that could be copied had the process killed)."""
     before = ops.stats()["per_device"][device]["staged_buffers"]
