@@ -692,6 +692,40 @@ def test_prepare_to_dev_stdout_writes_through_it(tmp_path, mode):
     assert json.loads(result.stderr.splitlines()[-1])["output"] == "/dev/stdout"
 
 
+def test_prepare_to_dev_stderr_appends_to_its_file(tmp_path):
+    """-o /dev/stderr where stderr is appended to a log: written through it (the log was
+    replaced by a new file holding only the data)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.md").write_text("# doc\n")
+    log = tmp_path / "log.txt"
+    log.write_text("a line before\n")
+    inode = log.stat().st_ino
+    with open(log, "ab") as stderr:
+        result = subprocess.run(
+            [sys.executable, "-m", "orchard.cli.prepare", str(src), "-o", "/dev/stderr",
+             "--overwrite", "--quiet"], stdout=subprocess.PIPE, stderr=stderr, text=True,
+            env=subprocess_env(), cwd=REPO_ROOT, timeout=60)
+    assert result.returncode == 0
+    assert log.stat().st_ino == inode
+    assert log.read_text() == 'a line before\n{"vocab_size":256,"sequences":[[35,32,100,111,99,10]]}\n'
+
+
+def test_prepare_to_a_closed_stdout_is_an_error(tmp_path):
+    """-o /dev/stdout with stdout closed (`>&-`): one line naming the argument, status 2 (the
+    data went to /dev/null, and the summary said it was written)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.md").write_text("# doc\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "orchard.cli.prepare", str(src), "-o", "/dev/stdout",
+         "--overwrite"], preexec_fn=lambda: os.close(1), stderr=subprocess.PIPE, text=True,
+        env=subprocess_env(), cwd=REPO_ROOT, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines()[-1] == ("orchard-prepare: error: argument --output: cannot "
+                                              "write '/dev/stdout': Bad file descriptor")
+
+
 def test_prepare_to_dev_stdout_whose_reader_goes_away_is_quiet(tmp_path):
     """-o /dev/stdout into `| head`: status 1 and no message, as every script's stdout whose
     reader went away (it was "cannot write '/dev/stdout': Broken pipe", status 2)."""

@@ -5,11 +5,12 @@ renamed over the old file: rename is atomic, so a reader (or the next run after 
 power loss) sees either the previous file or the new one, never half of one. The file gets the
 permissions of any new file (0666 less the umask), or keeps those of the file it replaces.
 A symbolic link's target is replaced, not the link (as a shell's `>` writes through it); a
-device, FIFO or socket (a named pipe) cannot be replaced and is written in place, and so is the
-process's standard output (`/dev/stdout`, or the file it is redirected to): through it, so that
-a shell's `>>` appends and its `>` keeps the file it opened.
+device, FIFO or socket (a named pipe) cannot be replaced and is written in place, and so are the
+process's standard output and error (`/dev/stdout`, `/dev/stderr`, or the file one is redirected
+to): through them, so that a shell's `>>` appends and its `>` keeps the file it opened.
 """
 import contextlib
+import errno
 import glob
 import os
 import secrets
@@ -37,13 +38,26 @@ def leftovers(path):
     return glob.glob(os.path.join(glob.escape(folder), _temporary(glob.escape(name), "*")))
 
 
+def _names_descriptor(path, fd):
+    try:
+        return os.path.samestat(os.stat(path), os.fstat(fd))
+    except OSError:     # no such file, or no such descriptor
+        return False
+
+
 def is_stdout(path):
     """Whether path names this process's standard output (file descriptor 1): `/dev/stdout`,
     or the file it is redirected to."""
-    try:
-        return os.path.samestat(os.stat(path), os.fstat(1))
-    except OSError:     # no such file, or no standard output
-        return False
+    return _names_descriptor(path, 1)
+
+
+def _standard_stream(path):
+    """The descriptor (1 or 2) of the standard output or error that path names, and its
+    Python stream (which may be None), or None."""
+    for fd, stream in ((1, sys.stdout), (2, sys.stderr)):
+        if _names_descriptor(path, fd):
+            return fd, stream
+    return None
 
 
 def written_in_place(path):
@@ -74,12 +88,17 @@ def _terminate_cleans_up():
 
 def write_atomically(path, write):
     """Calls write(f) on a temporary file beside `path`, syncs it and renames it over `path`."""
-    if is_stdout(path):
-        # (opened again by its name, a redirected stdout's file would be truncated, or
-        # replaced: the shell's appended-to log lost, its `>` file left unlinked)
-        if sys.stdout is not None:
-            sys.stdout.flush()
-        with os.fdopen(os.dup(1), "wb") as f:
+    standard = _standard_stream(path)
+    if standard is not None:
+        # (opened again by its name, a redirected stdout's or stderr's file would be truncated,
+        # or replaced: the shell's appended-to log lost, its `>` file left unlinked)
+        fd, stream = standard
+        if stream is not None:
+            if not getattr(stream, "writable", lambda: True)():
+                # a console script started with stdout closed holds /dev/null there
+                raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+            stream.flush()
+        with os.fdopen(os.dup(fd), "wb") as f:
             write(f)
         return
     if written_in_place(path):

@@ -406,6 +406,9 @@ class _ClosedStdout(io.TextIOBase):
     def fileno(self):
         return 1
 
+    def writable(self):     # (write_atomically refuses a file named /dev/stdout then)
+        return False
+
 
 def console_script(prog, uses_devices=True):
     """Decorator of a script's main(argv): the environment is checked first, and the user's
