@@ -69,6 +69,9 @@ def files(tmp_path_factory):
         "deep.json": "[" * 100000 + "]" * 100000,
         # deep enough for PyYAML's and transformers' recursion, not for json's parser
         "deep.yaml": "model:\n  context: " + "[" * 600 + "]" * 600 + "\n",
+        "long_int.yaml": "model:\n  context: 1" + "0" * 5000 + "\n",
+        "long_int.json": '{"vocab_size": 1%s, "sequences": [[1]]}' % ("0" * 5000),
+        "vocab_huge.json": '{"vocab_size": 1%s, "sequences": [[1]]}' % ("0" * 400),
         "deep_hf.json": '{"model_type": "llama", "x": ' + "[" * 600 + "]" * 600 + "}",
         "damaged.pt": b"not a checkpoint",
         "pickle.pt": pickle.dumps({"a": 1}, protocol=4),    # torch warned of its protocol
@@ -236,7 +239,12 @@ def expected_cases(f):
          ["argument --sequences:", f["nested.json"], "item 1 is [0, 1, 2, 3, 4, 5, ...]"]),
         ("train", tiny[:2] + ["--sequences", f["vocab_bool.json"], "--device", "cpu"], {},
          ["argument --sequences:", f["vocab_bool.json"], "'vocab_size' must be a positive "
-          "integer, got True"]),
+          "integer up to 2**63 (token ids are int64), got True"]),
+        # ints past what int64 holds, and past the 4,300 digits Python converts: tracebacks
+        ("train", tiny[:2] + ["--sequences", f["vocab_huge.json"], "--device", "cpu"], {},
+         ["argument --sequences:", f["vocab_huge.json"], "'vocab_size' must be", "got 1000"]),
+        ("train", tiny[:2] + ["--sequences", f["long_int.json"], "--device", "cpu"], {},
+         ["argument --sequences:", f["long_int.json"], "not valid JSON", "4300 digits"]),
         ("train", tiny[:2] + ["--sequences", f["deep.json"], "--device", "cpu"], {},
          ["argument --sequences:", f["deep.json"], "nested too deeply"]),
         ("train", tiny[:2] + ["--sequences", f["empty.json"], "--device", "cpu"], {},
@@ -303,6 +311,8 @@ def expected_cases(f):
         ("devices", ["--config", ""], {}, ["--config", "must name a config file"]),
         ("train", ["--config", f["deep.yaml"]], {}, ["--config", "deep.yaml", "nested too deeply"]),
         ("devices", ["--config", f["deep.yaml"]], {}, ["--config", "nested too deeply"]),
+        ("devices", ["--config", f["long_int.yaml"]], {}, ["--config", "not valid YAML",
+                                                           "4300 digits"]),
         ("generate", ["--checkpoint", ""], {}, ["--checkpoint", "must name a checkpoint"]),
         ("prepare", ["", "-o", "x.json"], {}, ["SRC_DIR", "must name a folder"]),
         ("prepare", [str(f["dir"]), "-o", ""], {}, ["--output", "must name a file", "''"]),

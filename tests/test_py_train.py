@@ -297,6 +297,21 @@ def test_a_run_that_trains_no_step_writes_nothing(run_files, tmp_path):
     assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
 
 
+def test_out_of_memory_at_micro_batch_1_is_one_line(run_files, tmp_path, capsys, monkeypatch):
+    """Out of memory where the micro-batch cannot halve: one error line, status 1 (an
+    88-line traceback of the OrchardOutOfMemory before)."""
+    from orchard.trainer import Trainer as Trained
+
+    def fail(self, *args):
+        raise MemoryError("flash_attn_fwd() on opencl:0: clCreateBuffer failed")
+    monkeypatch.setattr(Trained, "train_step", fail)
+    assert train_cli(run_files, tmp_path / "run", "--max-steps", 1) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("orchard-train: error: out of memory: flash_attn_fwd() on opencl:0: "
+                       "clCreateBuffer failed"), err
+    assert "Traceback" not in "\n".join(err)
+
+
 def make_trainer(run_files, out, micro_batch):
     config, sequences = run_files
     backend = get_device_backend("cpu")
@@ -501,10 +516,14 @@ def test_damaged_checkpoint_contents_are_one_line_errors(run_files, tmp_path, ca
                "json": dict(state, hf_config="{bad"),
                "hf_type": dict(state, hf_config='{"model_type": "no-such-model"}'),
                "heads": dict(state, model_config=dict(state["model_config"], n_head=0)),
+               "dropout": dict(state, model_config=dict(state["model_config"],
+                                                        dropout=float("nan"))),
                # fields edited by hand: each named, never a traceback further on
                "config": dict(state, config=[1]),
                "data": dict(state, data="x"),
                "record": dict(state, metrics=[{"foo": 1}]),
+               "no_loss": dict(state, metrics=[{"step": 1, "loss": None}]),
+               "no_val_loss": dict(state, metrics=[{"step": 1, "loss": 2.0, "val_loss": None}]),
                "metrics": dict(state, metrics="abc"),
                "seed": dict(state, seed="abc"),
                "schedule": dict(state, schedule_steps=-5)}

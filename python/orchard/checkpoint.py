@@ -93,9 +93,10 @@ def _is_int(x, least):
 
 def _is_record(m):
     """A metrics record (Trainer.history): a step and its loss, maybe a validation loss."""
-    number = lambda x: x is None or isinstance(x, numbers.Real) and not isinstance(x, bool)
+    # (the trainer keeps a diverged loss as NaN; only metrics.jsonl writes it as null)
+    number = lambda x: isinstance(x, numbers.Real) and not isinstance(x, bool)
     return (isinstance(m, dict) and _is_int(m.get("step"), 0) and "loss" in m
-            and number(m["loss"]) and number(m.get("val_loss")))
+            and number(m["loss"]) and ("val_loss" not in m or number(m["val_loss"])))
 
 
 def _problem(state):

@@ -240,6 +240,8 @@ def load_config(path=None):
         where = " at line %d, column %d" % (mark.line + 1, mark.column + 1) if mark else ""
         what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError("%s: not valid YAML%s: %s" % (path, where, what)) from None
+    except ValueError as exc:   # an int of 4,300+ digits, which PyYAML converts unchecked
+        raise ConfigError("%s: not valid YAML: %s" % (path, exc)) from None
     except RecursionError:      # (PyYAML composes nested lists and mappings recursively)
         raise ConfigError("%s: not a config file: nested too deeply" % path) from None
     return validate(cfg if cfg is not None else {}, source=path)

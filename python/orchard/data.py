@@ -47,7 +47,7 @@ def read_json(path, error, what):
         return json.loads(text)
     except OSError as exc:
         raise error("%s: cannot read the %s: %s" % (path, what, exc.strerror)) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:   # JSONDecodeError, UnicodeDecodeError, an int of 4,300+ digits
         raise error("%s: not valid JSON: %s" % (path, exc)) from None
     except RecursionError:
         raise error("%s: not a %s: nested too deeply" % (path, what)) from None
@@ -65,9 +65,10 @@ def load_sequences(path):
                             % (path, ", ".join(map(repr, sorted(data))) or "none"))
         vocab_size, data = data.get("vocab_size"), data["sequences"]
         if vocab_size is not None and (not isinstance(vocab_size, int)
-                                       or isinstance(vocab_size, bool) or vocab_size < 1):
-            raise DataError("%s: 'vocab_size' must be a positive integer, got %r"
-                            % (path, vocab_size))
+                                       or isinstance(vocab_size, bool) or vocab_size < 1
+                                       or vocab_size > 2 ** 63):
+            raise DataError("%s: 'vocab_size' must be a positive integer up to 2**63 (token "
+                            "ids are int64), got %s" % (path, reprlib.repr(vocab_size)))
     if not isinstance(data, list) or not all(isinstance(s, list) for s in data):
         raise DataError("%s: 'sequences' must be a list of token-id lists" % path)
     top = -1

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .checkpoint import CheckpointError, checkpoint_contents, checkpoint_path, load_checkpoint
+from .config import validate
 from .device_backend import get_device_backend
 from .hf_causal_lm import build_model
 
@@ -30,6 +31,8 @@ def load_model(checkpoint, device="auto", source=None):
         source, checkpoint = checkpoint_path(checkpoint), load_checkpoint(checkpoint)
     state = checkpoint
     with checkpoint_contents(source or "the checkpoint"):
+        if state.get("hf_config") is None:     # as --resume checks it (a NaN dropout, ...)
+            validate({"model": state["model_config"]}, source or "the checkpoint")
         model = build_model(state["model_config"], state.get("hf_config"),
                             checkpoint=source or "the checkpoint")
         model.load_state_dict(state["model"])

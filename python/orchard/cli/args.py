@@ -456,6 +456,14 @@ def console_script(prog, uses_devices=True):
                 print("%s: error: cannot write to standard output: %s"
                       % (prog, exc.strerror or exc), file=sys.stderr)
                 return 1
+            except MemoryError as exc:
+                # (orchard_ops.OrchardOutOfMemory too) the machine's limit, not a bug to trace
+                if debug:
+                    raise
+                from ..config import first_line
+                print("%s: error: out of memory: %s" % (prog, first_line(exc) or "MemoryError"),
+                      file=sys.stderr)
+                return 1
             except Exception as exc:
                 user = exc if isinstance(exc, _user_errors()) else _build_options_error(exc)
                 if user is None:
