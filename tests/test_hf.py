@@ -660,6 +660,43 @@ def test_layers_causal_only_through_their_masks_fall_back(fresh_warnings):
         assert_close(got[real.bool()], ref(**inputs).logits[real.bool()])
 
 
+def test_layers_causal_only_under_their_own_masks_fall_back(fresh_warnings):
+    """Moonshine's decoder layers pass is_causal=False whenever given a mask (sdpa's, causal
+    itself), AIMv2's and VideoPrism's text layers are built non-causal under the causal masks
+    their models make: with orchard's masks (the padding alone) later tokens reached earlier
+    positions, silently. They fall back now, and give the reference's results."""
+    from transformers import (Aimv2TextConfig, Aimv2TextModel, MoonshineConfig,
+                              MoonshineForConditionalGeneration, VideoPrismTextConfig,
+                              VideoPrismTextModel)
+    torch.manual_seed(0)
+    moonshine = MoonshineForConditionalGeneration(MoonshineConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, encoder_num_hidden_layers=1,
+        decoder_num_hidden_layers=1, encoder_num_attention_heads=4,
+        decoder_num_attention_heads=4, encoder_num_key_value_heads=4,
+        decoder_num_key_value_heads=4, pad_token_id=0, decoder_start_token_id=1,
+        bos_token_id=1, eos_token_id=2)).eval()
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                num_attention_heads=4, max_position_embeddings=32, eos_token_id=VOCAB - 1)
+    ids, mask = tokens(2, 12), torch.ones(2, 12, dtype=torch.long)
+    mask[1, 9:] = 0
+    for ref, inputs, name in (
+            (moonshine, dict(input_values=torch.randn(2, 2000), decoder_input_ids=ids,
+                             decoder_attention_mask=mask), "Moonshine"),
+            (Aimv2TextModel(Aimv2TextConfig(**text)).eval(), dict(input_ids=ids,
+                                                                   attention_mask=mask), "Aimv2Text"),
+            (VideoPrismTextModel(VideoPrismTextConfig(**text)).eval(),
+             dict(input_ids=ids, attention_mask=mask), "VideoPrismText")):
+        model = copy.deepcopy(ref)
+        model.set_attn_implementation("orchard")
+        with pytest.warns(UserWarning, match=name + "'s decoder self-attention"):
+            got = model(**inputs)
+        want = ref(**inputs)
+        if name == "Moonshine":
+            assert_close(got.logits[mask.bool()], want.logits[mask.bool()])
+        else:   # (AIMv2 adds a position of its own: the pooled outputs)
+            assert_close(got.pooler_output, want.pooler_output)
+
+
 def test_a_sub_model_of_a_refused_model_is_refused():
     """T5Gemma2's layers hold its sub-models' configs, which transformers maps to no model
     class: the refusal of T5Gemma2Model (_supports_flash_attn = False) never reached them, and

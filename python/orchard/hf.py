@@ -373,7 +373,10 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
 # Models whose decoder self-attention layers are built non-causal (is_causal=False), causal
 # only through the masks their model makes: orchard, as FlashAttention-2, takes causality
 # from the layer, and its masks (None for causal) would drop it.
-_CAUSAL_BY_MASK_ONLY = ("PegasusXConfig",)
+_CAUSAL_BY_MASK_ONLY = ("PegasusXConfig", "Aimv2TextConfig", "VideoPrismTextConfig")
+# Models whose causal decoder layers pass is_causal=False whenever they are given a mask
+# (sdpa's, causal itself): with orchard's (the padding alone) they would see later tokens.
+_NOT_CAUSAL_UNDER_A_MASK = ("MoonshineConfig", "MoonshineStreamingConfig")
 
 
 def _causal_only_by_mask(config):
@@ -381,9 +384,13 @@ def _causal_only_by_mask(config):
     if getattr(config, "use_bidirectional_attention", False) is True:
         # (Gemma's, PaliGemma's text model: the model still makes causal masks)
         return "layers built non-causal (use_bidirectional_attention=True) under causal masks"
-    if type(config).__name__ in _CAUSAL_BY_MASK_ONLY:
+    name = type(config).__name__
+    if name in _CAUSAL_BY_MASK_ONLY:
         return ("%s's decoder self-attention is causal only through its mask (is_causal=False)"
-                % type(config).__name__[:-len("Config")])
+                % name[:-len("Config")])
+    if name in _NOT_CAUSAL_UNDER_A_MASK:
+        return ("%s's decoder self-attention passes is_causal=False under a mask, causal only "
+                "through it" % name[:-len("Config")])
     return None
 
 
