@@ -697,6 +697,16 @@ def test_layers_causal_only_under_their_own_masks_fall_back(fresh_warnings):
             assert_close(got.pooler_output, want.pooler_output)
 
 
+def test_a_3d_attention_mask_is_a_value_error():
+    """A (batch, 1, positions) mask: a ValueError naming it (a TypeError from inside orchard's
+    mask function before; sdpa raises an IndexError)."""
+    model = build("llama-gqa", "orchard")
+    mask = torch.ones(2, 1, 12, dtype=torch.long)
+    with pytest.raises(ValueError, match="'attention_mask' of shape \\(2, 1, 12\\): a padding "
+                                         "mask is \\(batch, positions\\)"):
+        model(tokens(2, 12), attention_mask=mask)
+
+
 def test_a_sub_model_of_a_refused_model_is_refused():
     """T5Gemma2's layers hold its sub-models' configs, which transformers maps to no model
     class: the refusal of T5Gemma2Model (_supports_flash_attn = False) never reached them, and

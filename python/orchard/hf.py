@@ -346,6 +346,11 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     # A static cache gives its length as a tensor, so that compiled decode steps share one
     # graph: its mask keeps the cache's length and marks the keys past the last query (its
     # unwritten rows) as padding, their count left unread (_mark_written).
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() != 2:
+        # (transformers takes a 4-D one as the mask itself and asks no mask function)
+        raise ValueError("orchard.hf: 'attention_mask' of shape %s: a padding mask is (batch, "
+                         "positions), a mask given whole (batch, 1, queries, keys)"
+                         % (tuple(attention_mask.shape),))
     static = isinstance(q_offset, torch.Tensor)
     kv_offset = int(kv_offset)
     q_offset = q_offset if static else int(q_offset)
