@@ -687,17 +687,25 @@ def test_prepare_reads_regular_files_only_and_not_its_own_output(tmp_path):
         assert json.loads(result.stdout)["tokens"] == len("hello\n")
 
 
-@pytest.mark.parametrize("mode", ["ab", "wb", "pipe"])
-def test_prepare_to_dev_stdout_writes_through_it(tmp_path, mode):
-    """-o /dev/stdout where stdout is a file: replaced by a new file, it lost what a shell's
-    `>>` appended to and left the `>` file the shell opened empty; the summary went to stdout
-    after the data, with no newline between (JSON no longer read)."""
+def a_doc_and_a_log(tmp_path):
+    """(a source folder of one document, a log file holding a line, the log's inode)"""
     src = tmp_path / "src"
     src.mkdir()
     (src / "a.md").write_text("# doc\n")
     log = tmp_path / "log.txt"
     log.write_text("a line before\n")
-    inode = log.stat().st_ino
+    return src, log, log.stat().st_ino
+
+
+DOC_DATA = '{"vocab_size":256,"sequences":[[35,32,100,111,99,10]]}\n'
+
+
+@pytest.mark.parametrize("mode", ["ab", "wb", "pipe"])
+def test_prepare_to_dev_stdout_writes_through_it(tmp_path, mode):
+    """-o /dev/stdout where stdout is a file: replaced by a new file, it lost what a shell's
+    `>>` appended to and left the `>` file the shell opened empty; the summary went to stdout
+    after the data, with no newline between (JSON no longer read)."""
+    src, log, inode = a_doc_and_a_log(tmp_path)
     with open(log, mode) if mode != "pipe" else open(os.devnull) as stdout:
         result = subprocess.run(
             [sys.executable, "-m", "orchard.cli.prepare", str(src), "-o", "/dev/stdout",
@@ -706,20 +714,14 @@ def test_prepare_to_dev_stdout_writes_through_it(tmp_path, mode):
     assert result.returncode == 0, result.stderr
     data = result.stdout if mode == "pipe" else log.read_text()
     assert log.stat().st_ino == inode
-    assert data == ("a line before\n" if mode == "ab" else "") + \
-        '{"vocab_size":256,"sequences":[[35,32,100,111,99,10]]}\n'
+    assert data == ("a line before\n" if mode == "ab" else "") + DOC_DATA
     assert json.loads(result.stderr.splitlines()[-1])["output"] == "/dev/stdout"
 
 
 def test_prepare_to_dev_stderr_appends_to_its_file(tmp_path):
     """-o /dev/stderr where stderr is appended to a log: written through it (the log was
     replaced by a new file holding only the data)."""
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "a.md").write_text("# doc\n")
-    log = tmp_path / "log.txt"
-    log.write_text("a line before\n")
-    inode = log.stat().st_ino
+    src, log, inode = a_doc_and_a_log(tmp_path)
     with open(log, "ab") as stderr:
         result = subprocess.run(
             [sys.executable, "-m", "orchard.cli.prepare", str(src), "-o", "/dev/stderr",
@@ -727,7 +729,7 @@ def test_prepare_to_dev_stderr_appends_to_its_file(tmp_path):
             env=subprocess_env(), cwd=REPO_ROOT, timeout=60)
     assert result.returncode == 0
     assert log.stat().st_ino == inode
-    assert log.read_text() == 'a line before\n{"vocab_size":256,"sequences":[[35,32,100,111,99,10]]}\n'
+    assert log.read_text() == "a line before\n" + DOC_DATA
 
 
 def test_prepare_to_a_closed_stdout_is_an_error(tmp_path):
