@@ -199,7 +199,8 @@ static int varlen_tables(or_call *c)
 }
 
 /* ALiBi slopes: (H,) or the unit grid (dense: q.shape[:-2]; varlen: (B, H)), checked before
- * the operands are staged and kept as float64 in c->alibi. */
+ * the operands are staged and kept in c->alibi, a float64 copy (the caller's array could
+ * change before the table is built: a DeviceArray call's outputs release the GIL). */
 int or_check_alibi(or_call *c, PyObject *obj)
 {
     if (obj == Py_None)
@@ -246,7 +247,7 @@ int or_check_alibi(or_call *c, PyObject *obj)
         return -1;
     }
     a = (PyArrayObject *)PyArray_FromAny((PyObject *)raw, PyArray_DescrFromType(NPY_FLOAT64), 0,
-                                         0, NPY_ARRAY_CARRAY | NPY_ARRAY_FORCECAST, NULL);
+                                         0, NPY_ARRAY_CARRAY | NPY_ARRAY_FORCECAST | NPY_ARRAY_ENSURECOPY, NULL);
     Py_DECREF(raw);
     if (a == NULL)
         return -1;

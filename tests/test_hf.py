@@ -675,7 +675,8 @@ def test_layers_causal_only_under_their_own_masks_fall_back(fresh_warnings):
         decoder_num_attention_heads=4, encoder_num_key_value_heads=4,
         decoder_num_key_value_heads=4, pad_token_id=0, decoder_start_token_id=1,
         bos_token_id=1, eos_token_id=2)).eval()
-    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+    # (two layers: VideoPrism pools a position it appends, which sees every key either way)
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                 num_attention_heads=4, max_position_embeddings=32, eos_token_id=VOCAB - 1)
     ids, mask = tokens(2, 12), torch.ones(2, 12, dtype=torch.long)
     mask[1, 9:] = 0
@@ -693,7 +694,7 @@ def test_layers_causal_only_under_their_own_masks_fall_back(fresh_warnings):
         want = ref(**inputs)
         if name == "Moonshine":
             assert_close(got.logits[mask.bool()], want.logits[mask.bool()])
-        else:   # (AIMv2 adds a position of its own: the pooled outputs)
+        else:   # (VideoPrism appends a position: the pooled outputs)
             assert_close(got.pooler_output, want.pooler_output)
 
 

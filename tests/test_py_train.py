@@ -297,18 +297,21 @@ def test_a_run_that_trains_no_step_writes_nothing(run_files, tmp_path):
     assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
 
 
-def test_out_of_memory_at_micro_batch_1_is_one_line(run_files, tmp_path, capsys, monkeypatch):
-    """Out of memory where the micro-batch cannot halve: one error line, status 1 (an
-    88-line traceback of the OrchardOutOfMemory before)."""
+@pytest.mark.parametrize("exc", [
+    MemoryError("flash_attn_fwd() on opencl:0: clCreateBuffer failed"),
+    RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes")])
+def test_out_of_memory_at_micro_batch_1_is_one_line(run_files, tmp_path, capsys, monkeypatch,
+                                                     exc):
+    """Out of memory where the micro-batch cannot halve (orchard's, or PyTorch's CPU
+    allocator's RuntimeError): one error line, status 1 (an 88-line traceback before)."""
     from orchard.trainer import Trainer as Trained
 
     def fail(self, *args):
-        raise MemoryError("flash_attn_fwd() on opencl:0: clCreateBuffer failed")
+        raise exc
     monkeypatch.setattr(Trained, "train_step", fail)
     assert train_cli(run_files, tmp_path / "run", "--max-steps", 1) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == ("orchard-train: error: out of memory: flash_attn_fwd() on opencl:0: "
-                       "clCreateBuffer failed"), err
+    assert err[-1] == "orchard-train: error: out of memory: %s" % exc, err
     assert "Traceback" not in "\n".join(err)
 
 
@@ -730,6 +733,27 @@ def test_prepare_to_dev_stderr_appends_to_its_file(tmp_path):
     assert result.returncode == 0
     assert log.stat().st_ino == inode
     assert log.read_text() == "a line before\n" + DOC_DATA
+
+
+def test_prepare_to_dev_null_with_stdout_closed_writes_it(tmp_path):
+    """-o /dev/null from a script started with stdout closed: written, status 0 (/dev/null,
+    which then holds descriptor 1, was taken for the closed stdout and refused)."""
+    src, _, _ = a_doc_and_a_log(tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-m", "orchard.cli.prepare", str(src), "-o", "/dev/null",
+         "--overwrite", "--quiet"], preexec_fn=lambda: os.close(1), stderr=subprocess.PIPE,
+        text=True, env=subprocess_env(), cwd=REPO_ROOT, timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
+def test_an_empty_sequences_file_is_named_once(tmp_path):
+    """Its error was wrapped again as "not valid JSON: PATH: the sequences file is empty"."""
+    from orchard.data import DataError
+    path = tmp_path / "empty.json"
+    path.write_text("\n")
+    with pytest.raises(DataError) as e:
+        load_sequences(str(path))
+    assert str(e.value) == "%s: the sequences file is empty" % path
 
 
 def test_prepare_to_a_closed_stdout_is_an_error(tmp_path):

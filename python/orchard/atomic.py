@@ -53,10 +53,15 @@ def is_stdout(path):
 
 def _standard_stream(path):
     """The descriptor (1 or 2) of the standard output or error that path names, and its
-    Python stream (which may be None), or None."""
+    Python stream, or None. Not a stream that is None: its descriptor, closed, may hold any
+    file opened since. A console script started with stdout closed holds /dev/null there (its
+    stream marked orchard_closed): named as /dev/null, that is no stdout."""
     for fd, stream in ((1, sys.stdout), (2, sys.stderr)):
-        if _names_descriptor(path, fd):
-            return fd, stream
+        if stream is None or not _names_descriptor(path, fd):
+            continue
+        if getattr(stream, "orchard_closed", False) and os.path.abspath(path) == os.devnull:
+            continue
+        return fd, stream
     return None
 
 
@@ -93,11 +98,11 @@ def write_atomically(path, write):
         # (opened again by its name, a redirected stdout's or stderr's file would be truncated,
         # or replaced: the shell's appended-to log lost, its `>` file left unlinked)
         fd, stream = standard
-        if stream is not None:
-            if not getattr(stream, "writable", lambda: True)():
-                # a console script started with stdout closed holds /dev/null there
-                raise OSError(errno.EBADF, os.strerror(errno.EBADF))
-            stream.flush()
+        if getattr(stream, "orchard_closed", False):
+            raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+        for text in (sys.stdout, sys.stderr):   # (both: they may share the file)
+            if text is not None:
+                text.flush()
         with os.fdopen(os.dup(fd), "wb") as f:
             write(f)
         return

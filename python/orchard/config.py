@@ -88,6 +88,13 @@ class ConfigError(ValueError):
     """A config file that does not match SCHEMA; the message names the key and the file."""
 
 
+def is_out_of_memory(exc):
+    """Any MemoryError (orchard_ops.OrchardOutOfMemory included), and PyTorch's CPU allocator
+    failure, which PyTorch raises as a plain RuntimeError."""
+    return isinstance(exc, MemoryError) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
+
+
 def first_line(exc):
     """The first line of an exception's message, with the next one where it ends in a colon
     (pydantic-style validation errors and load_state_dict put the problem there)."""

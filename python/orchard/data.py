@@ -47,6 +47,8 @@ def read_json(path, error, what):
         return json.loads(text)
     except OSError as exc:
         raise error("%s: cannot read the %s: %s" % (path, what, exc.strerror)) from None
+    except error:   # (a ValueError itself: the empty file's, above)
+        raise
     except ValueError as exc:   # JSONDecodeError, UnicodeDecodeError, an int of 4,300+ digits
         raise error("%s: not valid JSON: %s" % (path, exc)) from None
     except RecursionError:
@@ -66,8 +68,8 @@ def load_sequences(path):
         vocab_size, data = data.get("vocab_size"), data["sequences"]
         if vocab_size is not None and (not isinstance(vocab_size, int)
                                        or isinstance(vocab_size, bool) or vocab_size < 1
-                                       or vocab_size > 2 ** 63):
-            raise DataError("%s: 'vocab_size' must be a positive integer up to 2**63 (token "
+                                       or vocab_size >= 2 ** 63):
+            raise DataError("%s: 'vocab_size' must be a positive integer below 2**63 (token "
                             "ids are int64), got %s" % (path, reprlib.repr(vocab_size)))
     if not isinstance(data, list) or not all(isinstance(s, list) for s in data):
         raise DataError("%s: 'sequences' must be a list of token-id lists" % path)

@@ -362,6 +362,10 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
         cut = mask is not None and q_length > 1 and config is not None and _cut_reason(config)
         if cut:
             raise _Unsupported(cut)
+        if config is not None and mask_function is not masking_utils.bidirectional_mask_function:
+            why = _not_causal_under(mask, config)
+            if why is not None:
+                raise _Unsupported(why)
     except _Unsupported as e:
         # a real mask to mark, also where sdpa would skip it (a bidirectional mask without
         # padding, which an encoder's is)
@@ -389,11 +393,17 @@ def _causal_only_by_mask(config):
     if getattr(config, "use_bidirectional_attention", False) is True:
         # (Gemma's, PaliGemma's text model: the model still makes causal masks)
         return "layers built non-causal (use_bidirectional_attention=True) under causal masks"
-    name = type(config).__name__
-    if name in _CAUSAL_BY_MASK_ONLY:
+    if type(config).__name__ in _CAUSAL_BY_MASK_ONLY:
         return ("%s's decoder self-attention is causal only through its mask (is_causal=False)"
-                % name[:-len("Config")])
-    if name in _NOT_CAUSAL_UNDER_A_MASK:
+                % type(config).__name__[:-len("Config")])
+    return None
+
+
+def _not_causal_under(mask, config):
+    """Why orchard's causal mask (None: no padding) would turn config's layers non-causal,
+    or None."""
+    name = type(config).__name__
+    if mask is not None and name in _NOT_CAUSAL_UNDER_A_MASK:
         return ("%s's decoder self-attention passes is_causal=False under a mask, causal only "
                 "through it" % name[:-len("Config")])
     return None

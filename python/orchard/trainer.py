@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from .atomic import write_atomically
 from .checkpoint import FORMAT, checkpoint_contents, save_checkpoint
-from .config import AUTO, ConfigError, get_dtype_from_string
+from .config import AUTO, ConfigError, get_dtype_from_string, is_out_of_memory
 from .data import DataError
 from .hf_causal_lm import build_model
 from .progress import Progress
@@ -35,13 +35,6 @@ log = logging.getLogger("orchard")
 CHECKPOINT_NAME = "checkpoint.pt"
 METRICS_NAME = "metrics.jsonl"
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-def is_out_of_memory(exc):
-    """Any MemoryError (orchard_ops.OrchardOutOfMemory included), and PyTorch's CPU allocator
-    failure, which PyTorch raises as a plain RuntimeError."""
-    return isinstance(exc, MemoryError) or (
-        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
 
 
 def strict_json(record):

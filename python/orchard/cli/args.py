@@ -406,8 +406,7 @@ class _ClosedStdout(io.TextIOBase):
     def fileno(self):
         return 1
 
-    def writable(self):     # (write_atomically refuses a file named /dev/stdout then)
-        return False
+    orchard_closed = True   # (write_atomically refuses a file named /dev/stdout then)
 
 
 def console_script(prog, uses_devices=True):
@@ -456,15 +455,13 @@ def console_script(prog, uses_devices=True):
                 print("%s: error: cannot write to standard output: %s"
                       % (prog, exc.strerror or exc), file=sys.stderr)
                 return 1
-            except MemoryError as exc:
-                # (orchard_ops.OrchardOutOfMemory too) the machine's limit, not a bug to trace
-                if debug:
-                    raise
-                from ..config import first_line
-                print("%s: error: out of memory: %s" % (prog, first_line(exc) or "MemoryError"),
-                      file=sys.stderr)
-                return 1
             except Exception as exc:
+                from ..config import first_line, is_out_of_memory
+                if is_out_of_memory(exc) and not debug:
+                    # the machine's limit, not a bug to trace
+                    print("%s: error: out of memory: %s"
+                          % (prog, first_line(exc) or type(exc).__name__), file=sys.stderr)
+                    return 1
                 user = exc if isinstance(exc, _user_errors()) else _build_options_error(exc)
                 if user is None:
                     raise
