@@ -794,8 +794,11 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
     int family = family_of(dev), vw, bq, bk, fq, fk, sq, sk, tuned;
     or_cl_info facts = dev->info;       /* what the blocks are fitted to */
 #ifdef ORCHARD_TEST_HOOKS
-    /* ORCHARD_CL_LOCAL_MEM=bytes: a device with that much local memory, to test the rules */
-    facts.local_mem = (unsigned long long)env_int("ORCHARD_CL_LOCAL_MEM", (int)facts.local_mem);
+    /* ORCHARD_CL_LOCAL_MEM=bytes: a device with that much local memory, to test the rules;
+     * never more than it has (PoCL aborts on a kernel whose tiles exceed its own) */
+    const unsigned long long pretend = (unsigned long long)env_int("ORCHARD_CL_LOCAL_MEM", 0);
+    if (pretend > 0 && pretend < facts.local_mem)
+        facts.local_mem = pretend;
 #endif
     for (;;) {      /* the family's blocks: defaults, a tuned record, the environment, its rule */
         const or_cl_family *f = &or_cl_families[family];
