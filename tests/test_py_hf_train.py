@@ -291,6 +291,14 @@ def test_missing_hf_paths_are_one_error_line(tmp_path, flag, name, why):
     ("--hf-config", "zero.json", '{"model_type": "llama", "hidden_size": 32, '
      '"num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 1, '
      '"max_position_embeddings": 0}', "max_position_embeddings must be at least 1, got 0"),
+    # ints no int64 holds: an OverflowError in the memory plan's message
+    ("--hf-config", "huge.json", '{"model_type": "llama", "hidden_size": 32, '
+     '"num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 1, '
+     '"vocab_size": 1%s}' % ("0" * 400), "vocab_size must be below 2**63, got 1000"),
+    ("--hf-config", "deep.json", '{"model_type": "llama", "hidden_size": 32, '
+     '"num_attention_heads": 4, "num_key_value_heads": 4, '
+     '"num_hidden_layers": 9223372036854775808}',
+     "num_hidden_layers must be below 2**63, got 9223372036854775808"),
     ("--hf-config", "mamba.json", '{"model_type": "mamba", "hidden_size": 32}',
      "model_type 'mamba' has no attention heads"),
     # transformers builds a model of no layers, which trained with 0 attention calls

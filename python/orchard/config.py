@@ -174,11 +174,11 @@ def validate(cfg, source="<config>"):
             if not isinstance(value, types) or bool_mismatch:
                 raise ConfigError("%s: key '%s' must be %s, got %s %s%s"
                                   % (source, name, _type_names(types), type(value).__name__,
-                                     _shown(value), _yaml_float_hint(value, types)))
+                                     shown(value), _yaml_float_hint(value, types)))
             problem = _number_problem(value, types) or (check(value) if check else None)
             if problem:
                 raise ConfigError("%s: key '%s' %s, got %s" % (source, name, problem,
-                                                              _shown(value)))
+                                                              shown(value)))
             # a YAML int where a real is expected is one (torch's AdamW refused int betas)
             if float in (types if isinstance(types, tuple) else ()) and isinstance(value, int):
                 value = float(value)
@@ -202,11 +202,11 @@ def validate(cfg, source="<config>"):
     return merged
 
 
-# A value in a message, abbreviated: two levels of nesting (reprlib's six, for YAML aliases
+# A value in a message, abbreviated (long ints too): two levels of nesting (reprlib's six, for YAML aliases
 # nested nine deep, made a message of 140 KB)
 _REPR = reprlib.Repr()
 _REPR.maxlevel = 2
-_shown = _REPR.repr
+shown = _REPR.repr
 
 
 def _unique_key_loader(yaml):

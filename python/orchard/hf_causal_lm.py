@@ -19,7 +19,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .config import ConfigError, first_line
+from .config import ConfigError, first_line, shown
 from .data import read_json
 from .model import GPT, GPTConfig
 
@@ -118,10 +118,16 @@ def _config_from_dict(values, path):
     if isinstance(layers, int) and layers < 1:      # transformers builds, and trains, no layers
         raise HFModelError("%s: num_hidden_layers must be at least 1, got %d" % (path, layers))
     # sizes transformers takes and builds no model of (zero-element tensors, a warning), or
-    # one orchard would not compute (a dropout probability it refuses at the first step)
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "max_position_embeddings"):
+    # one orchard would not compute (a dropout probability it refuses at the first step); one
+    # no int64 holds was an OverflowError in the memory plan's message
+    sizes = ("vocab_size", "hidden_size", "intermediate_size", "max_position_embeddings")
+    for name in sizes + ("num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                         "head_dim"):
         size = getattr(config, name, None)
-        if isinstance(size, int) and size < 1:
+        if isinstance(size, int) and size >= 2**63:
+            raise HFModelError("%s: %s must be below 2**63, got %s"
+                               % (path, name, shown(size)))
+        if isinstance(size, int) and size < 1 and name in sizes:
             raise HFModelError("%s: %s must be at least 1, got %d" % (path, name, size))
     dropout = getattr(config, "attention_dropout", None)
     if isinstance(dropout, (int, float)) and not 0 <= dropout < 1:
