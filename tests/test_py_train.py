@@ -505,9 +505,9 @@ def test_every_command_is_a_console_script():
 
 def test_damaged_checkpoint_contents_are_one_line_errors(run_files, tmp_path, capsys):
     """A checkpoint whose keys are all there but whose contents do not make its model
-    (weights of another shape, a model config of another type or with no heads, an hf_config
-    that is not JSON or names no transformers model) is one error line naming the file and the
-    flag, for orchard-generate and --resume alike."""
+    (weights of another shape or too few for its config, a model config of another type or
+    with no heads, an hf_config that is not JSON or names no transformers model) is one error
+    line naming the file and the flag, for orchard-generate and --resume alike."""
     from orchard.cli import generate
 
     out = tmp_path / "run"
@@ -521,6 +521,11 @@ def test_damaged_checkpoint_contents_are_one_line_errors(run_files, tmp_path, ca
                "heads": dict(state, model_config=dict(state["model_config"], n_head=0)),
                "dropout": dict(state, model_config=dict(state["model_config"],
                                                         dropout=float("nan"))),
+               # a model of 10**12 layers was built (until the system ran out of memory)
+               # before its weights were compared
+               "layers": dict(state, model_config=dict(state["model_config"],
+                                                       n_layer=10**12)),
+               "weights": dict(state, model=[1]),
                # fields edited by hand: each named, never a traceback further on
                "config": dict(state, config=[1]),
                "data": dict(state, data="x"),
@@ -543,6 +548,7 @@ def test_damaged_checkpoint_contents_are_one_line_errors(run_files, tmp_path, ca
             assert err[-1].startswith("orchard-") and path in err[-1], (name, err)
             assert "argument %s: " % argv[0] in err[-1], (name, err)
             assert "Traceback" not in "\n".join(err)
+            assert name != "layers" or "values its weights hold" in err[-1], err
 
 
 def test_a_plain_pickle_is_refused_without_torch_warnings(tmp_path):

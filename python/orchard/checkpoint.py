@@ -15,6 +15,7 @@ import torch
 from .atomic import WriteErrors, write_atomically
 from .config import ConfigError, first_line
 from .data import file_problem
+from .device_backend import DeviceBackend
 
 
 def save_checkpoint(state, path):
@@ -114,7 +115,7 @@ def _problem(state):
         return "its schedule_steps is %r, not a step count" % (planned,)
     if not _is_int(state["seed"], -2**63):
         return "its seed is %r, not an integer" % (state["seed"],)
-    for key in ("config", "model_config", "data", "rng"):
+    for key in ("model", "config", "model_config", "data", "rng"):
         if not isinstance(state[key], dict):
             return "its %s is a %s, not a dict" % (key, type(state[key]).__name__)
     if not isinstance(state["metrics"], list):
@@ -123,6 +124,18 @@ def _problem(state):
     if bad:
         return "its metrics hold %r, not a step's record of its loss" % (bad[0],)
     return None
+
+
+def check_model_size(model_cfg, weights, source):
+    """CheckpointError where an orchard model config (validated) makes more parameters than a
+    checkpoint's weights hold: a config edited by hand, whose model is built before the weights
+    are compared (n_layer 10**12 built layers until the system ran out of memory)."""
+    held = sum(t.numel() for t in weights.values() if isinstance(t, torch.Tensor))
+    wanted = DeviceBackend.count_parameters(model_cfg)
+    if wanted > held:
+        raise CheckpointError("%s: its model_config makes a model of %d parameters, more than "
+                              "the %d values its weights hold: an edited or damaged checkpoint"
+                              % (source, wanted, held))
 
 
 @contextlib.contextmanager

@@ -17,7 +17,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import CheckpointError, checkpoint_contents, checkpoint_path, load_checkpoint
+from .checkpoint import (CheckpointError, check_model_size, checkpoint_contents, checkpoint_path,
+                         load_checkpoint)
 from .config import validate
 from .device_backend import get_device_backend
 from .hf_causal_lm import build_model
@@ -32,7 +33,9 @@ def load_model(checkpoint, device="auto", source=None):
     state = checkpoint
     with checkpoint_contents(source or "the checkpoint"):
         if state.get("hf_config") is None:     # as --resume checks it (a NaN dropout, ...)
-            validate({"model": state["model_config"]}, source or "the checkpoint")
+            model_cfg = validate({"model": state["model_config"]},
+                                 source or "the checkpoint")["model"]
+            check_model_size(model_cfg, state["model"], source or "the checkpoint")
         model = build_model(state["model_config"], state.get("hf_config"),
                             checkpoint=source or "the checkpoint")
         model.load_state_dict(state["model"])

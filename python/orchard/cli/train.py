@@ -266,7 +266,7 @@ def build_trainer(args):
     """The device, data, config and model of this run, each checked, as a Trainer."""
     import orchard_ops
 
-    from ..checkpoint import CheckpointError, checkpoint_path, load_checkpoint
+    from ..checkpoint import CheckpointError, check_model_size, checkpoint_path, load_checkpoint
     from ..config import ConfigError, load_config, validate
     from ..data import (DataError, evaluation_windows, load_training_data, split_validation,
                         token_chunks)
@@ -298,7 +298,10 @@ def build_trainer(args):
         requested = dict(state["config"], model=state["model_config"])
         try:
             requested = validate(requested, "checkpoint %s" % checkpoint_path(args.resume))
-        except ConfigError as exc:
+            if state.get("hf_config") is None:      # (an hf model's sizes are its own)
+                check_model_size(requested["model"], state["model"],
+                                 "checkpoint %s" % checkpoint_path(args.resume))
+        except (ConfigError, CheckpointError) as exc:
             raise UsageError("argument --resume: %s" % exc) from None
         seed = state["seed"]
         ignored = [flag for flag, given in (
