@@ -551,6 +551,25 @@ def test_damaged_checkpoint_contents_are_one_line_errors(run_files, tmp_path, ca
             assert name != "layers" or "values its weights hold" in err[-1], err
 
 
+def test_a_python_without_its_stdlib_sources_needs_sequences(run_files, tmp_path, capsys,
+                                                            monkeypatch):
+    """Without --sequences the run trains on the standard library's .py files; a Python that
+    ships without them (only .pyc) is one error line saying to pass --sequences, not a
+    FileNotFoundError's traceback."""
+    import sysconfig
+
+    empty = tmp_path / "lib"
+    empty.mkdir()
+    (empty / "os.pyc").write_bytes(b"")
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(empty)})
+    assert train.main(["--config", run_files[0], "--output", str(tmp_path / "out"),
+                       "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "orchard-train: error: no .py sources under %s (this Python ships without its "
+        "standard library sources); pass --sequences FILE" % empty)
+    assert not os.path.exists(tmp_path / "out")
+
+
 def test_a_plain_pickle_is_refused_without_torch_warnings(tmp_path):
     """A pickle that is no torch checkpoint is the one-line error alone: torch's warning about
     its pickle protocol came first, two more lines on stderr."""

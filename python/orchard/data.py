@@ -155,8 +155,8 @@ def stdlib_sequences(max_bytes=DEFAULT_MAX_BYTES):
              if not any(part in ("site-packages", "dist-packages", "test", "tests")
                         for part in os.path.relpath(p, stdlib).split(os.sep))]
     if not paths:
-        raise FileNotFoundError("no .py sources under %s (this Python ships without its "
-                                "standard library sources); pass --sequences FILE" % stdlib)
+        raise DataError("no .py sources under %s (this Python ships without its standard "
+                        "library sources); pass --sequences FILE" % stdlib)
     return text_file_sequences(paths, max_bytes)
 
 
