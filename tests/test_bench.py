@@ -43,6 +43,35 @@ def test_medians_need_three_timings():
     assert len(calls) == 4                  # one warm-up call, then three timed
 
 
+def test_a_shape_must_fit_every_array_a_problem_holds(tmp_path, capsys):
+    """A shape is refused where the arrays its problem holds at once (20 of float32: the
+    operands, orchard's and torch's outputs and gradients, torch's copies) exceed the
+    machine's memory; four arrays had been counted, so a shape that passed was killed."""
+    from orchard import benchmark
+    from orchard.cli import bench
+
+    n = benchmark.physical_memory() // 40 // 64    # 4 arrays: 0.4x the memory; 20: 2x
+    with pytest.raises(SystemExit) as exited:
+        bench.main(["--shapes", "1,1,%d,64" % n, "--dtypes", "float32"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "orchard-bench: error: argument --shapes: its arrays need "), err
+
+
+def test_the_reference_is_timed_where_its_scores_fit():
+    """The NumPy reference materialises float64 N x N scores: the grid times it up to N 2048
+    where six such arrays take at most half the machine's memory (B 64 H 64 N 2048: 1.4 TB)."""
+    from orchard import benchmark
+
+    assert benchmark.reference_fits(1, 8, 2048)
+    assert not benchmark.reference_fits(1, 1, 4096)
+    assert not benchmark.reference_fits(64, 64, 2048)
+    most = benchmark.physical_memory() // 2 // (6 * 8 * 256 * 256)   # B x H at N 256
+    assert benchmark.reference_fits(1, most, 256) and not benchmark.reference_fits(1, most + 1,
+                                                                                   256)
+
+
 def test_bench_decode_table(tmp_path):
     out = tmp_path / "bench.json"
     r = run_python("""

@@ -5,9 +5,9 @@ warm-up call, then the median of `repeats` >= 3 calls: never one timing, and a m
 a best, is not set by one lucky call) and reports ms and GFLOP/s with FlashAttention-2's
 accounting: forward 4*B*H*N*N*D flops, halved when causal; backward 2.5x the forward. In the
 same run it measures NumPy's float32 matrix product (the practical roofline of this machine),
-the NumPy reference (orchard.reference: float64, the N x N scores materialised) and PyTorch's
-scaled_dot_product_attention on the CPU when torch is installed, so every ratio compares
-figures taken side by side. orchard-bench prints these; benchmarks/ adds the README's figures.
+the NumPy reference (orchard.reference: float64, the N x N scores materialised; where they
+fit, reference_fits) and PyTorch's scaled_dot_product_attention on the CPU when torch is
+installed, so every ratio compares figures taken side by side. orchard-bench prints these; benchmarks/ adds the README's figures.
 """
 import os
 import platform
@@ -21,6 +21,23 @@ from .reference import ref_fwd
 
 DEFAULT_SHAPES = [(4, 8, 256, 64), (4, 8, 512, 64), (4, 8, 1024, 64), (1, 8, 2048, 64)]
 QUICK_SHAPES = [(1, 2, 64, 32), (1, 2, 128, 32)]
+# float32 arrays of B x H x N x D a problem holds at once: the operands, orchard's and torch's
+# outputs and gradients, torch's copies, standard_normal's float64 (18.6 measured at
+# 2,8,4096,128 by the peak resident size)
+ARRAYS_HELD = 20
+# float64 B x H x N x N arrays the NumPy reference holds at once (5.2 measured), and the
+# largest N it is timed at
+REFERENCE_SCORES, REFERENCE_MAX_N = 6, 2048
+
+
+def physical_memory():
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def reference_fits(b, h, n):
+    """Whether the grid times the NumPy reference at this shape: N at most REFERENCE_MAX_N,
+    its N x N scores within half of the machine's memory (B 64 H 64 N 2048 needed 1.4 TB)."""
+    return n <= REFERENCE_MAX_N and REFERENCE_SCORES * 8 * b * h * n * n <= physical_memory() / 2
 
 
 def attention_flops(b, h, n, d, causal):
@@ -123,7 +140,7 @@ def measure(shapes, devices, dtypes, causal_flags, repeats, progress=None):
 
                 for dev in devices:
                     row("orchard", dev, *orchard_calls(q, k, v, dout, causal, dev))
-                if n <= 2048 and dtype == "float32":
+                if dtype == "float32" and reference_fits(b, h, n):
                     row("numpy-reference", "cpu", lambda: ref_fwd(*arrays[:3], causal=causal))
                 if torch is not None:
                     row("torch-sdpa", "cpu", *sdpa_calls(q, k, v, dout, causal))

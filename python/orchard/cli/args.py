@@ -220,8 +220,10 @@ def number(minimum=None, maximum=None):
 
 def shape(text):
     """An argparse type: B,H,N,D, four integers >= 1, D at most orchard's largest head dim,
-    whose q, k, v and output (float32) fit in this machine's memory."""
+    whose arrays (benchmark.ARRAYS_HELD of float32) fit in this machine's memory."""
     import orchard_ops
+
+    from ..benchmark import ARRAYS_HELD, physical_memory
 
     try:
         dims = tuple(int(x) for x in text.split(","))
@@ -233,8 +235,7 @@ def shape(text):
     max_d = orchard_ops.build_info()["max_head_dim"]
     if dims[3] > max_d:
         raise argparse.ArgumentTypeError("D must be at most %d (got %r)" % (max_d, text))
-    need = 16 * math.prod(dims)     # four float32 arrays of B x H x N x D
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    need, memory = 4 * ARRAYS_HELD * math.prod(dims), physical_memory()
     if need > memory:
         raise argparse.ArgumentTypeError("its arrays need %.3g GiB, more than this machine's "
                                          "%.3g GiB (got %r)" % (need / 2**30, memory / 2**30,
