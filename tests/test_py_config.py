@@ -55,6 +55,8 @@ def test_partial_config_takes_defaults(tmp_path):
     ("device:\n  num_threads: 100000\n", "device.num_threads"),   # past orchard_ops' limit
     ("training:\n  learning_rate: .inf\n", "training.learning_rate"),
     ("training:\n  weight_decay: .nan\n", "training.weight_decay"),
+    ("training:\n  grad_clip: .inf\n", "training.grad_clip"),   # (no JSON number)
+    ("training:\n  grad_clip: -1\n", "training.grad_clip"),
     # numbers no float or int64 holds: they passed, and failed at the first step
     ("training:\n  grad_clip: 1%s\n" % ("0" * 400), "training.grad_clip"),
     ("training:\n  warmup_steps: %d\n" % 2**63, "training.warmup_steps"),

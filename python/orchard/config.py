@@ -67,7 +67,7 @@ SCHEMA = {
         "weight_decay": ((int, float), 0.1, _finite),
         "beta1": ((int, float), 0.9, _fraction),
         "beta2": ((int, float), 0.95, _fraction),
-        "grad_clip": ((int, float), 1.0, _non_negative),
+        "grad_clip": ((int, float), 1.0, _finite),   # .inf printed as Infinity in --json
         "dtype": (str, AUTO, _one_of(AUTO, "fp32", "fp16", "bf16")),
         "grad_checkpointing": ((bool, str), AUTO, lambda v: None if v in (True, False, AUTO)
                                else "must be true, false or 'auto'"),
