@@ -221,6 +221,8 @@ def expected_cases(f):
         ("train", ["--config", f["huge_model.yaml"], "--device", "cpu", "--output",
                    str(f["dir"] / "out_huge")], {},
          ["argument --config:", "optimizer state need", "model.n_embd 100000"]),
+        ("devices", ["--config", f["huge_model.yaml"]], {},
+         ["argument --config:", "optimizer state need", "model.n_embd 100000"]),
         # data, checkpoints, folders
         ("train", tiny[:2] + ["--sequences", f["short.json"], "--device", "cpu", "--output",
                               str(f["dir"] / "out_short")], {},

@@ -36,11 +36,10 @@ def main(argv=None):
                              "instead of text.")
     args = parser.parse_args(argv)
 
-    with reading("--config", args.config):
-        config = load_config(args.config)
     listing = orchard_ops.devices()
     chosen, why = auto_choice_reason(listing)
-    cfg, reasons = get_device_backend(chosen).adapt_config(config)
+    with reading("--config", args.config):     # a model no memory holds: its file named
+        cfg, reasons = get_device_backend(chosen).adapt_config(load_config(args.config))
     if args.json:
         json.dump({"devices": listing, "auto": chosen, "why": why, "config": cfg,
                    "reasons": reasons}, sys.stdout, indent=2)
