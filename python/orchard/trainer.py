@@ -73,9 +73,10 @@ class Trainer:
         self.micro_batch = min(train["micro_batch"], self.rank_batch)
         self.steps_per_epoch = len(chunks) // train["batch_size"]
         if self.steps_per_epoch < 1:
+            # (not val_chunks' count: training.eval_sequences caps it)
             held = ("" if self.val_chunks is None else
-                    "; training.val_fraction %g held out %d more for validation"
-                    % (train["val_fraction"], len(self.val_chunks)))
+                    "; training.val_fraction %g held out that fraction of the windows for "
+                    "validation" % train["val_fraction"])
             raise DataError("%d sequence(s) of context %d are fewer than one batch of %d "
                             "(training.batch_size)%s"
                             % (len(chunks), cfg["model"]["context"], train["batch_size"], held))
