@@ -1,5 +1,6 @@
 """orchard.atomic.write_atomically: the old file or the new one, never half; the permissions
 of a new file (0666 less the umask), or those of the file replaced."""
+import errno
 import os
 import stat
 
@@ -74,6 +75,17 @@ def test_a_link_is_written_through(tmp_path):
     write_atomically(str(link), lambda f: f.write(b"new"))
     assert link.is_symlink() and target.read_bytes() == b"new"
     assert sorted(os.listdir(tmp_path)) == ["data", "tokens.json"]
+
+
+def test_a_link_that_loops_is_not_replaced(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.symlink_to(b)
+    b.symlink_to(a)
+    with pytest.raises(OSError) as info:
+        write_atomically(str(a), lambda f: f.write(b"new"))
+    assert info.value.errno == errno.ELOOP
+    assert a.is_symlink() and b.is_symlink() and sorted(os.listdir(tmp_path)) == ["a.json",
+                                                                                   "b.json"]
 
 
 def test_a_fifo_is_written_in_place_not_replaced(tmp_path):

@@ -85,6 +85,8 @@ def files(tmp_path_factory):
     (folder / "kept.png").write_text("a plot to keep\n")
     (folder / "link.png").symlink_to(folder / "kept.json")     # --plot onto --json's file
     (folder / "dangling").symlink_to(folder / "nowhere")       # an --output to nothing
+    (folder / "loop.json").symlink_to(folder / "loop.json")    # a link to itself
+    (folder / "no_proc.json").symlink_to("/proc/nowhere/x.json")    # to where none is made
     import torch
     torch.save({"w": torch.zeros(2)}, str(folder / "statedict.pt"))     # a model's state dict
     torch.save(torch.zeros(3), str(folder / "tensor.pt"))
@@ -286,6 +288,14 @@ def expected_cases(f):
                      "--overwrite"], {},
          ["no text files", "empty_src"]),
         ("prepare", [str(f["dir"]), "-o", str(f["dir"])], {}, ["--output", "folder"]),
+        # links: one that loops was replaced by the output; one to a folder that takes no
+        # files was refused after the work
+        ("prepare", [str(f["dir"]), "-o", str(f["dir"] / "loop.json")], {},
+         ["--output", "a symbolic link that loops", "loop.json"]),
+        ("bench", ["--quick", "--json", str(f["dir"] / "loop.json")], {},
+         ["--json", "a symbolic link that loops", "loop.json"]),
+        ("prepare", [str(f["dir"]), "-o", str(f["dir"] / "no_proc.json")], {},
+         ["--output", "cannot be made or written, /proc takes no new files", "no_proc.json"]),
         ("prepare", [str(f["dir"]), "-o", str(f["dir"] / "kept.json")], {},
          ["--output", "exists", "--overwrite", "kept.json"]),
         ("bench", ["--quick", "--plot", str(f["dir"] / "x.txt")], {}, ["--plot", "x.txt"]),
@@ -377,6 +387,7 @@ def test_bad_input_to_every_script_gives_one_line_and_status_2(files):
     assert (files["dir"] / "kept.json").read_bytes() == kept
     assert not (files["dir"] / "out_short").exists()
     assert not os.path.exists(os.path.join(str(files["dir"]), "x.json"))
+    assert os.path.islink(files["dir"] / "loop.json")
 
 
 def test_prepare_of_binary_files_alone_prints_the_error_alone(tmp_path):

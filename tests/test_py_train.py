@@ -816,11 +816,13 @@ def test_prepare_to_dev_stdout_whose_reader_goes_away_is_quiet(tmp_path):
 
 
 def test_prepare_takes_text_files_whole_and_reads_no_more_than_it_keeps(tmp_path, monkeypatch):
-    """A NUL byte anywhere makes a file binary (only the first 8 KiB were looked at); with
-    --max-bytes a file is read up to what is kept, its rest only scanned for NUL bytes a
-    chunk at a time (a large file was read whole first)."""
+    """A NUL byte anywhere makes a file binary (only the first 8 KiB were looked at); files
+    are read a chunk at a time, kept up to --max-bytes, to their first NUL: a large file was
+    read whole first, a binary one too before it was skipped (2 GB for 3 tokens), and a
+    --max-bytes past the memory was one buffer asked for (MemoryError, or OverflowError)."""
     import builtins
     import io
+    import tracemalloc
     from orchard.data import text_file_sequences
     (tmp_path / "late_nul.txt").write_bytes(b"a" * 9000 + b"\0binary")
     (tmp_path / "text.txt").write_bytes(b"b" * 9000)
@@ -836,7 +838,17 @@ def test_prepare_takes_text_files_whole_and_reads_no_more_than_it_keeps(tmp_path
 
     monkeypatch.setattr(builtins, "open", lambda path, mode: Counted(real_open(path, "rb", 0)))
     text_file_sequences([str(tmp_path / "text.txt")], max_bytes=10)
-    assert reads[0] == 10 and all(0 < n <= 1 << 20 for n in reads)
+    assert reads and all(0 < n <= 1 << 20 for n in reads)
+    monkeypatch.undo()
+    assert [bytes(s) for s in text_file_sequences(paths, max_bytes=2**63 - 1)] == [b"b" * 9000]
+    with open(tmp_path / "disk.img", "wb") as f:    # sparse: no disk space taken
+        f.truncate(1 << 30)
+    tracemalloc.start()
+    try:
+        assert text_file_sequences([str(tmp_path / "disk.img")] + paths) == [[98] * 9000]
+        assert tracemalloc.get_traced_memory()[1] < 16 << 20
+    finally:
+        tracemalloc.stop()
 
 
 def test_generate_and_prepare(run_files, tmp_path):

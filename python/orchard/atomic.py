@@ -111,6 +111,8 @@ def write_atomically(path, write):
             write(f)
         return
     path = os.path.realpath(path)
+    if os.path.islink(path):    # a link that loops: the rename would replace the link
+        raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
     folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, _temporary(os.path.basename(path), secrets.token_hex(8)))

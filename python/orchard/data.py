@@ -102,17 +102,19 @@ def save_sequences(path, sequences, vocab_size=BYTE_VOCAB):
 
 def _text_of(path, limit):
     """The first `limit` bytes of the file (None: all of it), or None where it is empty or
-    holds a NUL byte anywhere (no text file). Past the limit the rest is only scanned, a
-    chunk at a time: memory stays within the limit (a multi-gigabyte log was read whole)."""
+    holds a NUL byte anywhere (no text file). It is read a chunk at a time, to its first NUL:
+    memory stays within the text kept (a binary file was read whole before it was skipped,
+    and a --max-bytes past the memory was one buffer asked for up front)."""
+    data = bytearray()
     try:
         with open(path, "rb") as f:
-            data = f.read() if limit is None else f.read(limit)
-            rest = b"" if limit is None else f.read(1 << 20)
-            while rest and b"\0" not in rest:
-                rest = f.read(1 << 20)
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                if b"\0" in chunk:
+                    return None
+                data += chunk if limit is None else chunk[:max(0, limit - len(data))]
     except OSError as exc:
         raise DataError("%s: cannot read it: %s" % (path, exc.strerror)) from None
-    return data if data and not rest and b"\0" not in data else None
+    return data or None
 
 
 def text_file_sequences(paths, max_bytes=None):

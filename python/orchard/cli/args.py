@@ -259,11 +259,23 @@ def output_file(text):
     folder = os.path.dirname(os.path.abspath(text))
     if not text or text.endswith(os.sep) or os.path.isdir(text) or not os.path.isdir(folder):
         raise argparse.ArgumentTypeError("must be a file in an existing folder (got %r)" % text)
-    problem = folder_problem(folder, os.path.basename(text))
+    problem = folder_problem(*written_where(text))
     if problem:
         raise argparse.ArgumentTypeError("must be a file in a folder this user can write to "
                                          "(got %r: %s)" % (text, problem))
     return text
+
+
+def written_where(text):
+    """(folder, name) of the file write_atomically makes for the path text: a link to nothing
+    yet is written at its target. ArgumentTypeError for a link that loops: the link itself
+    would be replaced, where the checks for an existing file had not seen one."""
+    target = text
+    if os.path.islink(text) and not os.path.exists(text):
+        target = os.path.realpath(text)
+        if os.path.islink(target):
+            raise argparse.ArgumentTypeError("is a symbolic link that loops (got %r)" % text)
+    return os.path.dirname(os.path.abspath(target)), os.path.basename(target)
 
 
 def folder_problem(folder, name=None):

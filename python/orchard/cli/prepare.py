@@ -6,6 +6,7 @@
 Writes {"vocab_size": 256, "sequences": [...]}, one sequence per text file (binary files,
 recognised by a NUL byte, and hidden files are skipped), for orchard-train --sequences.
 """
+import argparse
 import json
 import os
 import sys
@@ -13,7 +14,8 @@ import sys
 from ..atomic import is_stdout
 from ..data import BYTE_VOCAB, folder_files, save_sequences, text_file_sequences
 from ..progress import Progress
-from .args import Parser, UsageError, console_script, folder_problem, integer, path, writing
+from .args import (Parser, UsageError, console_script, folder_problem, integer, path, writing,
+                   written_where)
 
 EXAMPLES = (
     "orchard-prepare ~/src/myproject -o data/token_sequences.json --ext .py --ext .md",
@@ -58,8 +60,10 @@ def main(argv=None):
     if os.path.exists(args.output) and not args.overwrite:
         raise UsageError("argument --output: the file exists; pass --overwrite to replace it "
                          "(%r)" % args.output)
-    problem = folder_problem(os.path.dirname(os.path.abspath(args.output)),
-                             os.path.basename(args.output))
+    try:
+        problem = folder_problem(*written_where(args.output))
+    except argparse.ArgumentTypeError as exc:
+        raise UsageError("argument --output: %s" % exc) from None
     if problem:
         raise UsageError("argument --output: cannot be made or written, %s (got %r)"
                          % (problem, args.output))
