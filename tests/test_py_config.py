@@ -56,6 +56,10 @@ def test_partial_config_takes_defaults(tmp_path):
     ("training:\n  learning_rate: .inf\n", "training.learning_rate"),
     ("training:\n  weight_decay: .nan\n", "training.weight_decay"),
     ("training:\n  grad_clip: .inf\n", "training.grad_clip"),   # (no JSON number)
+    # YAML 1.1's other ints are text: 1:30 had read as 90, 0x10 as 16
+    ("training:\n  batch_size: 1:30\n", "training.batch_size"),
+    ("training:\n  batch_size: 0x10\n", "training.batch_size"),
+    ("model:\n  n_layer: 1_0\n", "model.n_layer"),
     ("training:\n  grad_clip: -1\n", "training.grad_clip"),
     # numbers no float or int64 holds: they passed, and failed at the first step
     ("training:\n  grad_clip: 1%s\n" % ("0" * 400), "training.grad_clip"),
@@ -77,6 +81,12 @@ def test_a_number_yaml_reads_as_text_gets_a_hint(tmp_path, text, hint):
         load_config(write(tmp_path, "training:\n  learning_rate: %s\n" % text))
     assert load_config(write(tmp_path, "training:\n  learning_rate: %s\n" % hint))[
         "training"]["learning_rate"] == float(text)
+
+
+def test_ints_are_decimal_as_yaml_1_2_reads_them(tmp_path):
+    """YAML 1.1 (PyYAML) read 010 as 8, an octal: a leading zero is a decimal digit."""
+    cfg = load_config(write(tmp_path, "training:\n  batch_size: 010\n  warmup_steps: +0\n"))
+    assert cfg["training"]["batch_size"] == 10 and cfg["training"]["warmup_steps"] == 0
 
 
 def test_a_number_in_quotes_gets_a_hint(tmp_path):

@@ -5,6 +5,7 @@ default here, so a YAML file may set any subset; configs/universal.yaml writes a
 with comments and is kept equal to these defaults by a test. "auto" values are resolved for the
 device at hand by DeviceBackend.adapt_config, which reports a reason for each change.
 """
+import re
 import reprlib
 
 import orchard_ops
@@ -121,7 +122,8 @@ def _yaml_float_hint(value, types):
     except ValueError:
         return ""
     text = value.strip()
-    if isinstance(yaml.safe_load(text), (int, float)):
+    load = lambda text: yaml.load(text, _config_loader(yaml))
+    if isinstance(load(text), (int, float)):
         return " (a number in quotes is text: write it without them)"
     mantissa, _, exponent = text.lower().partition("e")
     if "." not in mantissa:
@@ -132,7 +134,7 @@ def _yaml_float_hint(value, types):
         exponent = "+" + exponent
     for suggestion in (mantissa + ("e" + exponent if exponent else ""), repr(number)):
         try:
-            loaded = yaml.safe_load(suggestion)
+            loaded = load(suggestion)
         except yaml.YAMLError:
             continue
         if isinstance(loaded, float) and loaded == number:
@@ -209,12 +211,13 @@ _REPR.maxlevel = 2
 shown = _REPR.repr
 
 
-def _unique_key_loader(yaml):
+def _config_loader(yaml):
     """yaml.SafeLoader, but a key given twice in one mapping is an error where PyYAML keeps
     the last value silently (YAML requires unique keys): a config's first value for it would
     be ignored without a word. Merge keys (<<) are YAML's own: keys they bring in may be
-    given again, and are overridden so."""
-    class UniqueKeyLoader(yaml.SafeLoader):
+    given again, and are overridden so. Ints are decimal digits, as YAML 1.2 reads them:
+    YAML 1.1's 010 (8), 1:30 (90), 0x10 and 1_000 are text, which validate names."""
+    class ConfigLoader(yaml.SafeLoader):
         def construct_mapping(self, node, deep=False):
             keys = [self.construct_object(key, deep=deep) for key, _ in node.value
                     if key.tag != "tag:yaml.org,2002:merge"]
@@ -224,7 +227,13 @@ def _unique_key_loader(yaml):
                         None, None, "key %r given twice" % (key,), node.value[i][0].start_mark)
             return super().construct_mapping(node, deep)
 
-    return UniqueKeyLoader
+    tag = "tag:yaml.org,2002:int"
+    ConfigLoader.yaml_implicit_resolvers = {
+        first: [(t, regexp) for t, regexp in resolvers if t != tag]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    ConfigLoader.add_implicit_resolver(tag, re.compile(r"^[-+]?[0-9]+$"), list("-+0123456789"))
+    ConfigLoader.add_constructor(tag, lambda loader, node: int(loader.construct_scalar(node)))
+    return ConfigLoader
 
 
 def load_config(path=None):
@@ -238,7 +247,7 @@ def load_config(path=None):
         raise ConfigError("%s: %s" % (path, problem))
     try:
         with open(path, "rb") as f:
-            cfg = yaml.load(f, _unique_key_loader(yaml))
+            cfg = yaml.load(f, _config_loader(yaml))
     except OSError as exc:
         raise ConfigError("%s: cannot be read (%s)" % (path, exc.strerror or exc)) from None
     except yaml.YAMLError as exc:
