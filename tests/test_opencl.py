@@ -25,6 +25,15 @@ from conftest import CPU_OPENCL_IDS, OPENCL_IDS, REPO_ROOT, needs_test_hooks, ra
 needs_opencl = pytest.mark.skipif(not OPENCL_IDS, reason="no OpenCL device listed")
 
 
+def skip_unless_local_memory(dev, size):
+    """Skips a test that fits blocks to `size` bytes of local memory (ORCHARD_CL_LOCAL_MEM,
+    which never grows a device's) where the device has less: its kernels there get others."""
+    has = next(x["local_mem_bytes"] for x in orchard_ops.devices() if x["id"] == dev)
+    if has < size:
+        pytest.skip("%s has %d KiB of local memory, less than the %d KiB the test fits to"
+                    % (dev, has >> 10, size >> 10))
+
+
 def child(code, **env):
     """Runs code in a fresh interpreter and returns the JSON it printed last."""
     r = run_python(code, timeout=300, **env)
@@ -438,6 +447,7 @@ def test_wg_blocks_fit_local_memory(tmp_path, dtype, d, logged):
     float64 D 256, whose smallest wg tiles (4 x 16) need 83 KiB, runs the rows family. Results
     stay those of the reference."""
     dev, log = OPENCL_IDS[0], tmp_path / "orchard.log"
+    skip_unless_local_memory(dev, 48 * 1024)
     err = child(FIT_RUN % (d, dtype, dev, dev), ORCHARD_CL_FAMILY="wg", ORCHARD_NO_CACHE=1,
                 ORCHARD_CL_LOCAL_MEM=48 * 1024, ORCHARD_DEBUG_FLASH_ATN=1, ORCHARD_LOG=log)
     assert err < (1e-4 if dtype == "float32" else 1e-10)
@@ -451,6 +461,7 @@ def test_wg_forward_blocks_not_taken_from_a_tuned_record(tmp_path):
     the forward fits to its own tiles: the wg forward fits from the defaults instead (48 KiB
     at D 64: backward 16 x 16 as tuned, forward 64 x 32), results those of the reference."""
     dev, log = OPENCL_IDS[0], tmp_path / "orchard.log"
+    skip_unless_local_memory(dev, 48 * 1024)
     err = child("""
     import orchard_ops
     assert orchard_ops.save_tuned_blocks("%s", 16, 16)
@@ -509,8 +520,8 @@ def test_tiled_forward_and_backward_blocks(tmp_path, d, env, logged):
     forward takes twice the family's rows (192, not from a tuned record) where its tiles then
     take at most a quarter of local memory, the backward, at any width, twice its keys (not
     where a tuned record sets them) where its tiles take at most half (2 MiB here, as PoCL's on
-    an Emerald Rapids Xeon: D 64 and 128 yes, D 256 no; 1 MiB at D 128 and 512 KiB at D 64: no;
-    a case skips on a device with less local memory than it fits to, as kernels past it abort). ORCHARD_CL_BLOCK_Q sets
+    an Emerald Rapids Xeon: D 64 and 128 yes, D 256 no; 1 MiB at D 128 and 512 KiB at D 64:
+    no; a case skips on a device with less local memory than it fits to). ORCHARD_CL_BLOCK_Q sets
     the rows and ORCHARD_CL_BLOCK_K the keys of both (empty, a variable is unset); decoding
     keeps the family's blocks (the log's first pair), with a tuned record too. 400 query rows
     (blocks of 192, 192 and 16), causal and not with a window, forward and backward against
@@ -523,10 +534,7 @@ def test_tiled_forward_and_backward_blocks(tmp_path, d, env, logged):
     assert orchard_ops.save_tuned_blocks("%s", %d, %d)
 """ % ((dev,) + tuned)) if tuned else ""
     env = {"ORCHARD_CL_VECTOR": 16, "ORCHARD_CL_LOCAL_MEM": 2 << 20, **env}
-    has = next(x["local_mem_bytes"] for x in orchard_ops.devices() if x["id"] == dev)
-    if has < env["ORCHARD_CL_LOCAL_MEM"]:
-        pytest.skip("%s has %d KiB of local memory, less than the %d KiB this case fits to"
-                    % (dev, has >> 10, env["ORCHARD_CL_LOCAL_MEM"] >> 10))
+    skip_unless_local_memory(dev, env["ORCHARD_CL_LOCAL_MEM"])
     err = child(setup + TILED_BLOCKS_RUN % (d, dev, dev), ORCHARD_CL_FAMILY="tiled",
                 ORCHARD_CACHE_DIR=tmp_path, ORCHARD_DEBUG_FLASH_ATN=1, ORCHARD_LOG=log, **env)
     assert err < 1e-4

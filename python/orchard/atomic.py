@@ -71,6 +71,18 @@ def written_in_place(path):
     return os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path)
 
 
+def replaced_file(path):
+    """The file write_atomically replaces for path (a link's target), or None where it writes
+    path itself (a standard stream, a device or FIFO). OSError (ELOOP) for a link that loops:
+    the rename would replace the link."""
+    if _standard_stream(path) is not None or written_in_place(path):
+        return None
+    target = os.path.realpath(path)
+    if os.path.islink(target):
+        raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
+    return target
+
+
 @contextlib.contextmanager
 def _terminate_cleans_up():
     """SIGTERM, where it would end the process at once (its default action), raises
@@ -110,9 +122,7 @@ def write_atomically(path, write):
         with open(path, "wb") as f:
             write(f)
         return
-    path = os.path.realpath(path)
-    if os.path.islink(path):    # a link that loops: the rename would replace the link
-        raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
+    path = replaced_file(path)
     folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, _temporary(os.path.basename(path), secrets.token_hex(8)))

@@ -7,7 +7,8 @@ accounting: forward 4*B*H*N*N*D flops, halved when causal; backward 2.5x the for
 same run it measures NumPy's float32 matrix product (the practical roofline of this machine),
 the NumPy reference (orchard.reference: float64, the N x N scores materialised; where they
 fit, reference_fits) and PyTorch's scaled_dot_product_attention on the CPU when torch is
-installed, so every ratio compares figures taken side by side. orchard-bench prints these; benchmarks/ adds the README's figures.
+installed, so every ratio compares figures taken side by side. orchard-bench prints these;
+benchmarks/ adds the README's figures.
 """
 import os
 import platform
@@ -23,7 +24,8 @@ DEFAULT_SHAPES = [(4, 8, 256, 64), (4, 8, 512, 64), (4, 8, 1024, 64), (1, 8, 204
 QUICK_SHAPES = [(1, 2, 64, 32), (1, 2, 128, 32)]
 # float32 arrays of B x H x N x D a problem holds at once: the operands, orchard's and torch's
 # outputs and gradients, torch's copies, standard_normal's float64 (18.6 measured at
-# 2,8,4096,128 by the peak resident size)
+# 2,8,4096,128 by the peak resident size); orchard-tune's shape holds about as many on PoCL,
+# its operands, outputs and gradients on the host and in the device's buffers
 ARRAYS_HELD = 20
 # float64 B x H x N x N arrays the NumPy reference holds at once (5.2 measured), and the
 # largest N it is timed at

@@ -130,7 +130,9 @@ def check_model_size(model_cfg, weights, source):
     """CheckpointError where an orchard model config (validated) makes more parameters than a
     checkpoint's weights hold: a config edited by hand, whose model is built before the weights
     are compared (n_layer 10**12 built layers until the system ran out of memory)."""
-    held = sum(t.numel() for t in weights.values() if isinstance(t, torch.Tensor))
+    # each tensor once: the tied embedding is listed twice (wte, lm_head), one storage
+    held = sum(t.numel() for t in {(t.data_ptr(), t.numel()): t for t in weights.values()
+                                   if isinstance(t, torch.Tensor)}.values())
     wanted = DeviceBackend.count_parameters(model_cfg)
     if wanted > held:
         raise CheckpointError("%s: its model_config makes a model of %d parameters, more than "

@@ -109,37 +109,17 @@ def default_config():
             for section, keys in SCHEMA.items()}
 
 
-def _yaml_float_hint(value, types):
-    """A hint for a number YAML read as a string: PyYAML follows YAML 1.1, where an exponent
-    needs a dot in the mantissa and a sign (1e-3 and 1.0e3 are text, 1.0e-3 and 1.0e+3
-    floats), and a quoted number is text."""
+def _quoted_number_hint(value, types):
+    """A hint for a number in quotes, which YAML reads as text (unquoted, it reads as one)."""
     import yaml
 
-    if not isinstance(value, str) or float not in (types if isinstance(types, tuple) else ()):
-        return ""
     try:
-        number = float(value)
-    except ValueError:
+        loaded = yaml.load(value, _config_loader(yaml)) if isinstance(value, str) else None
+    except (ValueError, yaml.YAMLError):    # (an int of 4,300+ digits: int() refuses it)
         return ""
-    text = value.strip()
-    load = lambda text: yaml.load(text, _config_loader(yaml))
-    if isinstance(load(text), (int, float)):
-        return " (a number in quotes is text: write it without them)"
-    mantissa, _, exponent = text.lower().partition("e")
-    if "." not in mantissa:
-        mantissa += ".0"
-    if mantissa.lstrip("+-").startswith("."):       # YAML 1.1 wants a digit before the dot
-        mantissa = mantissa.replace(".", "0.", 1)
-    if exponent and exponent[0] not in "+-":
-        exponent = "+" + exponent
-    for suggestion in (mantissa + ("e" + exponent if exponent else ""), repr(number)):
-        try:
-            loaded = load(suggestion)
-        except yaml.YAMLError:
-            continue
-        if isinstance(loaded, float) and loaded == number:
-            return " (YAML reads it as text: write %s)" % suggestion
-    return ""
+    if isinstance(loaded, bool) or not isinstance(loaded, types):
+        return ""
+    return " (a number in quotes is text: write it without them)"
 
 
 def _type_names(types):
@@ -176,7 +156,7 @@ def validate(cfg, source="<config>"):
             if not isinstance(value, types) or bool_mismatch:
                 raise ConfigError("%s: key '%s' must be %s, got %s %s%s"
                                   % (source, name, _type_names(types), type(value).__name__,
-                                     shown(value), _yaml_float_hint(value, types)))
+                                     shown(value), _quoted_number_hint(value, types)))
             problem = _number_problem(value, types) or (check(value) if check else None)
             if problem:
                 raise ConfigError("%s: key '%s' %s, got %s" % (source, name, problem,
@@ -204,8 +184,8 @@ def validate(cfg, source="<config>"):
     return merged
 
 
-# A value in a message, abbreviated (long ints too): two levels of nesting (reprlib's six, for YAML aliases
-# nested nine deep, made a message of 140 KB)
+# A value in a message, abbreviated (long ints too): two levels of nesting (reprlib's six,
+# for YAML aliases nested nine deep, made a message of 140 KB)
 _REPR = reprlib.Repr()
 _REPR.maxlevel = 2
 shown = _REPR.repr
@@ -215,8 +195,10 @@ def _config_loader(yaml):
     """yaml.SafeLoader, but a key given twice in one mapping is an error where PyYAML keeps
     the last value silently (YAML requires unique keys): a config's first value for it would
     be ignored without a word. Merge keys (<<) are YAML's own: keys they bring in may be
-    given again, and are overridden so. Ints are decimal digits, as YAML 1.2 reads them:
-    YAML 1.1's 010 (8), 1:30 (90), 0x10 and 1_000 are text, which validate names."""
+    given again, and are overridden so. Numbers are read as YAML 1.2's JSON schema reads
+    them, not as PyYAML's YAML 1.1: ints are decimal digits (010 had read as 8, 1:30 as 90,
+    0x10 and 1_000 are text now, which validate names), and floats take an exponent without
+    a dot or a sign (3e-4 had been text) but no underscores or sexagesimal parts."""
     class ConfigLoader(yaml.SafeLoader):
         def construct_mapping(self, node, deep=False):
             keys = [self.construct_object(key, deep=deep) for key, _ in node.value
@@ -227,12 +209,18 @@ def _config_loader(yaml):
                         None, None, "key %r given twice" % (key,), node.value[i][0].start_mark)
             return super().construct_mapping(node, deep)
 
-    tag = "tag:yaml.org,2002:int"
+    numbers = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
     ConfigLoader.yaml_implicit_resolvers = {
-        first: [(t, regexp) for t, regexp in resolvers if t != tag]
+        first: [(tag, regexp) for tag, regexp in resolvers if tag not in numbers]
         for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-    ConfigLoader.add_implicit_resolver(tag, re.compile(r"^[-+]?[0-9]+$"), list("-+0123456789"))
-    ConfigLoader.add_constructor(tag, lambda loader, node: int(loader.construct_scalar(node)))
+    ConfigLoader.add_implicit_resolver(numbers[0], re.compile(r"^[-+]?[0-9]+$"),
+                                       list("-+0123456789"))
+    ConfigLoader.add_implicit_resolver(
+        numbers[1], re.compile(r"^(?:[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?"
+                               r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+        list("-+0123456789."))
+    ConfigLoader.add_constructor(numbers[0],
+                                 lambda loader, node: int(loader.construct_scalar(node)))
     return ConfigLoader
 
 

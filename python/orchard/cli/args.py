@@ -21,7 +21,7 @@ import tempfile
 import threading
 import traceback
 
-from ..atomic import WriteErrors, is_stdout, temporary_name
+from ..atomic import WriteErrors, is_stdout, replaced_file, temporary_name
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -267,14 +267,13 @@ def output_file(text):
 
 
 def written_where(text):
-    """(folder, name) of the file write_atomically makes for the path text: a link to nothing
-    yet is written at its target. ArgumentTypeError for a link that loops: the link itself
-    would be replaced, where the checks for an existing file had not seen one."""
-    target = text
-    if os.path.islink(text) and not os.path.exists(text):
-        target = os.path.realpath(text)
-        if os.path.islink(target):
-            raise argparse.ArgumentTypeError("is a symbolic link that loops (got %r)" % text)
+    """(folder, name) of the file write_atomically makes for the path text: a link's target.
+    ArgumentTypeError for a link that loops: the link itself would be replaced, where the
+    checks for an existing file had not seen one."""
+    try:
+        target = replaced_file(text) or text
+    except OSError:
+        raise argparse.ArgumentTypeError("is a symbolic link that loops (got %r)" % text)
     return os.path.dirname(os.path.abspath(target)), os.path.basename(target)
 
 
