@@ -242,6 +242,24 @@ def test_missing_hf_paths_are_one_error_line(tmp_path, flag, name, why):
 
 
 @needs_transformers
+def test_a_config_of_a_billion_layers_is_refused_by_the_memory_plan(tmp_path):
+    """The check for attention that is not causal builds a few layers on the meta device,
+    not all (2 ms each: a billion layers hung there before the memory plan could refuse
+    them; the child's 120 s timeout fails this test)."""
+    path = tmp_path / "deep.json"
+    path.write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 32, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "intermediate_size": 64, "num_hidden_layers": 10**9}))
+    result = run_python(["-m", "orchard.cli.train", "--hf-config", str(path), "--output",
+                         str(tmp_path / "out"), "--device", "cpu"])
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "orchard-train: error: argument --hf-config: the model's weights, gradients and "
+        "optimizer state need"), result.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "out")
+
+
+@needs_transformers
 @pytest.mark.parametrize("flag, name, content, why", [
     ("--hf-config", "broken.json", '{"model_type": "llama", ', "not valid JSON: "),
     ("--hf-config", "list.json", "[1, 2]", "not a transformers config: expected a JSON "
