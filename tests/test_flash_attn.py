@@ -840,6 +840,7 @@ def test_bad_kvcache_input_names_the_argument_and_writes_nothing():
         (ValueError, "'cache_seqlens' 1180591620717411303424", dict(kw, cache_seqlens=2**70)),
         (ValueError, "'cache_seqlens' -1180591620717411303424", dict(kw, cache_seqlens=-2**70)),
         (TypeError, "'rotary_interleaved' must be a bool", dict(kw, rotary_interleaved="no")),
+        (TypeError, "'return_softmax_lse' must be a bool", dict(kw, return_softmax_lse="no")),
         (ValueError, "'cache_seqlens'", drop(kw, "cache_seqlens")),
         (ValueError, "'v'", drop(kw, "v")),
         (ValueError, "'k'", dict(kw, k=kw["k"][:, :, :1])),

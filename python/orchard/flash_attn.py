@@ -655,6 +655,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     batch; a decode step (seqlen_q <= 16) takes the split-KV path. Not differentiable.
     Returns out, or (out, softmax_lse) with return_softmax_lse."""
     fn = "flash_attn_with_kvcache"
+    return_softmax_lse = _flag(fn, "return_softmax_lse", return_softmax_lse)
     try:
         operator.index(num_splits)
     except TypeError:
