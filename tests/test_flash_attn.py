@@ -918,8 +918,9 @@ def test_bad_kvcache_input_names_the_argument_and_writes_nothing():
     paged_bad = [
         (ValueError, "'block_table'", dict(pkw, block_table=pkw["block_table"] + 100)),
         # sequence 1's 7 + 2 keys fill its three pages of 4: a third that is no page is refused
-        # (by orchard_ops, which then writes the new keys)
-        (ValueError, r"'block_table'\[1, 2\] = -1 is not a page: k and v hold 7",
+        # (by orchard_ops, which then writes the new keys; the message is this function's)
+        (ValueError, r"flash_attn_with_kvcache: 'block_table' row 1 lists pages \[\d+, \d+, -1\]"
+                     r", outside \[0, 7\)",
          dict(pkw, block_table=torch.cat([pkw["block_table"][:, :2], i32(0, -1)[:, None]], 1))),
         (TypeError, "'block_table'", dict(pkw, block_table=pkw["block_table"].long())),
         (ValueError, "'cache_seqlens'", dict(pkw, cache_seqlens=i32(5, 11))),
@@ -955,10 +956,14 @@ def test_unused_block_table_entries_may_hold_anything(width):
     bad = widened(kw["block_table"], width)
     bad[1, 2] = 7           # sequence 1's 7 + 2 keys fill three; there are 7 pages
     before = k_cache.clone()
-    with pytest.raises(ValueError, match=r"'block_table'\[1, 2\] = 7 is not a page: k and v "
-                                         r"hold 7"):
-        flash_attn_with_kvcache(q, k_cache, v_cache, **dict(kw, block_table=bad))
-    assert torch.equal(k_cache, before)
+    for read_only in (False, True):     # new keys written in the call, or none
+        with pytest.raises(ValueError, match=r"flash_attn_with_kvcache: 'block_table' row 1 "
+                                             r"lists pages \[\d+, \d+, 7\], outside \[0, 7\)"):
+            flash_attn_with_kvcache(q, k_cache, v_cache, **dict(
+                {n: a for n, a in kw.items() if not read_only or n not in ("k", "v", "rotary_cos", "rotary_sin")},
+                block_table=bad, **({"cache_seqlens": kw["cache_seqlens"] + 2}
+                                    if read_only else {})))
+        assert torch.equal(k_cache, before)
     assert torch.equal(flash_attn_with_kvcache(q, k_cache, v_cache, **dict(kw, block_table=table)),
                        want)
     kp, vp = k_cache.requires_grad_(), v_cache.clone().requires_grad_()

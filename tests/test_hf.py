@@ -164,6 +164,32 @@ def test_orchard_imports_without_transformers():
     assert "pip install '.[hf]' in orchard's source tree" in result.stdout
 
 
+def test_a_transformers_that_fails_to_import_is_named_as_such(tmp_path):
+    """An installed transformers whose own imports fail (a missing dependency, a local file
+    shadowing one) is reported with its cause, not as a transformers to install."""
+    (tmp_path / "transformers").mkdir()
+    (tmp_path / "transformers" / "__init__.py").write_text("import orchard_missing_dependency\n")
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    script = ("import sys\n"
+              "sys.path.insert(0, %r)\n"
+              "from orchard.hf_causal_lm import HFModelError, load_hf_config\n"
+              "try:\n"
+              "    import orchard.hf\n"
+              "except ImportError as e:\n"
+              "    print(e)\n"
+              "try:\n"
+              "    load_hf_config(%r)\n"
+              "except HFModelError as e:\n"
+              "    print(e)\n" % (str(tmp_path), str(tmp_path / "config.json")))
+    result = run_python(["-c", script])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "orchard.hf: transformers failed to import: No module named "
+        "'orchard_missing_dependency'",
+        "%s: transformers failed to import: No module named " % (tmp_path / "config.json") +
+        "'orchard_missing_dependency'"], result.stdout
+
+
 # ----------------------------------------------------------------------------- results
 
 

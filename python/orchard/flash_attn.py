@@ -841,8 +841,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # from its row of the cache (a dense call). A reordered cache is gathered first (a copy).
     if paged:
         starts = [0] + list(itertools.accumulate(s + n for s in seqlens))
-        out, lse = _cache_call(q, k_cache, v_cache, starts, opts, new, block_table=block_table,
-                               leftpad_k=cache_leftpad)
+        try:
+            out, lse = _cache_call(q, k_cache, v_cache, starts, opts, new,
+                                   block_table=block_table, leftpad_k=cache_leftpad)
+        except ValueError:
+            # orchard_ops checks the pages it reads, in its own function's name: a call it
+            # refused is checked here too, for this function's message (no cost to the others)
+            _check_block_table(fn, block_table, [s + n for s in seqlens], page, k_cache.shape[0])
+            raise
     else:
         if not in_place or k_cache.shape[0] != batch:
             slots = slice(0, batch) if in_place else rows

@@ -41,6 +41,10 @@ try:
                                                              CONFIG_MAPPING_NAMES,
                                                              model_type_to_module_name)
 except ImportError as e:
+    if e.name != "transformers" and not (e.name or "").startswith("transformers."):
+        # installed, but what it imports failed (a missing dependency, a local file that
+        # shadows one): the cause, not advice to install it
+        raise ImportError("orchard.hf: transformers failed to import: %s" % e) from e
     raise ImportError("orchard.hf needs transformers 5.x " + _INSTALL % "hf") from e
 if int(transformers.__version__.split(".")[0]) != 5:
     raise ImportError("orchard.hf needs transformers 5.x, found %s %s"

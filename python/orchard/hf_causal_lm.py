@@ -49,7 +49,10 @@ class HFModelError(ConfigError):
 def _transformers(path):
     try:
         import transformers
-    except ImportError:
+    except ImportError as e:
+        if e.name != "transformers":    # installed, but what it imports failed
+            raise HFModelError("%s: transformers failed to import: %s"
+                               % (path, first_line(e))) from None
         raise HFModelError("%s: a transformers model needs the transformers package: "
                            "pip install '.[hf]' in orchard's source tree" % path) from None
     return transformers
