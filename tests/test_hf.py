@@ -262,6 +262,14 @@ def test_packed_sequences(name, no_fallback):
                   cu_seq_lens_q=torch.tensor(short, dtype=torch.int32),
                   cu_seq_lens_k=torch.tensor(short, dtype=torch.int32), max_length_q=9,
                   max_length_k=9)
+    # a max_length below the longest sequence (9), named as passed
+    for side, lengths in (("q", (8, 9)), ("k", (9, 4))):
+        with pytest.raises(ValueError, match=r"orchard.hf: 'max_length_%s' must be at least 9, "
+                                             r"the longest sequence of 'cu_seq_lens_%s', got "
+                                             r"%d" % (side, side, min(lengths))):
+            model(input_ids=ids.view(1, 24), position_ids=positions.view(1, 24),
+                  cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=lengths[0],
+                  max_length_k=lengths[1])
 
 
 @pytest.mark.parametrize("reentrant, saved", [(True, "kept"), (True, "copied"),

@@ -1092,7 +1092,18 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         q, k, v = (t.transpose(1, 2).flatten(0, 1) for t in (query, key, value))
         _check_covers("cu_seq_lens_q", cu_q, q.shape[0], kwargs)
         _check_covers("cu_seq_lens_k", cu_k, k.shape[0], kwargs)
-        out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **options)
+        try:
+            out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **options)
+        except ValueError:
+            # a max_length_q/k given too short is refused there as max_seqlen_q/k: named here
+            # as the caller passed it (checked after the refusal: no cost to other calls)
+            for name, cu, given in (("q", cu_q, max_q), ("k", cu_k, max_k)):
+                longest = int((cu[1:] - cu[:-1]).max()) if len(cu) > 1 else 0
+                if given < longest:
+                    raise ValueError("orchard.hf: 'max_length_%s' must be at least %d, the "
+                                     "longest sequence of 'cu_seq_lens_%s', got %d"
+                                     % (name, longest, name, given)) from None
+            raise
         return out.view(batch, nq, heads, out.shape[-1]), None
 
     return _dense(query, key, value, options), None
