@@ -956,13 +956,13 @@ def test_unused_block_table_entries_may_hold_anything(width):
     bad = widened(kw["block_table"], width)
     bad[1, 2] = 7           # sequence 1's 7 + 2 keys fill three; there are 7 pages
     before = k_cache.clone()
-    for read_only in (False, True):     # new keys written in the call, or none
+    # new keys written in the call, or none (the same keys read)
+    read_only = {n: a for n, a in kw.items() if n not in ("k", "v", "rotary_cos", "rotary_sin")}
+    read_only["cache_seqlens"] = kw["cache_seqlens"] + 2
+    for args in (kw, read_only):
         with pytest.raises(ValueError, match=r"flash_attn_with_kvcache: 'block_table' row 1 "
                                              r"lists pages \[\d+, \d+, 7\], outside \[0, 7\)"):
-            flash_attn_with_kvcache(q, k_cache, v_cache, **dict(
-                {n: a for n, a in kw.items() if not read_only or n not in ("k", "v", "rotary_cos", "rotary_sin")},
-                block_table=bad, **({"cache_seqlens": kw["cache_seqlens"] + 2}
-                                    if read_only else {})))
+            flash_attn_with_kvcache(q, k_cache, v_cache, **dict(args, block_table=bad))
         assert torch.equal(k_cache, before)
     assert torch.equal(flash_attn_with_kvcache(q, k_cache, v_cache, **dict(kw, block_table=table)),
                        want)
@@ -982,6 +982,28 @@ def test_unused_block_table_entries_may_hold_anything(width):
                                        block_table=bad)
     assert all(torch.equal(o, outs[0]) for o in outs[1:]), "entries past the keys were read"
     assert [o.requires_grad for o in outs] == [False, True] * 3
+
+
+def test_block_table_entries_before_the_left_padding_may_hold_anything():
+    """Pages wholly before a sequence's left padding hold none of the keys read or written:
+    their entries may name no page (as orchard_ops reads them), whether the call writes the
+    new keys, this function writes them (a cache strided in its last dimension) or none come;
+    a refusal of something else keeps its own message."""
+    q, k_cache, v_cache, kw = make_kvcache(KV_CASES["paged rotary leftpad"], torch.float32)
+    kw = dict(kw, cache_leftpad=torch.tensor([5, 0], dtype=torch.int32))  # row 0: keys 5 to 7
+    want = flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), **kw)
+    table = kw["block_table"].clone()
+    table[0, 0] = -3        # keys 0 to 3 of sequence 0
+    strided = lambda t: torch.stack([t, t], -1)[..., 0]
+    for cache in (torch.clone, strided):
+        got = flash_attn_with_kvcache(q, cache(k_cache), cache(v_cache),
+                                      **dict(kw, block_table=table))
+        assert torch.equal(got, want)
+    plain = {n: a for n, a in kw.items() if n not in ("k", "v", "rotary_cos", "rotary_sin")}
+    flash_attn_with_kvcache(q, k_cache, v_cache, **dict(plain, block_table=table))
+    with pytest.raises(ValueError, match="varlen_fwd\\(\\): argument 'q' is a torch tensor with "
+                                         "its negative bit set"):
+        flash_attn_with_kvcache(q._neg_view(), k_cache, v_cache, **dict(plain, block_table=table))
 
 
 def test_alibi_slopes_of_any_real_dtype_with_or_without_grad():

@@ -164,12 +164,22 @@ def test_orchard_imports_without_transformers():
     assert "pip install '.[hf]' in orchard's source tree" in result.stdout
 
 
-def test_a_transformers_that_fails_to_import_is_named_as_such(tmp_path):
+@pytest.mark.parametrize("package, says", [
+    # a dependency of its own missing, or its own check of one: the cause
+    ("import orchard_missing_dependency", "orchard.hf: transformers failed to import: No "
+     "module named 'orchard_missing_dependency'"),
+    ("raise ImportError('needs tokenizers>=9')",
+     "orchard.hf: transformers failed to import: needs tokenizers>=9"),
+    # one without what orchard imports (transformers 4.x): the version to install
+    ("", "orchard.hf needs transformers 5.x (pip install '.[hf]' in orchard's source tree)")])
+def test_a_transformers_that_fails_to_import_is_named_as_such(tmp_path, package, says):
     """An installed transformers whose own imports fail (a missing dependency, a local file
-    shadowing one) is reported with its cause, not as a transformers to install."""
+    shadowing one) is reported with its cause, not as a transformers to install; by
+    orchard.hf and by --hf-config's loader, which names the file."""
     (tmp_path / "transformers").mkdir()
-    (tmp_path / "transformers" / "__init__.py").write_text("import orchard_missing_dependency\n")
-    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "transformers" / "__init__.py").write_text(package + "\n")
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "llama"}')
     script = ("import sys\n"
               "sys.path.insert(0, %r)\n"
               "from orchard.hf_causal_lm import HFModelError, load_hf_config\n"
@@ -180,14 +190,10 @@ def test_a_transformers_that_fails_to_import_is_named_as_such(tmp_path):
               "try:\n"
               "    load_hf_config(%r)\n"
               "except HFModelError as e:\n"
-              "    print(e)\n" % (str(tmp_path), str(tmp_path / "config.json")))
+              "    print(e)\n" % (str(tmp_path), str(config)))
     result = run_python(["-c", script])
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == [
-        "orchard.hf: transformers failed to import: No module named "
-        "'orchard_missing_dependency'",
-        "%s: transformers failed to import: No module named " % (tmp_path / "config.json") +
-        "'orchard_missing_dependency'"], result.stdout
+    assert result.stdout.splitlines() == [says, "%s: %s" % (config, says)], result.stdout
 
 
 # ----------------------------------------------------------------------------- results
@@ -270,6 +276,11 @@ def test_packed_sequences(name, no_fallback):
             model(input_ids=ids.view(1, 24), position_ids=positions.view(1, 24),
                   cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=lengths[0],
                   max_length_k=lengths[1])
+    # offsets that decrease are refused as such, whatever the lengths given
+    with pytest.raises(ValueError, match="'cu_seqlens_q' .*never decrease"):
+        backwards = torch.tensor([0, 15, 12, 24], dtype=torch.int32)
+        model(input_ids=ids.view(1, 24), position_ids=positions.view(1, 24),
+              cu_seq_lens_q=backwards, cu_seq_lens_k=cu, max_length_q=12, max_length_k=9)
 
 
 @pytest.mark.parametrize("reentrant, saved", [(True, "kept"), (True, "copied"),

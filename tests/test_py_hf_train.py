@@ -367,8 +367,8 @@ def test_without_transformers_hf_flags_are_a_clear_error(tmp_path):
                          str(tmp_path), "--device", "cpu"])
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().splitlines() == [
-        "orchard-train: error: argument --hf-config: %s: a transformers model needs the "
-        "transformers package: pip install '.[hf]' in orchard's source tree" % TINY_LLAMA]
+        "orchard-train: error: argument --hf-config: %s: orchard.hf needs transformers 5.x "
+        "(pip install '.[hf]' in orchard's source tree)" % TINY_LLAMA]
 
 
 @needs_transformers

@@ -338,26 +338,30 @@ def _check_pages(fn, name, t, layout):
               % (layout, tuple(t.shape)))
 
 
-def _check_block_table(fn, table, keys, page, nblocks):
+def _check_block_table(fn, table, keys, page, nblocks, first=None):
     """ValueError naming block_table unless each row b lists pages in [0, nblocks) in the
-    entries that hold sequence b's keys[b] keys (the first keys[b] / page, rounded up; the
-    rest may hold anything, as in FlashAttention-2). table (batch, max_num_blocks_per_seq)
-    int32, keys a list of ints."""
+    entries that hold sequence b's keys first[b] (default 0) to keys[b], the ones orchard_ops
+    reads (entries first[b] // page to keys[b] / page, rounded up; the rest may hold anything,
+    as in FlashAttention-2). table (batch, max_num_blocks_per_seq) int32, keys and first lists
+    of ints."""
     need = [-(-s // page) for s in keys]
+    start = [0] * len(need) if first is None else [f // page for f in first]
     if table.numel() <= 1024:
         # a few requests' pages: Python's min and max over each row's cost less than the
         # NumPy calls below, which took 15-20 us in a decode step
-        bad = [b for b, (row, m) in enumerate(zip(table.tolist(), need))
-               if m and (min(row[:m]) < 0 or max(row[:m]) >= nblocks)]
+        bad = [b for b, (row, a, m) in enumerate(zip(table.tolist(), start, need))
+               if a < m and (min(row[a:m]) < 0 or max(row[a:m]) >= nblocks)]
     else:
         # thousands: whole-array operations (a row at a time took 0.2 ms at 32 x 256 entries)
-        rows = table.numpy()
-        used = np.arange(rows.shape[1]) < np.array(need, dtype=np.int64)[:, None]
+        rows, at = table.numpy(), np.arange(table.shape[1])
+        used = ((at >= np.array(start, dtype=np.int64)[:, None])
+                & (at < np.array(need, dtype=np.int64)[:, None]))
         bad = (((rows < 0) | (rows >= nblocks)) & used).any(1).nonzero()[0]
     if len(bad):
         b = int(bad[0])
-        _fail(fn, "block_table", "row %d lists pages %s, outside [0, %d) (num_blocks)"
-              % (b, table[b, :need[b]].tolist(), nblocks))
+        _fail(fn, "block_table", "row %d lists pages %s%s, outside [0, %d) (num_blocks)"
+              % (b, table[b, start[b]:need[b]].tolist(),
+                 " from entry %d" % start[b] if start[b] else "", nblocks))
 
 
 def _paged_gather(fn, q, k, v, cu_k, block_table, gather):
@@ -759,8 +763,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # takes them here; the pages are checked first then.
     in_call = (k is not None and (paged or in_place)
                and _writable_in_call((k_cache, v_cache), (k, v)))
-    if paged and k is not None and not in_call:
-        _check_block_table(fn, block_table, [s + n for s in seqlens], page, k_cache.shape[0])
+    if paged:
+        # the pages of sequence b's keys from its left padding on, and of its new keys: the
+        # ones orchard_ops reads and writes
+        page_keys = dict(keys=[s + n for s in seqlens], page=page, nblocks=k_cache.shape[0],
+                         first=[min(p, s) for p, s in zip(leftpad, seqlens)])
+        # checked first where this function writes new keys, or where torch records (the
+        # call then runs with the graph, past the refusal's message below)
+        if not in_call and (k is not None or _recording()):
+            _check_block_table(fn, block_table, **page_keys)
     opts = _options(fn, q, capacity, 0.0, softmax_scale, causal, window_size, softcap,
                     alibi_slopes, batch, device)
     if (rotary_cos is None) != (rotary_sin is None):
@@ -847,7 +858,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         except ValueError:
             # orchard_ops checks the pages it reads, in its own function's name: a call it
             # refused is checked here too, for this function's message (no cost to the others)
-            _check_block_table(fn, block_table, [s + n for s in seqlens], page, k_cache.shape[0])
+            _check_block_table(fn, block_table, **page_keys)
             raise
     else:
         if not in_place or k_cache.shape[0] != batch:

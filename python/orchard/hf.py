@@ -28,11 +28,21 @@ import numpy as np
 
 # orchard's extras, from its source tree (PyPI's "orchard" is another project)
 _INSTALL = "(pip install '.[%s]' in orchard's source tree)"
+
+
+def _import_error(package, needs, extras, e):
+    """orchard.hf's ImportError for `package`: advice to install it where it is missing (or
+    lacks a module or name orchard imports: an older version), else the cause (a dependency
+    of its own missing, a local file shadowing one), which no install of it would fix."""
+    if e.name == package or (e.name or "").startswith(package + "."):
+        return ImportError("orchard.hf needs %s %s" % (needs, _INSTALL % extras))
+    return ImportError("orchard.hf: %s failed to import: %s" % (package, e))
+
+
 try:
     import torch
 except ImportError as e:
-    raise ImportError("orchard.hf needs PyTorch and transformers 5.x "
-                      + _INSTALL % "torch,hf") from e
+    raise _import_error("torch", "PyTorch and transformers 5.x", "torch,hf", e) from e
 try:
     import transformers
     from transformers import AttentionInterface, masking_utils
@@ -41,11 +51,7 @@ try:
                                                              CONFIG_MAPPING_NAMES,
                                                              model_type_to_module_name)
 except ImportError as e:
-    if e.name != "transformers" and not (e.name or "").startswith("transformers."):
-        # installed, but what it imports failed (a missing dependency, a local file that
-        # shadows one): the cause, not advice to install it
-        raise ImportError("orchard.hf: transformers failed to import: %s" % e) from e
-    raise ImportError("orchard.hf needs transformers 5.x " + _INSTALL % "hf") from e
+    raise _import_error("transformers", "transformers 5.x", "hf", e) from e
 if int(transformers.__version__.split(".")[0]) != 5:
     raise ImportError("orchard.hf needs transformers 5.x, found %s %s"
                       % (transformers.__version__, _INSTALL % "hf"))
@@ -1096,10 +1102,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **options)
         except ValueError:
             # a max_length_q/k given too short is refused there as max_seqlen_q/k: named here
-            # as the caller passed it (checked after the refusal: no cost to other calls)
+            # as the caller passed it (checked after the refusal: no cost to other calls), where
+            # the offsets are not refused themselves (never decreasing)
             for name, cu, given in (("q", cu_q, max_q), ("k", cu_k, max_k)):
-                longest = int((cu[1:] - cu[:-1]).max()) if len(cu) > 1 else 0
-                if given < longest:
+                lengths = cu[1:] - cu[:-1]
+                longest = int(lengths.max()) if len(lengths) else 0
+                if given < longest and bool((lengths >= 0).all()):
                     raise ValueError("orchard.hf: 'max_length_%s' must be at least %d, the "
                                      "longest sequence of 'cu_seq_lens_%s', got %d"
                                      % (name, longest, name, given)) from None

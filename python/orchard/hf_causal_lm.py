@@ -47,15 +47,13 @@ class HFModelError(ConfigError):
 
 
 def _transformers(path):
+    """transformers, once orchard.hf has imported it and registered attn_implementation=
+    "orchard" (idempotent); HFModelError naming path where it cannot."""
     try:
-        import transformers
-    except ImportError as e:
-        if e.name != "transformers":    # installed, but what it imports failed
-            raise HFModelError("%s: transformers failed to import: %s"
-                               % (path, first_line(e))) from None
-        raise HFModelError("%s: a transformers model needs the transformers package: "
-                           "pip install '.[hf]' in orchard's source tree" % path) from None
-    return transformers
+        from . import hf
+    except ImportError as e:    # missing, too old, or failing on an import of its own
+        raise HFModelError("%s: %s" % (path, first_line(e))) from None
+    return hf.transformers
 
 
 @contextlib.contextmanager
@@ -95,7 +93,6 @@ def _nesting(value):
 
 def _config_from_dict(values, path):
     transformers = _transformers(path)
-    # `import orchard.hf` registers attn_implementation="orchard" (idempotent).
     from . import hf
     if not isinstance(values, dict) or not isinstance(values.get("model_type"), str):
         raise HFModelError("%s: not a transformers config: expected a JSON object with a "
