@@ -668,6 +668,46 @@ def test_a_closed_stdout_is_one_line(script, argv, tmp_path):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("stderr", ["closed", "reader gone"])
+def test_a_stderr_that_cannot_be_written_loses_only_the_notes(files, stderr, tmp_path):
+    """stderr carries notes, progress and errors, none of a script's results: closed (`2>&-`)
+    or with its reader gone (`2>&1 >out | true`), the work is done and written (a closed one
+    had ended orchard-train and orchard-prepare with status 1 and nothing written, and put
+    orchard-generate's note on stdout; a broken pipe there was taken for stdout's, and
+    orchard-prepare dropped its output)."""
+    import subprocess
+    import sys
+    from conftest import subprocess_env
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text("text " * 200)
+    run = tmp_path / "run"
+    for script, argv in (
+            ("prepare", [str(tmp_path / "src"), "-o", str(tmp_path / "t.json")]),
+            ("train", ["--config", files["config"], "--sequences", files["sequences"],
+                       "--output", str(run), "--device", "cpu", "--max-steps", "2"]),
+            ("generate", ["--checkpoint", str(run), "--prompt", "te", "--max-new-tokens",
+                          "3", "--seed", "1"])):
+        read, write = os.pipe()
+        os.close(read)
+        try:
+            r = subprocess.run(
+                [sys.executable, "-m", "orchard.cli." + script] + argv,
+                stdout=subprocess.PIPE, text=True, env=subprocess_env(), cwd=REPO_ROOT,
+                timeout=120, **(dict(preexec_fn=lambda: os.close(2)) if stderr == "closed"
+                                else dict(stderr=write)))
+        finally:
+            os.close(write)
+        assert r.returncode == 0, (script, r.stdout)
+        if script == "prepare":
+            assert (tmp_path / "t.json").exists()
+            assert r.stdout.startswith("wrote 1 sequence(s)"), r.stdout
+        elif script == "train":
+            assert (run / "checkpoint.pt").exists()
+        else:
+            assert r.stdout.startswith("te") and "checkpoint of step" not in r.stdout, r.stdout
+        (tmp_path / "t.json").unlink(missing_ok=True)
+
+
 def test_a_second_ctrl_c_while_a_script_exits_is_ignored():
     """After "interrupted" the script exits; a second Ctrl-C then had landed in torch's exit
     handlers ("Exception ignored in atexit callback", a traceback)."""

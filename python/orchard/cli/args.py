@@ -400,17 +400,24 @@ class _WatchedStdout(WriteErrors):
         return getattr(self.f, name)
 
 
+def _devnull_at(fd):
+    """/dev/null opened at descriptor fd, closed in this process (a script started with `>&-`
+    or `2>&-`): a file the script opens would take it otherwise, and what is written to fd
+    (print, C code's messages) would land in that file."""
+    held = os.open(os.devnull, os.O_WRONLY)
+    if held != fd:
+        os.dup2(held, fd)
+        os.close(held)
+
+
 class _ClosedStdout(io.TextIOBase):
     """The standard output of a process started without one (`>&-`): Python gives it as None,
     which print() takes for "write nothing", silently. Writes fail here as a closed file
-    descriptor's do, and /dev/null holds descriptor 1, which a file the script opens would
-    take otherwise (and is_stdout() would take that file for stdout)."""
+    descriptor's do, and /dev/null holds descriptor 1 (is_stdout() would take a file opened
+    there for stdout)."""
 
     def __init__(self):
-        fd = os.open(os.devnull, os.O_WRONLY)
-        if fd != 1:
-            os.dup2(fd, 1)
-            os.close(fd)
+        _devnull_at(1)
 
     def write(self, text):
         raise OSError(errno.EBADF, os.strerror(errno.EBADF))
@@ -421,12 +428,45 @@ class _ClosedStdout(io.TextIOBase):
     orchard_closed = True   # (write_atomically refuses a file named /dev/stdout then)
 
 
+class _QuietStderr:
+    """sys.stderr in a console script: its notes, progress and error lines are none of the
+    script's results, so a stderr that cannot take them (its reader gone, `2>&1 >out | true`;
+    a full disk) loses them and the work goes on. A BrokenPipeError there was taken for
+    stdout's reader going away: orchard-prepare dropped its output. Started without a stderr
+    (`2>&-`), /dev/null takes descriptor 2 (Python gives the stream as None, on which
+    logging's setup failed and print() wrote to stdout)."""
+
+    def __init__(self, f):
+        self.orchard_closed = f is None     # (write_atomically refuses /dev/stderr then)
+        if f is None:
+            _devnull_at(2)
+            f = open(2, "w", closefd=False)
+        self.f = f
+
+    def write(self, text):
+        try:
+            return self.f.write(text)
+        except OSError:
+            return len(text)
+
+    def flush(self):
+        try:
+            self.f.flush()
+        except OSError:
+            pass
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
 def console_script(prog, uses_devices=True):
     """Decorator of a script's main(argv): the environment is checked first, and the user's
     errors end in one line and status 2 (a traceback with --verbose or ORCHARD_DEBUG)."""
     def wrap(main):
         @functools.wraps(main)
         def run(argv=None):
+            if argv is None and not isinstance(sys.stderr, _QuietStderr):
+                sys.stderr = _QuietStderr(sys.stderr)
             if argv is None and sys.stdout is None:
                 sys.stdout = _WatchedStdout(_ClosedStdout())
             elif argv is None and isinstance(sys.stdout, io.TextIOWrapper):
