@@ -116,6 +116,11 @@ def expected_cases(f):
         ("train", ["--micro-batch", "-4"], {}, ["--micro-batch", "'-4'"]),
         ("train", ["--epochs", "0"], {}, ["--epochs", "'0'"]),
         ("train", ["--max-steps", "ten"], {}, ["--max-steps", "integer", "'ten'"]),
+        # decimal ASCII digits, as the config files' numbers (int() takes these too)
+        ("train", ["--max-steps", "1_000"], {}, ["--max-steps", "integer", "'1_000'"]),
+        ("generate", ["--seed", "\u0661\u0662"], {}, ["--seed", "integer", "'\u0661\u0662'"]),
+        ("tune", ["--candidates", "9_6x96"], {}, ["--candidates", "'9_6x96'"]),
+        ("bench", ["--shape", "1,2,6_4,16"], {}, ["--shape", "'1,2,6_4,16'"]),
         ("train", ["--seed", "-1"], {}, ["--seed", "'-1'"]),
         # counts past 2**63 - 1 (what a checkpoint holds) ran "forever"
         ("train", ["--max-steps", str(2 ** 63)], {},

@@ -186,11 +186,20 @@ def _typed(name, convert):
 INT_MAX = 2 ** 63 - 1
 
 
+def decimal(text):
+    """The int a flag's text writes in decimal ASCII digits (a sign allowed); ValueError
+    otherwise. Python's int() also takes `1_000` and other scripts' digits, which the config
+    files' numbers (YAML 1.2's JSON schema) and orchard-generate's token ids do not."""
+    if not re.fullmatch(r"[+-]?[0-9]+", text.strip()):
+        raise ValueError("not a decimal integer: %r" % text)
+    return int(text)
+
+
 def integer(minimum=None, maximum=INT_MAX):
     """An argparse type: an integer in minimum..maximum."""
     def parse(text):
         try:
-            value = int(text)
+            value = decimal(text)
         except ValueError:
             raise argparse.ArgumentTypeError("must be an integer (got %r)" % text) from None
         if minimum is not None and value < minimum:
@@ -226,7 +235,7 @@ def shape(text):
     from ..benchmark import ARRAYS_HELD, physical_memory
 
     try:
-        dims = tuple(int(x) for x in text.split(","))
+        dims = tuple(decimal(x) for x in text.split(","))
     except ValueError:
         dims = ()
     if len(dims) != 4 or min(dims) < 1:
@@ -322,7 +331,7 @@ def integer_list(minimum, maximum):
     once."""
     def parse(text):
         try:
-            items = [int(item) for item in text.split(",")]
+            items = [decimal(item) for item in text.split(",")]
         except ValueError:
             items = []
         if (not items or min(items) < minimum or max(items) > maximum

@@ -15,8 +15,8 @@ import orchard_ops
 
 from ..progress import Progress
 from ..tuning import default_candidates, tune
-from .args import (Parser, UsageError, console_script, device, env_flag, integer, number,
-                   shape)
+from .args import (Parser, UsageError, console_script, decimal, device, env_flag, integer,
+                   number, shape)
 
 EXAMPLES = (
     "orchard-tune",
@@ -28,7 +28,7 @@ def block_pair(text):
     """An argparse type: BQxBK, two integers in 1..the largest block a record may hold."""
     largest = orchard_ops.build_info()["max_cl_block"]
     try:
-        bq, bk = (int(x) for x in text.lower().split("x"))
+        bq, bk = (decimal(x) for x in text.lower().split("x"))
     except ValueError:
         bq = bk = 0
     if not (1 <= bq <= largest and 1 <= bk <= largest):
