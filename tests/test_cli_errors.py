@@ -174,6 +174,8 @@ def expected_cases(f):
          ["--shapes", "not allowed with argument --scaling"]),
         ("bench", ["--scaling", "--decode"], {},
          ["--decode", "not allowed with argument --scaling"]),
+        ("bench", ["--decode", "--dtypes", "float16"], {},
+         ["--decode", "float32 and bfloat16", "--dtypes float16"]),
         ("tune", ["--shape", "1,8,0,64"], {}, ["--shape", "'1,8,0,64'"]),
         ("bench", ["--quick", "--json", "/proc/self/r.json"], {},
          ["--json", "'/proc/self/r.json'", "can write", "takes no new files"]),

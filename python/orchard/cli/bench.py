@@ -201,6 +201,12 @@ def main(argv=None):
                                              ("--decode", args.decode)) if wanted]
     if needs_torch and importlib.util.find_spec("torch") is None:
         raise UsageError("%s needs torch (pip install '.[torch]')" % " and ".join(needs_torch))
+    if args.decode:
+        from .. import decode_bench
+        timed = [str(dt).split(".")[-1] for dt in decode_bench.DTYPES]
+        if not set(timed) & set(args.dtypes):   # (its table was printed empty)
+            raise UsageError("argument --decode: decode steps are timed in %s, none of "
+                             "--dtypes %s" % (" and ".join(timed), ",".join(args.dtypes)))
     # what matplotlib writes for a name without a suffix; a device or FIFO (/dev/null), or
     # standard output, is written itself, in PNG
     if (args.plot and not os.path.splitext(args.plot)[1] and not is_stdout(args.plot)
