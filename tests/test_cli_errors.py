@@ -118,6 +118,9 @@ def expected_cases(f):
         ("train", ["--max-steps", "ten"], {}, ["--max-steps", "integer", "'ten'"]),
         # decimal ASCII digits, as the config files' numbers (int() takes these too)
         ("train", ["--max-steps", "1_000"], {}, ["--max-steps", "integer", "'1_000'"]),
+        # past int()'s 4,300 digits: past the bound, the value abbreviated
+        ("train", ["--seed", "9" * 5000], {}, ["--seed", "must be <= 9223372036854775807",
+                                               "'999999999999...9999999999999'"]),
         ("generate", ["--seed", "\u0661\u0662"], {}, ["--seed", "integer", "'\u0661\u0662'"]),
         ("tune", ["--candidates", "9_6x96"], {}, ["--candidates", "'9_6x96'"]),
         ("bench", ["--shape", "1,2,6_4,16"], {}, ["--shape", "'1,2,6_4,16'"]),

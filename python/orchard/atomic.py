@@ -54,8 +54,8 @@ def is_stdout(path):
 def _standard_stream(path):
     """The descriptor (1 or 2) of the standard output or error that path names, and its
     Python stream, or None. Not a stream that is None: its descriptor, closed, may hold any
-    file opened since. A console script started with stdout closed holds /dev/null there (its
-    stream marked orchard_closed): named as /dev/null, that is no stdout."""
+    file opened since. A console script started with stdout or stderr closed holds /dev/null
+    there (its stream marked orchard_closed): named as /dev/null, that is neither."""
     for fd, stream in ((1, sys.stdout), (2, sys.stderr)):
         if stream is None or not _names_descriptor(path, fd):
             continue

@@ -191,6 +191,11 @@ _REPR.maxlevel = 2
 shown = _REPR.repr
 
 
+# An integer as YAML 1.2's JSON schema writes it (and the console scripts' flags): decimal
+# ASCII digits, a sign allowed. Python's int() takes `1_000` and other scripts' digits too.
+DECIMAL_INT = re.compile(r"[-+]?[0-9]+\Z")
+
+
 def _config_loader(yaml):
     """yaml.SafeLoader, but a key given twice in one mapping is an error where PyYAML keeps
     the last value silently (YAML requires unique keys): a config's first value for it would
@@ -213,8 +218,7 @@ def _config_loader(yaml):
     ConfigLoader.yaml_implicit_resolvers = {
         first: [(tag, regexp) for tag, regexp in resolvers if tag not in numbers]
         for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-    ConfigLoader.add_implicit_resolver(numbers[0], re.compile(r"^[-+]?[0-9]+$"),
-                                       list("-+0123456789"))
+    ConfigLoader.add_implicit_resolver(numbers[0], DECIMAL_INT, list("-+0123456789"))
     ConfigLoader.add_implicit_resolver(
         numbers[1], re.compile(r"^(?:[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?"
                                r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),

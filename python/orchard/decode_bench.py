@@ -33,6 +33,7 @@ from orchard.benchmark import best_time
 # (query heads, kv heads, head dim, cache length): the shapes, a Llama-style model
 CASES = [(32, 8, 128, 4096), (32, 8, 128, 16384), (32, 32, 128, 4096), (32, 32, 128, 16384)]
 DTYPES = (torch.float32, torch.bfloat16)
+DTYPE_NAMES = tuple(str(dt).split(".")[-1] for dt in DTYPES)    # as --dtypes names them
 PAGE = 256  # rows per page of the paged rows (vLLM's and FlashAttention's usual sizes: 16-256)
 
 

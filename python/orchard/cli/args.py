@@ -187,10 +187,10 @@ INT_MAX = 2 ** 63 - 1
 
 
 def decimal(text):
-    """The int a flag's text writes in decimal ASCII digits (a sign allowed); ValueError
-    otherwise. Python's int() also takes `1_000` and other scripts' digits, which the config
-    files' numbers (YAML 1.2's JSON schema) and orchard-generate's token ids do not."""
-    if not re.fullmatch(r"[+-]?[0-9]+", text.strip()):
+    """The int a flag's text writes as the config files' integers (config.DECIMAL_INT);
+    ValueError otherwise."""
+    from ..config import DECIMAL_INT
+    if not DECIMAL_INT.match(text):
         raise ValueError("not a decimal integer: %r" % text)
     return int(text)
 
@@ -198,14 +198,16 @@ def decimal(text):
 def integer(minimum=None, maximum=INT_MAX):
     """An argparse type: an integer in minimum..maximum."""
     def parse(text):
-        try:
-            value = decimal(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError("must be an integer (got %r)" % text) from None
+        from ..config import DECIMAL_INT, shown
+        if not DECIMAL_INT.match(text):
+            raise argparse.ArgumentTypeError("must be an integer (got %s)" % shown(text))
+        # (past int()'s 4,300 digits, past any bound: not converted)
+        value = (int(text) if len(text.lstrip("+-0")) <= 4000
+                 else (-1 if text[0] == "-" else 1) * math.inf)
         if minimum is not None and value < minimum:
-            raise argparse.ArgumentTypeError("must be >= %d (got %r)" % (minimum, text))
+            raise argparse.ArgumentTypeError("must be >= %d (got %s)" % (minimum, shown(text)))
         if maximum is not None and value > maximum:
-            raise argparse.ArgumentTypeError("must be <= %d (got %r)" % (maximum, text))
+            raise argparse.ArgumentTypeError("must be <= %d (got %s)" % (maximum, shown(text)))
         return value
     return _typed("integer", parse)
 
@@ -410,9 +412,10 @@ class _WatchedStdout(WriteErrors):
 
 
 def _devnull_at(fd):
-    """/dev/null opened at descriptor fd, closed in this process (a script started with `>&-`
-    or `2>&-`): a file the script opens would take it otherwise, and what is written to fd
-    (print, C code's messages) would land in that file."""
+    """/dev/null opened at descriptor fd: where fd is closed (a script started with `>&-` or
+    `2>&-`), a file the script opens would take it otherwise, and what is written to fd
+    (print, C code's messages) would land in that file; where fd is a stdout that failed, the
+    exit's flush fails no more."""
     held = os.open(os.devnull, os.O_WRONLY)
     if held != fd:
         os.dup2(held, fd)
@@ -449,7 +452,7 @@ class _QuietStderr:
         self.orchard_closed = f is None     # (write_atomically refuses /dev/stderr then)
         if f is None:
             _devnull_at(2)
-            f = open(2, "w", closefd=False)
+            f = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)
         self.f = f
 
     def write(self, text):
@@ -500,7 +503,7 @@ def console_script(prog, uses_devices=True):
             except BrokenPipeError:
                 # the reader of stdout went away (`| head`): not an error of ours to report;
                 # stdout is pointed at /dev/null so that the exit's flush does not fail again
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                _devnull_at(sys.stdout.fileno())
                 return 1
             except KeyboardInterrupt:
                 if debug:
@@ -512,7 +515,7 @@ def console_script(prog, uses_devices=True):
                 # a file's write gets, and stdout pointed at /dev/null for the exit's flush
                 if debug or exc is not getattr(sys.stdout, "error", None):
                     raise
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                _devnull_at(sys.stdout.fileno())
                 print("%s: error: cannot write to standard output: %s"
                       % (prog, exc.strerror or exc), file=sys.stderr)
                 return 1

@@ -79,7 +79,8 @@ def grid(args, quick, repeats, causal_flags):
         cases = [(8, 2, 64, 1024)] if quick else decode_bench.CASES
         report["decode"] = {}
         for dev in device_ids:
-            dtypes = [dt for dt in decode_bench.DTYPES if str(dt).split(".")[-1] in args.dtypes]
+            dtypes = [dt for dt, name in zip(decode_bench.DTYPES, decode_bench.DTYPE_NAMES)
+                      if name in args.dtypes]
             bandwidth, rows = decode_bench.measure(cases, dtypes, rounds=repeats, device=dev)
             report["decode"][dev] = dict(read_bandwidth_gbs=bandwidth, results=rows)
     return report
@@ -203,10 +204,10 @@ def main(argv=None):
         raise UsageError("%s needs torch (pip install '.[torch]')" % " and ".join(needs_torch))
     if args.decode:
         from .. import decode_bench
-        timed = [str(dt).split(".")[-1] for dt in decode_bench.DTYPES]
-        if not set(timed) & set(args.dtypes):   # (its table was printed empty)
+        if not set(decode_bench.DTYPE_NAMES) & set(args.dtypes):   # (an empty table)
             raise UsageError("argument --decode: decode steps are timed in %s, none of "
-                             "--dtypes %s" % (" and ".join(timed), ",".join(args.dtypes)))
+                             "--dtypes %s" % (" and ".join(decode_bench.DTYPE_NAMES),
+                                              ",".join(args.dtypes)))
     # what matplotlib writes for a name without a suffix; a device or FIFO (/dev/null), or
     # standard output, is written itself, in PNG
     if (args.plot and not os.path.splitext(args.plot)[1] and not is_stdout(args.plot)
