@@ -187,23 +187,26 @@ INT_MAX = 2 ** 63 - 1
 
 
 def decimal(text):
-    """The int a flag's text writes as the config files' integers (config.DECIMAL_INT);
-    ValueError otherwise."""
+    """The number a flag's text writes as the config files' integers (config.DECIMAL_INT): an
+    int, or past int()'s 4,300 digits (and so past any bound a flag sets) an infinity of its
+    sign; ValueError otherwise."""
     from ..config import DECIMAL_INT
     if not DECIMAL_INT.match(text):
         raise ValueError("not a decimal integer: %r" % text)
+    if len(text.lstrip("+-0")) > 4000:
+        return -math.inf if text[0] == "-" else math.inf
     return int(text)
 
 
 def integer(minimum=None, maximum=INT_MAX):
     """An argparse type: an integer in minimum..maximum."""
     def parse(text):
-        from ..config import DECIMAL_INT, shown
-        if not DECIMAL_INT.match(text):
-            raise argparse.ArgumentTypeError("must be an integer (got %s)" % shown(text))
-        # (past int()'s 4,300 digits, past any bound: not converted)
-        value = (int(text) if len(text.lstrip("+-0")) <= 4000
-                 else (-1 if text[0] == "-" else 1) * math.inf)
+        from ..config import shown
+        try:
+            value = decimal(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError("must be an integer (got %s)" % shown(text)) \
+                from None
         if minimum is not None and value < minimum:
             raise argparse.ArgumentTypeError("must be >= %d (got %s)" % (minimum, shown(text)))
         if maximum is not None and value > maximum:
