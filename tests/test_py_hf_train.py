@@ -354,6 +354,42 @@ def test_resume_fixes_the_model(trained, capsys):
     assert "--resume continues the checkpoint's own model" in capsys.readouterr().err
 
 
+@needs_transformers
+def test_a_checkpoint_whose_hf_config_outgrows_its_weights_is_refused(trained, tmp_path):
+    """An hf_config edited to a million layers built layers until the system ran out of
+    memory in orchard-generate and --resume; its model is counted on the meta device first
+    (the children's 120 s timeout fails this test)."""
+    state = load_checkpoint(str(trained[0]))
+    hf_config = dict(json.loads(state["hf_config"]), num_hidden_layers=10**6)
+    path = tmp_path / "deep.pt"
+    torch.save(dict(state, hf_config=json.dumps(hf_config)), str(path))
+    for script, argv in (("generate", ["--checkpoint", str(path)]),
+                         ("train", ["--resume", str(path), "--output", str(tmp_path / "out")])):
+        result = run_python(["-m", "orchard.cli." + script] + argv + ["--device", "cpu"])
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert re.fullmatch(r"orchard-%s: error: argument %s: (checkpoint )?%s: its hf_config "
+                            r"makes a model of \d+ parameters, more than the \d+ values its "
+                            r"weights hold: an edited or damaged checkpoint"
+                            % (script, argv[0], re.escape(str(path))),
+                            result.stderr.strip()), result.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "out")
+
+
+@needs_transformers
+@pytest.mark.parametrize("model_type, sizes", [
+    ("llama", {"hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 4,
+               "num_key_value_heads": 2}),
+    ("gpt2", {"n_embd": 32, "n_head": 4})])
+def test_parameter_count_of_more_layers_than_the_probe_builds(model_type, sizes):
+    """parameter_count builds 8 layers on the meta device and counts the rest as the lightest
+    of them: the real count where the layers are alike."""
+    from orchard.hf_causal_lm import build_model, parameter_count
+    layers = "n_layer" if model_type == "gpt2" else "num_hidden_layers"
+    hf_config = json.dumps(dict(sizes, model_type=model_type, vocab_size=64, **{layers: 11}))
+    built = build_model({"context": 32}, hf_config, checkpoint="test")
+    assert parameter_count(hf_config, "test") == sum(p.numel() for p in built.parameters())
+
+
 WITHOUT_TRANSFORMERS = r"""
 import sys
 sys.modules["transformers"] = None      # import transformers now raises ImportError

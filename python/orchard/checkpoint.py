@@ -16,6 +16,7 @@ from .atomic import WriteErrors, write_atomically
 from .config import ConfigError, first_line
 from .data import file_problem
 from .device_backend import DeviceBackend
+from .hf_causal_lm import parameter_count
 
 
 def save_checkpoint(state, path):
@@ -126,18 +127,22 @@ def _problem(state):
     return None
 
 
-def check_model_size(model_cfg, weights, source):
-    """CheckpointError where an orchard model config (validated) makes more parameters than a
-    checkpoint's weights hold: a config edited by hand, whose model is built before the weights
-    are compared (n_layer 10**12 built layers until the system ran out of memory)."""
+def check_model_size(model_cfg, weights, source, hf_config=None):
+    """CheckpointError where a checkpoint's model config (model_cfg, validated), or its
+    transformers config (hf_config, JSON; model_cfg is then not read), makes more parameters
+    than its weights hold: a config edited by hand, whose model is built before the weights are
+    compared (n_layer 10**12 built layers until the system ran out of memory)."""
     # each tensor once: the tied embedding is listed twice (wte, lm_head), one storage
     held = sum(t.numel() for t in {(t.data_ptr(), t.numel()): t for t in weights.values()
                                    if isinstance(t, torch.Tensor)}.values())
-    wanted = DeviceBackend.count_parameters(model_cfg)
+    if hf_config is None:
+        wanted, what = DeviceBackend.count_parameters(model_cfg), "model_config"
+    else:   # (counted on the meta device; None: a model that cannot be built there)
+        wanted, what = parameter_count(hf_config, source) or 0, "hf_config"
     if wanted > held:
-        raise CheckpointError("%s: its model_config makes a model of %d parameters, more than "
-                              "the %d values its weights hold: an edited or damaged checkpoint"
-                              % (source, wanted, held))
+        raise CheckpointError("%s: its %s makes a model of %d parameters, more than the %d "
+                              "values its weights hold: an edited or damaged checkpoint"
+                              % (source, what, wanted, held))
 
 
 @contextlib.contextmanager

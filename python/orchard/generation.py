@@ -32,11 +32,12 @@ def load_model(checkpoint, device="auto", source=None):
         source, checkpoint = checkpoint_path(checkpoint), load_checkpoint(checkpoint)
     state = checkpoint
     with checkpoint_contents(source or "the checkpoint"):
-        if state.get("hf_config") is None:     # as --resume checks it (a NaN dropout, ...)
-            model_cfg = validate({"model": state["model_config"]},
-                                 source or "the checkpoint")["model"]
-            check_model_size(model_cfg, state["model"], source or "the checkpoint")
-        model = build_model(state["model_config"], state.get("hf_config"),
+        hf_config = state.get("hf_config")
+        # as --resume checks it (a NaN dropout, ...)
+        model_cfg = None if hf_config is not None else validate({"model": state["model_config"]},
+                                                    source or "the checkpoint")["model"]
+        check_model_size(model_cfg, state["model"], source or "the checkpoint", hf_config)
+        model = build_model(state["model_config"], hf_config,
                             checkpoint=source or "the checkpoint")
         model.load_state_dict(state["model"])
     bad = [name for name, x in model.state_dict().items()

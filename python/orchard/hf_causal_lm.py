@@ -152,17 +152,8 @@ def _config_from_dict(values, path):
         raise HFModelError("%s: model_type %r: %s, so orchard cannot run it"
                            % (path, model_type, why))
     # An encoder (BERT without is_decoder) has a language-model head over attention that sees
-    # later tokens: next-token training would teach it to copy them. Its modules say so; built
-    # on the meta device, they cost no memory, and a few layers stand for all (each 2 ms:
-    # 100,000 layers took minutes before the memory plan could refuse them).
-    probe = copy.deepcopy(config)
-    if isinstance(layers, int) and layers > _PROBE_LAYERS:
-        probe.num_hidden_layers = _PROBE_LAYERS
-    try:
-        with torch.device("meta"), _quiet(transformers):
-            model = transformers.AutoModelForCausalLM.from_config(probe)
-    except Exception:   # a model that cannot be built there is built, and judged, later
-        model = torch.nn.Module()
+    # later tokens: next-token training would teach it to copy them. Its modules say so.
+    model = _meta_model(transformers, config) or torch.nn.Module()
     seeing = sorted({type(m).__name__ for m in model.modules()
                      if getattr(m, "is_causal", None) is False})
     if seeing:
@@ -170,6 +161,51 @@ def _config_from_dict(values, path):
                            "causal language model as configured (BERT-like models need "
                            "\"is_decoder\": true)" % (path, model_type, seeing[0]))
     return config
+
+
+def _meta_model(transformers, config):
+    """config's model built on the meta device, where it costs no memory, with at most
+    _PROBE_LAYERS of its layers, which stand for all (each 2 ms: 100,000 layers took minutes
+    before the memory plan could refuse them); None where it cannot be built there (it is
+    built, and judged, later)."""
+    probe = copy.deepcopy(config)
+    if _layers(config) > _PROBE_LAYERS:
+        probe.num_hidden_layers = _PROBE_LAYERS
+    try:
+        with torch.device("meta"), _quiet(transformers):
+            return transformers.AutoModelForCausalLM.from_config(probe)
+    except Exception:
+        return None
+
+
+def parameter_count(hf_config, source):
+    """At least how many parameters the model of hf_config (a config's JSON, as the checkpoint
+    file source records it) has: its first layers counted on the meta device, each of the rest
+    as the lightest of them; None where it cannot be built there."""
+    try:
+        values = json.loads(hf_config)
+    except (TypeError, ValueError) as exc:
+        raise HFModelError("%s: its hf_config is not a config's JSON (%s)"
+                           % (source, first_line(exc))) from None
+    config = _config_from_dict(values, "%s: its hf_config" % source)
+    model = _meta_model(_transformers(source), config)
+    if model is None:
+        return None
+    layers = _layers(config)
+    built = min(layers, _PROBE_LAYERS)
+    # the layers' stack: a list of as many modules as layers built (the heaviest such list)
+    stacks = [[sum(p.numel() for p in layer.parameters()) for layer in m]
+              for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == built]
+    if layers > built and not stacks:
+        return None
+    lightest = min(max(stacks, key=sum, default=[0]))
+    return sum(p.numel() for p in model.parameters()) + (layers - built) * lightest
+
+
+def _layers(config):
+    """config's num_hidden_layers, 0 where it has none."""
+    layers = getattr(config, "num_hidden_layers", None)
+    return layers if isinstance(layers, int) else 0
 
 
 def load_hf_config(path, pretrained=False):

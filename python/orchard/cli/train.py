@@ -298,9 +298,9 @@ def build_trainer(args):
         requested = dict(state["config"], model=state["model_config"])
         try:
             requested = validate(requested, "checkpoint %s" % checkpoint_path(args.resume))
-            if state.get("hf_config") is None:      # (an hf model's sizes are its own)
-                check_model_size(requested["model"], state["model"],
-                                 "checkpoint %s" % checkpoint_path(args.resume))
+            check_model_size(requested["model"], state["model"],
+                             "checkpoint %s" % checkpoint_path(args.resume),
+                             state.get("hf_config"))
         except (ConfigError, CheckpointError) as exc:
             raise UsageError("argument --resume: %s" % exc) from None
         seed = state["seed"]
