@@ -341,6 +341,16 @@ def expected_cases(f):
          ["--output", "must name a file", "new/"]),
         ("bench", ["--quick", "--json", str(f["dir"] / "r.json") + "/"], {},
          ["--json", "must be a file", "r.json/"]),
+        ("prepare", [str(f["dir"]), "-o", str(f["dir"] / "new") + "/."], {},
+         ["--output", "must name a file", "new/."]),
+        # a missing folder before '..': the checks found no file there, and the writers
+        # (os.path.realpath, os.makedirs) replaced the one the '..' leads to
+        ("prepare", [str(f["dir"]), "-o", str(f["dir"] / "none" / ".." / "kept.json")], {},
+         ["--output", "none, before its '..', is not a folder", "kept.json"]),
+        ("bench", ["--quick", "--json", str(f["dir"] / "none" / ".." / "kept.json")], {},
+         ["--json", "none, before its '..', is not a folder", "kept.json"]),
+        ("train", tiny + ["--output", str(f["dir"] / "none" / ".." / "u3")], {},
+         ["--output", "none, before its '..', is not a folder", "u3"]),
         # a list that starts with a minus is a value, checked as such
         ("bench", ["--shapes", "-1,8,64,64"], {}, ["--shapes", "four integers", "'-1,8,64,64'"]),
         ("tune", ["--shape", "-1,2,128,32"], {}, ["--shape", "four integers", "'-1,2,128,32'"]),

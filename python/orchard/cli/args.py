@@ -267,12 +267,34 @@ def path(what):
     return _typed("path", parse)
 
 
+def dotdot_problem(text):
+    """Why the path text is refused for an output where a folder of it before a '..' does not
+    exist, or None. The system finds no file behind such a path, where os.makedirs and
+    os.path.realpath, which the writers go through, take the '..' away and reach an existing
+    one: the checks for a file already there saw none, and it was replaced."""
+    parts = text.split(os.sep)
+    for i in range(1, len(parts)):
+        folder = os.sep.join(parts[:i]) or os.sep
+        if parts[i] == ".." and not os.path.isdir(folder):
+            return "%s, before its '..', is not a folder" % folder
+    return None
+
+
+def names_a_file(text):
+    """Whether the path text can name a file: not empty, nor ending as a folder's name does
+    (a separator, '.' or '..')."""
+    return bool(text) and not text.endswith(os.sep) and os.path.basename(text) not in (".", "..")
+
+
 def output_file(text):
     """An argparse type: a file to write, in a folder that exists and takes new files (checked
     before the work whose results it will hold)."""
     folder = os.path.dirname(os.path.abspath(text))
-    if not text or text.endswith(os.sep) or os.path.isdir(text) or not os.path.isdir(folder):
+    if not names_a_file(text) or os.path.isdir(text) or not os.path.isdir(folder):
         raise argparse.ArgumentTypeError("must be a file in an existing folder (got %r)" % text)
+    problem = dotdot_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError("%s (got %r)" % (problem, text))
     problem = folder_problem(*written_where(text))
     if problem:
         raise argparse.ArgumentTypeError("must be a file in a folder this user can write to "

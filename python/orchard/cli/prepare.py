@@ -14,8 +14,8 @@ import sys
 from ..atomic import is_stdout
 from ..data import BYTE_VOCAB, folder_files, save_sequences, text_file_sequences
 from ..progress import Progress
-from .args import (Parser, UsageError, console_script, folder_problem, integer, path, writing,
-                   written_where)
+from .args import (Parser, UsageError, console_script, dotdot_problem, folder_problem, integer,
+                   names_a_file, path, writing, written_where)
 
 EXAMPLES = (
     "orchard-prepare ~/src/myproject -o data/token_sequences.json --ext .py --ext .md",
@@ -53,8 +53,11 @@ def main(argv=None):
         raise UsageError("argument --ext: must name a suffix (got '')")
     if not os.path.isdir(args.src_dir):
         raise UsageError("SRC_DIR is not a folder (%r)" % args.src_dir)
-    if not args.output or args.output.endswith(os.sep):
+    if not names_a_file(args.output):
         raise UsageError("argument --output: must name a file (got %r)" % args.output)
+    problem = dotdot_problem(args.output)
+    if problem:
+        raise UsageError("argument --output: %s (got %r)" % (problem, args.output))
     if os.path.isdir(args.output):
         raise UsageError("argument --output: is a folder, not a file (%r)" % args.output)
     if os.path.exists(args.output) and not args.overwrite:

@@ -23,7 +23,8 @@ import sys
 import tempfile
 
 from .args import (INT_MAX, Parser, UsageError, console_script, debug_requested, device,
-                   folder_problem, integer, logs_held_until_checked, path, reading, writing)
+                   dotdot_problem, folder_problem, integer, logs_held_until_checked, path,
+                   reading, writing)
 
 log = logging.getLogger("orchard")
 
@@ -104,6 +105,9 @@ def check_output(args):
     the one in its own folder)."""
     if not args.output:
         raise UsageError("argument --output: must name a folder (got %r)" % args.output)
+    problem = dotdot_problem(args.output)
+    if problem:
+        raise UsageError("argument --output: %s (got %r)" % (problem, args.output))
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise UsageError("argument --output: is a file, not a folder (%r)" % args.output)
     problem = folder_problem(args.output)
