@@ -80,6 +80,31 @@ def test_tiny_device_shortens_the_context_unless_the_model_is_fixed():
     assert fixed["model"] == cfg["model"]
 
 
+def test_reasons_name_the_plan_chosen_with_checkpointing_off():
+    """With gradient checkpointing off, a shortened context's reason gives what the plan
+    without it needs (it gave the need with it, which fitted); a plan that fits at no context
+    says the run may end out of memory (the out-of-memory policy halves micro-batches above
+    1: there is none) and how to avoid it."""
+    cfg = gpt2_small()
+    cfg["model"].update(n_layer=4, n_embd=256, n_head=4, n_kv_head=4)
+    cfg["training"]["grad_checkpointing"] = False
+    backend = DeviceBackend(device("gpu", 0.08, 4), HOST)
+    need = lambda checkpointing, context: backend.estimate_memory(
+        cfg["model"], 1, context, "fp16", checkpointing)["total_bytes"]
+    budget = backend.memory_budget(cfg)
+    new, reasons = adapt(device("gpu", 0.08, 4), cfg)
+    assert new["model"]["context"] < 1024 and new["training"]["grad_checkpointing"] is False
+    assert ("micro-batch 1 without gradient checkpointing (it is off) needs %.2f GiB at context "
+            "1024 > budget" % (need(False, 1024) / GiB)) in reasons["model.context"]
+    assert need(False, 1024) > budget and "does not fit" not in reasons["training.micro_batch"]
+    # fits with neither: the context at its floor, the weights alone within the budget
+    new, reasons = adapt(device("gpu", 0.066, 4), cfg)
+    assert new["model"]["context"] == 64 and new["training"]["micro_batch"] == 1
+    assert reasons["training.micro_batch"].endswith(
+        "; it still does not fit: the run may end out of memory (training.grad_checkpointing "
+        "true, a smaller model or a larger device.memory_fraction)")
+
+
 def test_a_model_whose_weights_alone_do_not_fit_is_refused():
     """Weights, gradients and optimizer state shrink with no micro-batch or context: a plan
     that cannot hold them is a ConfigError (a token id of 10^9 in the data makes such a

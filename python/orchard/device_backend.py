@@ -283,17 +283,23 @@ class DeviceBackend:
                    if checkpointing else
                    "micro-batch %d fits without it (%s of %s)" % (
                        micro, gib(need(micro, False, context)), budget_text))
+        # (micro-batch 1 wherever the context is cut or nothing fits: every halving above
+        # went down to it first)
+        with_checkpointing = (" with gradient checkpointing" if checkpointing
+                              else " without gradient checkpointing (it is off)")
         if context != model["context"]:
-            change("model", "context", context,
-                   "micro-batch 1 with gradient checkpointing needs %s at context %d > %s"
-                   % (gib(need(1, True, model["context"])), model["context"], budget_text))
+            change("model", "context", context, "micro-batch 1%s needs %s at context %d > %s"
+                   % (with_checkpointing, gib(need(1, checkpointing, model["context"])),
+                      model["context"], budget_text))
         accumulation = math.ceil(per_process / micro)
         why = ("%s per micro-batch of %d%s, %s; %d accumulation step(s) keep the effective "
                "batch of %d" % (gib(need(micro, checkpointing, context)), micro,
                                 " with gradient checkpointing" if checkpointing else "",
                                 budget_text, accumulation, train["batch_size"]))
-        if not fits:
-            why += "; it still does not fit, the out-of-memory policy will shrink it further"
+        if not fits:    # (the out-of-memory policy halves micro-batches above 1)
+            why += ("; it still does not fit: the run may end out of memory (%sa smaller model "
+                    "or a larger device.memory_fraction)"
+                    % ("" if checkpointing else "training.grad_checkpointing true, "))
         if train["micro_batch"] != AUTO and train["micro_batch"] > per_process:
             why = "at most a process's share of the batch (%d); %s" % (per_process, why)
         change("training", "micro_batch", micro, why)
