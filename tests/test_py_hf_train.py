@@ -213,6 +213,17 @@ def test_metrics_name_the_device_attention_runs_on(fast_config, tmp_path, caplog
                        "--hf-config", TINY_LLAMA, "--max-steps", "1"]) == 0
     assert [r["device"] for r in read_metrics(out)] == [orchard_ops.default_device()]
     assert "parameters on %s:" % orchard_ops.default_device() in caplog.text
+    note = ("a transformers model computes its attention on orchard's default device %s, not "
+            "%s (ORCHARD_DEVICE chooses it)" % (orchard_ops.default_device(), opencl[0]))
+    assert "note: " + note in caplog.text
+    # orchard-generate's --device likewise (it had been ignored without a word)
+    result = run_python(["-m", "orchard.cli.generate", "--checkpoint", str(out),
+                         "--max-new-tokens", "2", "--device", opencl[0]])
+    assert result.returncode == 0 and note in result.stderr, result.stderr[-2000:]
+    result = run_python(["-m", "orchard.cli.generate", "--checkpoint", str(out),
+                         "--max-new-tokens", "2", "--device", orchard_ops.default_device()])
+    assert result.returncode == 0 and "computes its attention" not in result.stderr, \
+        result.stderr[-2000:]
 
 
 @needs_transformers

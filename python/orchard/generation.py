@@ -12,6 +12,7 @@ step, every position moves, and no cached key stays valid, so each step then pre
 last `context` tokens anew, exactly what generation without the cache computes.
 """
 import codecs
+import logging
 import math
 
 import torch
@@ -21,7 +22,9 @@ from .checkpoint import (CheckpointError, check_model_size, checkpoint_contents,
                          load_checkpoint)
 from .config import validate
 from .device_backend import get_device_backend
-from .hf_causal_lm import build_model
+from .hf_causal_lm import attention_device_note, build_model
+
+log = logging.getLogger("orchard")
 
 
 def load_model(checkpoint, device="auto", source=None):
@@ -48,8 +51,10 @@ def load_model(checkpoint, device="auto", source=None):
                                                                        len(bad), bad[0]))
     model.eval()
     backend = get_device_backend(device).setup()
-    if state.get("hf_config") is None:
+    if hf_config is None:
         backend.patch_model(model)
+    elif attention_device_note(backend.device):
+        log.warning("%s", attention_device_note(backend.device))
     return model, state["data"].get("byte_level", False)
 
 

@@ -17,6 +17,7 @@ import inspect
 import json
 import os
 
+import orchard_ops
 import torch
 import torch.nn.functional as F
 
@@ -242,6 +243,16 @@ def model_section(config, context):
         "dropout": float(getattr(config, "attention_dropout", 0.0) or 0.0),
         "bias": bool(getattr(config, "attention_bias", False)),
     }
+
+
+def attention_device_note(device):
+    """Where orchard's default device is not device, what a user who asked for device is told:
+    a transformers model computes its attention there (orchard.hf calls orchard with
+    device=None); else None."""
+    default = orchard_ops.default_device()
+    return None if default == device else (
+        "a transformers model computes its attention on orchard's default device %s, not %s "
+        "(ORCHARD_DEVICE chooses it)" % (default, device))
 
 
 class HFCausalLM(torch.nn.Module):

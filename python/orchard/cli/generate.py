@@ -35,7 +35,9 @@ def main(argv=None):
                              "space-separated token ids) to continue. Default: a newline "
                              "(byte-level models; others need one).")
     parser.add_argument("--device", type=device, default="auto",
-                        help="The device: auto, cpu, opencl, opencl:N or opencl:NAME.")
+                        help="The device: auto, cpu, opencl, opencl:N or opencl:NAME. A "
+                             "transformers model's attention runs on orchard's default device "
+                             "(ORCHARD_DEVICE), with a warning where that is another.")
     parser.add_argument("--max-new-tokens", type=integer(1), default=200, metavar="N",
                         help="How many tokens to sample after the prompt.")
     parser.add_argument("--temperature", type=number(minimum=0.0), default=0.8, metavar="T",

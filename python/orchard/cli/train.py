@@ -268,14 +268,12 @@ def setup_logging(rank, quiet=False):
 
 def build_trainer(args):
     """The device, data, config and model of this run, each checked, as a Trainer."""
-    import orchard_ops
-
     from ..checkpoint import CheckpointError, check_model_size, checkpoint_path, load_checkpoint
     from ..config import ConfigError, load_config, validate
     from ..data import (DataError, evaluation_windows, load_training_data, split_validation,
                         token_chunks)
     from ..device_backend import auto_choice_reason, get_device_backend
-    from ..hf_causal_lm import HFModelError, load_hf_config, model_section
+    from ..hf_causal_lm import HFModelError, attention_device_note, load_hf_config, model_section
     from ..trainer import Trainer
 
     backend = get_device_backend(args.device, verbose=args.verbose)
@@ -358,11 +356,8 @@ def build_trainer(args):
         hf_config = hf.to_json_string(use_diff=False)
         log.info("model: transformers %s, %s %s", hf.model_type, "pretrained from"
                  if args.hf_model else "randomly initialised from", hf_path)
-    if hf_config is not None and orchard_ops.default_device() != backend.device:
-        # orchard.hf calls orchard with device=None
-        log.info("note: a transformers model computes its attention on orchard's default "
-                 "device %s, not %s (ORCHARD_DEVICE chooses it)",
-                 orchard_ops.default_device(), backend.device)
+    if hf_config is not None and attention_device_note(backend.device):
+        log.info("note: %s", attention_device_note(backend.device))
     if vocab_size > requested["model"]["vocab_size"]:
         if state is not None:
             raise DataError("%s: token ids up to %d, but the model of the checkpoint %s "
