@@ -204,6 +204,12 @@ def expected_cases(f):
         ("bench", [], tpu, ["ORCHARD_DEVICE", "'tpu'"]),
     ] + ([
         ("train", [], {"ORCHARD_CL_FAMILY": "bogus"}, ["ORCHARD_CL_FAMILY", "'bogus'"]),
+        # torchrun's process counts (int() had raised a traceback; a LOCAL_WORLD_SIZE alone
+        # had planned memory for processes that were not started)
+        ("train", [], {"WORLD_SIZE": "x"}, ["environment variable WORLD_SIZE", "'x'"]),
+        ("devices", [], {"LOCAL_WORLD_SIZE": "0"}, ["LOCAL_WORLD_SIZE", "count", "'0'"]),
+        ("generate", ["--checkpoint", "x"], {"LOCAL_WORLD_SIZE": "3"},
+         ["LOCAL_WORLD_SIZE is 3, more processes than WORLD_SIZE's 1"]),
         ("bench", ["--quick"], {"ORCHARD_CL_FAMILY": "bogus"}, ["ORCHARD_CL_FAMILY"]),
         ("train", [], {"ORCHARD_CL_VECTOR": "3"}, ["ORCHARD_CL_VECTOR", "'3'", "4, 8 or 16"]),
         ("devices", [], {"ORCHARD_CL_BLOCK_Q": "abc"}, ["ORCHARD_CL_BLOCK_Q", "'abc'"]),

@@ -33,7 +33,7 @@ import sys
 
 import orchard_ops
 
-from .config import AUTO, ConfigError
+from .config import AUTO, DECIMAL_INT, ConfigError, shown
 
 log = logging.getLogger("orchard")
 
@@ -354,13 +354,23 @@ class DeviceBackend:
         return patch_model(model, device=self.device)
 
 
+def process_count(name):
+    """The count of processes torchrun's environment variable name (WORLD_SIZE,
+    LOCAL_WORLD_SIZE) gives, 1 where it is not set; ValueError naming it otherwise."""
+    text = os.environ.get(name, "1")
+    if not DECIMAL_INT.match(text) or len(text) > 9 or int(text) < 1:
+        raise ValueError("environment variable %s must be a count of processes, a positive "
+                         "integer (got %s)" % (name, shown(text)))
+    return int(text)
+
+
 def get_device_backend(device=None, verbose=False):
     """The DeviceBackend for a device string (see resolve_device); None picks automatically."""
     listing = orchard_ops.devices()
     info = resolve_device(device, listing)
     host = next((d for d in listing if d["id"] == "cpu"), info)
-    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    backend = DeviceBackend(info, host, verbose=verbose, processes=processes)
+    backend = DeviceBackend(info, host, verbose=verbose,
+                            processes=process_count("LOCAL_WORLD_SIZE"))
     if verbose:
         backend.log_summary()
     return backend

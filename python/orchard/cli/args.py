@@ -411,9 +411,19 @@ def devices(text):
 def check_device_environment():
     """UsageError if ORCHARD_ISA names a kernel set this CPU cannot run, ORCHARD_NUM_THREADS
     is not a thread count, an ORCHARD_CL_* variable has a value OpenCL calls refuse (devices()
-    names it) or ORCHARD_DEVICE names no device (device=auto would fail later)."""
+    names it), ORCHARD_DEVICE names no device (device=auto would fail later), or torchrun's
+    WORLD_SIZE or LOCAL_WORLD_SIZE is not a count of processes (LOCAL_WORLD_SIZE, the processes
+    the memory plan shares the machine among, at most WORLD_SIZE)."""
     import orchard_ops
 
+    from ..device_backend import process_count
+    try:
+        world, local = process_count("WORLD_SIZE"), process_count("LOCAL_WORLD_SIZE")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if local > world:
+        raise UsageError("environment variable LOCAL_WORLD_SIZE is %d, more processes than "
+                         "WORLD_SIZE's %d (torchrun sets both)" % (local, world))
     try:
         listed = orchard_ops.devices()
     except ValueError as exc:   # what devices() reports: ORCHARD_ISA, ORCHARD_NUM_THREADS

@@ -417,7 +417,8 @@ def main(argv=None):
     check_output(args)
     import torch.distributed as dist
 
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    from ..device_backend import process_count
+    distributed = process_count("WORLD_SIZE") > 1     # (checked by console_script)
     if distributed:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
