@@ -64,6 +64,7 @@ def files(tmp_path_factory):
         "short.json": json.dumps({"vocab_size": 256, "sequences": [list(range(200))]}),
         "bools.json": json.dumps([[1, 2, True] + list(range(300))]),
         "huge_id.json": json.dumps([list(range(300)) + [2 ** 63]]),
+        "wide_id.json": json.dumps([list(range(300)) + [10 ** 12]]),
         "nested.json": json.dumps([[1, list(range(300))]]),
         "vocab_bool.json": json.dumps({"vocab_size": True, "sequences": [list(range(300))]}),
         "deep.json": "[" * 100000 + "]" * 100000,
@@ -251,6 +252,10 @@ def expected_cases(f):
          ["fewer than one batch", "training.val_fraction 0.99 held out"]),
         ("train", tiny[:2] + ["--sequences", f["bools.json"], "--device", "cpu"], {},
          ["argument --sequences:", f["bools.json"], "item 2 is True"]),
+        # a model too large for the memory: the argument that chose its size named (--config
+        # had been named where the data's token ids made the vocabulary)
+        ("train", tiny[:2] + ["--sequences", f["wide_id.json"], "--device", "cpu"], {},
+         ["argument --sequences: the model's weights", "vocab_size 1000000000001"]),
         ("train", tiny[:2] + ["--sequences", f["huge_id.json"], "--device", "cpu"], {},
          ["argument --sequences:", f["huge_id.json"], "token id 9223372036854775808",
           "below 2**63"]),
@@ -556,12 +561,16 @@ def test_resuming_on_data_beyond_the_models_vocabulary_names_the_file(files, tmp
                                                       vocab)), r
 
 
-def test_resuming_into_another_runs_folder_does_not_replace_its_checkpoint(tmp_path):
+def test_resuming_into_another_runs_folder_does_not_replace_its_checkpoint(files, tmp_path):
     """--resume A --output B continues A in B: refused where B holds another run's
     checkpoint (as a new run would be), unless --overwrite."""
     for run in ("A", "B"):
         (tmp_path / run).mkdir()
         (tmp_path / run / "checkpoint.pt").write_bytes(b"run " + run.encode())
+    r = run_cases([["train", ["--config", files["config"], "--sequences", files["sequences"],
+                              "--device", "cpu", "--max-steps", "1", "--output",
+                              str(tmp_path / "real")], {}]])[0]
+    assert r["code"] == 0, r
     r = run_cases([["train", ["--resume", str(tmp_path / "A"), "--output", str(tmp_path / "B"),
                               "--device", "cpu"], {}]])[0]
     # (the advice is not to continue B's run, which is not the one resumed)
@@ -569,12 +578,18 @@ def test_resuming_into_another_runs_folder_does_not_replace_its_checkpoint(tmp_p
     assert "continue it" not in r["stderr"], r
     assert (tmp_path / "B" / "checkpoint.pt").read_bytes() == b"run B"
     # --resume of a copy beside B's checkpoint: --output defaults to B, which is named
-    (tmp_path / "B" / "backup.pt").write_bytes(b"a copy")
-    r = run_cases([["train", ["--resume", str(tmp_path / "B" / "backup.pt"), "--device", "cpu"],
-                    {}]])[0]
+    shutil.copy(tmp_path / "real" / "checkpoint.pt", tmp_path / "B" / "backup.pt")
+    # ... and of a file beside it that is no checkpoint: refused as that (the advice to pass
+    # --output led to that error in a second run)
+    (tmp_path / "B" / "notes.txt").write_bytes(b"a note")
+    r, note = run_cases([["train", ["--resume", str(tmp_path / "B" / name), "--device", "cpu"],
+                          {}] for name in ("backup.pt", "notes.txt")])
     assert r["code"] == 2 and "argument --resume:" in r["stderr"] and (
         "backup.pt is not the checkpoint of its folder" in r["stderr"]), r
     assert "pass --output" in r["stderr"]
+    assert note["code"] == 2 and note["stderr"].splitlines()[-1].startswith(
+        "orchard-train: error: argument --resume: %s: not a readable orchard checkpoint"
+        % (tmp_path / "B" / "notes.txt")), note
     assert (tmp_path / "B" / "checkpoint.pt").read_bytes() == b"run B"
 
 

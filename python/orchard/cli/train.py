@@ -123,6 +123,7 @@ def check_output(args):
         return
     if os.path.exists(path):
         if args.resume and not args.output_given:     # (a copy beside a run's checkpoint)
+            resumed_state(args)     # (the advice below is for a checkpoint: not one, refused)
             raise UsageError("argument --resume: %s is not the checkpoint of its folder, whose "
                              "checkpoint (%s) a resumed run would replace; pass --output to "
                              "choose another folder for it, or --overwrite to replace that one "
@@ -137,6 +138,16 @@ def check_output(args):
         raise UsageError("argument --output: already holds the metrics (%s) of a run without a "
                          "checkpoint; pass --overwrite to replace them, or choose another "
                          "folder (got %r)" % (metrics, args.output))
+
+
+def resumed_state(args):
+    """The checkpoint --resume names, loaded."""
+    from ..checkpoint import CheckpointError, load_checkpoint
+
+    try:
+        return load_checkpoint(args.resume)
+    except CheckpointError as exc:
+        raise UsageError("argument --resume: %s" % exc) from None
 
 
 def continues_its_own_run(args):
@@ -268,7 +279,7 @@ def setup_logging(rank, quiet=False):
 
 def build_trainer(args):
     """The device, data, config and model of this run, each checked, as a Trainer."""
-    from ..checkpoint import CheckpointError, check_model_size, checkpoint_path, load_checkpoint
+    from ..checkpoint import CheckpointError, check_model_size, checkpoint_path
     from ..config import ConfigError, load_config, validate
     from ..data import (DataError, evaluation_windows, load_training_data, split_validation,
                         token_chunks)
@@ -279,10 +290,7 @@ def build_trainer(args):
     backend = get_device_backend(args.device, verbose=args.verbose)
     if args.device in (None, "auto"):
         log.info("device %s chosen automatically: %s", *auto_choice_reason())
-    try:
-        state = load_checkpoint(args.resume) if args.resume else None
-    except CheckpointError as exc:
-        raise UsageError("argument --resume: %s" % exc) from None
+    state = resumed_state(args) if args.resume else None
     hf_flag = "--hf-config" if args.hf_config is not None else "--hf-model"
     hf_path = args.hf_config if args.hf_config is not None else args.hf_model
     if hf_path is not None and state is not None:
@@ -358,7 +366,8 @@ def build_trainer(args):
                  if args.hf_model else "randomly initialised from", hf_path)
     if hf_config is not None and attention_device_note(backend.device):
         log.info("note: %s", attention_device_note(backend.device))
-    if vocab_size > requested["model"]["vocab_size"]:
+    grown = vocab_size > requested["model"]["vocab_size"]
+    if grown:
         if state is not None:
             raise DataError("%s: token ids up to %d, but the model of the checkpoint %s "
                             "has a vocabulary of %d" % (data, vocab_size - 1,
@@ -367,8 +376,10 @@ def build_trainer(args):
         log.info("config model.vocab_size: %d -> %d: the data's vocabulary",
                  requested["model"]["vocab_size"], vocab_size)
         requested["model"]["vocab_size"] = vocab_size
-    # a model too large for the device: the argument that chose the model is named
-    model_flag, model_path = ((hf_flag, hf_path) if hf_path is not None
+    # a model too large for the device: the argument that chose the model is named (the
+    # data's, where its token ids grew the vocabulary)
+    model_flag, model_path = (("--sequences", args.sequences) if grown and args.sequences
+                              else (hf_flag, hf_path) if hf_path is not None
                               else ("--resume", args.resume) if state is not None
                               else ("--config", args.config))
     with reading(model_flag, model_path):
