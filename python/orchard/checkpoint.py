@@ -140,8 +140,8 @@ def check_model_size(model_cfg, weights, source, hf_config=None):
     else:   # (counted on the meta device; None: a model that cannot be built there)
         wanted, what = parameter_count(hf_config, source) or 0, "hf_config"
     if wanted > held:
-        raise CheckpointError("%s: its %s makes a model of %d parameters, more than the %d "
-                              "values its weights hold: an edited or damaged checkpoint"
+        raise CheckpointError("%s: its %s makes a model of at least %d parameters, more than "
+                              "the %d values its weights hold: an edited or damaged checkpoint"
                               % (source, what, wanted, held))
 
 

@@ -35,10 +35,10 @@ def load_model(checkpoint, device="auto", source=None):
         source, checkpoint = checkpoint_path(checkpoint), load_checkpoint(checkpoint)
     state = checkpoint
     with checkpoint_contents(source or "the checkpoint"):
-        hf_config = state.get("hf_config")
-        # as --resume checks it (a NaN dropout, ...)
-        model_cfg = None if hf_config is not None else validate({"model": state["model_config"]},
-                                                    source or "the checkpoint")["model"]
+        hf_config, model_cfg = state.get("hf_config"), None
+        if hf_config is None:      # as --resume checks it (a NaN dropout, ...)
+            model_cfg = validate({"model": state["model_config"]},
+                                 source or "the checkpoint")["model"]
         check_model_size(model_cfg, state["model"], source or "the checkpoint", hf_config)
         model = build_model(state["model_config"], hf_config,
                             checkpoint=source or "the checkpoint")
@@ -53,7 +53,7 @@ def load_model(checkpoint, device="auto", source=None):
     backend = get_device_backend(device).setup()
     if hf_config is None:
         backend.patch_model(model)
-    elif attention_device_note(backend.device):
+    elif attention_device_note(backend.device):     # (orchard.hf passes no device)
         log.warning("%s", attention_device_note(backend.device))
     return model, state["data"].get("byte_level", False)
 

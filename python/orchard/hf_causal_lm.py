@@ -192,15 +192,16 @@ def parameter_count(hf_config, source):
     model = _meta_model(_transformers(source), config)
     if model is None:
         return None
-    layers = _layers(config)
-    built = min(layers, _PROBE_LAYERS)
-    # the layers' stack: a list of as many modules as layers built (the heaviest such list)
+    built = sum(p.numel() for p in model.parameters())
+    if _layers(config) <= _PROBE_LAYERS:
+        return built    # (the whole model)
+    # the layers' stack: a list of _PROBE_LAYERS modules (the heaviest such list)
     stacks = [[sum(p.numel() for p in layer.parameters()) for layer in m]
-              for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == built]
-    if layers > built and not stacks:
+              for m in model.modules()
+              if isinstance(m, torch.nn.ModuleList) and len(m) == _PROBE_LAYERS]
+    if not stacks:
         return None
-    lightest = min(max(stacks, key=sum, default=[0]))
-    return sum(p.numel() for p in model.parameters()) + (layers - built) * lightest
+    return built + (_layers(config) - _PROBE_LAYERS) * min(max(stacks, key=sum))
 
 
 def _layers(config):
