@@ -362,6 +362,9 @@ def expected_cases(f):
          ["--json", "none, before its '..', is not a folder", "kept.json"]),
         ("train", tiny + ["--output", str(f["dir"] / "none" / ".." / "u3")], {},
          ["--output", "none, before its '..', is not a folder", "u3"]),
+        # (--output's default, --resume's folder: --resume named)
+        ("train", ["--resume", str(f["dir"] / "none" / ".." / "u3" / "checkpoint.pt")], {},
+         ["--resume", "none, before its '..', is not a folder", "checkpoint.pt"]),
         # a list that starts with a minus is a value, checked as such
         ("bench", ["--shapes", "-1,8,64,64"], {}, ["--shapes", "four integers", "'-1,8,64,64'"]),
         ("tune", ["--shape", "-1,2,128,32"], {}, ["--shape", "four integers", "'-1,2,128,32'"]),

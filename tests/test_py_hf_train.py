@@ -388,17 +388,22 @@ def test_a_checkpoint_whose_hf_config_outgrows_its_weights_is_refused(trained, t
 
 @needs_transformers
 @pytest.mark.parametrize("model_type, sizes", [
-    ("llama", {"hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 4,
-               "num_key_value_heads": 2}),
-    ("gpt2", {"n_embd": 32, "n_head": 4})])
-def test_parameter_count_of_more_layers_than_the_probe_builds(model_type, sizes):
-    """parameter_count builds 8 layers on the meta device and counts the rest as the lightest
-    of them: the real count where the layers are alike."""
+    ("gpt2", {"n_embd": 32, "n_head": 4, "n_layer": 11}),
+    # layers of their own shapes: the last four without experts (lighter than the first)
+    ("qwen2_moe", {"hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "num_hidden_layers": 12, "num_experts": 4,
+                   "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                   "shared_expert_intermediate_size": 16, "mlp_only_layers": [8, 9, 10, 11]})])
+def test_parameter_count_is_the_models_own(model_type, sizes):
+    """parameter_count builds a model of up to 256 layers on the meta device: its count is
+    the model's, whose checkpoint check_model_size takes (eight layers counted and the rest
+    taken as the lightest of them had refused a model whose later layers are lighter)."""
+    from orchard.checkpoint import check_model_size
     from orchard.hf_causal_lm import build_model, parameter_count
-    layers = "n_layer" if model_type == "gpt2" else "num_hidden_layers"
-    hf_config = json.dumps(dict(sizes, model_type=model_type, vocab_size=64, **{layers: 11}))
+    hf_config = json.dumps(dict(sizes, model_type=model_type, vocab_size=64))
     built = build_model({"context": 32}, hf_config, checkpoint="test")
     assert parameter_count(hf_config, "test") == sum(p.numel() for p in built.parameters())
+    check_model_size(None, built.state_dict(), "test", hf_config)
 
 
 WITHOUT_TRANSFORMERS = r"""

@@ -517,6 +517,8 @@ def test_damaged_checkpoint_contents_are_one_line_errors(run_files, tmp_path, ca
     damaged = {"shape": dict(state, model=dict(state["model"], **{first: torch.zeros(3)})),
                "type": dict(state, model_config=dict(state["model_config"], n_layer="x")),
                "json": dict(state, hf_config="{bad"),
+               # (past json's recursion limit: --resume's size check had let RecursionError out)
+               "deep_json": dict(state, hf_config="[" * 100000 + "]" * 100000),
                "hf_type": dict(state, hf_config='{"model_type": "no-such-model"}'),
                "heads": dict(state, model_config=dict(state["model_config"], n_head=0)),
                "dropout": dict(state, model_config=dict(state["model_config"],

@@ -38,6 +38,8 @@ from .config import AUTO, DECIMAL_INT, ConfigError, shown
 log = logging.getLogger("orchard")
 
 GiB = 2**30
+# The most processes WORLD_SIZE and LOCAL_WORLD_SIZE may count (a bound for their checks)
+MAX_PROCESSES = 2**20
 # query rows per attention work item, as the micro-batch floor counts them: fewer than the
 # kernels' blocks (96 rows in PoCL's tiled family, 192 natively), so the floor errs low
 _ATTENTION_BLOCK = 64
@@ -285,11 +287,11 @@ class DeviceBackend:
                        micro, gib(need(micro, False, context)), budget_text))
         # (micro-batch 1 wherever the context is cut or nothing fits: every halving above
         # went down to it first)
-        with_checkpointing = (" with gradient checkpointing" if checkpointing
-                              else " without gradient checkpointing (it is off)")
+        how = (" with gradient checkpointing" if checkpointing
+               else " without gradient checkpointing (it is off)")
         if context != model["context"]:
             change("model", "context", context, "micro-batch 1%s needs %s at context %d > %s"
-                   % (with_checkpointing, gib(need(1, checkpointing, model["context"])),
+                   % (how, gib(need(1, checkpointing, model["context"])),
                       model["context"], budget_text))
         accumulation = math.ceil(per_process / micro)
         why = ("%s per micro-batch of %d%s, %s; %d accumulation step(s) keep the effective "
@@ -358,9 +360,10 @@ def process_count(name):
     """The count of processes torchrun's environment variable name (WORLD_SIZE,
     LOCAL_WORLD_SIZE) gives, 1 where it is not set; ValueError naming it otherwise."""
     text = os.environ.get(name, "1")
-    if not DECIMAL_INT.match(text) or len(text) > 9 or int(text) < 1:
-        raise ValueError("environment variable %s must be a count of processes, a positive "
-                         "integer (got %s)" % (name, shown(text)))
+    if (not DECIMAL_INT.match(text) or len(text.lstrip("+-0")) > 9
+            or not 1 <= int(text) <= MAX_PROCESSES):
+        raise ValueError("environment variable %s must be a count of processes, an integer "
+                         "from 1 to %d (got %s)" % (name, MAX_PROCESSES, shown(text)))
     return int(text)
 
 

@@ -51,10 +51,11 @@ def load_model(checkpoint, device="auto", source=None):
                                                                        len(bad), bad[0]))
     model.eval()
     backend = get_device_backend(device).setup()
+    note = attention_device_note(backend.device)   # (orchard.hf passes no device)
     if hf_config is None:
         backend.patch_model(model)
-    elif attention_device_note(backend.device):     # (orchard.hf passes no device)
-        log.warning("%s", attention_device_note(backend.device))
+    elif note:
+        log.warning("%s", note)
     return model, state["data"].get("byte_level", False)
 
 

@@ -79,6 +79,9 @@ def _quiet(transformers):
 MAX_NESTING = 64
 # Layers of the meta-device model whose modules say whether its attention is causal
 _PROBE_LAYERS = 8
+# Layers of the meta-device model whose parameters are counted (2 ms each): every layer of any
+# real model; past them a config edited to more layers makes more than its weights hold
+_COUNTED_LAYERS = 256
 
 
 def _nesting(value):
@@ -154,7 +157,7 @@ def _config_from_dict(values, path):
                            % (path, model_type, why))
     # An encoder (BERT without is_decoder) has a language-model head over attention that sees
     # later tokens: next-token training would teach it to copy them. Its modules say so.
-    model = _meta_model(transformers, config) or torch.nn.Module()
+    model = _meta_model(transformers, config, _PROBE_LAYERS) or torch.nn.Module()
     seeing = sorted({type(m).__name__ for m in model.modules()
                      if getattr(m, "is_causal", None) is False})
     if seeing:
@@ -164,14 +167,13 @@ def _config_from_dict(values, path):
     return config
 
 
-def _meta_model(transformers, config):
-    """config's model built on the meta device, where it costs no memory, with at most
-    _PROBE_LAYERS of its layers, which stand for all (each 2 ms: 100,000 layers took minutes
-    before the memory plan could refuse them); None where it cannot be built there (it is
-    built, and judged, later)."""
+def _meta_model(transformers, config, layers):
+    """config's model built on the meta device, where it costs no memory, with at most `layers`
+    of its layers (each 2 ms: 100,000 layers took minutes before the memory plan could refuse
+    them); None where it cannot be built there (it is built, and judged, later)."""
     probe = copy.deepcopy(config)
-    if _layers(config) > _PROBE_LAYERS:
-        probe.num_hidden_layers = _PROBE_LAYERS
+    if _layers(config) > layers:
+        probe.num_hidden_layers = layers
     try:
         with torch.device("meta"), _quiet(transformers):
             return transformers.AutoModelForCausalLM.from_config(probe)
@@ -181,27 +183,16 @@ def _meta_model(transformers, config):
 
 def parameter_count(hf_config, source):
     """At least how many parameters the model of hf_config (a config's JSON, as the checkpoint
-    file source records it) has: its first layers counted on the meta device, each of the rest
-    as the lightest of them; None where it cannot be built there."""
+    file source records it) has: counted on the meta device, the layers past _COUNTED_LAYERS
+    as none; None where it cannot be built there."""
     try:
         values = json.loads(hf_config)
-    except (TypeError, ValueError) as exc:
-        raise HFModelError("%s: its hf_config is not a config's JSON (%s)"
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise HFModelError("%s: its hf_config: not a config's JSON (%s)"
                            % (source, first_line(exc))) from None
     config = _config_from_dict(values, "%s: its hf_config" % source)
-    model = _meta_model(_transformers(source), config)
-    if model is None:
-        return None
-    built = sum(p.numel() for p in model.parameters())
-    if _layers(config) <= _PROBE_LAYERS:
-        return built    # (the whole model)
-    # the layers' stack: a list of _PROBE_LAYERS modules (the heaviest such list)
-    stacks = [[sum(p.numel() for p in layer.parameters()) for layer in m]
-              for m in model.modules()
-              if isinstance(m, torch.nn.ModuleList) and len(m) == _PROBE_LAYERS]
-    if not stacks:
-        return None
-    return built + (_layers(config) - _PROBE_LAYERS) * min(max(stacks, key=sum))
+    model = _meta_model(_transformers(source), config, _COUNTED_LAYERS)
+    return None if model is None else sum(p.numel() for p in model.parameters())
 
 
 def _layers(config):

@@ -423,7 +423,8 @@ def check_device_environment():
         raise UsageError(str(exc)) from None
     if local > world:
         raise UsageError("environment variable LOCAL_WORLD_SIZE is %d, more processes than "
-                         "WORLD_SIZE's %d (torchrun sets both)" % (local, world))
+                         "WORLD_SIZE's %d%s (torchrun sets both)"
+                         % (local, world, "" if "WORLD_SIZE" in os.environ else ", unset"))
     try:
         listed = orchard_ops.devices()
     except ValueError as exc:   # what devices() reports: ORCHARD_ISA, ORCHARD_NUM_THREADS

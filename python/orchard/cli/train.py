@@ -106,8 +106,10 @@ def check_output(args):
     if not args.output:
         raise UsageError("argument --output: must name a folder (got %r)" % args.output)
     problem = dotdot_problem(args.output)
-    if problem:
-        raise UsageError("argument --output: %s (got %r)" % (problem, args.output))
+    if problem:     # (an --output not given is --resume's folder)
+        raise UsageError("argument %s: %s (got %r)"
+                         % (("--output", problem, args.output) if args.output_given
+                            else ("--resume", problem, args.resume)))
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise UsageError("argument --output: is a file, not a folder (%r)" % args.output)
     problem = folder_problem(args.output)
@@ -246,8 +248,10 @@ def _as_path(path):
 def resume_command(args, distributed):
     """The command that continues this run: same output, data and device; the checkpoint
     carries the config, seed and stopping point."""
-    processes = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))
-    words = (["torchrun", "--standalone", "--nproc-per-node", processes, "-m",
+    from ..device_backend import process_count
+    processes = process_count("LOCAL_WORLD_SIZE" if "LOCAL_WORLD_SIZE" in os.environ
+                              else "WORLD_SIZE")
+    words = (["torchrun", "--standalone", "--nproc-per-node", str(processes), "-m",
               "orchard.cli.train"] if distributed else ["orchard-train"])
     words += ["--resume", _as_path(args.output), "--output", _as_path(args.output)]
     if args.sequences:
@@ -345,6 +349,8 @@ def build_trainer(args):
         raise DataError("%s: bytes (a vocabulary of 256), but %s has a tokenizer (%s) whose "
                         "token ids orchard does not map bytes to: prepare the sequences with "
                         "that tokenizer" % (data, hf_path, tokenizer[0]))
+    # the data's token ids past the model's vocabulary, which then grows to them
+    grown = vocab_size > (hf.vocab_size if hf is not None else requested["model"]["vocab_size"])
     if hf is not None:
         if vocab_size > hf.vocab_size:
             if args.hf_model:
@@ -364,10 +370,10 @@ def build_trainer(args):
         hf_config = hf.to_json_string(use_diff=False)
         log.info("model: transformers %s, %s %s", hf.model_type, "pretrained from"
                  if args.hf_model else "randomly initialised from", hf_path)
-    if hf_config is not None and attention_device_note(backend.device):
-        log.info("note: %s", attention_device_note(backend.device))
-    grown = vocab_size > requested["model"]["vocab_size"]
-    if grown:
+    note = attention_device_note(backend.device)
+    if hf_config is not None and note:
+        log.info("note: %s", note)
+    if vocab_size > requested["model"]["vocab_size"]:
         if state is not None:
             raise DataError("%s: token ids up to %d, but the model of the checkpoint %s "
                             "has a vocabulary of %d" % (data, vocab_size - 1,
