@@ -80,11 +80,12 @@ def test_tiny_device_shortens_the_context_unless_the_model_is_fixed():
     assert fixed["model"] == cfg["model"]
 
 
-def test_reasons_name_the_plan_chosen_with_checkpointing_off():
+def test_reasons_name_the_plan_chosen_with_checkpointing_off(caplog):
     """With gradient checkpointing off, a shortened context's reason gives what the plan
     without it needs (it gave the need with it, which fitted); a plan that fits at no context
-    says the run may end out of memory (the out-of-memory policy halves micro-batches above
-    1: there is none) and how to avoid it."""
+    warns that the run may end out of memory (the out-of-memory policy halves micro-batches
+    above 1: it had said the policy would shrink it) and how to avoid it, also where an
+    explicit micro-batch 1 changes nothing, and so has no reason."""
     cfg = gpt2_small()
     cfg["model"].update(n_layer=4, n_embd=256, n_head=4, n_kv_head=4)
     cfg["training"]["grad_checkpointing"] = False
@@ -96,13 +97,19 @@ def test_reasons_name_the_plan_chosen_with_checkpointing_off():
     assert new["model"]["context"] < 1024 and new["training"]["grad_checkpointing"] is False
     assert ("micro-batch 1 without gradient checkpointing (it is off) needs %.2f GiB at context "
             "1024 > budget" % (need(False, 1024) / GiB)) in reasons["model.context"]
-    assert need(False, 1024) > budget and "does not fit" not in reasons["training.micro_batch"]
+    assert need(False, 1024) > budget and "does not fit" not in caplog.text
     # fits with neither: the context at its floor, the weights alone within the budget
-    new, reasons = adapt(device("gpu", 0.066, 4), cfg)
-    assert new["model"]["context"] == 64 and new["training"]["micro_batch"] == 1
-    assert reasons["training.micro_batch"].endswith(
-        "; it still does not fit: the run may end out of memory (training.grad_checkpointing "
-        "true, a smaller model or a larger device.memory_fraction)")
+    for micro_batch in ("auto", 1):
+        caplog.clear()
+        cfg["training"]["micro_batch"] = micro_batch
+        new, reasons = adapt(device("gpu", 0.066, 4), cfg)
+        assert new["model"]["context"] == 64 and new["training"]["micro_batch"] == 1
+        assert [r.getMessage() for r in caplog.records] == [
+            "the memory plan does not fit: micro-batch 1 without gradient checkpointing (it is "
+            "off) needs %.2f GiB at context 64 > budget %.2f GiB (80%% of 0.07 GiB, 1 "
+            "process(es)); the run may end out of memory (training.grad_checkpointing true, a "
+            "smaller model or a larger device.memory_fraction)" % (need(False, 64) / GiB,
+                                                                   0.8 * 0.066)]
 
 
 def test_a_model_whose_weights_alone_do_not_fit_is_refused():

@@ -298,10 +298,13 @@ class DeviceBackend:
                "batch of %d" % (gib(need(micro, checkpointing, context)), micro,
                                 " with gradient checkpointing" if checkpointing else "",
                                 budget_text, accumulation, train["batch_size"]))
-        if not fits:    # (the out-of-memory policy halves micro-batches above 1)
-            why += ("; it still does not fit: the run may end out of memory (%sa smaller model "
-                    "or a larger device.memory_fraction)"
-                    % ("" if checkpointing else "training.grad_checkpointing true, "))
+        if not fits:    # a warning, not a reason: an explicit micro-batch 1 changes nothing
+            # (the out-of-memory policy halves micro-batches above 1)
+            log.warning("the memory plan does not fit: micro-batch 1%s needs %s at context %d > "
+                        "%s; the run may end out of memory (%sa smaller model or a larger "
+                        "device.memory_fraction)", how, gib(need(1, checkpointing, context)),
+                        context, budget_text,
+                        "" if checkpointing else "training.grad_checkpointing true, ")
         if train["micro_batch"] != AUTO and train["micro_batch"] > per_process:
             why = "at most a process's share of the batch (%d); %s" % (per_process, why)
         change("training", "micro_batch", micro, why)
