@@ -492,6 +492,33 @@ def test_make_fx_records_orchard_as_its_op():
     assert torch.equal(out, want) and all(torch.equal(g, w) for g, w in zip(grads, want_grads))
 
 
+@pytest.mark.parametrize("tracing_mode", ["real", "fake"])
+def test_make_fx_traces_the_calls_whose_checks_read_values(tracing_mode):
+    """The FlashAttention-2 calls whose eager checks read tensor values (ALiBi slopes, varlen
+    offsets, a cache's lengths) leave them to orchard_ops while make_fx records, as under
+    torch.compile: they had failed there (a tracing tensor's value, a data-dependent guard)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from orchard.flash_attn import flash_attn_func, flash_attn_varlen_func, \
+        flash_attn_with_kvcache
+
+    torch.manual_seed(0)
+    q, slopes = torch.randn(1, 6, 4, 8), torch.rand(4)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    caches = torch.randn(1, 8, 4, 8), torch.randn(1, 8, 4, 8)
+    calls = [(lambda q, s: flash_attn_func(q, q, q, alibi_slopes=s), (q, slopes)),
+             (lambda q, cu: flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 4, 4), (q, cu)),
+             (lambda q, k, v: flash_attn_with_kvcache(q[:, :1], k, v, cache_seqlens=5),
+              (q, *caches))]
+    for call, args in calls:
+        graph = make_fx(call, tracing_mode=tracing_mode)(*args)
+        assert "orchard.attention_fwd" in graph.code
+        assert torch.equal(graph(*args), call(*args))
+    # the slopes' check when the graph runs
+    bad = torch.tensor([1.0, float("inf"), 1.0, 1.0])
+    with pytest.raises(ValueError, match="'alibi_slopes' must be finite"):
+        make_fx(calls[0][0], tracing_mode=tracing_mode)(q, slopes)(q, bad)
+
+
 def test_under_a_dispatch_mode_orchard_is_its_op_with_the_same_results_and_refusals():
     """A torch dispatch mode (FlopCounterMode here) takes the custom op's path: results and
     dropout masks as eager; a second derivative and torch.func transforms are refused there

@@ -263,6 +263,15 @@ def test_func_transforms_and_forward_ad_are_refused_and_routed_to_torch():
             flash_attention(dual, dual, dual)
         torch.testing.assert_close(flash_attention(q, q, q), F.scaled_dot_product_attention(
             q, q, q))     # no tangent: orchard runs
+        # new keys or values with tangents, which orchard_ops' call writes into the cache:
+        # refused before the write (their tangents had been dropped, a jvp of 0)
+        from orchard.flash_attn import flash_attn_with_kvcache
+        cache, new = torch.zeros(1, 6, 2, 8), torch.randn(1, 1, 2, 8)
+        for k, v in ((fwad.make_dual(new, torch.ones_like(new)), new),
+                     (new, fwad.make_dual(new, torch.ones_like(new)))):
+            with pytest.raises(NotImplementedError, match="forward-mode AD"):
+                flash_attn_with_kvcache(new, cache, cache.clone(), k, v, cache_seqlens=3)
+            assert not cache.any()
 
     class M(torch.nn.Module):
         def forward(self, x):

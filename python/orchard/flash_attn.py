@@ -177,10 +177,10 @@ def _checked_options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_s
                   "(%d, %d), got shape %s" % (h, batch, h, tuple(alibi_slopes.shape)))
         # no gradient reaches the slopes (as FlashAttention-2); orchard_ops reads float32/64
         alibi_slopes = alibi_slopes.detach()
-        # traced, orchard_ops checks them when the graph runs (a value read would break it)
-        # in float64: the bound in a narrower dtype would be inf, and let inf through
-        if (not torch.compiler.is_compiling()
-                and not (alibi_slopes.double().abs() <= bound).all()):
+        # while torch records a graph, orchard_ops checks them when it runs (a value read
+        # would break it); in float64: the bound in a narrower dtype would be inf, and let
+        # inf through
+        if not _recording() and not (alibi_slopes.double().abs() <= bound).all():
             _fail(fn, "alibi_slopes", "must be finite%s, got %s"
                   % (in_type, alibi_slopes.tolist()))
         if alibi_slopes.dtype not in (torch.float32, torch.float64):
@@ -423,10 +423,11 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     return_attn_probs = _flag(fn, "return_attn_probs", return_attn_probs)
     _check_shape(fn, "q", q, (None,) * 3, "(total_q, nheads, headdim)")
     layout = "(total_k, nheads_k, headdim)"
-    if (torch.compiler.is_compiling() and block_table is None
+    if (_recording() and block_table is None
             and max_seqlen_q is not None and max_seqlen_k is not None):
-        # traced: the offsets stay unread (a value read would break the graph); orchard_ops
-        # checks them, and the max_seqlen against them, when the graph runs
+        # while torch records a graph (torch.compile, make_fx, fake tensors) the offsets stay
+        # unread (a value read would break it); orchard_ops checks them, and the max_seqlen
+        # against them, when the graph runs
         for name, t in zip(cu_names, (cu_seqlens_q, cu_seqlens_k)):
             _check_int32(fn, name, t, (None,), "(batch_size + 1,)")
             if t.shape[0] == 0:
@@ -686,10 +687,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _check_shape(fn, "v", v, tuple(k.shape[:3]) + (dv,), layout)
         n = k.shape[1]
 
-    # Traced by torch.compile, a contiguous cache reads no value (that would break the
-    # graph): its lengths, left padding and rows are checked when the graph runs, before the
-    # cache is written (RuntimeError naming the argument), the rest by orchard_ops.
-    traced = torch.compiler.is_compiling() and not paged
+    # While torch records a graph (torch.compile, make_fx, fake tensors), a contiguous cache
+    # reads no value (that would break it): its lengths, left padding and rows are checked
+    # when the graph runs, before the cache is written (RuntimeError naming the argument),
+    # the rest by orchard_ops.
+    traced = _recording() and not paged
     in_place = cache_batch_idx is None     # the cache's first rows, read as they are
     if paged:
         if cache_batch_idx is not None:

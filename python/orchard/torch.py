@@ -59,20 +59,20 @@ def _seed(dropout_p):
     return seed if _recording() else int(seed)
 
 
-def _transform_in_use(q, k, v):
+def _transform_in_use(*tensors):
     """What keeps orchard from these tensors, or None: a torch.func transform (vmap, grad,
     jacrev, jvp), whose tensors are wrappers with no memory of their own, or forward-mode AD,
     whose tangents orchard's kernels would drop (a jvp of 0, silently)."""
     if peek_interpreter_stack() is not None:
         return "a torch.func transform (vmap, grad, jacrev, jvp)"
     if forward_ad._current_level >= 0 and any(
-            forward_ad.unpack_dual(t).tangent is not None for t in (q, k, v)):
+            forward_ad.unpack_dual(t).tangent is not None for t in tensors):
         return "forward-mode AD (dual tensors)"
     return None
 
 
-def _refuse_transforms(q, k, v):
-    why = _transform_in_use(q, k, v)
+def _refuse_transforms(*tensors):
+    why = _transform_in_use(*tensors)
     if why:
         attention_op.refuse(why)
 
@@ -83,7 +83,7 @@ def _forward(q, k, v, opts, **new):
     k_new and v_new, written into k and v by the call; never given while torch records (the
     callers write them there: a graph would not see orchard's write)."""
     if not torch.compiler.is_compiling():   # (Dynamo handles torch.func itself)
-        _refuse_transforms(q, k, v)
+        _refuse_transforms(q, k, v, *new.values())     # (the new keys' tangents too)
     if _recording():
         return attention_op.traced(q, k, v, opts)
     return ops_call(orchard_ops.flash_attn_fwd, orchard_ops.flash_attn_varlen_fwd, opts, q, k, v,
