@@ -670,6 +670,8 @@ def test_bad_dense_input_names_the_argument():
         (ValueError, "'k'", lambda: flash_attn_func(*dense_qkv(q=(1, 4, 3, 8)))),
         (ValueError, "'q' has 0 heads", lambda: flash_attn_func(*dense_qkv(
             q=(1, 4, 0, 8), k=(1, 5, 0, 8), v=(1, 5, 0, 8)))),
+        # (k's heads divide 0: an empty result had passed the fast check)
+        (ValueError, "'q' has 0 heads", lambda: flash_attn_func(*dense_qkv(q=(1, 4, 0, 8)))),
         (ValueError, "'q'", lambda: flash_attn_func(*dense_qkv(q=(1, 4, 2, 300),
                                                                k=(1, 5, 2, 300),
                                                                v=(1, 5, 2, 8)))),

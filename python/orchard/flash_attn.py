@@ -266,7 +266,7 @@ def _dense(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     # Valid shapes in few comparisons (this runs on every call); the checks that name the
     # argument only when they fail.
     if not (len(qs) == len(ks) == len(vs) == 4 and ks[0] == qs[0] and ks[3] == qs[3]
-            and vs[:3] == ks[:3] and ks[2] and qs[2] % ks[2] == 0
+            and vs[:3] == ks[:3] and 0 < ks[2] <= qs[2] and qs[2] % ks[2] == 0
             and 0 < qs[3] <= _MAX_HEAD_DIM and 0 < vs[3] <= _MAX_HEAD_DIM
             and qs[1] <= _MAX_SEQLEN and ks[1] <= _MAX_SEQLEN):
         layout = "(batch_size, seqlen, nheads, headdim)"
