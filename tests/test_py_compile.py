@@ -513,10 +513,39 @@ def test_make_fx_traces_the_calls_whose_checks_read_values(tracing_mode):
         graph = make_fx(call, tracing_mode=tracing_mode)(*args)
         assert "orchard.attention_fwd" in graph.code
         assert torch.equal(graph(*args), call(*args))
-    # the slopes' check when the graph runs
-    bad = torch.tensor([1.0, float("inf"), 1.0, 1.0])
-    with pytest.raises(ValueError, match="'alibi_slopes' must be finite"):
-        make_fx(calls[0][0], tracing_mode=tracing_mode)(q, slopes)(q, bad)
+    # new keys written into the slot q is a view of: q read as it was (make_fx does not
+    # functionalize, as torch.compile does: its graph had read q after the write)
+    step = lambda k_cache, v_cache, new, slopes: flash_attn_with_kvcache(
+        k_cache[:, 3:4], k_cache, v_cache, new, new, cache_seqlens=3, alibi_slopes=slopes)
+    graph = make_fx(step, tracing_mode=tracing_mode)(*(c.clone() for c in caches), q[:, :1],
+                                                     slopes)
+    assert torch.equal(graph(*(c.clone() for c in caches), q[:, :1], slopes),
+                       step(*(c.clone() for c in caches), q[:, :1], slopes))
+    # the slopes' check when the graph runs, before the cache is written
+    bad, k_cache = torch.tensor([1.0, float("inf"), 1.0, 1.0]), caches[0].clone()
+    with pytest.raises(RuntimeError, match="'alibi_slopes' must be finite"):
+        graph(k_cache, caches[1].clone(), q[:, :1], bad)
+    assert torch.equal(k_cache, caches[0])
+
+
+def test_a_mode_over_real_tensors_keeps_eager_checks():
+    """A dispatch mode that does not trace (FlopCounterMode) leaves orchard.flash_attn's
+    checks as in eager mode: ValueError naming the argument and its values, the cache
+    unwritten (as the checks of a traced graph, they had let a cache of inference tensors be
+    written before torch refused it)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from orchard.flash_attn import flash_attn_with_kvcache
+
+    q, new = torch.randn(1, 1, 2, 8), torch.randn(1, 1, 2, 8)
+    with torch.inference_mode():
+        frozen = torch.zeros(1, 6, 2, 8)
+    cache = torch.zeros(1, 6, 2, 8)
+    with FlopCounterMode(display=False):
+        with pytest.raises(ValueError, match="'cache_seqlens' 6 plus the 1 new tokens"):
+            flash_attn_with_kvcache(q, cache, cache.clone(), new, new, cache_seqlens=6)
+        with pytest.raises(ValueError, match="'v_cache' is an inference tensor"):
+            flash_attn_with_kvcache(q, cache, frozen, new, new, cache_seqlens=2)
+    assert not cache.any()
 
 
 def test_under_a_dispatch_mode_orchard_is_its_op_with_the_same_results_and_refusals():

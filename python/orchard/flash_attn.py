@@ -20,7 +20,7 @@ import orchard_ops
 from orchard.attention_op import _Options
 from orchard.torch import (_MAX_HEAD_DIM, _attention, _check_device, _check_tensors,
                            _dropout_keep, _fail, _flag, _forward, _largest_option, _number,
-                           _recording, _seed)
+                           _recording, _refuse_transforms, _seed, _tracing)
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
            "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
@@ -177,10 +177,12 @@ def _checked_options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_s
                   "(%d, %d), got shape %s" % (h, batch, h, tuple(alibi_slopes.shape)))
         # no gradient reaches the slopes (as FlashAttention-2); orchard_ops reads float32/64
         alibi_slopes = alibi_slopes.detach()
-        # while torch records a graph, orchard_ops checks them when it runs (a value read
-        # would break it); in float64: the bound in a narrower dtype would be inf, and let
-        # inf through
-        if not _recording() and not (alibi_slopes.double().abs() <= bound).all():
+        # in float64: the bound in a narrower dtype would be inf, and let inf through
+        finite = (alibi_slopes.double().abs() <= bound).all()
+        if _tracing():  # checked when the graph runs (a value read would break it), before
+            # flash_attn_with_kvcache's write
+            torch._assert_async(finite, "%s: 'alibi_slopes' must be finite%s" % (fn, in_type))
+        elif not finite:
             _fail(fn, "alibi_slopes", "must be finite%s, got %s"
                   % (in_type, alibi_slopes.tolist()))
         if alibi_slopes.dtype not in (torch.float32, torch.float64):
@@ -423,11 +425,11 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     return_attn_probs = _flag(fn, "return_attn_probs", return_attn_probs)
     _check_shape(fn, "q", q, (None,) * 3, "(total_q, nheads, headdim)")
     layout = "(total_k, nheads_k, headdim)"
-    if (_recording() and block_table is None
+    if (_tracing() and block_table is None
             and max_seqlen_q is not None and max_seqlen_k is not None):
-        # while torch records a graph (torch.compile, make_fx, fake tensors) the offsets stay
-        # unread (a value read would break it); orchard_ops checks them, and the max_seqlen
-        # against them, when the graph runs
+        # traced (torch.compile, make_fx, fake tensors), the offsets stay unread (a value read
+        # would break the graph); orchard_ops checks them, and the max_seqlen against them,
+        # when the graph runs
         for name, t in zip(cu_names, (cu_seqlens_q, cu_seqlens_k)):
             _check_int32(fn, name, t, (None,), "(batch_size + 1,)")
             if t.shape[0] == 0:
@@ -670,6 +672,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _fail(fn, "v" if v is None else "k", "must be given with '%s'" % ("k" if v is None else "v"))
     new = {} if k is None else dict(k=k, v=v)
     _check_tensors(fn, q=q, k_cache=k_cache, v_cache=v_cache, **new)
+    if not torch.compiler.is_compiling():   # (Dynamo handles torch.func itself)
+        # before any write: new keys with tangents, written here, made the cache a dual tensor
+        _refuse_transforms(q, k_cache, v_cache, *new.values())
     layout = "(batch_size, seqlen, nheads, headdim)"
     _check_shape(fn, "q", q, (None,) * 4, layout)
     batch, nq, _, d = q.shape
@@ -687,11 +692,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _check_shape(fn, "v", v, tuple(k.shape[:3]) + (dv,), layout)
         n = k.shape[1]
 
-    # While torch records a graph (torch.compile, make_fx, fake tensors), a contiguous cache
-    # reads no value (that would break it): its lengths, left padding and rows are checked
-    # when the graph runs, before the cache is written (RuntimeError naming the argument),
-    # the rest by orchard_ops.
-    traced = _recording() and not paged
+    # Traced (torch.compile, make_fx, fake tensors), a contiguous cache reads no value (that
+    # would break the graph): its lengths, left padding and rows are checked when the graph
+    # runs, before the cache is written (RuntimeError naming the argument), the rest by
+    # orchard_ops.
+    traced = _tracing() and not paged
     in_place = cache_batch_idx is None     # the cache's first rows, read as they are
     if paged:
         if cache_batch_idx is not None:
@@ -803,9 +808,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 _fail(fn, "rotary_cos", "has %d positions; these tokens need %d"
                       % (rotary_cos.shape[0], need))
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)) if k is not None else ():
-        # (traced, Dynamo cannot ask: a cache made under inference_mode is then written as
-        # any other by Inductor, refused by torch (RuntimeError) under aot_eager)
-        if not traced:
+        # (Dynamo cannot ask: a cache made under inference_mode is then written as any other
+        # by Inductor, refused by torch (RuntimeError) under aot_eager)
+        if not torch.compiler.is_compiling():
             _check_not_inference(fn, [(name, cache)])
         # (an empty cache has no rows to share: NumPy gives any empty array strides of 0)
         if 0 in cache.stride() and cache.numel() > 0 and any(
@@ -817,17 +822,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # written only for a call that completes.
 
     if k is not None:
+        # new keys, values or queries in the cache's own memory are read as they were before
+        # the write (index_put_ copies element by element, so overlapping slots would read
+        # keys already moved). Memory, not storage objects: views made elsewhere
+        # (torch.from_numpy of a NumPy view of the cache's array) have their own. orchard_ops
+        # copies the new rows it writes first, but reads q after the write.
         if not traced:
-            # new keys, values or queries in the cache's own memory are read as they were
-            # before the write (index_put_ copies element by element, so overlapping slots
-            # would read keys already moved); traced, functionalization reads them so itself.
-            # Memory, not storage objects: views made elsewhere (torch.from_numpy of a NumPy
-            # view of the cache's array) have their own. orchard_ops copies the new rows it
-            # writes first, but reads q after the write.
             caches = [_memory(t) for t in (k_cache, v_cache)]
             q = q.clone() if _overlaps(_memory(q), caches) else q
             if not in_call:
                 k, v = (t.clone() if _overlaps(_memory(t), caches) else t for t in (k, v))
+        elif not torch.compiler.is_compiling():     # (torch.compile functionalizes: it reads
+            # them so itself) make_fx and fake tensors, whose memory cannot be compared: all
+            # copied (a step's few rows)
+            q, k, v = q.clone(), k.clone(), v.clone()
         if rotary_cos is not None or not in_call:
             pos = lengths[:, None] + torch.arange(n)      # (batch, n): the new tokens'
         if rotary_cos is not None:

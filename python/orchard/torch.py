@@ -48,6 +48,17 @@ def _recording():
     return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
 
 
+def _tracing():
+    """Whether torch traces with tensors whose values cannot be read where orchard's checks
+    would read them (torch.compile, make_fx, fake tensors, torch.export): the checks are then
+    the graph's, when it runs. A dispatch mode over real tensors (FlopCounterMode, a user's)
+    records but does not trace: orchard checks values there as in eager mode."""
+    return (torch.compiler.is_compiling()
+            or any(torch._C._get_dispatch_mode(key) is not None
+                   for key in (torch._C._TorchDispatchModeKey.FAKE,
+                               torch._C._TorchDispatchModeKey.PROXY)))
+
+
 def _seed(dropout_p):
     """The dropout seed of one call, drawn from torch's default generator so that
     torch.manual_seed reproduces the mask."""
