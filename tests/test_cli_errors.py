@@ -424,6 +424,18 @@ def test_bad_input_to_every_script_gives_one_line_and_status_2(files):
     assert os.path.islink(files["dir"] / "loop.json")
 
 
+def test_an_opencl_orchard_device_without_opencl_says_why():
+    """ORCHARD_DEVICE=opencl:0 where no OpenCL library loads: the line quotes why, as the
+    library's error and --device's do (the console scripts' own check had left it out)."""
+    r = run_python(["-m", "orchard.cli.devices"], ORCHARD_DEVICE="opencl:0",
+                   ORCHARD_OPENCL_LIBRARY="/nonexistent/libOpenCL.so")
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        "orchard-devices: error: environment variable ORCHARD_DEVICE names no available "
+        "device ('opencl:0'); available: cpu; no OpenCL device: ORCHARD_OPENCL_LIBRARY="
+        "'/nonexistent/libOpenCL.so' cannot be opened (/nonexistent/libOpenCL.so: cannot open "
+        "shared object file: No such file or directory)"], r.stderr
+
+
 def test_prepare_of_binary_files_alone_prints_the_error_alone(tmp_path):
     (tmp_path / "blob.bin").write_bytes(b"\0\1\2")
     r = run_python(["-m", "orchard.cli.prepare", str(tmp_path), "-o", str(tmp_path / "t.json")])

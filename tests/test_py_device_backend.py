@@ -173,6 +173,15 @@ def test_estimate_grows_linearly_and_checkpointing_saves():
     assert parts["optimizer_bytes"] == 2 * parts["parameter_bytes"]
 
 
+def test_orchard_device_auto_is_not_the_reason(monkeypatch):
+    """ORCHARD_DEVICE=auto is as unset (orchard_ops' rule): the reason is the rule that
+    chose, not the variable."""
+    monkeypatch.delenv("ORCHARD_DEVICE", raising=False)
+    unset = auto_choice_reason()
+    monkeypatch.setenv("ORCHARD_DEVICE", "auto")
+    assert auto_choice_reason() == unset and "ORCHARD_DEVICE" not in unset[1]
+
+
 def test_log_summary_prints_when_logging_is_not_configured():
     r = run_python(["-c", "from orchard.device_backend import get_device_backend\n"
                           "get_device_backend('cpu').log_summary()"])

@@ -76,7 +76,7 @@ def auto_choice_reason(listing=None):
     listing = orchard_ops.devices() if listing is None else listing
     chosen = resolve_device(None, listing)
     others = [d["id"] for d in listing if d["backend"] == "opencl" and d["kind"] != "gpu"]
-    if os.environ.get("ORCHARD_DEVICE"):
+    if os.environ.get("ORCHARD_DEVICE", "auto") != "auto":     # ("auto": as unset)
         why = "ORCHARD_DEVICE=%s is set" % os.environ["ORCHARD_DEVICE"]
     elif chosen["backend"] == "opencl" and chosen["kind"] != "gpu":
         why = ("ORCHARD_AUTO_ANY_OPENCL is set, so OpenCL CPU devices may be chosen (a test "

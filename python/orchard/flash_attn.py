@@ -132,6 +132,13 @@ def _plain_options(fn, seqlen_k, softmax_scale, causal, window_size, softcap, de
                             None, None, device, seqlen_first, dtype)
 
 
+def _slopes_in_bound(slopes, dtype):
+    """Whether ALiBi slopes are finite in the kernels' type for operands of dtype (a bool
+    tensor): compared in float64, where the bound of a narrower type would be inf and let inf
+    through."""
+    return (slopes.double().abs() <= _largest_option(dtype)).all()
+
+
 def _checked_options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
                      alibi_slopes, batch, device, seqlen_first=False, dtype=None, **varlen):
     """dtype: the operands' (None: q's), whose kernels' type bounds the numbers."""
@@ -177,12 +184,8 @@ def _checked_options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_s
                   "(%d, %d), got shape %s" % (h, batch, h, tuple(alibi_slopes.shape)))
         # no gradient reaches the slopes (as FlashAttention-2); orchard_ops reads float32/64
         alibi_slopes = alibi_slopes.detach()
-        # in float64: the bound in a narrower dtype would be inf, and let inf through
-        finite = (alibi_slopes.double().abs() <= bound).all()
-        if _tracing():  # checked when the graph runs (a value read would break it), before
-            # flash_attn_with_kvcache's write
-            torch._assert_async(finite, "%s: 'alibi_slopes' must be finite%s" % (fn, in_type))
-        elif not finite:
+        # traced, orchard_ops checks them when the graph runs (a value read would break it)
+        if not _tracing() and not _slopes_in_bound(alibi_slopes, dtype):
             _fail(fn, "alibi_slopes", "must be finite%s, got %s"
                   % (in_type, alibi_slopes.tolist()))
         if alibi_slopes.dtype not in (torch.float32, torch.float64):
@@ -781,6 +784,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             _check_block_table(fn, block_table, **page_keys)
     opts = _options(fn, q, capacity, 0.0, softmax_scale, causal, window_size, softcap,
                     alibi_slopes, batch, device)
+    if _tracing() and opts.alibi_slopes is not None:   # (before the write: orchard_ops checks
+        # them when the graph runs, after it)
+        torch._assert_async(_slopes_in_bound(opts.alibi_slopes, q.dtype),
+                            "%s: 'alibi_slopes' must be finite" % fn)
     if (rotary_cos is None) != (rotary_sin is None):
         _fail(fn, "rotary_sin" if rotary_sin is None else "rotary_cos", "must be given with "
               "'%s'" % ("rotary_cos" if rotary_sin is None else "rotary_sin"))

@@ -434,9 +434,10 @@ def check_device_environment():
             raise UsageError("environment variable %s" % d["environment_error"])
     name = os.environ.get("ORCHARD_DEVICE")
     if name and _device_problem(None):
+        why = orchard_ops.opencl_unavailable() if name.lower().startswith("opencl") else None
         raise UsageError("environment variable ORCHARD_DEVICE names no available device (%r); "
-                         "available: %s" % (name, ", ".join(d["id"] for d in
-                                                            orchard_ops.devices())))
+                         "available: %s%s" % (name, ", ".join(d["id"] for d in listed),
+                                              "; no OpenCL device: %s" % why if why else ""))
 
 
 class _WatchedStdout(WriteErrors):
