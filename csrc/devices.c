@@ -72,6 +72,17 @@ int or_device_fp64(int index)
     return 1;
 }
 
+/* OR_EDEVICE, the sentence in err, while an ORCHARD_CL_* variable stops OpenCL device index's
+ * calls (cl_runtime.c or_cl_environment_problem); OR_OK otherwise and for the native path. */
+int or_device_environment(int index, or_error *err)
+{
+#ifdef ORCHARD_HAVE_OPENCL
+    if (index > 0 && or_cl_environment_problem(err->msg, sizeof(err->msg)))
+        return OR_EDEVICE;
+#endif
+    return OR_OK;
+}
+
 /* The tuned block sizes of an OpenCL device (cl_runtime.c); 0 for none, or the native path. */
 int or_device_tuned_blocks(int index, int *bq, int *bk)
 {

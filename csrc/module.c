@@ -452,10 +452,13 @@ static PyObject *get_num_threads(PyObject *module, PyObject *unused)
     return PyLong_FromLong(or_get_num_threads());
 }
 
-/* The OpenCL device a tuning function names, or -1 with the exception set. */
-static int opencl_device(const char *func, PyObject *device)
+/* The OpenCL device a tuning function names, or -1 with the exception set: also while an
+ * ORCHARD_CL_* variable stops its calls, as any call's (ORCHARD_CL_FAMILY picks the record
+ * read or stored: one naming no family had been a silent None or False). */
+static int opencl_device(PyObject *module, const char *func, PyObject *device)
 {
     or_device_choice choice;
+    or_error err = {0};
     if (or_resolve_device(func, device, &choice) < 0)
         return -1;
     if (choice.index == 0) {
@@ -463,12 +466,16 @@ static int opencl_device(const char *func, PyObject *device)
                      "path (its blocks are fixed)", func);
         return -1;
     }
+    if (or_device_environment(choice.index, &err) != OR_OK) {
+        or_device_error(PyModule_GetState(module), func, choice.index, &err);
+        return -1;
+    }
     return choice.index;
 }
 
 static PyObject *tuned_blocks(PyObject *module, PyObject *device)
 {
-    int index = opencl_device("tuned_blocks", device), bq, bk;
+    int index = opencl_device(module, "tuned_blocks", device), bq, bk;
     if (index < 0)
         return NULL;
     if (!or_device_tuned_blocks(index, &bq, &bk))
@@ -485,7 +492,7 @@ static PyObject *program_blocks(PyObject *module, PyObject *args, PyObject *kw)
         || (head_dim != NULL
             && or_int_arg("program_blocks", "head_dim", head_dim, 1, OR_MAX_HEAD_DIM, &d) < 0))
         return NULL;
-    const int index = opencl_device("program_blocks", device);
+    const int index = opencl_device(module, "program_blocks", device);
     if (index < 0)
         return NULL;
     or_error err = {0};
@@ -510,7 +517,7 @@ static PyObject *save_tuned_blocks(PyObject *module, PyObject *args, PyObject *k
     if (or_int_arg("save_tuned_blocks", "block_q", given[0], 1, OR_CL_MAX_BLOCK, &bq) < 0
         || or_int_arg("save_tuned_blocks", "block_k", given[1], 1, OR_CL_MAX_BLOCK, &bk) < 0)
         return NULL;
-    int index = opencl_device("save_tuned_blocks", device);
+    int index = opencl_device(module, "save_tuned_blocks", device);
     if (index < 0)
         return NULL;
     return PyBool_FromLong(or_device_save_tuned_blocks(index, (int)bq, (int)bk));

@@ -90,6 +90,7 @@ size_t or_device_align(int index);
 int or_device_fp64(int index);
 int or_device_tuned_blocks(int index, int *bq, int *bk);
 int or_device_save_tuned_blocks(int index, int bq, int bk);
+int or_device_environment(int index, or_error *err);
 /* The kernel family and blocks of the float32 program for head dim d that OpenCL device index
  * runs (built, or loaded from the cache, as a call would): the environment, a tuned record
  * and the family's local-memory rule applied. OR_OK, or an error code with err set. */

@@ -726,12 +726,15 @@ ENVIRONMENT_PROBE = """
     import json, numpy as np, orchard_ops as o
     listed = [d.get("environment_error") for d in o.devices()]
     q = np.ones((1, 2, 8, 16), np.float32)
-    try:
-        o.flash_attn_fwd(q, q, q, device="%s")
-        err = None
-    except o.OrchardError as e:
-        err = str(e)
-    print(json.dumps([listed, err]))
+    errors = []
+    for call in (lambda: o.flash_attn_fwd(q, q, q, device="%s"),
+                 lambda: o.tuned_blocks("%s"), lambda: o.save_tuned_blocks("%s", 16, 16)):
+        try:
+            call()
+            errors.append(None)
+        except o.OrchardError as e:
+            errors.append(str(e))
+    print(json.dumps([listed, errors]))
 """
 
 
@@ -763,13 +766,16 @@ ENVIRONMENT_PROBE = """
 def test_bad_opencl_environment_refused(name, value, message):
     """An ORCHARD_CL_* value the kernels cannot use (once silently replaced by the default) is
     named by devices() for every OpenCL device, and every OpenCL call refuses it; the native
-    device is untouched."""
-    listed, err = child(ENVIRONMENT_PROBE % OPENCL_IDS[0], ORCHARD_NO_CACHE=1, **{name: value})
+    device is untouched. The tuned-block records' functions refuse it too (under an unknown
+    ORCHARD_CL_FAMILY they had read None and stored nothing without a word)."""
+    listed, errors = child(ENVIRONMENT_PROBE % ((OPENCL_IDS[0],) * 3), ORCHARD_NO_CACHE=1,
+                           **{name: value})
     assert listed[0] is None    # cpu
     if message is None:
-        assert err is None and all(e is None for e in listed)
+        assert errors == [None] * 3 and all(e is None for e in listed)
     else:
-        assert all(message in e for e in listed[1:]) and message in err
+        assert all(message in e for e in listed[1:]) and all(message in e for e in errors)
+        assert errors[1].startswith("tuned_blocks() on %s: " % OPENCL_IDS[0])
 
 
 @needs_opencl
