@@ -62,6 +62,12 @@ static PyArrayObject *load_rows(or_call *c, PyObject *obj, int slot, or_ssize *n
     const char *name = names[slot - OR_K];
     or_dtype dt;
     int copied;
+    if (or_device_array_index(c->st, obj) >= 0) {   /* (NumPy would read it as an object) */
+        PyErr_Format(PyExc_TypeError, "%s(): argument '%s' is a DeviceArray: new rows go into "
+                     "a host cache, from a host array or tensor (.numpy() brings it back)",
+                     c->func, name);
+        return NULL;
+    }
     PyArrayObject *given = or_operand_view(c->st, obj, c->func, name, &dt, &copied);
     PyArrayObject *a = NULL, *rows = NULL;
     if (given == NULL)

@@ -241,6 +241,13 @@ def test_device_arrays_are_refused(ops, rng):
     dk, dq = ops.to_device(k, OPENCL_IDS[0]), ops.to_device(k[:, :, :1], OPENCL_IDS[0])
     with pytest.raises(ValueError, match="'k' is a DeviceArray"):
         ops.flash_attn_fwd(dq, dk, dk, k_new=k[:, :, :1], v_new=k[:, :, :1])
+    # new rows on the device for a host cache: was "must be a float16, float32 or float64
+    # array ..., not object"
+    for name in ("k_new", "v_new"):
+        new = {"k_new": k[:, :, :1], "v_new": k[:, :, :1], name: dq}
+        with pytest.raises(TypeError, match="argument '%s' is a DeviceArray: new rows go into "
+                           "a host cache" % name):
+            ops.flash_attn_fwd(k[:, :, :1], k.copy(), k.copy(), **new)
 
 
 def test_backward_and_varlen_backward_take_no_new_rows(ops):
