@@ -986,6 +986,30 @@ def test_unused_block_table_entries_may_hold_anything(width):
     assert [o.requires_grad for o in outs] == [False, True] * 3
 
 
+@pytest.mark.parametrize("case", ["three tokens rotary interleaved", "paged rotary leftpad",
+                                  "transposed cache batch_idx"])
+def test_kvcache_resolves_negated_reads_and_refuses_a_negated_cache(case):
+    """q and the new keys and values as lazily negated views (x.conj().imag; DLPack drops the
+    bit) are resolved, as torch's kernels resolve them (orchard_ops' refusal had come through,
+    naming flash_attn_varlen_fwd()); a cache so viewed, which the call writes, is refused
+    naming it, before anything is written."""
+    q, k_cache, v_cache, kw = make_kvcache(KV_CASES[case], torch.float32)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want = flash_attn_with_kvcache(q, want_k, want_v, **kw)
+    negated = lambda t: t.neg()._neg_view()     # t's values, negative bit set
+    got_k, got_v = k_cache.clone(), v_cache.clone()
+    got = flash_attn_with_kvcache(negated(q), got_k, got_v,
+                                  **dict(kw, k=negated(kw["k"]), v=negated(kw["v"])))
+    assert torch.equal(got, want) and torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    for name in ("k_cache", "v_cache"):
+        caches = dict(k_cache=k_cache.clone(), v_cache=v_cache.clone())
+        caches[name] = negated(caches[name])
+        with pytest.raises(ValueError, match="flash_attn_with_kvcache: '%s' is a lazily negated "
+                                             "view" % name):
+            flash_attn_with_kvcache(q, **caches, **kw)
+        assert torch.equal(caches["k_cache"], k_cache) and torch.equal(caches["v_cache"], v_cache)
+
+
 def test_block_table_entries_before_the_left_padding_may_hold_anything():
     """Pages wholly before a sequence's left padding hold none of the keys read or written:
     their entries may name no page (as orchard_ops reads them), whether the call writes the
@@ -1003,9 +1027,9 @@ def test_block_table_entries_before_the_left_padding_may_hold_anything():
         assert torch.equal(got, want)
     plain = {n: a for n, a in kw.items() if n not in ("k", "v", "rotary_cos", "rotary_sin")}
     flash_attn_with_kvcache(q, k_cache, v_cache, **dict(plain, block_table=table))
-    with pytest.raises(ValueError, match="varlen_fwd\\(\\): argument 'q' is a torch tensor with "
-                                         "its negative bit set"):
-        flash_attn_with_kvcache(q._neg_view(), k_cache, v_cache, **dict(plain, block_table=table))
+    with pytest.raises(ValueError, match="argument 'alibi_slopes' must be"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, alibi_slopes=torch.ones(3),
+                                **dict(plain, block_table=table))
 
 
 def test_alibi_slopes_of_any_real_dtype_with_or_without_grad():

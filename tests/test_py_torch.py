@@ -95,17 +95,23 @@ def test_rejects_what_it_cannot_compute():
                                    flash_attention(q, q, q, causal=True), atol=0, rtol=0)
 
 
-def test_lazily_negated_tensors_are_refused():
+def test_lazily_negated_tensors_are_resolved_as_torch_resolves_them():
     """torch's DLPack export drops a tensor's negative bit (a view such as z.conj().imag):
-    read as it lies, its values would have the wrong sign, so the call refuses it."""
+    orchard_ops refuses one (read as it lies, its values would have the wrong sign); the torch
+    layer resolves it, as torch's kernels do (it had passed the refusal on, naming
+    flash_attn_fwd()), gradients included."""
     z = torch.randn(1, 2, 5, 4, dtype=torch.complex64)
     q, k = z.conj().imag, torch.randn(1, 2, 5, 4)
     assert q.is_neg()
     with pytest.raises(ValueError, match="'q' is a torch tensor with its negative bit set.*"
                                          "resolve_neg"):
-        flash_attention(q, k, k)
-    torch.testing.assert_close(flash_attention(q.resolve_neg(), k, k),
+        orchard_ops.flash_attn_fwd(q, k, k)
+    torch.testing.assert_close(flash_attention(q, k, k),
                                F.scaled_dot_product_attention(q.resolve_neg(), k, k))
+    k = k.requires_grad_()
+    grads = [torch.autograd.grad(f(k._neg_view(), k, k).square().sum(), k)[0]
+             for f in (flash_attention, F.scaled_dot_product_attention)]
+    torch.testing.assert_close(*grads)
 
 
 def test_second_derivatives_are_refused_not_wrong():

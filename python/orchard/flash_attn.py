@@ -675,6 +675,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _fail(fn, "v" if v is None else "k", "must be given with '%s'" % ("k" if v is None else "v"))
     new = {} if k is None else dict(k=k, v=v)
     _check_tensors(fn, q=q, k_cache=k_cache, v_cache=v_cache, **new)
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.is_neg():
+            _fail(fn, name, "is a lazily negated view (negative bit set, as x.conj().imag): a "
+                  "cache is written in place, pass one that is not")
+    # the rest, read only, resolved as torch's kernels resolve them (DLPack drops the bit)
+    q = q.resolve_neg()
+    new = {name: t.resolve_neg() for name, t in new.items()}
+    k, v = new.get("k"), new.get("v")
     if not torch.compiler.is_compiling():   # (Dynamo handles torch.func itself)
         # before any write: new keys with tangents, written here, made the cache a dual tensor
         _refuse_transforms(q, k_cache, v_cache, *new.values())

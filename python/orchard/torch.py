@@ -145,6 +145,9 @@ def _attention(q, k, v, opts):
         raise RuntimeError("orchard attention cannot be traced by torch.jit.trace: its kernels "
                            "run outside torch's graph, so the trace would replay this call's "
                            "result for every input; use torch.compile or eager mode")
+    # a lazily negated view (x.conj().imag), which DLPack does not carry, is resolved as
+    # torch's kernels resolve it (orchard_ops would refuse it)
+    q, k, v = q.resolve_neg(), k.resolve_neg(), v.resolve_neg()
     if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
             and not _recording()):
         _refuse_transforms(q, k, v)     # before apply, which fails on them in torch's words
@@ -345,9 +348,7 @@ class AttentionRouter(TorchFunctionMode):
                 self.routed += 1
                 # autocast acts below this mode, in the dispatcher: cast as it would (a call
                 # left to torch gets the arguments as they were, and autocast casts them)
-                # a lazily negated view (x.conj().imag), which DLPack does not carry, is
-                # resolved as torch's kernels resolve it
-                q, k, v = (t.resolve_neg() for t in _as_autocast(q, k, v))
+                q, k, v = _as_autocast(q, k, v)
                 # (a bool dropout_p, which torch takes as a number, is one here too)
                 return flash_attention(q, k, v, causal=is_causal, dropout_p=float(dropout_p),
                                        scale=scale, device=self.device)
