@@ -1027,7 +1027,7 @@ def test_block_table_entries_before_the_left_padding_may_hold_anything():
         assert torch.equal(got, want)
     plain = {n: a for n, a in kw.items() if n not in ("k", "v", "rotary_cos", "rotary_sin")}
     flash_attn_with_kvcache(q, k_cache, v_cache, **dict(plain, block_table=table))
-    with pytest.raises(ValueError, match="argument 'alibi_slopes' must be"):
+    with pytest.raises(ValueError, match="'alibi_slopes' must be \\(nheads,\\)"):
         flash_attn_with_kvcache(q, k_cache, v_cache, alibi_slopes=torch.ones(3),
                                 **dict(plain, block_table=table))
 
