@@ -35,8 +35,9 @@ static int check_cache(const or_call *c, int slot)
     if (c->resident)
         why = "is a DeviceArray: new rows are written into host arrays";
     else if (c->staged[slot])
-        why = "is read through a copy (it is not an array or tensor contiguous in its last "
-              "dimension, aligned and in native byte order), so the new rows would not reach it";
+        why = "is read through a copy (it is not a NumPy array or a DLPack tensor, or not "
+              "contiguous in its last dimension, aligned and in native byte order), so the new "
+              "rows would not reach it";
     else if (!PyArray_ISWRITEABLE(a))
         why = "is read-only (as is a DLPack producer's tensor that does not say it may be "
               "written)";

@@ -272,11 +272,17 @@ PyArrayObject *or_operand_view(or_module_state *st, PyObject *obj, const char *f
         Py_DECREF(a);
         return NULL;
     }
-    /* NumPy's array from another kind of object (a list, say) is memory of its own: a copy of
-     * the operand, which a write would never reach */
-    *copied = !readable_in_place(a)
-              || (!dlpack && !PyArray_Check(obj) && PyArray_CHKFLAGS(a, NPY_ARRAY_OWNDATA));
-    return a;
+    /* NumPy's array from another kind of object is memory of its own (a list's) or may be
+     * (an __array__ that returns a view of a temporary): a write might never reach it */
+    *copied = !readable_in_place(a) || (!dlpack && !PyArray_Check(obj));
+    if (dlpack)
+        return a;   /* made here, seen by no one else */
+    /* A view of our own: Python code that runs later in the call (a scale's __float__, an
+     * __array__, an __index__) could set the caller's array's shape or strides in place,
+     * which the checks already made would not see (reads out of bounds) */
+    PyArrayObject *view = (PyArrayObject *)PyArray_View(a, NULL, &PyArray_Type);
+    Py_DECREF(a);
+    return view;
 }
 
 PyArrayObject *or_stage(PyArrayObject *a, int typenum, const char *func, const char *name,

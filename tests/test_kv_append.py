@@ -206,6 +206,19 @@ def test_refusals_leave_the_cache_as_it_was(ops, device, rng):
         ops.flash_attn_fwd(wide[0], wide[1].tolist(), wide[2], k_new=wide[3], v_new=wide[3],
                            **kw)
 
+    class ArrayLike:    # __array__ hands a view of a temporary (it owns no data): was written
+        def __init__(self, rows):
+            self.rows = rows
+
+        def __array__(self, dtype=None, copy=None):
+            return np.array(self.rows, np.float32).reshape(k.shape)
+
+    held = ArrayLike(k.ravel().tolist())
+    with pytest.raises(ValueError, match="'k' is read through a copy.*it cannot take 'k_new'"):
+        ops.flash_attn_fwd(q, held, v, k_new=new, v_new=new, **kw)
+    np.testing.assert_array_equal(np.asarray(held), k)
+    np.testing.assert_array_equal(v, before[1])
+
 
 def test_dlpack_producers_caches_are_written_where_they_say_so(ops, rng):
     """A DLPack 1.x tensor not marked read-only takes the new rows; an unversioned one (an

@@ -346,3 +346,35 @@ def test_inputs_not_modified(ops, device, rng):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(out, out_c)
     np.testing.assert_array_equal(lse, lse_c)
+
+
+
+def test_operands_reshaped_by_a_later_callback_are_read_as_checked(ops, device, rng):
+    """Python code that runs after the operands were checked (a scale's __float__, a
+    max_seqlen's __index__) may set a caller's array's shape in place: the call reads the
+    shapes it checked (it read the new ones, past the buffers: a crash)."""
+    q, k = randn(rng, (1, 1, 1, 64), np.float32), randn(rng, (1, 1, 512, 64), np.float32)
+    v = randn(rng, (1, 1, 512, 1), np.float32)
+    want = ops.flash_attn_fwd(q, k, v, scale=0.125, device=device)
+
+    class Scale:
+        def __float__(self):
+            k.shape = (1, 1, 512 * 64, 1)   # the same memory as 32768 keys of D 1
+            return 0.125
+
+    got = ops.flash_attn_fwd(q, k, v, scale=Scale(), device=device)
+    assert k.shape == (1, 1, 512 * 64, 1)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    x = randn(rng, (512, 1, 8), np.float32)
+    cu = np.array([0, 512], np.int32)
+    want = ops.flash_attn_varlen_fwd(x, x, x, cu, cu, 512, device=device)
+
+    class MaxLen:
+        def __index__(self):
+            x.shape = (16, 1, 256)
+            return 512
+
+    got = ops.flash_attn_varlen_fwd(x, x, x, cu, cu, MaxLen(), device=device)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
