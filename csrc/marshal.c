@@ -264,10 +264,14 @@ PyArrayObject *or_operand_view(or_module_state *st, PyObject *obj, const char *f
         return or_unreadable(func, name, dlpack);
     if (!dlpack && or_dtype_of(a, dt) < 0) {
         PyObject *names = dtype_names();
-        if (names != NULL)
+        if (names != NULL && PyArray_Check(obj))
             PyErr_Format(PyExc_TypeError, "%s(): argument '%s' must be a %U array (bfloat16: "
                          "a tensor through DLPack), not %S", func, name, names,
                          (PyObject *)PyArray_DESCR(a));
+        else if (names != NULL)     /* (None read as an array of object says little) */
+            PyErr_Format(PyExc_TypeError, "%s(): argument '%s' must be a %U array (bfloat16: "
+                         "a tensor through DLPack), got %.100s, read as an array of %S", func,
+                         name, names, Py_TYPE(obj)->tp_name, (PyObject *)PyArray_DESCR(a));
         Py_XDECREF(names);
         Py_DECREF(a);
         return NULL;

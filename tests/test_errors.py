@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import run_python
+from conftest import OPENCL_IDS, run_python
 
 PRELUDE = r"""
 import json, sys
@@ -311,6 +311,21 @@ def test_messages_show_the_value_given(ops):
         ops.flash_attn_fwd(dense, dense, dense, device="\ud800")
     with pytest.raises(ValueError, match="name must be valid UTF-8 text"):
         ops.set_native_isa("\ud800")
+
+
+@pytest.mark.parametrize("device", ["cpu"] + OPENCL_IDS[:1])
+def test_results_too_large_name_the_call_and_result(ops, device):
+    """A result that cannot be allocated (operands read in place from one row of memory) is a
+    MemoryError naming the function and the result (it said only "cannot allocate an array of
+    2.749e+11 bytes")."""
+    q = np.broadcast_to(np.ones((1, 1, 1, 8), np.float32), (2**33, 1, 1, 8))
+    with pytest.raises(MemoryError, match=r"flash_attn_fwd\(\): the result 'out' cannot be "
+                                          r"allocated \(cannot allocate an array of 2\.749e\+11 "
+                                          r"bytes\)"):
+        ops.flash_attn_fwd(q, q, q, device=device)
+    lse = np.broadcast_to(np.float32(0), (2**33, 1, 1))
+    with pytest.raises(MemoryError, match=r"flash_attn_bwd\(\): the result 'dq' cannot be"):
+        ops.flash_attn_bwd(q, q, q, q, q, lse, device=device)
 
 
 @pytest.mark.parametrize("shape, error, name", [
