@@ -52,7 +52,8 @@ def main(argv=None):
     if "" in (args.ext or ()):      # (every file ends in "": it read them all)
         raise UsageError("argument --ext: must name a suffix (got '')")
     if not os.path.isdir(args.src_dir):
-        raise UsageError("SRC_DIR is not a folder (%r)" % args.src_dir)
+        raise UsageError("SRC_DIR %s (%r)" % ("is not a folder" if os.path.exists(args.src_dir)
+                                             else "does not exist", args.src_dir))
     if not names_a_file(args.output):
         raise UsageError("argument --output: must name a file (got %r)" % args.output)
     problem = dotdot_problem(args.output)
