@@ -676,7 +676,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     new = {} if k is None else dict(k=k, v=v)
     _check_tensors(fn, q=q, k_cache=k_cache, v_cache=v_cache, **new)
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.is_neg():
+        if not torch.compiler.is_compiling() and cache.is_neg():    # (Dynamo cannot ask)
             _fail(fn, name, "is a lazily negated view (negative bit set, as x.conj().imag): a "
                   "cache is written in place, pass one that is not")
     # the rest, read only, resolved as torch's kernels resolve them (DLPack drops the bit)
