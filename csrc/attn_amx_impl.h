@@ -37,8 +37,9 @@ static inline void bf16_tiles_end(void)
 }
 
 /* C (16 rt x 32 floats, ldc) = or += the sum over terms of A_t (16 rt x k2 words) B_t (k2 x 32
- * words), rt (row tiles) 1 or 2, k2 a multiple of 16. One term is A B; three are float16's
- * split into two bfloat16 (attn_f16_split_impl.h): A B + A (B + boff) + (A + aoff) B. With
+ * words), rt (row tiles) 1 or 2, k2 a multiple of 16. One term is A B; four are float16's
+ * split into two bfloat16 (attn_f16_split_impl.h): A B + A (B + boff) + (A + aoff) B
+ * + (A + aoff) (B + boff), term t's A offset where t has bit 2, its B's where it has bit 1. With
  * two row tiles each B tile loaded serves both (forward 0.90-0.96x the time of one row tile
  * by four column tiles). */
 static inline __attribute__((always_inline)) void
@@ -63,7 +64,7 @@ amx_block(float *c, int ldc, const uint32_t *a, int lda, or_ssize aoff, const ui
         }
     }
     for (int t = 0; t < terms; t++) {
-        const uint32_t *at = t == 2 ? a + aoff : a, *bt = t == 1 ? b + boff : b;
+        const uint32_t *at = t & 2 ? a + aoff : a, *bt = t & 1 ? b + boff : b;
         const uint32_t *at1 = at + (or_ssize)16 * lda;
         for (int x = 0; x < k2; x += 16) {
             const uint32_t *bx = bt + (or_ssize)x * ldb;
@@ -109,7 +110,7 @@ tiles_gemm(float *c, int ldc, const uint32_t *a, int lda, or_ssize aoff, const u
                 amx_block(cij, ldc, ai, lda, aoff, b + j0, ldb, boff, terms, k16, 1, accumulate);
         }
     for (int t = 0; t < terms; t++) {
-        const uint32_t *at = t == 2 ? a + aoff : a, *bt = t == 1 ? b + boff : b;
+        const uint32_t *at = t & 2 ? a + aoff : a, *bt = t & 1 ? b + boff : b;
         if (k16 < k2)
             bf16_gemm(c, ldc, at + k16, lda, 1, bt + (or_ssize)k16 * ldb, ldb, m16, n, k2 - k16,
                       1, accumulate || k16 > 0 || t > 0);

@@ -1,9 +1,11 @@
 /* attn_f16_split_impl.h - the forward for float16 q, k and v on AMX tiles (set amx, which has
  * no float16 products on Sapphire Rapids). Each value x is split into two bfloat16, hi = x
  * rounded and lo = x - hi, exact: x's 11 significant bits are hi's 8 and lo's 3 or 4. Each
- * product x y of the forward's two matrix products is then hi_x hi_y + hi_x lo_y + lo_x hi_y,
- * tiles_gemm's three terms (attn_amx_impl.h); the term left out, lo_x lo_y, is under 2^-16 of
- * x y. P, a float, is split the same way, to 16 significant bits (a float16 P has 11), after the
+ * product x y of the forward's two matrix products is then hi_x hi_y + hi_x lo_y + lo_x hi_y
+ * + lo_x lo_y, tiles_gemm's four terms (attn_amx_impl.h), each exact in float: the products
+ * are float arithmetic's, as the widening sets'. (Without lo_x lo_y, under 2^-16 of x y, a
+ * score's error grew with sum |q_d k_d|: where those cancel, 5x float16's tolerance on lse.)
+ * P, a float, is split the same way, to 16 significant bits (a float16 P has 11), after the
  * softmax and dropout, which are the float forward's. The backward widens to float, as before.
  *
  * Layouts: attn_bf16_impl.h's pairs of bfloat16 along the sum, each operand in two halves:
@@ -148,7 +150,7 @@ static inline __attribute__((always_inline)) void
 f16_split_scores(float *s, const uint32_t *q, int dp, const uint32_t *kt, int d2, int m, int n,
                  float mul)
 {
-    tiles_gemm(s, BC, q, dp, dp / 2, kt, KLD, (or_ssize)d2 * KLD, 3, m, n, d2, mul, 0);
+    tiles_gemm(s, BC, q, dp, dp / 2, kt, KLD, (or_ssize)d2 * KLD, 4, m, n, d2, mul, 0);
 }
 
 /* bf16_values_product's o += P V over keys [skip, kcols), P split (s above), vb the block's
@@ -162,6 +164,6 @@ f16_split_values_product(float *o, int dvp, float *s, int m, int n, int skip, in
         f16_split_along(ph + (or_ssize)r * BC, pl + (or_ssize)r * BC, s + (or_ssize)r * BC, n);
     if (kcols > skip)
         tiles_gemm(o, dvp, ph + skip / 2, BC, (or_ssize)SR * BC,
-                   vb + (or_ssize)(skip / 2) * 2 * dvp, 2 * dvp, dvp, 3, m, dvp,
+                   vb + (or_ssize)(skip / 2) * 2 * dvp, 2 * dvp, dvp, 4, m, dvp,
                    (kcols + 1) / 2 - skip / 2, 1, 1);
 }

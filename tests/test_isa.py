@@ -156,7 +156,7 @@ def test_bfloat16(ops, isa, rng, case):
 @pytest.mark.parametrize("case", sorted(BF16_CASES))
 def test_float16_forward(ops, isa, rng, case):
     """float16 q, k, v through the same edges (amx: each value split into two bfloat16 for the
-    tiles, three products of the four, P split too: attn_f16_split_impl.h; the others widen),
+    tiles, the four products, P split too: attn_f16_split_impl.h; the others widen),
     against the float64 reference at float16's tolerances, and within a float16 rounding of
     out and 2^-14 of lse of the widening set's result."""
     (h, hkv, nq, nk, d, dv), kw = BF16_CASES[case]
@@ -167,6 +167,20 @@ def test_float16_forward(ops, isa, rng, case):
     np.testing.assert_allclose(out.astype(np.float64), wide_out.astype(np.float64),
                                rtol=2.0 ** -10, atol=2.0 ** -14, err_msg=isa)
     np.testing.assert_allclose(lse, wide_lse, rtol=2.0 ** -14, atol=2.0 ** -14, err_msg=isa)
+
+
+def test_float16_scores_whose_products_cancel(ops, isa):
+    """Keys whose products with q cancel, where the split's lo x lo products do not (each
+    +-2^-16 of its product): amx had left those out, an error growing with sum |q_d k_d| that put
+    out at 3.9x float16's tolerance here; the four products are each exact in float."""
+    d, a, c = 256, 1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8     # in float16; bfloat16 lo +-2^-8
+    q = np.full((1, 1, 32, d), a, np.float16)           # 32 rows: the tiles' path
+    k = np.empty((1, 1, 56, d), np.float16)
+    k[..., :55, 0::2], k[..., :55, 1::2] = a, -c
+    k[..., 55:, 0::2], k[..., 55:, 1::2] = -a, c
+    v = np.zeros((1, 1, 56, 2), np.float16)
+    v[..., :55, 0], v[..., 55:, 0], v[..., 1] = 1, -1, 1
+    check_forward(ops, "cpu", q, k, v, what=isa, scale=2.0)
 
 
 @pytest.mark.parametrize("top", [0.0, 60.0])
