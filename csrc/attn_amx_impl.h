@@ -39,7 +39,7 @@ static inline void bf16_tiles_end(void)
 /* C (16 rt x 32 floats, ldc) = or += the sum over terms of A_t (16 rt x k2 words) B_t (k2 x 32
  * words), rt (row tiles) 1 or 2, k2 a multiple of 16. One term is A B; four are float16's
  * split into two bfloat16 (attn_f16_split_impl.h): A B + A (B + boff) + (A + aoff) B
- * + (A + aoff) (B + boff), term t's A offset where t has bit 2, its B's where it has bit 1. With
+ * + (A + aoff) (B + boff), term t's A offset where t & 2, its B's where t & 1. With
  * two row tiles each B tile loaded serves both (forward 0.90-0.96x the time of one row tile
  * by four column tiles). */
 static inline __attribute__((always_inline)) void

@@ -4,7 +4,7 @@
  * product x y of the forward's two matrix products is then hi_x hi_y + hi_x lo_y + lo_x hi_y
  * + lo_x lo_y, tiles_gemm's four terms (attn_amx_impl.h), each exact in float: the products
  * are float arithmetic's, as the widening sets'. (Without lo_x lo_y, under 2^-16 of x y, a
- * score's error grew with sum |q_d k_d|: where those cancel, 5x float16's tolerance on lse.)
+ * score's error grew with sum |q_d k_d|: where those cancel, 3.9x float16's tolerance on out.)
  * P, a float, is split the same way, to 16 significant bits (a float16 P has 11), after the
  * softmax and dropout, which are the float forward's. The backward widens to float, as before.
  *

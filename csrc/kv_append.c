@@ -35,9 +35,11 @@ static int check_cache(const or_call *c, int slot)
     if (c->resident)
         why = "is a DeviceArray: new rows are written into host arrays";
     else if (c->staged[slot])
-        why = "is read through a copy (it is not a NumPy array or a DLPack tensor, or not "
-              "contiguous in its last dimension, aligned and in native byte order), so the new "
-              "rows would not reach it";
+        why = c->staged[slot] == 1
+                  ? "is read through a copy (it is not contiguous in its last dimension, "
+                    "aligned and in native byte order), so the new rows would not reach it"
+                  : "is not a NumPy array or a DLPack tensor: the array NumPy makes of it may "
+                    "be memory of its own, which the new rows would not reach";
     else if (!PyArray_ISWRITEABLE(a))
         why = "is read-only (as is a DLPack producer's tensor that does not say it may be "
               "written)";
@@ -63,7 +65,9 @@ static PyArrayObject *load_rows(or_call *c, PyObject *obj, int slot, or_ssize *n
     const char *name = names[slot - OR_K];
     or_dtype dt;
     int copied;
-    if (or_device_array_index(c->st, obj) >= 0) {   /* (NumPy would read it as an object) */
+    /* (NumPy would read it as an object; a resident call's DeviceArray cache is refused by
+     * check_cache, saying so) */
+    if (!c->resident && or_device_array_index(c->st, obj) >= 0) {
         PyErr_Format(PyExc_TypeError, "%s(): argument '%s' is a DeviceArray: new rows go into "
                      "a host cache, from a host array or tensor (.numpy() brings it back)",
                      c->func, name);

@@ -278,7 +278,7 @@ PyArrayObject *or_operand_view(or_module_state *st, PyObject *obj, const char *f
     }
     /* NumPy's array from another kind of object is memory of its own (a list's) or may be
      * (an __array__ that returns a view of a temporary): a write might never reach it */
-    *copied = !readable_in_place(a) || (!dlpack && !PyArray_Check(obj));
+    *copied = !dlpack && !PyArray_Check(obj) ? 2 : !readable_in_place(a);
     if (dlpack)
         return a;   /* made here, seen by no one else */
     /* A view of our own: Python code that runs later in the call (a scale's __float__, an

@@ -33,10 +33,12 @@ PyObject *or_device_error(or_module_state *st, const char *func, int device, con
 /* marshal.c */
 PyArrayObject *or_unreadable(const char *func, const char *name, int own_words);
 /* An operand as an array over its memory (NumPy's array of it where it is no array or
- * tensor), its dtype in *dt, nothing copied yet; *copied 1 where the kernels will not read
- * the operand's own memory: it was no array, or or_stage will copy it as its own type. A call
- * checks its shapes between the two, so that a wrong one fails before copying a huge
- * broadcast view. */
+ * tensor), its dtype in *dt, nothing copied yet; *copied 1 where or_stage will copy it as its
+ * own type, 2 where it is neither an ndarray nor a DLPack tensor (NumPy's array of it may be
+ * memory of its own), else 0: whether a write reaches the operand. A call checks its shapes
+ * between the two, so that a wrong one fails before copying a huge broadcast view. The array
+ * is a view of orchard's own, whose shape and strides no Python code run later in the call
+ * (a scale's __float__, an __array__) can change under the checks already made. */
 PyArrayObject *or_operand_view(or_module_state *st, PyObject *obj, const char *func,
                                const char *name, or_dtype *dt, int *copied);
 /* a (its reference taken) as the kernels read it: itself where they can in place as typenum,
@@ -113,8 +115,8 @@ typedef struct {
     int varlen;
     PyArrayObject *arr[OR_NSLOTS];
     or_dtype dt[OR_NSLOTS];         /* each operand's (bfloat16 arrays hold uint16 bits) */
-    int staged[OR_NSLOTS];          /* arr[s] is (or will be) a copy of the operand, not its
-                                     * memory */
+    int staged[OR_NSLOTS];          /* or_operand_view's *copied: a write to arr[s] would not
+                                     * (1) or might not (2) reach the operand */
     int pending[OR_NSLOTS];         /* arr[s] is still the operand's view: or_stage_operands */
     PyArrayObject *pool[2];         /* paged k and v whole, until staged (args.c stage_pages) */
     PyObject *like;                 /* the first operand: results come back as its kind */

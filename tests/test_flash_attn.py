@@ -1010,6 +1010,21 @@ def test_kvcache_resolves_negated_reads_and_refuses_a_negated_cache(case):
         assert torch.equal(caches["k_cache"], k_cache) and torch.equal(caches["v_cache"], v_cache)
 
 
+def test_paged_varlen_resolves_negated_views():
+    """flash_attn_varlen_func over pages (read in place, not through autograd) resolves
+    negated views as the other paths do (orchard_ops' refusal had come through there)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(5, 4, 16, generator=g)
+    pages = torch.randn(6, 4, 2, 16, generator=g), torch.randn(6, 4, 2, 16, generator=g)
+    table = torch.tensor([[3, 1], [0, 5]], dtype=torch.int32)
+    cu_q, cu_k = (torch.tensor(x, dtype=torch.int32) for x in ([0, 2, 5], [0, 7, 15]))
+    want = flash_attn_varlen_func(q, *pages, cu_q, cu_k, 3, 8, causal=True, block_table=table)
+    negated = lambda t: t.neg()._neg_view()     # t's values, negative bit set
+    got = flash_attn_varlen_func(negated(q), *map(negated, pages), cu_q, cu_k, 3, 8,
+                                 causal=True, block_table=table)
+    assert torch.equal(got, want)
+
+
 def test_block_table_entries_before_the_left_padding_may_hold_anything():
     """Pages wholly before a sequence's left padding hold none of the keys read or written:
     their entries may name no page (as orchard_ops reads them), whether the call writes the

@@ -348,7 +348,6 @@ def test_inputs_not_modified(ops, device, rng):
     np.testing.assert_array_equal(lse, lse_c)
 
 
-
 def test_operands_reshaped_by_a_later_callback_are_read_as_checked(ops, device, rng):
     """Python code that runs after the operands were checked (a scale's __float__, a
     max_seqlen's __index__) may set a caller's array's shape in place: the call reads the
@@ -376,5 +375,6 @@ def test_operands_reshaped_by_a_later_callback_are_read_as_checked(ops, device, 
             return 512
 
     got = ops.flash_attn_varlen_fwd(x, x, x, cu, cu, MaxLen(), device=device)
+    assert x.shape == (16, 1, 256)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)

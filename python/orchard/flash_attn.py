@@ -485,7 +485,8 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     max_seqlen_k=max_seqlen_k, block_table=block_table)
     # tokens outside the sequences are padding: out 0 and lse -inf (attention_op.ops_call)
     if block_table is not None:     # pages read in place: nothing to differentiate
-        out, lse = _forward(q, k, v, opts)
+        # (negated views resolved as _attention resolves them: the pages are only read)
+        out, lse = _forward(q.resolve_neg(), k.resolve_neg(), v.resolve_neg(), opts)
     else:
         out, lse = _attention(q, k, v, opts)
     out = out.contiguous()      # a transposed q gives an output in its layout
