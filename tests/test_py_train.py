@@ -4,6 +4,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import re
 import shlex
 import signal
@@ -572,17 +573,20 @@ def test_a_python_without_its_stdlib_sources_needs_sequences(run_files, tmp_path
     assert not os.path.exists(tmp_path / "out")
 
 
-def test_a_plain_pickle_is_refused_without_torch_warnings(tmp_path):
-    """A pickle that is no torch checkpoint is the one-line error alone: torch's warning about
-    its pickle protocol came first, two more lines on stderr."""
-    import pickle
+@pytest.mark.parametrize("content", [pickle.dumps({"a": 1}, protocol=4), b"notes\n"],
+                         ids=["pickle", "text"])
+def test_a_file_that_is_no_zip_archive_is_refused_as_that(tmp_path, content):
+    """A pickle or a text file is no torch.save checkpoint: the one-line error says it is not
+    the zip archive one is, without torch's warning about a pickle protocol (two more lines on
+    stderr) or its KeyError (a text file's)."""
     import warnings
 
     path = tmp_path / "plain.pt"
-    path.write_bytes(pickle.dumps({"a": 1}, protocol=4))
+    path.write_bytes(content)
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        with pytest.raises(CheckpointError, match="not a readable orchard checkpoint"):
+        with pytest.raises(CheckpointError, match=r"not a readable orchard checkpoint \(not a "
+                                                  r"zip archive, as torch.save writes"):
             load_checkpoint(str(path))
     assert not said, [str(w.message) for w in said]
 

@@ -7,7 +7,6 @@ checkpoint or the new one, never half of one. Tensors are saved from CPU and loa
 import contextlib
 import numbers
 import os
-import warnings
 import zipfile
 
 import torch
@@ -59,17 +58,20 @@ def load_checkpoint(path):
                               "written with (the file changed after orchard-train wrote it)"
                               % (path, damaged))
     try:
-        # weights_only: a checkpoint is data (tensors, numbers, strings), never code to run.
-        # torch warns of the pickle protocol of a file that is no torch checkpoint at all
-        # (the error below says so)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "Detected pickle protocol", UserWarning)
+        with open(path, "rb") as f:
+            zipped = zipfile.is_zipfile(f)
+        # (torch.load's words for a text file or a plain pickle are a KeyError and warnings)
+        if zipped:
+            # weights_only: a checkpoint is data (tensors, numbers, strings), never code
             state = torch.load(path, map_location="cpu", weights_only=True)
     except OSError as exc:
         raise CheckpointError("%s: cannot read the checkpoint: %s" % (path, exc.strerror)) from None
     except Exception as exc:  # torch reports a damaged file with many types and long advice
         raise CheckpointError("%s: not a readable orchard checkpoint (torch.load raised %s)"
                               % (path, type(exc).__name__)) from None
+    if not zipped:
+        raise CheckpointError("%s: not a readable orchard checkpoint (not a zip archive, as "
+                              "torch.save writes checkpoints)" % path)
     problem = _problem(state)
     if problem:
         raise CheckpointError("%s: not an orchard checkpoint of format %d (an orchard-train "

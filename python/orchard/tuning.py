@@ -27,6 +27,8 @@ import sys
 
 import orchard_ops
 
+from .config import first_line
+
 TIMING_SCRIPT = """
 import json, sys, time, numpy as np, orchard_ops
 device, (b, h, n, d), repeats = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
@@ -88,6 +90,13 @@ def tune(device, shape=(1, 8, 1024, 64), candidates=None, repeats=3, report=prin
     except ValueError as exc:
         raise ValueError("tune(): 'device' %s" % exc) from None
     candidates = default if candidates is None else candidates
+    options = os.environ.get("ORCHARD_CL_OPTIONS")
+    if options:     # OpenCL checks them only in a build: here once, not in every candidate
+        try:
+            orchard_ops.program_blocks(device, shape[3])
+        except orchard_ops.OrchardError as exc:
+            raise RuntimeError("tune(): %s cannot build its programs with ORCHARD_CL_OPTIONS=%r "
+                               "(%s)" % (device, options, first_line(exc))) from None
     times, why = {}, None
     for n, (bq, bk) in enumerate(candidates, 1):
         seconds, ran = time_candidate(device, list(shape), bq, bk, repeats, timeout)
@@ -101,7 +110,6 @@ def tune(device, shape=(1, 8, 1024, 64), candidates=None, repeats=3, report=prin
         if progress is not None:
             progress.update(n, "%dx%d" % (bq, bk))
     if not times:
-        options = os.environ.get("ORCHARD_CL_OPTIONS")
         raise RuntimeError("tune(): no candidate block size ran on %s, the last: %s%s"
                            % (device, why, " (ORCHARD_CL_OPTIONS=%r is set)" % options
                               if options else ""))
