@@ -436,15 +436,10 @@ PyArrayObject *or_from_dlpack(or_module_state *st, PyObject *obj, const char *fu
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
         Py_DECREF(owner);
-        if (type != NULL && PyErr_GivenExceptionMatches(type, PyExc_ValueError)) {
-            PyErr_Format(PyExc_ValueError, "%s(): argument '%s' has a DLPack shape NumPy cannot "
-                         "hold (%S)", func, name, value != NULL ? value : Py_None);
-            Py_XDECREF(type);
-            Py_XDECREF(value);
-            Py_XDECREF(tb);
-        } else {
-            PyErr_Restore(type, value, tb);
-        }
+        PyErr_Restore(type, value, tb);
+        if (PyErr_ExceptionMatches(PyExc_ValueError))
+            or_restate(PyExc_ValueError, "%s(): argument '%s' has a DLPack shape NumPy cannot "
+                       "hold", func, name);
     }
 done:
     Py_DECREF(capsule);

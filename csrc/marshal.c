@@ -6,6 +6,7 @@
  * C-contiguous staging array.
  * Both decisions are counted, and logged under ORCHARD_TENSOR_PROFILE=1.
  */
+#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -216,6 +217,23 @@ PyArrayObject *or_staged_copy(PyArrayObject *a, int typenum, size_t align)
     return c;
 }
 
+PyObject *or_restate(PyObject *type, const char *format, ...)
+{
+    PyObject *was, *value, *tb;
+    PyErr_Fetch(&was, &value, &tb);
+    va_list va;
+    va_start(va, format);
+    PyObject *words = PyUnicode_FromFormatV(format, va);
+    va_end(va);
+    if (words != NULL)
+        PyErr_Format(type, "%U (%S)", words, value != NULL ? value : Py_None);
+    Py_XDECREF(words);
+    Py_XDECREF(was);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    return NULL;
+}
+
 /* NULL, after argument `name` failed to read as an array: with its error where that is a
  * MemoryError, no Exception (KeyboardInterrupt in an __array__) or, with own_words, a
  * TypeError or ValueError of dlpack.c's (they name the argument); else a TypeError naming
@@ -226,14 +244,8 @@ PyArrayObject *or_unreadable(const char *func, const char *name, int own_words)
         || (own_words && (PyErr_ExceptionMatches(PyExc_TypeError)
                           || PyErr_ExceptionMatches(PyExc_ValueError))))
         return NULL;
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    PyErr_Format(PyExc_TypeError, "%s(): argument '%s' cannot be viewed as an array (%S)",
-                 func, name, value ? value : Py_None);
-    Py_XDECREF(type);
-    Py_XDECREF(value);
-    Py_XDECREF(tb);
-    return NULL;
+    return (PyArrayObject *)or_restate(PyExc_TypeError, "%s(): argument '%s' cannot be viewed "
+                                       "as an array", func, name);
 }
 
 /* 1 where obj has the attribute, 0 where it has not, -1 with the exception of a failed look-up
@@ -301,17 +313,10 @@ PyArrayObject *or_stage(PyArrayObject *a, int typenum, const char *func, const c
     }
     PyArrayObject *staged = or_staged_copy(a, typenum, align);   /* native byte order */
     Py_DECREF(a);
-    if (staged == NULL && PyErr_ExceptionMatches(PyExc_MemoryError)) {
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        PyErr_Format(PyExc_MemoryError, "%s(): argument '%s' must be copied (it is not "
-                     "contiguous in its last dimension, aligned and in native byte order, or "
-                     "not of the type the kernels read), and the copy fails: %S", func, name,
-                     value ? value : Py_None);
-        Py_XDECREF(type);
-        Py_XDECREF(value);
-        Py_XDECREF(tb);
-    }
+    if (staged == NULL && PyErr_ExceptionMatches(PyExc_MemoryError))
+        or_restate(PyExc_MemoryError, "%s(): argument '%s' must be copied (it is not contiguous "
+                   "in its last dimension, aligned and in native byte order, or not of the type "
+                   "the kernels read), and the copy fails", func, name);
     if (staged == NULL)
         return NULL;
     if (ct != NULL) {

@@ -93,13 +93,8 @@ int or_new_output(or_call *c, int slot, int nd, const npy_intp *shape, or_dtype 
                                         or_device_align(c->device.index), c->device.index != 0);
     if (mem == NULL && PyErr_ExceptionMatches(PyExc_MemoryError)) {    /* say whose memory */
         static const char *names[OR_NSLOTS] = OR_SLOT_NAMES;
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        PyErr_Format(PyExc_MemoryError, "%s(): the result '%s' cannot be allocated (%S)",
-                     c->func, names[slot], value ? value : Py_None);
-        Py_XDECREF(type);
-        Py_XDECREF(value);
-        Py_XDECREF(tb);
+        or_restate(PyExc_MemoryError, "%s(): the result '%s' cannot be allocated", c->func,
+                   names[slot]);
     }
     if (mem != NULL) {
         npy_intp axes[NPY_MAXDIMS];     /* axis order[i] of the output is axis i of mem */

@@ -31,6 +31,9 @@ typedef struct {
 PyObject *or_device_error(or_module_state *st, const char *func, int device, const or_error *err);
 
 /* marshal.c */
+/* Replaces the pending exception by one of `type` whose message is format's words and, in
+ * parentheses, the pending one's (NumPy's or torch's own, said of an argument); NULL. */
+PyObject *or_restate(PyObject *type, const char *format, ...);
 PyArrayObject *or_unreadable(const char *func, const char *name, int own_words);
 /* An operand as an array over its memory (NumPy's array of it where it is no array or
  * tensor), its dtype in *dt, nothing copied yet; *copied 1 where or_stage will copy it as its
