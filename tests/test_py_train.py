@@ -218,6 +218,38 @@ def test_ctrl_c_in_the_last_step_completes_the_run(run_files, tmp_path, monkeypa
     assert load_checkpoint(str(out))["step"] == 3
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_while_the_last_checkpoint_is_written_waits_for_it(run_files, tmp_path,
+                                                                    monkeypatch, sig):
+    """A Ctrl-C (or SIGTERM) while the run's last checkpoint is written is held until it is
+    written, as one while a periodic checkpoint is: the handlers were put back first, the write
+    was interrupted and every step since the last periodic checkpoint lost (here the whole run,
+    with no checkpoint at all)."""
+    from orchard import checkpoint as ckpt
+
+    save = ckpt.save_checkpoint
+
+    def signalled_save(state, path):
+        os.kill(os.getpid(), sig)     # delivered at the write's next Python bytecode
+        return save(state, path)
+
+    class Signalled(Exception):
+        pass
+
+    def raise_signalled(signum, frame):    # what the run found in place, and put back
+        raise Signalled(signum)
+
+    monkeypatch.setattr("orchard.trainer.save_checkpoint", signalled_save)
+    out = tmp_path / "run"
+    previous = signal.signal(sig, raise_signalled)
+    try:
+        assert train_cli(run_files, out, "--max-steps", 2) == 0    # the run was complete
+    finally:
+        signal.signal(sig, previous)
+    assert load_checkpoint(str(out))["step"] == 2
+    assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
+
+
 def test_an_output_folder_named_by_bytes_that_are_not_utf8(run_files, tmp_path):
     """Linux names are bytes: a folder whose name is not UTF-8 takes a run (its run lock's
     key was made from the name encoded as UTF-8: UnicodeEncodeError, a traceback)."""

@@ -461,11 +461,14 @@ class Trainer:
                 if self.step < total and self._should_stop():
                     interrupted = True
                     break
+            # under the handlers too: a Ctrl-C or SIGTERM while the last checkpoint is written
+            # waits for it, as one during a periodic checkpoint does (the temporary file had
+            # been removed and the run's steps since the last periodic checkpoint lost)
+            path = self.save()
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             bar.close()
-        path = self.save()
         if self.rank == 0:
             if self.router is not None:
                 log.info(self.router.summary())
