@@ -148,6 +148,21 @@ def test_processes_share_memory_and_cores():
     assert two.adapt_config(cfg)[0]["training"]["micro_batch"] == 8
 
 
+def test_the_batch_is_split_over_every_machines_processes():
+    """Two machines of two processes: each process takes a quarter of the batch (the plan had
+    split it over the local processes only, planning twice the micro-batch the trainer runs),
+    and each machine's memory and cores are split in two."""
+    cfg = default_config()
+    local = DeviceBackend(HOST, HOST, processes=2)
+    nodes = DeviceBackend(HOST, HOST, processes=2, world=4)
+    assert nodes.memory_budget(cfg) == local.memory_budget(cfg)
+    new, reasons = nodes.adapt_config(cfg)
+    assert new["training"]["micro_batch"] == cfg["training"]["batch_size"] // 4
+    assert new["device"]["num_threads"] == 8
+    assert "keep the effective batch of %d" % cfg["training"]["batch_size"] in \
+        reasons["training.micro_batch"]
+
+
 def test_parameter_count_matches_the_model():
     pytest.importorskip("torch")
     from orchard.model import GPT, GPTConfig

@@ -99,13 +99,15 @@ def auto_choice_reason(listing=None):
 class DeviceBackend:
     """One orchard device plus the host it hangs off; see the module docstring."""
 
-    def __init__(self, info, host=None, verbose=False, processes=1):
+    def __init__(self, info, host=None, verbose=False, processes=1, world=None):
         self.info = dict(info)
         self.host = dict(host if host is not None else info)
         self.verbose = verbose
         # Processes sharing this machine (torchrun's LOCAL_WORLD_SIZE): they split its memory
         # and cores.
         self.processes = max(1, processes)
+        # Processes of the run on every machine (WORLD_SIZE): they split the batch.
+        self.world = max(self.processes, world or 1)
 
     @property
     def device(self):
@@ -243,7 +245,7 @@ class DeviceBackend:
                 % (fixed / GiB, budget / GiB, dev["memory_fraction"],
                    min(self.info["global_mem_bytes"], self.host["global_mem_bytes"]) / GiB,
                    model["n_layer"], model["n_embd"], model["context"], model["vocab_size"]))
-        per_process = max(1, train["batch_size"] // self.processes)
+        per_process = max(1, train["batch_size"] // self.world)
         requested = per_process if train["micro_batch"] == AUTO else min(
             train["micro_batch"], per_process)
         fill = self._fill_micro_batch(model, per_process)
@@ -376,7 +378,8 @@ def get_device_backend(device=None, verbose=False):
     info = resolve_device(device, listing)
     host = next((d for d in listing if d["id"] == "cpu"), info)
     backend = DeviceBackend(info, host, verbose=verbose,
-                            processes=process_count("LOCAL_WORLD_SIZE"))
+                            processes=process_count("LOCAL_WORLD_SIZE"),
+                            world=process_count("WORLD_SIZE"))
     if verbose:
         backend.log_summary()
     return backend
