@@ -218,6 +218,33 @@ def test_ctrl_c_in_the_last_step_completes_the_run(run_files, tmp_path, monkeypa
     assert load_checkpoint(str(out))["step"] == 3
 
 
+def test_tokens_per_s_leaves_out_the_checkpoints_writes(run_files, tmp_path, monkeypatch):
+    """On a clock where a step takes 1 s and a checkpoint's write 100 s, every metrics line
+    reads one step's tokens a second (the line after a periodic checkpoint read 1/101 of it)."""
+    import types
+
+    from orchard import trainer as trainer_module
+
+    now = [0.0]
+    monkeypatch.setattr(trainer_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    train_step, save = Trainer.train_step, trainer_module.save_checkpoint
+
+    def timed_step(self, *args):
+        now[0] += 1
+        return train_step(self, *args)
+
+    def timed_save(*args):
+        now[0] += 100
+        return save(*args)
+
+    monkeypatch.setattr(Trainer, "train_step", timed_step)
+    monkeypatch.setattr(trainer_module, "save_checkpoint", timed_save)
+    out = tmp_path / "run"
+    assert train_cli(run_files, out, "--max-steps", 5) == 0     # checkpoints after step 3, 5
+    tokens = TINY_CONFIG["training"]["batch_size"] * TINY_CONFIG["model"]["context"]
+    assert [m["tokens_per_s"] for m in read_metrics(out)] == [tokens] * 5
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_while_the_last_checkpoint_is_written_waits_for_it(run_files, tmp_path,
                                                                     monkeypatch, sig):

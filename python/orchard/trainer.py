@@ -456,7 +456,9 @@ class Trainer:
                 bar.update(self.step, "loss %.3f" % self.history[-1]["loss"]
                            if self.history else "")
                 if self.step % train["checkpoint_interval"] == 0 and self.step != total:
+                    saving = time.perf_counter()
                     self.save()
+                    t0 += time.perf_counter() - saving  # tokens/s: training's, as evaluation's
                 # a stop asked for during the last step finds the run complete
                 if self.step < total and self._should_stop():
                     interrupted = True
