@@ -87,6 +87,20 @@ def test_ints_are_decimal_digits(tmp_path):
     assert cfg["training"]["batch_size"] == 10 and cfg["training"]["warmup_steps"] == 0
 
 
+@pytest.mark.parametrize("key", ["model.bias", "training.grad_checkpointing"])
+@pytest.mark.parametrize("word", ["yes", "No", "on", "OFF"])
+def test_booleans_are_true_and_false(tmp_path, key, word):
+    """As YAML 1.2 reads them: PyYAML (YAML 1.1) read yes, no, on and off as booleans, where
+    the numbers already followed YAML 1.2; they are text, refused with a hint."""
+    section, name = key.split(".")
+    text = "%s:\n  %s: %%s\n" % (section, name)
+    for spelling, value in (("true", True), ("False", False), ("TRUE", True)):
+        assert load_config(write(tmp_path, text % spelling))[section][name] is value
+    with pytest.raises(ConfigError, match=r"key '%s' must .* got (str )?'%s' \(YAML 1.2 reads "
+                                          r"%s as text: write true or false\)" % (key, word, word)):
+        load_config(write(tmp_path, text % word))
+
+
 def test_a_number_in_quotes_gets_a_hint(tmp_path):
     with pytest.raises(ConfigError, match=r"got str '1.0e-3' \(a number in quotes is text: "
                                           r"write it without them\)"):

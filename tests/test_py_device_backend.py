@@ -186,6 +186,13 @@ def test_estimate_grows_linearly_and_checkpointing_saves():
     # float32 weights: 4 bytes per parameter; AdamW's two moments: 8
     assert parts["parameter_bytes"] == 4 * DeviceBackend.count_parameters(m)
     assert parts["optimizer_bytes"] == 2 * parts["parameter_bytes"]
+    # half precision halves the activations; a name it does not know is refused (any other had
+    # been read as 2 bytes an element)
+    assert 2 * backend.estimate_memory(m, 1, 256, "bf16")["activation_bytes"] == a1
+    for dtype in ("fp8", None, "float32"):
+        with pytest.raises(ValueError, match="'dtype' must be one of fp32, auto, fp16, bf16 "
+                                             r"\(got %r\)" % (dtype,)):
+            backend.estimate_memory(m, 1, 256, dtype)
 
 
 def test_orchard_device_auto_is_not_the_reason(monkeypatch):

@@ -109,10 +109,14 @@ def default_config():
             for section, keys in SCHEMA.items()}
 
 
-def _quoted_number_hint(value, types):
-    """A hint for a number in quotes, which YAML reads as text (unquoted, it reads as one)."""
+def _text_hint(value, types):
+    """A hint for text meant as a number or a boolean: a number in quotes (unquoted, YAML
+    reads it as one) or YAML 1.1's yes, no, on and off (YAML 1.2 reads them as text)."""
     import yaml
 
+    if (isinstance(value, str) and value.lower() in ("yes", "no", "on", "off")
+            and bool in (types if isinstance(types, tuple) else (types,))):
+        return " (YAML 1.2 reads %s as text: write true or false)" % value
     try:
         loaded = yaml.load(value, _config_loader(yaml)) if isinstance(value, str) else None
     except (ValueError, yaml.YAMLError):    # (an int of 4,300+ digits: int() refuses it)
@@ -156,11 +160,12 @@ def validate(cfg, source="<config>"):
             if not isinstance(value, types) or bool_mismatch:
                 raise ConfigError("%s: key '%s' must be %s, got %s %s%s"
                                   % (source, name, _type_names(types), type(value).__name__,
-                                     shown(value), _quoted_number_hint(value, types)))
+                                     shown(value), _text_hint(value, types)))
             problem = _number_problem(value, types) or (check(value) if check else None)
             if problem:
-                raise ConfigError("%s: key '%s' %s, got %s" % (source, name, problem,
-                                                              shown(value)))
+                raise ConfigError("%s: key '%s' %s, got %s%s" % (source, name, problem,
+                                                                shown(value),
+                                                                _text_hint(value, types)))
             # a YAML int where a real is expected is one (torch's AdamW refused int betas)
             if float in (types if isinstance(types, tuple) else ()) and isinstance(value, int):
                 value = float(value)
@@ -200,10 +205,11 @@ def _config_loader(yaml):
     """yaml.SafeLoader, but a key given twice in one mapping is an error where PyYAML keeps
     the last value silently (YAML requires unique keys): a config's first value for it would
     be ignored without a word. Merge keys (<<) are YAML's own: keys they bring in may be
-    given again, and are overridden so. Numbers are read as YAML 1.2's JSON schema reads
-    them, not as PyYAML's YAML 1.1: ints are decimal digits (010 had read as 8, 1:30 as 90,
-    0x10 and 1_000 are text now, which validate names), and floats take an exponent without
-    a dot or a sign (3e-4 had been text) but no underscores or sexagesimal parts."""
+    given again, and are overridden so. Numbers and booleans are read as YAML 1.2's core
+    schema reads them, not as PyYAML's YAML 1.1: ints are decimal digits (010 had read as 8,
+    1:30 as 90, 0x10 and 1_000 are text now, which validate names), floats take an exponent
+    without a dot or a sign (3e-4 had been text) but no underscores or sexagesimal parts, and
+    booleans are true and false (yes, no, on and off are text)."""
     class ConfigLoader(yaml.SafeLoader):
         def construct_mapping(self, node, deep=False):
             keys = [self.construct_object(key, deep=deep) for key, _ in node.value
@@ -215,9 +221,12 @@ def _config_loader(yaml):
             return super().construct_mapping(node, deep)
 
     numbers = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+    boolean = "tag:yaml.org,2002:bool"
     ConfigLoader.yaml_implicit_resolvers = {
-        first: [(tag, regexp) for tag, regexp in resolvers if tag not in numbers]
+        first: [(tag, regexp) for tag, regexp in resolvers if tag not in numbers + (boolean,)]
         for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    ConfigLoader.add_implicit_resolver(
+        boolean, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
     ConfigLoader.add_implicit_resolver(numbers[0], DECIMAL_INT, list("-+0123456789"))
     ConfigLoader.add_implicit_resolver(
         numbers[1], re.compile(r"^(?:[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?"

@@ -47,7 +47,11 @@ _MIN_CONTEXT = 64
 
 
 def _bytes_per_element(dtype):
-    return 4 if dtype in ("fp32", AUTO) else 2
+    sizes = {"fp32": 4, AUTO: 4, "fp16": 2, "bf16": 2}
+    if dtype not in sizes:     # (any other name had been read as 2 bytes)
+        raise ValueError("estimate_memory(): 'dtype' must be one of %s (got %r)"
+                         % (", ".join(sizes), dtype))
+    return sizes[dtype]
 
 
 def resolve_device(device, listing=None):
