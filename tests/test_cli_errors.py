@@ -217,6 +217,10 @@ def expected_cases(f):
         ("tune", [], {"ORCHARD_CL_BLOCK_K": "0"}, ["ORCHARD_CL_BLOCK_K", "1..4096"]),
         ("tune", ["--candidates", "64x64", "32x32", "64x64"], {},
          ["--candidates", "each once", "got 64x64 more than once"]),
+        # one device by two names: its id twice (it was timed twice)
+        ("bench", ["--devices", "cpu,%s,opencl" % OPENCL_IDS[0]], {},
+         ["--devices", "each device once", "'cpu,%s,opencl': cpu,%s,%s"
+          % ((OPENCL_IDS[0],) * 3)]),
     ] if OPENCL_IDS else []) + [
         ("tune", ["--device", "cpu"], {}, ["--device", "OpenCL", "'cpu'"]),
         ("tune", ["--device", "cpu", "--candidates", "96x96"], {}, ["--device", "OpenCL", "'cpu'"]),

@@ -401,10 +401,14 @@ def device(text):
 
 
 def devices(text):
-    """An argparse type: a comma-separated list of device ids, each once."""
-    ids = [device(item) for item in text.split(",")]
+    """An argparse type: a comma-separated list of devices (device's forms), each once; their
+    ids ("opencl" and "opencl:0" are one device, timed twice where the names were compared)."""
+    from ..device_backend import resolve_device
+
+    ids = [resolve_device(device(item))["id"] for item in text.split(",")]
     if len(set(ids)) < len(ids):
-        raise argparse.ArgumentTypeError("must name each device once (got %r)" % text)
+        raise argparse.ArgumentTypeError("must name each device once (got %r: %s)"
+                                         % (text, ",".join(ids)))
     return ids
 
 
