@@ -208,12 +208,35 @@ static void discover_platforms(void)
     unavailable = ndevices ? NULL : "no usable OpenCL device (none available with a compiler)";
 }
 
-/* The signals LLVM (which PoCL loads) takes for itself while the platforms are listed: its
- * handler, installed with SA_RESETHAND, left a second Ctrl-C arriving during the first to the
- * default action (the process killed, no KeyboardInterrupt, no checkpoint), and it stood before
- * Python's own. discover gives them back to the handlers the process had. */
-static const int taken_signals[] = {SIGHUP, SIGINT, SIGPIPE, SIGTERM, SIGUSR2};
-#define NTAKEN (sizeof(taken_signals) / sizeof(taken_signals[0]))
+/* The signal handlers LLVM (which PoCL and Oclgrind load) installs for itself as the platforms
+ * are listed, and again in a build after one of them ran: its handler for SIGINT, installed
+ * with SA_RESETHAND, left a second Ctrl-C arriving during the first to the default action (the
+ * process killed, no KeyboardInterrupt, no checkpoint); those for SIGQUIT, SIGUSR1, SIGSEGV and
+ * the other fatal signals swallowed them (Python's handlers and faulthandler's did not run, a
+ * kill -USR1 did not end the process), and once one had run, the next build took SIGINT
+ * again, and a Ctrl-C in a build deleted the compiler's files: CL_BUILD_PROGRAM_FAILURE. Every
+ * handler changed in the call is given back as it was (a handler Python code sets in another
+ * thread during a first listing or build is lost with LLVM's). */
+typedef struct {
+    struct sigaction act[NSIG];
+} kept_signals;
+
+static void keep_signals(kept_signals *k)
+{
+    for (int sig = 1; sig < NSIG; sig++)
+        if (sigaction(sig, NULL, &k->act[sig]) != 0)    /* SIGKILL, glibc's own */
+            k->act[sig].sa_handler = SIG_ERR;
+}
+
+static void give_back_signals(const kept_signals *k)
+{
+    for (int sig = 1; sig < NSIG; sig++) {
+        struct sigaction now;
+        if (k->act[sig].sa_handler != SIG_ERR && sigaction(sig, NULL, &now) == 0
+            && (now.sa_handler != k->act[sig].sa_handler || now.sa_flags != k->act[sig].sa_flags))
+            sigaction(sig, &k->act[sig], NULL);
+    }
+}
 
 /* PoCL's CPU driver wakes its worker threads for every command, and where its calls alternate
  * with other work (torch's operations, the native path) two of them often woke on one core
@@ -245,15 +268,13 @@ static int pin_pocl_workers(void)
 
 static void discover(void)
 {
-    struct sigaction before[NTAKEN];
-    for (size_t i = 0; i < NTAKEN; i++)
-        sigaction(taken_signals[i], NULL, &before[i]);
+    kept_signals kept;
+    keep_signals(&kept);
     const int pinned = pin_pocl_workers();
     discover_platforms();
     if (pinned)
         unsetenv("POCL_AFFINITY");
-    for (size_t i = 0; i < NTAKEN; i++)
-        sigaction(taken_signals[i], &before[i], NULL);
+    give_back_signals(&kept);
 }
 
 int or_cl_count(void)
@@ -444,8 +465,8 @@ static int build_log(device_t *dev, cl_program prog, or_error *err)
 }
 
 /* Builds from the cached binary when there is a good one, else from source (and caches it). */
-static int build(device_t *dev, const char *options, or_counters *ct, cl_program *out,
-                 or_error *err)
+static int build_program(device_t *dev, const char *options, or_counters *ct, cl_program *out,
+                         or_error *err)
 {
     const char *parts[] = {or_kernel_source, options, dev->info.name, dev->info.vendor,
                            dev->info.driver, dev->info.platform, dev->info.platform_version};
@@ -489,6 +510,17 @@ static int build(device_t *dev, const char *options, or_counters *ct, cl_program
     }
     *out = prog;
     return OR_OK;
+}
+
+/* build_program, the process's signal handlers given back after it (kept_signals) */
+static int build(device_t *dev, const char *options, or_counters *ct, cl_program *out,
+                 or_error *err)
+{
+    kept_signals kept;
+    keep_signals(&kept);
+    const int rc = build_program(dev, options, ct, out, err);
+    give_back_signals(&kept);
+    return rc;
 }
 
 /* The kernel family device `dev` runs: the one ORCHARD_CL_FAMILY names, else the table's row
@@ -837,7 +869,7 @@ static int make_program(device_t *dev, or_dtype dt, int d, int dv, or_counters *
                  storage[dt], d, dv, vw, family, bq, bk, fq, fk, sq, sk,
                  (int)(real == 8 ? sizeof(or_params) : sizeof(or_params_f)),
                  dev->info.subgroups ? " -DOR_WG_SUBGROUPS" : "", extra ? extra : "");
-        cl_program prog;
+        cl_program prog = NULL;
         size_t limit;
         int rc = build(dev, options, ct, &prog, err);
         if (rc != OR_OK)
