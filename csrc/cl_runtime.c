@@ -214,27 +214,33 @@ static void discover_platforms(void)
  * process killed, no KeyboardInterrupt, no checkpoint); those for SIGQUIT, SIGUSR1, SIGSEGV and
  * the other fatal signals swallowed them (Python's handlers and faulthandler's did not run, a
  * kill -USR1 did not end the process), and once one had run, the next build took SIGINT
- * again, and a Ctrl-C in a build deleted the compiler's files: CL_BUILD_PROGRAM_FAILURE. Every
- * handler changed in the call is given back as it was (a handler Python code sets in another
- * thread during a first listing or build is lost with LLVM's). */
+ * again, and a Ctrl-C in a build deleted the compiler's files: CL_BUILD_PROGRAM_FAILURE. Each
+ * of LLVM's signals (its interrupt, kill and info signals) whose handler changed in the call
+ * is given back as it was; other signals are left to the driver. A handler Python code sets
+ * for one of them in another thread while the platforms are listed or a program builds is
+ * undone with LLVM's. */
+static const int llvm_signals[] = {SIGHUP,  SIGINT,  SIGPIPE, SIGTERM, SIGUSR1, SIGUSR2,
+                                   SIGQUIT, SIGILL,  SIGTRAP, SIGABRT, SIGFPE,  SIGBUS,
+                                   SIGSEGV, SIGSYS,  SIGXCPU, SIGXFSZ};
+#define NLLVM (sizeof(llvm_signals) / sizeof(llvm_signals[0]))
+
 typedef struct {
-    struct sigaction act[NSIG];
+    struct sigaction act[NLLVM];
 } kept_signals;
 
 static void keep_signals(kept_signals *k)
 {
-    for (int sig = 1; sig < NSIG; sig++)
-        if (sigaction(sig, NULL, &k->act[sig]) != 0)    /* SIGKILL, glibc's own */
-            k->act[sig].sa_handler = SIG_ERR;
+    for (size_t i = 0; i < NLLVM; i++)
+        sigaction(llvm_signals[i], NULL, &k->act[i]);
 }
 
 static void give_back_signals(const kept_signals *k)
 {
-    for (int sig = 1; sig < NSIG; sig++) {
+    for (size_t i = 0; i < NLLVM; i++) {
         struct sigaction now;
-        if (k->act[sig].sa_handler != SIG_ERR && sigaction(sig, NULL, &now) == 0
-            && (now.sa_handler != k->act[sig].sa_handler || now.sa_flags != k->act[sig].sa_flags))
-            sigaction(sig, &k->act[sig], NULL);
+        if (sigaction(llvm_signals[i], NULL, &now) == 0
+            && (now.sa_handler != k->act[i].sa_handler || now.sa_flags != k->act[i].sa_flags))
+            sigaction(llvm_signals[i], &k->act[i], NULL);
     }
 }
 
@@ -512,14 +518,18 @@ static int build_program(device_t *dev, const char *options, or_counters *ct, cl
     return OR_OK;
 }
 
-/* build_program, the process's signal handlers given back after it (kept_signals) */
+/* build_program, the process's signal handlers given back after it (kept_signals); one build
+ * at a time, so that no build keeps the handlers another one's LLVM has just installed */
 static int build(device_t *dev, const char *options, or_counters *ct, cl_program *out,
                  or_error *err)
 {
+    static pthread_mutex_t building = PTHREAD_MUTEX_INITIALIZER;
+    pthread_mutex_lock(&building);
     kept_signals kept;
     keep_signals(&kept);
     const int rc = build_program(dev, options, ct, out, err);
     give_back_signals(&kept);
+    pthread_mutex_unlock(&building);
     return rc;
 }
 

@@ -10,6 +10,7 @@ import os
 import pickle
 import shutil
 
+import orchard_ops
 import pytest
 
 from conftest import OPENCL_IDS, REPO_ROOT
@@ -111,6 +112,7 @@ def expected_cases(f):
     tiny = ["--config", f["config"], "--sequences", f["sequences"], "--device", "cpu"]
     missing = str(f["dir"] / "missing.yaml")
     tpu = {"ORCHARD_DEVICE": "tpu"}
+    best_opencl = OPENCL_IDS and orchard_ops.resolve_device("opencl")
     return [
         # counts and sizes: typed and range-checked
         ("train", ["--micro-batch", "0"], {}, ["--micro-batch", ">= 1", "'0'"]),
@@ -218,9 +220,9 @@ def expected_cases(f):
         ("tune", ["--candidates", "64x64", "32x32", "64x64"], {},
          ["--candidates", "each once", "got 64x64 more than once"]),
         # one device by two names: its id twice (it was timed twice)
-        ("bench", ["--devices", "cpu,%s,opencl" % OPENCL_IDS[0]], {},
+        ("bench", ["--devices", "cpu,%s,opencl" % best_opencl], {},
          ["--devices", "each device once", "'cpu,%s,opencl': cpu,%s,%s"
-          % ((OPENCL_IDS[0],) * 3)]),
+          % ((best_opencl,) * 3)]),
     ] if OPENCL_IDS else []) + [
         ("tune", ["--device", "cpu"], {}, ["--device", "OpenCL", "'cpu'"]),
         ("tune", ["--device", "cpu", "--candidates", "96x96"], {}, ["--device", "OpenCL", "'cpu'"]),

@@ -197,12 +197,12 @@ devices = orchard_ops.devices()
 listed = handlers()
 q = np.ones((1, 1, 8, 24), np.float32)
 orchard_ops.flash_attn_fwd(q, q, q, device="opencl:0")     # a build (ORCHARD_NO_CACHE)
-built = handlers()
 for sig in (signal.SIGQUIT, signal.SIGUSR1):
     os.kill(os.getpid(), sig)
 time.sleep(0.1)
-changed = lambda now: sorted(signal.Signals(s).name for s in before if now.get(s) != before[s])
-print(sum(d["backend"] == "opencl" for d in devices), changed(listed), changed(built),
+name = lambda s: signal.Signals(s).name if s in signal.Signals._value2member_map_ else str(s)
+print(sum(d["backend"] == "opencl" for d in devices),
+      sorted(name(s) for s in before if listed.get(s) != before[s]),
       sorted(ran) == sorted([signal.SIGQUIT, signal.SIGUSR1]))
 """
 
@@ -210,13 +210,14 @@ print(sum(d["backend"] == "opencl" for d in devices), changed(listed), changed(b
 @pytest.mark.skipif(not OPENCL_IDS, reason="no OpenCL device listed")
 def test_opencl_leaves_the_signal_handlers_as_they_were():
     """PoCL's LLVM installs its own handlers for SIGINT, SIGQUIT, SIGUSR1, SIGSEGV and others
-    while the platforms are listed, and in a build after one of them ran (SIGINT's with
-    SA_RESETHAND: a second Ctrl-C during the first killed the process; SIGQUIT's and SIGUSR1's
-    swallowed them, the program's handlers never ran); orchard gives every one back, after
-    the listing and after each build."""
+    while the platforms are listed (SIGINT's with SA_RESETHAND: a second Ctrl-C during the
+    first killed the process; SIGQUIT's and SIGUSR1's swallowed them, the program's handlers
+    never ran, not even after a build); orchard gives every one back. (It gives them back
+    after each build too, where LLVM installs them again once one of its handlers has run:
+    not provoked here, as none of them is left to run.)"""
     result = run_python(SIGNAL_HANDLERS, ORCHARD_NO_CACHE="1")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split()[1:] == ["[]", "[]", "True"], result.stdout
+    assert result.stdout.split()[1:] == ["[]", "True"], result.stdout
 
 
 def test_a_cpu_call_leaves_opencl_unloaded():

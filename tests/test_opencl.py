@@ -921,10 +921,10 @@ def test_tuned_blocks_errors(ops, tmp_path):
                                     "--candidates", "96x96", "48x48"]))
     """ % OPENCL_IDS[0], timeout=600, ORCHARD_NO_CACHE=1, ORCHARD_CL_OPTIONS="-cl-nonsense")
     assert r.returncode == 2 and ": failed (" not in r.stderr, r.stderr
-    assert r.stderr.splitlines()[-1] == (
+    assert r.stderr.splitlines()[-1].startswith(
         "orchard-tune: error: tune(): %s cannot build its programs with "
         "ORCHARD_CL_OPTIONS='-cl-nonsense' (program_blocks() on %s: clBuildProgram failed: "
-        "CL_INVALID_BUILD_OPTIONS (-43))" % (OPENCL_IDS[0], OPENCL_IDS[0])), r.stderr
+        % (OPENCL_IDS[0], OPENCL_IDS[0])), r.stderr
 
 
 @needs_opencl

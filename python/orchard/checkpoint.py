@@ -58,9 +58,11 @@ def load_checkpoint(path):
                               "written with (the file changed after orchard-train wrote it)"
                               % (path, damaged))
     try:
+        # a zip archive's first bytes (torch.load's own test; a zip cut short still has them,
+        # and torch.load says what is wrong with it): torch.load's words for a text file or a
+        # plain pickle are a KeyError and warnings
         with open(path, "rb") as f:
-            zipped = zipfile.is_zipfile(f)
-        # (torch.load's words for a text file or a plain pickle are a KeyError and warnings)
+            zipped = f.read(4) == b"PK\x03\x04"
         if zipped:
             # weights_only: a checkpoint is data (tensors, numbers, strings), never code
             state = torch.load(path, map_location="cpu", weights_only=True)

@@ -196,7 +196,7 @@ _REPR.maxlevel = 2
 shown = _REPR.repr
 
 
-# An integer as YAML 1.2's JSON schema writes it (and the console scripts' flags): decimal
+# An integer as YAML 1.2's core schema writes it (and the console scripts' flags): decimal
 # ASCII digits, a sign allowed. Python's int() takes `1_000` and other scripts' digits too.
 DECIMAL_INT = re.compile(r"[-+]?[0-9]+\Z")
 

@@ -27,8 +27,6 @@ import sys
 
 import orchard_ops
 
-from .config import first_line
-
 TIMING_SCRIPT = """
 import json, sys, time, numpy as np, orchard_ops
 device, (b, h, n, d), repeats = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
@@ -47,15 +45,24 @@ print(json.dumps([best] + list(orchard_ops.program_blocks(device, d)[1:])))
 """
 
 
-def time_candidate(device, shape, block_q, block_k, repeats, timeout=None):
-    """(seconds of a forward plus backward with these blocks, (bq, bk) they ran as: rounded
-    and fitted by the family's rules), or (None, why) if they do not run (within timeout
-    seconds, None: no limit)."""
-    env = dict(os.environ, ORCHARD_CL_BLOCK_Q=str(block_q), ORCHARD_CL_BLOCK_K=str(block_k))
+# The device's program built once, as a call would (its first error line, if any)
+BUILD_SCRIPT = """
+import sys, orchard_ops
+try:
+    orchard_ops.program_blocks(sys.argv[1], int(sys.argv[2]))
+except orchard_ops.OrchardError as exc:
+    sys.exit(str(exc).splitlines()[0])
+"""
+
+
+def run_child(script, args, timeout, **env):
+    """(the last line a fresh Python running `script` with these arguments and environment
+    variables printed, None), or (None, why) where it failed or ran past timeout seconds (None:
+    no limit). A child of its own: a process builds its programs once, and this one keeps no
+    device context (a GPU in exclusive-process mode would refuse the children one)."""
     try:
-        r = subprocess.run([sys.executable, "-c", TIMING_SCRIPT, device, json.dumps(shape),
-                            str(repeats)], env=env, capture_output=True, text=True,
-                           timeout=timeout)
+        r = subprocess.run([sys.executable, "-c", script] + args, env=dict(os.environ, **env),
+                           capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:   # (the child is killed)
         return None, "timed out after %g s" % timeout
     if r.returncode < 0:    # killed: its last line (a compiler warning) would not say so
@@ -63,7 +70,19 @@ def time_candidate(device, shape, block_q, block_k, repeats, timeout=None):
     if r.returncode != 0:
         lines = r.stderr.strip().splitlines()
         return None, lines[-1] if lines else "exit status %d" % r.returncode
-    seconds, bq, bk = json.loads(r.stdout.splitlines()[-1])
+    lines = r.stdout.splitlines()
+    return (lines[-1] if lines else ""), None
+
+
+def time_candidate(device, shape, block_q, block_k, repeats, timeout=None):
+    """(seconds of a forward plus backward with these blocks, (bq, bk) they ran as: rounded
+    and fitted by the family's rules), or (None, why) if they do not run (within timeout
+    seconds, None: no limit)."""
+    line, why = run_child(TIMING_SCRIPT, [device, json.dumps(shape), str(repeats)], timeout,
+                          ORCHARD_CL_BLOCK_Q=str(block_q), ORCHARD_CL_BLOCK_K=str(block_k))
+    if line is None:
+        return None, why
+    seconds, bq, bk = json.loads(line)
     return seconds, (bq, bk)
 
 
@@ -92,11 +111,10 @@ def tune(device, shape=(1, 8, 1024, 64), candidates=None, repeats=3, report=prin
     candidates = default if candidates is None else candidates
     options = os.environ.get("ORCHARD_CL_OPTIONS")
     if options:     # OpenCL checks them only in a build: here once, not in every candidate
-        try:
-            orchard_ops.program_blocks(device, shape[3])
-        except orchard_ops.OrchardError as exc:
+        built, why = run_child(BUILD_SCRIPT, [device, str(shape[3])], timeout)
+        if built is None:
             raise RuntimeError("tune(): %s cannot build its programs with ORCHARD_CL_OPTIONS=%r "
-                               "(%s)" % (device, options, first_line(exc))) from None
+                               "(%s)" % (device, options, why))
     times, why = {}, None
     for n, (bq, bk) in enumerate(candidates, 1):
         seconds, ran = time_candidate(device, list(shape), bq, bk, repeats, timeout)

@@ -402,7 +402,8 @@ def device(text):
 
 def devices(text):
     """An argparse type: a comma-separated list of devices (device's forms), each once; their
-    ids ("opencl" and "opencl:0" are one device, timed twice where the names were compared)."""
+    ids ("opencl" and the id of the device it picks are one device, timed twice where the
+    names were compared)."""
     from ..device_backend import resolve_device
 
     ids = [resolve_device(device(item))["id"] for item in text.split(",")]
