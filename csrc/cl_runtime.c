@@ -11,8 +11,9 @@
  * width of the kernels (vector_width).
  */
 #ifdef ORCHARD_HAVE_OPENCL
-#define _GNU_SOURCE     /* sched_getaffinity */
+#define _GNU_SOURCE     /* sched_getaffinity, dladdr */
 #include <ctype.h>
+#include <dlfcn.h>
 #include <errno.h>
 #include <limits.h>
 #include <pthread.h>
@@ -214,34 +215,62 @@ static void discover_platforms(void)
  * process killed, no KeyboardInterrupt, no checkpoint); those for SIGQUIT, SIGUSR1, SIGSEGV and
  * the other fatal signals swallowed them (Python's handlers and faulthandler's did not run, a
  * kill -USR1 did not end the process), and once one had run, the next build took SIGINT
- * again, and a Ctrl-C in a build deleted the compiler's files: CL_BUILD_PROGRAM_FAILURE. Each
- * of LLVM's signals (its interrupt, kill and info signals) whose handler changed in the call
- * is given back as it was; other signals are left to the driver. A handler Python code sets
- * for one of them in another thread while the platforms are listed or a program builds is
- * undone with LLVM's. */
-static const int llvm_signals[] = {SIGHUP,  SIGINT,  SIGPIPE, SIGTERM, SIGUSR1, SIGUSR2,
-                                   SIGQUIT, SIGILL,  SIGTRAP, SIGABRT, SIGFPE,  SIGBUS,
-                                   SIGSEGV, SIGSYS,  SIGXCPU, SIGXFSZ};
+ * again, and a Ctrl-C in a build deleted the compiler's files: CL_BUILD_PROGRAM_FAILURE.
+ * Given back as they were: the interrupt signals whose handler changed in the call, and any of
+ * the others whose new handler is the one SIGINT got (LLVM's) or, SIGUSR1's, in its library.
+ * A driver's own stay: PoCL's SIGFPE handler, which steps over a kernel's integer division
+ * traps. A handler Python code sets for one of them in another thread while the platforms are
+ * listed or a program builds is undone with LLVM's. */
+static const int interrupt_signals[] = {SIGHUP, SIGINT, SIGPIPE, SIGTERM, SIGUSR2};
+static const int llvm_signals[] = {SIGQUIT, SIGILL, SIGTRAP, SIGABRT, SIGFPE, SIGBUS,
+                                   SIGSEGV, SIGSYS, SIGXCPU, SIGXFSZ, SIGUSR1};
+#define NINT (sizeof(interrupt_signals) / sizeof(interrupt_signals[0]))
 #define NLLVM (sizeof(llvm_signals) / sizeof(llvm_signals[0]))
 
 typedef struct {
-    struct sigaction act[NLLVM];
+    struct sigaction interrupt[NINT], llvm[NLLVM];
 } kept_signals;
 
 static void keep_signals(kept_signals *k)
 {
+    for (size_t i = 0; i < NINT; i++)
+        sigaction(interrupt_signals[i], NULL, &k->interrupt[i]);
     for (size_t i = 0; i < NLLVM; i++)
-        sigaction(llvm_signals[i], NULL, &k->act[i]);
+        sigaction(llvm_signals[i], NULL, &k->llvm[i]);
+}
+
+static int changed(int sig, const struct sigaction *was, struct sigaction *now)
+{
+    return sigaction(sig, NULL, now) == 0
+           && (now->sa_handler != was->sa_handler || now->sa_flags != was->sa_flags);
+}
+
+/* The shared object a handler's code lies in (NULL where unknown) */
+static void *handler_library(void (*handler)(int))
+{
+    Dl_info info;
+    return dladdr((void *)handler, &info) ? info.dli_fbase : NULL;
 }
 
 static void give_back_signals(const kept_signals *k)
 {
-    for (size_t i = 0; i < NLLVM; i++) {
-        struct sigaction now;
-        if (sigaction(llvm_signals[i], NULL, &now) == 0
-            && (now.sa_handler != k->act[i].sa_handler || now.sa_flags != k->act[i].sa_flags))
-            sigaction(llvm_signals[i], &k->act[i], NULL);
-    }
+    void (*llvm)(int) = NULL;          /* the handler SIGINT got in the call: LLVM's */
+    struct sigaction now;
+    for (size_t i = 0; i < NINT; i++)
+        if (changed(interrupt_signals[i], &k->interrupt[i], &now)) {
+            if (interrupt_signals[i] == SIGINT)
+                llvm = now.sa_handler;
+            sigaction(interrupt_signals[i], &k->interrupt[i], NULL);
+        }
+    if (llvm == NULL || llvm == SIG_DFL || llvm == SIG_IGN)
+        return;
+    for (size_t i = 0; i < NLLVM; i++)
+        if (changed(llvm_signals[i], &k->llvm[i], &now)
+            && (now.sa_handler == llvm
+                || (llvm_signals[i] == SIGUSR1 && now.sa_handler != SIG_DFL
+                    && now.sa_handler != SIG_IGN
+                    && handler_library(now.sa_handler) == handler_library(llvm))))
+            sigaction(llvm_signals[i], &k->llvm[i], NULL);
 }
 
 /* PoCL's CPU driver wakes its worker threads for every command, and where its calls alternate
