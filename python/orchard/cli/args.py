@@ -382,21 +382,19 @@ def choices_list(choices):
     return _typed("list", parse)
 
 
-def _device_problem(device):
+def _resolved(text):
+    """resolve_device's entry for a device argument; its error as an ArgumentTypeError."""
     from ..device_backend import resolve_device
 
     try:
-        resolve_device(device)
+        return resolve_device(text)
     except ValueError as exc:
-        return str(exc)
-    return None
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def device(text):
     """An argparse type: auto or a device orchard lists (resolve_device's forms)."""
-    problem = _device_problem(text)
-    if problem:
-        raise argparse.ArgumentTypeError(problem)
+    _resolved(text)
     return text
 
 
@@ -404,9 +402,7 @@ def devices(text):
     """An argparse type: a comma-separated list of devices (device's forms), each once; their
     ids ("opencl" and the id of the device it picks are one device, timed twice where the
     names were compared)."""
-    from ..device_backend import resolve_device
-
-    ids = [resolve_device(device(item))["id"] for item in text.split(",")]
+    ids = [_resolved(item)["id"] for item in text.split(",")]
     if len(set(ids)) < len(ids):
         raise argparse.ArgumentTypeError("must name each device once (got %r: %s)"
                                          % (text, ",".join(ids)))
@@ -438,11 +434,16 @@ def check_device_environment():
         if d.get("environment_error"):     # an ORCHARD_CL_* value OpenCL calls refuse
             raise UsageError("environment variable %s" % d["environment_error"])
     name = os.environ.get("ORCHARD_DEVICE")
-    if name and _device_problem(None):
+    if not name:
+        return
+    try:
+        _resolved(None)
+    except argparse.ArgumentTypeError:
         why = orchard_ops.opencl_unavailable() if name.lower().startswith("opencl") else None
         raise UsageError("environment variable ORCHARD_DEVICE names no available device (%r); "
                          "available: %s%s" % (name, ", ".join(d["id"] for d in listed),
-                                              "; no OpenCL device: %s" % why if why else ""))
+                                              "; no OpenCL device: %s" % why if why else "")) \
+            from None
 
 
 class _WatchedStdout(WriteErrors):
