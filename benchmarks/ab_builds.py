@@ -1,7 +1,7 @@
 """A/B timing of two builds of orchard_ops, for changes that must not move speed (or should).
 
     python3 benchmarks/ab_builds.py BEFORE_DIR AFTER_DIR [--pairs 20]
-                                    [--calls d64|d128|d128-long|d256|short|half|decode] [--devices cpu,opencl:0]
+                                    [--calls d64|d128|d128-long|d256|short|half|few-units|decode] [--devices cpu,opencl:0]
                                     [--threads N]
 
 Each DIR holds an orchard_ops extension (e.g. a checkout's python/ after
@@ -15,7 +15,8 @@ method: a call whose code had not changed read 0.84 and 0.97 in two runs, 0.96-1
 --calls picks the shapes: d64 (B4 H8 N1024), d128 (B2 H8 N2048, float32 and bfloat16; the
 backward B1), d128-long (float32 B1 H16 N4096, a backward of several key chunks), d256
 (float32, N 2048 and 256), short (N 256 and 100, many heads), half
-(bfloat16 and float16 forwards, D 64 and 128, float16 at N 256), decode
+(bfloat16 and float16 forwards, D 64 and 128, float16 at N 256), few-units (backwards of
+fewer kv units than native.h's OR_BWD_ITEMS, whose keys go in parts), decode
 (benchmarks/decode.py's decode steps, one query row against a cache).
 """
 import argparse
@@ -53,6 +54,13 @@ CALLS = {  # (name, B or query heads, H or kv heads, N or cache length, D, causa
               ("fwd N100", 1, 256, 100, 64, False, "float32"),
               ("bwd N100", 1, 256, 100, 64, False, "float32"),
               ("fwd N100 causal", 1, 256, 100, 64, True, "float32")],
+    # fewer kv units than items (native.h OR_BWD_ITEMS): the backward splits units' keys in parts
+    "few-units": [("bwd N4096", 1, 1, 4096, 64, False, "float32"),
+                  ("bwd N4096 causal", 1, 1, 4096, 64, True, "float32"),
+                  ("bwd N4096 d128", 1, 2, 4096, 128, False, "float32"),
+                  ("bwd N4096 d128 bf16", 1, 2, 4096, 128, True, "bfloat16"),
+                  ("bwd N2048 d128", 1, 8, 2048, 128, False, "float32"),
+                  ("bwd N1024 f16", 2, 4, 1024, 64, True, "float16")],
     "half": [("fwd bf16", 4, 8, 1024, 64, False, "bfloat16"),
              ("fwd f16", 4, 8, 1024, 64, False, "float16"),
              ("fwd bf16 d128", 2, 8, 2048, 128, False, "bfloat16"),

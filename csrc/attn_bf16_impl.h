@@ -147,12 +147,13 @@ bf16_values_product(float *o, int dvp, float *s, int m, int n, int skip, int kco
                        dvp, m, dvp, (kcols + 1) / 2 - skip / 2, 1, 1);
 }
 
-/* K or V (slot) of kv unit kvu, rows [0, nk) of n columns, as blocks of BC keys of pairs along
- * the columns (kt above): block b at dst + b KLD n2, n2 = n / 2 rounded up, zero past nk.
+/* K or V (slot) of kv unit kvu, rows [from, from + nk) of n columns, as blocks of BC keys of
+ * pairs along the columns (kt above): block b at dst + b KLD n2, n2 = n / 2 rounded up, zero
+ * past them.
  * Unpaged rows go 16 x 16 words at a time through transpose_tile (the float forward's: words
  * move as floats, bit for bit); the rest, and paged rows, a word at a time. */
 static void bf16_pack_blocks(uint32_t *dst, const or_problem *p, int slot, or_ssize kvu,
-                             or_ssize nk, int n)
+                             or_ssize from, or_ssize nk, int n)
 {
     const int n2 = (n + 1) / 2;
     const or_ssize stride = p->view[slot].row_stride;
@@ -162,7 +163,7 @@ static void bf16_pack_blocks(uint32_t *dst, const or_problem *p, int slot, or_ss
     or_ssize tiled = 0;
     const int whole = n / 2 / 16 * 16;                  /* words of whole tiles */
     if (p->pages.rows == 0 && whole > 0) {
-        const char *src = or_kv_row(p, slot, kvu, 0, &tiled);
+        const char *src = or_kv_row(p, slot, kvu, from, &tiled);
         tiled = nk / 16 * 16;
         for (or_ssize r0 = 0; r0 < tiled; r0 += 16) {
             uint32_t *out = dst + r0 / BC * KLD * n2 + r0 % BC;
@@ -181,7 +182,7 @@ static void bf16_pack_blocks(uint32_t *dst, const or_problem *p, int slot, or_ss
     }
     or_ssize run;
     for (or_ssize j = tiled; j < nk; j += run) {
-        const char *src = or_kv_row(p, slot, kvu, j, &run);
+        const char *src = or_kv_row(p, slot, kvu, from + j, &run);
         run = run < nk - j ? run : nk - j;
         for (or_ssize r = j; r < j + run; r++, src += stride) {
             uint32_t *out = dst + r / BC * KLD * n2 + r % BC;    /* word x at out[x * KLD] */
@@ -203,18 +204,20 @@ static or_ssize bf16_first_seen(const or_problem *p, or_ssize kvu, or_ssize nk)
 }
 
 /* The same rows as pairs of rows (vc above): word (x, c) of dst (rows ld words apart) holds
- * column c of rows 2x, 2x + 1; columns [n, ld), the pair past an odd nk and the rows before
- * bf16_first_seen are zero. */
+ * column c of rows from + 2x, from + 2x + 1; columns [n, ld), the pair past an odd nk and the
+ * rows before bf16_first_seen are zero (from: even). */
 static void bf16_pack_row_pairs(uint32_t *dst, int ld, const or_problem *p, int slot,
-                                or_ssize kvu, or_ssize nk, int n)
+                                or_ssize kvu, or_ssize from, or_ssize nk, int n)
 {
-    const or_ssize stride = p->view[slot].row_stride, first = bf16_first_seen(p, kvu, nk);
+    const or_ssize stride = p->view[slot].row_stride,
+                   first = bf16_first_seen(p, kvu, p->nk[kvu * p->prm.group]) - from;
     const __m256i zero = _mm256_setzero_si256();
     for (or_ssize x = 0; x < (nk + 1) / 2; x++) {
         or_ssize run;
-        const char *a = 2 * x >= first ? or_kv_row(p, slot, kvu, 2 * x, &run) : NULL, *b = NULL;
+        const char *a = 2 * x >= first ? or_kv_row(p, slot, kvu, from + 2 * x, &run) : NULL;
+        const char *b = NULL;
         if (2 * x + 1 < nk && 2 * x + 1 >= first)
-            b = a && run > 1 ? a + stride : or_kv_row(p, slot, kvu, 2 * x + 1, &run);
+            b = a && run > 1 ? a + stride : or_kv_row(p, slot, kvu, from + 2 * x + 1, &run);
         uint32_t *out = dst + x * ld;
         for (int c = 0; c < ld; c += 16) {      /* 16 columns of each row: 16 words */
             const int m = n - c >= 16 ? 16 : n - c > 0 ? n - c : 0;
@@ -234,9 +237,9 @@ static void bf16_pack_item(void *vjob, or_ssize kvu, int worker)
     const or_job *job = vjob;
     const or_problem *p = job->p;
     const or_ssize nk = p->nk[kvu * p->prm.group];
-    bf16_pack_blocks(or_unit_kt(job, kvu, worker), p, OR_K, kvu, nk, p->d);
+    bf16_pack_blocks(or_unit_kt(job, kvu, worker), p, OR_K, kvu, 0, nk, p->d);
     bf16_pack_row_pairs(or_unit_vc(job, kvu, worker), (p->dv + W - 1) / W * W, p, OR_V,
-                        kvu, nk, p->dv);
+                        kvu, 0, nk, p->dv);
 }
 
 #ifdef OR_AMX_TILES

@@ -7,8 +7,10 @@
  * the threads busy, (unit, query block), spread over the thread pool.
  * Backward: for every query block, recompute P = exp(S - lse) block by block and use
  * D = rowsum(dO * O): dV += P^T dO, dP = dO V^T, dS = P (dP - D), dQ += dS K, dK += dS^T Q.
- * A work item is one kv unit (all query heads of a GQA group, in order), so every output
- * element is summed by one thread in a fixed order: bit-identical for any thread count.
+ * A work item is a part of a kv unit's keys (all query heads of a GQA group, in order; the
+ * whole unit where units alone are items enough), so every dK and dV element is summed by one
+ * thread in a fixed order, and dQ too, or else each part's dQ goes to a buffer and the parts'
+ * are added in part order after: bit-identical for any thread count.
  *
  * Layouts: every operand is a view (orchard.h); rows are contiguous, units and rows strided.
  * float16 is loaded into float tiles and rounded once on store.
@@ -96,30 +98,49 @@ static or_ssize *costly_first(const or_job *job, or_ssize n, or_ssize per_group,
     return order;
 }
 
-/* Query rows [i0, i0 + rows) of unit u times the keys they see. */
-static double rows_cost(const or_problem *p, or_ssize u, or_ssize i0, or_ssize rows)
+/* Query rows [i0, i0 + rows) of unit u times the keys of [kb, ke) they see. */
+static double rows_cost(const or_problem *p, or_ssize u, or_ssize i0, or_ssize rows,
+                        or_ssize kb, or_ssize ke)
 {
     or_ssize lo, hi;
     or_key_range(p->prm.left, p->prm.right, p->nq[u], p->nk[u], i0, i0 + rows, &lo, &hi);
+    lo = lo > kb ? lo : kb;
+    hi = hi < ke ? hi : ke;
     return (double)rows * (double)(hi > lo ? hi - lo : 0);
 }
 
 static double fwd_cost(const or_job *job, or_ssize item)   /* a query block (fwd_item) */
 {
     const or_ssize u = item / job->blocks, i0 = (item % job->blocks) * BR, nq = job->p->nq[u];
-    return i0 < nq ? rows_cost(job->p, u, i0, nq - i0 < BR ? nq - i0 : BR) : -1;
+    return i0 < nq ? rows_cost(job->p, u, i0, nq - i0 < BR ? nq - i0 : BR, 0, job->p->nk[u]) : -1;
 }
 
-static double unit_cost(const or_job *job, or_ssize kvu)   /* a kv unit (bwd_item, fwd_unit_item) */
+/* The query blocks of kv unit kvu's heads times the keys of [kb, ke) each sees; -1 where the
+ * unit has neither query rows nor keys there: nothing to compute or store. */
+static double keys_cost(const or_problem *p, or_ssize kvu, or_ssize kb, or_ssize ke)
 {
-    const or_problem *p = job->p;
     double c = 0;
-    or_ssize rows = 0;
+    or_ssize rows = ke - kb;
     for (or_ssize u = kvu * p->prm.group; u < (kvu + 1) * p->prm.group; u++) {
-        c += rows_cost(p, u, 0, p->nq[u]);
-        rows += p->nq[u] + p->nk[u];
+        rows += p->nq[u];
+        for (or_ssize i0 = 0; i0 < p->nq[u]; i0 += BR)
+            c += rows_cost(p, u, i0, p->nq[u] - i0 < BR ? p->nq[u] - i0 : BR, kb, ke);
     }
     return rows > 0 ? c : -1;
+}
+
+static double unit_cost(const or_job *job, or_ssize kvu)   /* a kv unit (fwd_unit_item) */
+{
+    return keys_cost(job->p, kvu, 0, job->p->nk[kvu * job->p->prm.group]);
+}
+
+static double part_cost(const or_job *job, or_ssize item)  /* a part of a unit (bwd_item) */
+{
+    const or_ssize kvu = item / job->parts, kb = item % job->parts * job->part_keys;
+    const or_ssize nk = job->p->nk[kvu * job->p->prm.group];
+    if (kb > 0 && kb >= nk)
+        return -1;      /* past the unit's keys */
+    return keys_cost(job->p, kvu, kb, nk - kb < job->part_keys ? nk : kb + job->part_keys);
 }
 
 /* Decoding (attn_decode_impl.h): enough (kv units, split) items to keep every core busy on one
@@ -376,14 +397,32 @@ int or_native_bwd(const or_problem *p)
     if ((size_t)job.nk_max > most || (size_t)job.nq_max > most / (size_t)p->prm.group)
         return OR_ENOMEM;
     const int in = instance(p, kern->bwd_item, dbl, 1);
-    job.per_worker = round_up(real * kern->bwd_scratch[in](&job)
-                              + (size_t)kern->block_keys);
-    const or_ssize n_kv = p->n_units / p->prm.group;
+    const or_ssize n_kv = p->n_units / p->prm.group, bc = kern->block_keys;
+    /* parts of each unit's keys (native.h OR_BWD_ITEMS), their dQ rows (each query head's
+     * blocks of BR rows) part_ld REALs apart */
+    job.blocks = (job.nq_max + BR - 1) / BR;
+    job.part_ld = or_bwd_ld(p->d, kern->width, real, in == OR_IN_BF16_DOTS);
+    const double part_bytes = (double)real * job.part_ld * (double)p->n_units * job.blocks * BR;
+    or_ssize parts = n_kv > 0 ? (OR_BWD_ITEMS + n_kv - 1) / n_kv : 1;
+    if (parts > job.nk_max / OR_BWD_PART_KEYS)
+        parts = job.nk_max / OR_BWD_PART_KEYS;
+    if (parts > 1 && parts * part_bytes > (double)OR_BWD_PART_DQ_BYTES)
+        parts = (or_ssize)((double)OR_BWD_PART_DQ_BYTES / part_bytes);
+    job.part_keys = parts > 1 ? ((job.nk_max + parts - 1) / parts + bc - 1) / bc * bc : job.nk_max;
+    job.parts = parts > 1 ? (job.nk_max + job.part_keys - 1) / job.part_keys : 1;
+    job.per_worker = round_up(real * kern->bwd_scratch[in](&job) + (size_t)bc);
+    job.part_dq = job.parts > 1 ? aligned_alloc(64, round_up((size_t)part_bytes * (size_t)job.parts))
+                                : NULL;
     or_ssize live;
-    job.order = costly_first(&job, n_kv, 1, unit_cost, &live);
-    if (job.order == NULL)
-        return OR_ENOMEM;
-    const int rc = run_job(&job, live, live, kern->bwd_item[in]);
+    job.order = job.parts == 1 || job.part_dq != NULL
+                    ? costly_first(&job, n_kv * job.parts, job.parts, part_cost, &live) : NULL;
+    int rc = job.order != NULL ? run_job(&job, live, live, kern->bwd_item[in]) : OR_ENOMEM;
+    if (rc == OR_OK && job.parts > 1) {     /* the parts' dQ added and stored */
+        const or_ssize items = p->n_units * job.blocks;
+        job.per_worker = round_up(real * BR);
+        rc = run_job(&job, items, items, kern->bwd_sum_item[dbl]);
+    }
     free(job.order);
+    free(job.part_dq);
     return rc;
 }

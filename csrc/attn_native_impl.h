@@ -720,26 +720,24 @@ static or_ssize FN(bwd_chunk)(const or_job *job, const int dots)
 {
     const or_problem *p = job->p;
     if (dots)
-        return job->nk_max > BC ? job->nk_max : BC;
+        return job->part_keys > BC ? job->part_keys : BC;
     const size_t per_key = sizeof(REAL) * (size_t)(3 * FN(pad)(p->d) + 2 * FN(pad)(p->dv));
     const or_ssize keys = (or_ssize)(OR_BWD_CHUNK_BYTES / per_key) / BC * BC;
     return keys < BC ? BC : keys;
 }
 
-/* Leading dimension of the backward's tiles of rows of d REALs (q, dO, O, k, dQ, dK, dV):
- * or_rows_ld's, so that a column panel of them (the right-hand side of dK += dS^T q, dV += P^T
- * dO, dQ += dS K, BR or BC rows) does not fall in a few L1 sets; d rounded up to W with dots,
- * whose pair tiles are laid out on it. */
+/* Leading dimension of the backward's tiles of rows of d REALs (native.h or_bwd_ld) */
 static inline int FN(bwd_ld)(int d, const int dots)
 {
-    return dots ? FN(pad)(d) : (int)or_rows_ld(FN(pad)(d), sizeof(REAL));
+    return or_bwd_ld(d, 2 * VBYTES, sizeof(REAL), dots);
 }
 
-/* The dQ accumulators of a chunked backward: the unit's query rows (each query head's rows
- * padded by MR), kept between chunks; none with one chunk. */
+/* The dQ accumulators of a chunked backward of one part: the unit's query rows (each query
+ * head's rows padded by MR), kept between chunks; none with one chunk, or with parts, whose
+ * dQ is kept in part_dq. */
 static size_t FN(bwd_dq_rows)(const or_job *job, const int dots)
 {
-    return job->nk_max > FN(bwd_chunk)(job, dots)
+    return job->parts == 1 && job->part_keys > FN(bwd_chunk)(job, dots)
                ? (size_t)job->p->prm.group * (size_t)(job->nq_max + MR) : 0;
 }
 
@@ -749,10 +747,10 @@ static size_t FN(bwd_scratch_of)(const or_job *job, const int dots)
 {
     const or_problem *p = job->p;
     const size_t ldq = (size_t)FN(bwd_ld)(p->d, dots), ldo = (size_t)FN(bwd_ld)(p->dv, dots);
-    const size_t n = (size_t)job->nk_max;
+    const size_t n = (size_t)job->part_keys;
     return FN(bwd_dq_rows)(job, dots) * ldq         /* dQ between chunks */
            + (n + MR) * (ldq + ldo)                 /* dk, dv accumulators */
-           + n * ldq + (size_t)or_blocks_size(job->nk_max, BC, sizeof(REAL), p->d + p->dv)  /* k, kt, vt */
+           + n * ldq + (size_t)or_blocks_size(job->part_keys, BC, sizeof(REAL), p->d + p->dv)  /* k, kt, vt */
            + BR * ldq * 2 + BR * ldo * 2            /* q, dq, dout, o */
            + 3 * (size_t)BR * BC + 2 * BR;          /* s, dp, dcap, lse, di */
 }
@@ -769,12 +767,12 @@ static size_t bf16_bwd_scratch(const or_job *job)
 {
     const size_t dp = (size_t)FN(pad)(job->p->d), dvp = (size_t)FN(pad)(job->p->dv);
     return FN(bwd_scratch_of)(job, 1) + BR * (dp + dvp) / 2 * 3 + (size_t)BR * BC
-           + TILES * (dp + dvp) * (size_t)(job->nk_max / BC + 1) * BC;      /* dkt, dvt */
+           + TILES * (dp + dvp) * (size_t)(job->part_keys / BC + 1) * BC;   /* dkt, dvt */
 }
 #endif
 
-/* The backward's tiles in a worker's scratch (bwd_scratch_of's sizes, in that order), for a kv
- * unit of nk keys. With dots the five matrix products run on bfloat16 dot products, their
+/* The backward's tiles in a worker's scratch (bwd_scratch_of's sizes, in that order), for a
+ * part of a kv unit's keys, nk from key kb on; keys are indexed from kb in them. With dots the five matrix products run on bfloat16 dot products, their
  * operands pairs of bfloat16 (the forward's layouts, attn_bf16_impl.h; P and dS rounded to
  * bfloat16):
  *   qw, dow   q and dO rows, pairs along d / dv      (S = q K^T, dP = dO V^T)
@@ -788,8 +786,9 @@ static size_t bf16_bwd_scratch(const or_job *job)
  *             transposed into dk and dvacc at the end of the unit */
 typedef struct {
     int ldq, ldo;                   /* leading dimensions (bwd_ld) of rows of d and of dv */
+    or_ssize kb;                    /* the part's first key: row 0 of k, dk, dvacc, ... */
     REAL *dqall;                    /* dQ between chunks (bwd_dq_rows rows), or none */
-    REAL *dk, *dvacc;               /* the unit's dK and dV accumulators */
+    REAL *dk, *dvacc;               /* the part's dK and dV accumulators */
     REAL *k, *kt, *vt;              /* its keys, keys and values transposed in blocks */
     REAL *q, *dq, *dout, *o;        /* a query block's rows */
     REAL *s, *dpm, *dcap, *lse, *di;
@@ -807,20 +806,22 @@ typedef struct {
     REAL *dq;       /* its dQ: the dq tile, or its rows of the accumulators kept between chunks */
 } FN(bwd_rows);
 
-/* Worker `worker`'s tiles for a kv unit of nk keys (with dots, its bfloat16 ones too). */
+/* Worker `worker`'s tiles for the part of nk keys from key kb on (with dots, its bfloat16 ones
+ * too). */
 static inline __attribute__((always_inline)) FN(bwd_tiles)
-FN(bwd_tiles_of)(const or_job *job, int worker, or_ssize nk, const int dots)
+FN(bwd_tiles_of)(const or_job *job, int worker, or_ssize kb, or_ssize nk, const int dots)
 {
     const or_problem *p = job->p;
     const int d = p->d, dv = p->dv;
-    FN(bwd_tiles) t = {.ldq = FN(bwd_ld)(d, dots), .ldo = FN(bwd_ld)(dv, dots)};
+    const or_ssize most = job->part_keys;
+    FN(bwd_tiles) t = {.ldq = FN(bwd_ld)(d, dots), .ldo = FN(bwd_ld)(dv, dots), .kb = kb};
     t.dqall = (REAL *)(job->scratch + (size_t)worker * job->per_worker);
     t.dk = t.dqall + FN(bwd_dq_rows)(job, dots) * (size_t)t.ldq;
-    t.dvacc = t.dk + (job->nk_max + MR) * t.ldq;
-    t.k = t.dvacc + (job->nk_max + MR) * t.ldo;
-    t.kt = t.k + job->nk_max * t.ldq;
-    t.vt = t.kt + or_blocks_size(job->nk_max, BC, sizeof(REAL), d);
-    t.q = t.vt + or_blocks_size(job->nk_max, BC, sizeof(REAL), dv);
+    t.dvacc = t.dk + (most + MR) * t.ldq;
+    t.k = t.dvacc + (most + MR) * t.ldo;
+    t.kt = t.k + most * t.ldq;
+    t.vt = t.kt + or_blocks_size(most, BC, sizeof(REAL), d);
+    t.q = t.vt + or_blocks_size(most, BC, sizeof(REAL), dv);
     t.dq = t.q + BR * t.ldq;
     t.dout = t.dq + BR * t.ldq;
     t.o = t.dout + BR * t.ldo;
@@ -840,9 +841,9 @@ FN(bwd_tiles_of)(const or_job *job, int worker, or_ssize nk, const int dots)
         t.prr = t.dor + BR / 2 * dvp;
         t.dsr = t.prr + BR / 2 * BC;
         t.dkt = (float *)(t.dsr + BR / 2 * BC);
-        t.dvt = t.dkt + TILES * (job->nk_max / BC + 1) * BC * dp;
+        t.dvt = t.dkt + TILES * (most / BC + 1) * BC * dp;
         t.ldt = (int)(nk / BC + 1) * BC;
-        t.keep = (unsigned char *)(t.dvt + TILES * (job->nk_max / BC + 1) * BC * dvp);
+        t.keep = (unsigned char *)(t.dvt + TILES * (most / BC + 1) * BC * dvp);
     }
 #endif
     return t;
@@ -937,6 +938,7 @@ FN(bwd_key_block)(const or_problem *p, const FN(bwd_tiles) *t, const FN(bwd_rows
     const int rows = b->rows, rows_mr = b->rows_mr;
     const int cols = (int)(hi - j0 < BC ? hi - j0 : BC), cols_mr = (cols + MR - 1) / MR * MR;
     const int skip = (int)(j0 < lo ? lo - j0 : 0);  /* keys before lo: dS is 0 */
+    const or_ssize jt = j0 - t->kb;                 /* key j0's row in the part's tiles */
 #if DOTS
     const int d2 = (d + 1) / 2, dv2 = (dv + 1) / 2;
 #endif
@@ -955,23 +957,23 @@ FN(bwd_key_block)(const or_problem *p, const FN(bwd_tiles) *t, const FN(bwd_rows
 #if DOTS
             if (dots)
                 bf16_rows_gemm(sb, BC, t->qw + (or_ssize)r0 * dp, dp,
-                               (const uint32_t *)t->kt + j0 / BC * KLD * d2, KLD, m, ncols, d2,
+                               (const uint32_t *)t->kt + jt / BC * KLD * d2, KLD, m, ncols, d2,
                                (REAL)p->prm.scale, 0);
             else
 #endif
-            FN(gemm)(sb, BC, t->q + (or_ssize)r0 * t->ldq, t->ldq, 1, t->kt + j0 / BC * KLD * d,
+            FN(gemm)(sb, BC, t->q + (or_ssize)r0 * t->ldq, t->ldq, 1, t->kt + jt / BC * KLD * d,
                      KLD, m, ncols, d, 0, 0);                           /* S = q K^T */
             FN(transform_scores)(p, rows - r0 < m ? rows - r0 : m, kcols, b->i0 + r0, j0, b->nq,
                                  b->nk, b->slope, sb, t->dcap + (or_ssize)r0 * BC);
 #if DOTS
             if (dots)
                 bf16_rows_gemm(db, BC, t->dow + (or_ssize)r0 * dvp, dvp,
-                               (const uint32_t *)t->vt + j0 / BC * KLD * dv2, KLD, m, ncols, dv2,
+                               (const uint32_t *)t->vt + jt / BC * KLD * dv2, KLD, m, ncols, dv2,
                                1, 0);
             else
 #endif
             FN(gemm)(db, BC, t->dout + (or_ssize)r0 * t->ldo, t->ldo, 1,
-                     t->vt + j0 / BC * KLD * dv, KLD, m, ncols, dv, 0, 0);  /* dP = dO V^T */
+                     t->vt + jt / BC * KLD * dv, KLD, m, ncols, dv, 0, 0);  /* dP = dO V^T */
         }
         FN(bwd_probs)(p, t, b, j0, r0, m, ncols, kcols, skip);
 #if DOTS
@@ -981,14 +983,14 @@ FN(bwd_key_block)(const or_problem *p, const FN(bwd_tiles) *t, const FN(bwd_rows
             bf16_pairs_along((uint32_t *)db, BC, db, BC, m, ncols);
             if (kcols > skip)
                 bf16_rows_gemm(b->dq + (or_ssize)r0 * t->ldq, t->ldq, (const uint32_t *)db + skip / 2, BC,
-                               (const uint32_t *)t->k + (j0 + skip) / 2 * dp, dp, m, dp,
+                               (const uint32_t *)t->k + (jt + skip) / 2 * dp, dp, m, dp,
                                (kcols + 1) / 2 - skip / 2, 1, 1);
             continue;
         }
 #endif
         if (kcols > skip)                                               /* dQ += dS K */
             FN(gemm)(b->dq + (or_ssize)r0 * t->ldq, t->ldq, db + skip, BC, 1,
-                     t->k + (j0 + skip) * t->ldq, t->ldq, m, dp, kcols - skip, 2, 1);
+                     t->k + (jt + skip) * t->ldq, t->ldq, m, dp, kcols - skip, 2, 1);
     }
     /* dV += P^T dO, dK += dS^T q; in a cut block SR keys at a time, from the first row that
      * sees them (P and dS are 0 above it) */
@@ -1001,9 +1003,9 @@ FN(bwd_key_block)(const or_problem *p, const FN(bwd_tiles) *t, const FN(bwd_rows
         if (rlo >= rows)
             break;
         const int x0 = rlo / 2, pairs = (rows + 1) / 2 - x0;
-        bf16_rows_gemm(t->dvt + j0 + c0, t->ldt, t->dor + x0, BR / 2,
+        bf16_rows_gemm(t->dvt + jt + c0, t->ldt, t->dor + x0, BR / 2,
                        t->prr + (or_ssize)x0 * BC + c0, BC, dvp, n, pairs, 1, 1);
-        bf16_rows_gemm(t->dkt + j0 + c0, t->ldt, t->qr + x0, BR / 2,
+        bf16_rows_gemm(t->dkt + jt + c0, t->ldt, t->qr + x0, BR / 2,
                        t->dsr + (or_ssize)x0 * BC + c0, BC, dp, n, pairs, 1, 1);
     }
     for (int c0 = 0; !dots && c0 < cols_mr; c0 += sk) {
@@ -1017,40 +1019,70 @@ FN(bwd_key_block)(const or_problem *p, const FN(bwd_tiles) *t, const FN(bwd_rows
 #if DOTS
         if (dots) {     /* from the pair of rows that holds rlo */
             const int x0 = rlo / 2, pairs = (rows + 1) / 2 - x0;
-            bf16_gemm(t->dvacc + (j0 + c0) * t->ldo, t->ldo, t->prr + (or_ssize)x0 * BC + c0, 1,
+            bf16_gemm(t->dvacc + (jt + c0) * t->ldo, t->ldo, t->prr + (or_ssize)x0 * BC + c0, 1,
                       BC, t->dor + (or_ssize)x0 * dvp, dvp, n, dvp, pairs, 1, 1);
-            bf16_gemm(t->dk + (j0 + c0) * t->ldq, t->ldq, t->dsr + (or_ssize)x0 * BC + c0, 1, BC,
+            bf16_gemm(t->dk + (jt + c0) * t->ldq, t->ldq, t->dsr + (or_ssize)x0 * BC + c0, 1, BC,
                       t->qr + (or_ssize)x0 * dp, dp, n, dp, pairs, 1, 1);
             continue;
         }
 #endif
-        FN(gemm)(t->dvacc + (j0 + c0) * t->ldo, t->ldo, t->s + (or_ssize)rlo * BC + c0, 1, BC,
+        FN(gemm)(t->dvacc + (jt + c0) * t->ldo, t->ldo, t->s + (or_ssize)rlo * BC + c0, 1, BC,
                  t->dout + (or_ssize)rlo * t->ldo, t->ldo, n, dvp, rows - rlo, 2, 1);
-        FN(gemm)(t->dk + (j0 + c0) * t->ldq, t->ldq, t->dpm + (or_ssize)rlo * BC + c0, 1, BC,
+        FN(gemm)(t->dk + (jt + c0) * t->ldq, t->ldq, t->dpm + (or_ssize)rlo * BC + c0, 1, BC,
                  t->q + (or_ssize)rlo * t->ldq, t->ldq, n, dp, rows - rlo, 2, 1);
     }
 }
 
-/* One work item: a kv unit; it owns dK and dV of that unit and the dQ of its query heads,
- * so no two workers ever write the same element and no atomics are needed. Its keys go in
- * chunks (bwd_chunk), each against every query block of the unit's query heads. */
+/* A query block's dQ (rows of ld REALs, before the scale) into the output: dQ = scale dS K, and
+ * 0 in a row that sees no key, even where its dS of 0 met a NaN key that another row of the
+ * block sees (0 * NaN). lse: a tile of BR REALs. */
+static inline __attribute__((always_inline)) void
+FN(bwd_store_dq)(const or_problem *p, REAL *lse, or_ssize u, or_ssize i0, int rows, REAL *dq,
+                 int ld)
+{
+    const or_view *w = p->view;
+    const REAL scale = (REAL)p->prm.scale;
+    FN(load_rows)(lse, 1, FN(row_ptr)(p, OR_LSE, u, i0), w[OR_LSE].row_stride, rows, 1, rows,
+                  w[OR_LSE].dtype, 1);
+    for (int r = 0; r < rows; r++)
+        for (int x = 0; x < p->d; x++)
+            dq[(or_ssize)r * ld + x] = lse[r] != -INFINITY ? dq[(or_ssize)r * ld + x] * scale : 0;
+    FN(store_rows)(FN(row_ptr)(p, OR_DQ, u, i0), w[OR_DQ].row_stride, dq, ld, rows, p->d,
+                   w[OR_DQ].dtype);
+}
+
+/* Part `part`'s dQ of the query block of unit u from row i0 in part_dq. */
+static inline REAL *FN(part_dq_rows)(const or_job *job, or_ssize u, or_ssize part, or_ssize i0)
+{
+    const or_ssize group = job->p->prm.group, kvu = u / group;
+    const size_t row = ((size_t)(kvu * job->parts + part) * (size_t)group + (size_t)(u % group))
+                           * (size_t)(job->blocks * BR) + (size_t)i0;
+    return (REAL *)job->part_dq + row * (size_t)job->part_ld;
+}
+
+/* One work item: a part of a kv unit's keys (the whole unit where there is one part); it owns dK
+ * and dV of those keys and either the dQ of the unit's query heads or, with parts, their dQ of
+ * its keys alone in part_dq, so no two workers ever write the same element and no atomics are
+ * needed. Its keys go in chunks (bwd_chunk), each against every query block of the unit's query
+ * heads. */
 static inline __attribute__((always_inline)) void
 FN(bwd_unit)(void *vjob, or_ssize item, int worker, const int dots)
 {
     const or_job *job = vjob;
     const or_problem *p = job->p;
-    const or_ssize kvu = job->order[item];
+    const or_ssize kvu = job->order[item] / job->parts, part = job->order[item] % job->parts;
     const int d = p->d, dv = p->dv;
-    const or_ssize nk = p->nk[kvu * p->prm.group];
+    const or_ssize nk = p->nk[kvu * p->prm.group], kb = part * job->part_keys;
+    const or_ssize ke = nk - kb < job->part_keys ? nk : kb + job->part_keys, nkp = ke - kb;
     const or_ssize chunk = FN(bwd_chunk)(job, dots);
     const size_t dq_rows = FN(bwd_dq_rows)(job, dots);
-    const FN(bwd_tiles) t = FN(bwd_tiles_of)(job, worker, nk, dots);
+    const FN(bwd_tiles) t = FN(bwd_tiles_of)(job, worker, kb, nkp, dots);
     const or_view *w = p->view;
 #if DOTS
     if (dots) {     /* t.ldq, t.ldo: d and dv rounded up to W (bwd_ld) */
-        bf16_pack_row_pairs((uint32_t *)t.k, t.ldq, p, OR_K, kvu, nk, d);
-        bf16_pack_blocks((uint32_t *)t.kt, p, OR_K, kvu, nk, d);
-        bf16_pack_blocks((uint32_t *)t.vt, p, OR_V, kvu, nk, dv);
+        bf16_pack_row_pairs((uint32_t *)t.k, t.ldq, p, OR_K, kvu, kb, nkp, d);
+        bf16_pack_blocks((uint32_t *)t.kt, p, OR_K, kvu, kb, nkp, d);
+        bf16_pack_blocks((uint32_t *)t.vt, p, OR_V, kvu, kb, nkp, dv);
 #if TILES
         memset(t.dkt, 0, sizeof(float) * (size_t)t.ldt * (size_t)t.ldq);
         memset(t.dvt, 0, sizeof(float) * (size_t)t.ldt * (size_t)t.ldo);
@@ -1058,18 +1090,19 @@ FN(bwd_unit)(void *vjob, or_ssize item, int worker, const int dots)
     } else
 #endif
     {
-        FN(load_rows)(t.k, t.ldq, FN(row_ptr)(p, OR_K, kvu, 0), w[OR_K].row_stride, nk, d, nk,
+        FN(load_rows)(t.k, t.ldq, FN(row_ptr)(p, OR_K, kvu, kb), w[OR_K].row_stride, nkp, d, nkp,
                       w[OR_K].dtype, 1);
-        FN(load_cols_blocked)(t.kt, FN(row_ptr)(p, OR_K, kvu, 0), w[OR_K].row_stride, nk, d,
+        FN(load_cols_blocked)(t.kt, FN(row_ptr)(p, OR_K, kvu, kb), w[OR_K].row_stride, nkp, d,
                               w[OR_K].dtype);
-        FN(load_cols_blocked)(t.vt, FN(row_ptr)(p, OR_V, kvu, 0), w[OR_V].row_stride, nk, dv,
+        FN(load_cols_blocked)(t.vt, FN(row_ptr)(p, OR_V, kvu, kb), w[OR_V].row_stride, nkp, dv,
                               w[OR_V].dtype);
     }
-    memset(t.dk, 0, sizeof(REAL) * (size_t)(nk + MR) * (size_t)t.ldq);
-    memset(t.dvacc, 0, sizeof(REAL) * (size_t)(nk + MR) * (size_t)t.ldo);
-    memset(t.dqall, 0, sizeof(REAL) * dq_rows * (size_t)t.ldq);
-    /* keys [k0, k0 + chunk) against every query block; once, empty, where nk is 0 */
-    for (or_ssize k0 = 0; k0 < nk || k0 == 0; k0 += chunk) {
+    memset(t.dk, 0, sizeof(REAL) * (size_t)(nkp + MR) * (size_t)t.ldq);
+    memset(t.dvacc, 0, sizeof(REAL) * (size_t)(nkp + MR) * (size_t)t.ldo);
+    /* keys [k0, k0 + chunk) of the part against every query block; once, empty, where it has
+     * no keys */
+    for (or_ssize k0 = kb; k0 < ke || k0 == kb; k0 += chunk) {
+        const or_ssize k1 = ke - k0 < chunk ? ke : k0 + chunk;
         for (or_ssize g = 0; g < p->prm.group; g++) {
             const or_ssize u = kvu * p->prm.group + g;
             for (or_ssize i0 = 0; i0 < p->nq[u]; i0 += BR) {
@@ -1077,37 +1110,28 @@ FN(bwd_unit)(void *vjob, or_ssize item, int worker, const int dots)
                                   .slope = p->slopes ? (REAL)p->slopes[u] : 0, .dq = t.dq};
                 b.rows = (int)(b.nq - i0 < BR ? b.nq - i0 : BR);
                 b.rows_mr = (b.rows + MR - 1) / MR * MR;
-                if (dq_rows)
+                if (job->parts > 1)
+                    b.dq = FN(part_dq_rows)(job, u, part, i0);    /* part_ld: t.ldq */
+                else if (dq_rows)
                     b.dq = t.dqall + ((size_t)g * (size_t)(job->nq_max + MR) + (size_t)i0) * t.ldq;
-                else
+                if (k0 == kb)
                     memset(b.dq, 0, sizeof(REAL) * (size_t)b.rows_mr * (size_t)t.ldq);
                 or_ssize lo, hi;
                 or_key_range(p->prm.left, p->prm.right, b.nq, nk, i0, i0 + b.rows, &lo, &hi);
                 lo = lo > k0 ? lo : k0;
-                hi = hi < k0 + chunk ? hi : k0 + chunk;
+                hi = hi < k1 ? hi : k1;
                 if (lo < hi) {
                     FN(bwd_load_rows)(p, &t, &b, dots);
                     for (or_ssize j0 = lo - lo % BC; j0 < hi; j0 += BC)
                         FN(bwd_key_block)(p, &t, &b, j0, lo, hi, dots);
                 }
-                if (k0 + chunk < nk)
-                    continue;       /* dQ is whole after the last chunk */
-                /* s = scale * q.k; a row that sees no key gets dQ 0, even where its dS of 0 met a
-                 * NaN key that another row of the block sees (0 * NaN) */
-                const REAL scale = (REAL)p->prm.scale;
-                FN(load_rows)(t.lse, 1, FN(row_ptr)(p, OR_LSE, u, i0), w[OR_LSE].row_stride,
-                              b.rows, 1, b.rows, w[OR_LSE].dtype, 1);
-                for (int r = 0; r < b.rows; r++)
-                    for (int x = 0; x < t.ldq; x++)
-                        b.dq[(or_ssize)r * t.ldq + x] = t.lse[r] != -INFINITY
-                                                        ? b.dq[(or_ssize)r * t.ldq + x] * scale : 0;
-                FN(store_rows)(FN(row_ptr)(p, OR_DQ, u, i0), w[OR_DQ].row_stride, b.dq, t.ldq,
-                               b.rows, d, w[OR_DQ].dtype);
+                if (k1 == ke && job->parts == 1)    /* dQ is whole after the last chunk */
+                    FN(bwd_store_dq)(p, t.lse, u, i0, b.rows, b.dq, t.ldq);
             }
         }
     }
 #if TILES
-    for (or_ssize j = 0; dots && j < nk; j++) {
+    for (or_ssize j = 0; dots && j < nkp; j++) {
         for (int c = 0; c < t.ldq; c++)
             t.dk[j * t.ldq + c] = t.dkt[(or_ssize)c * t.ldt + j];
         for (int c = 0; c < t.ldo; c++)
@@ -1115,11 +1139,11 @@ FN(bwd_unit)(void *vjob, or_ssize item, int worker, const int dots)
     }
 #endif
     if (dots)       /* dK = scale dS^T q: q was not pre-multiplied */
-        for (or_ssize x = 0; x < nk * t.ldq; x++)
+        for (or_ssize x = 0; x < nkp * t.ldq; x++)
             t.dk[x] *= (REAL)p->prm.scale;
-    FN(store_rows)(FN(row_ptr)(p, OR_DK, kvu, 0), w[OR_DK].row_stride, t.dk, t.ldq, nk, d,
+    FN(store_rows)(FN(row_ptr)(p, OR_DK, kvu, kb), w[OR_DK].row_stride, t.dk, t.ldq, nkp, d,
                    w[OR_DK].dtype);
-    FN(store_rows)(FN(row_ptr)(p, OR_DV, kvu, 0), w[OR_DV].row_stride, t.dvacc, t.ldo, nk, dv,
+    FN(store_rows)(FN(row_ptr)(p, OR_DV, kvu, kb), w[OR_DV].row_stride, t.dvacc, t.ldo, nkp, dv,
                    w[OR_DV].dtype);
 }
 
@@ -1136,6 +1160,27 @@ static void bf16_bwd_item(void *vjob, or_ssize item, int worker)
     bf16_tiles_end();
 }
 #endif
+
+/* A work item after a backward of several parts: a query block's dQ, the parts' added in part
+ * order (those with keys: a part past its unit's keys had no item), stored. */
+static void FN(bwd_sum_item)(void *vjob, or_ssize item, int worker)
+{
+    const or_job *job = vjob;
+    const or_problem *p = job->p;
+    const or_ssize u = item / job->blocks, i0 = item % job->blocks * BR;
+    if (i0 >= p->nq[u])
+        return;
+    const int ld = job->part_ld, rows = (int)(p->nq[u] - i0 < BR ? p->nq[u] - i0 : BR);
+    const or_ssize nk = p->nk[u], parts = nk > 0 ? (nk + job->part_keys - 1) / job->part_keys : 1;
+    REAL *dq = FN(part_dq_rows)(job, u, 0, i0);
+    for (or_ssize part = 1; part < parts; part++) {
+        const REAL *add = FN(part_dq_rows)(job, u, part, i0);
+        for (or_ssize x = 0; x < (or_ssize)rows * ld; x++)
+            dq[x] += add[x];
+    }
+    FN(bwd_store_dq)(p, (REAL *)(job->scratch + (size_t)worker * job->per_worker), u, i0, rows,
+                     dq, ld);
+}
 
 #undef W
 #undef KLD

@@ -24,6 +24,15 @@
  * units: N 8192-16384 D 128 0.90x the time, N 4096 D 256 0.87x; 1 MiB left D 256 one block of
  * keys a chunk, its query blocks loaded for each, 1.04-1.06x. */
 #define OR_BWD_CHUNK_BYTES ((size_t)4 << 20)
+/* Backward work items (attn_native.c): a kv unit's keys go in parts of at least
+ * OR_BWD_PART_KEYS keys, one item each, so that a call of fewer kv units than threads still
+ * keeps every thread busy: as many parts as make OR_BWD_ITEMS items in all, the part count,
+ * and with it every result bit, following from the problem alone, never the thread count. Each
+ * part keeps its dQ (of its keys alone, every query row of its unit) in a float buffer of its
+ * own, the parts' added in part order after; at most OR_BWD_PART_DQ_BYTES of them. */
+#define OR_BWD_ITEMS 16
+#define OR_BWD_PART_KEYS 1024
+#define OR_BWD_PART_DQ_BYTES ((size_t)256 << 20)
 
 /* Leading dimension of a transposed block of bc keys (load_cols_blocked) of REALs of `real`
  * bytes: a cache line more than bc. Rows 512 bytes apart (bc 128 floats) fall in 8 of the 64
@@ -37,6 +46,17 @@
 static inline or_ssize or_rows_ld(or_ssize cols, size_t real)
 {
     return cols * (or_ssize)real % 512 == 0 ? cols + 64 / (or_ssize)real : cols;
+}
+
+/* Leading dimension of the backward's tiles of rows of d REALs of `real` bytes (q, dO, O, k, dQ,
+ * dK, dV), d padded to the set's tile width (bytes): or_rows_ld's, so that a column panel of
+ * them (the right-hand side of dK += dS^T q, dV += P^T dO, dQ += dS K, BR or BC rows) does not
+ * fall in a few L1 sets; with dots (bfloat16 dot products) the padded d alone, on which their
+ * pair tiles are laid out. */
+static inline int or_bwd_ld(int d, int width, size_t real, int dots)
+{
+    const int lanes = width / (int)real, padded = (d + lanes - 1) / lanes * lanes;
+    return dots ? padded : (int)or_rows_ld(padded, real);
 }
 
 /* REALs of the transposed blocks of nk keys of `cols` columns each. */
@@ -68,7 +88,7 @@ typedef struct {
     char *scratch;          /* nworkers slices of per_worker bytes */
     size_t per_worker;
     or_ssize *order;        /* forward, backward: the items in the order they are handed out */
-    or_ssize blocks;        /* forward: query blocks per unit */
+    or_ssize blocks;        /* forward, backward: query blocks per unit */
     char *kt;               /* forward: every kv unit's keys transposed (see transpose_keys) */
     or_ssize *kt_off;       /* forward: offset of each kv unit in kt, in REALs */
     char *vc;               /* forward: values converted to REAL rows of dvp (ldvc apart) */
@@ -86,6 +106,13 @@ typedef struct {
     or_task pack, fwd;
     or_ssize nk_max;        /* backward: longest key sequence */
     or_ssize nq_max;        /* backward: longest query sequence */
+    or_ssize parts;         /* backward: parts of each kv unit's keys, an item each */
+    or_ssize part_keys;     /* backward: keys per part (a multiple of BC; nk_max if one part) */
+    /* backward of several parts: each item's dQ, of its part's keys alone, for every query
+     * row of its unit (blocks x BR rows a query head, or_bwd_ld apart); bwd_sum_item adds a
+     * query block's over the parts, in part order, and stores it */
+    char *part_dq;
+    int part_ld;            /* backward: REALs from one row of part_dq to the next (the tiles') */
     or_ssize splits;        /* decode: splits per kv unit, of split_keys keys each */
     or_ssize split_keys;
     char *part;             /* decode: every item's partial results (attn_decode_impl.h) */
@@ -117,13 +144,14 @@ static inline void *or_unit_vc(const or_job *job, or_ssize kvu, int worker)
  * backward is the float one). NULL in sets without them. */
 enum { OR_IN_FLOAT, OR_IN_DOUBLE, OR_IN_BF16_DOTS, OR_IN_F16_TILES, OR_N_INSTANCES };
 
-/* The work-item functions of one instruction set, by instance (OR_IN_*). */
+/* The work-item functions of one instruction set, by instance (OR_IN_*); decode_item and
+ * bwd_sum_item by REAL (0: float, 1: double). */
 typedef struct {
     const char *name;           /* ORCHARD_ISA's value for this set */
     int width;                  /* bytes: tile rows (d, dv) are padded to a multiple of it */
     int block_keys;             /* BC: keys per block */
     or_task transpose_keys_item[OR_N_INSTANCES], fwd_item[OR_N_INSTANCES],
-        bwd_item[OR_N_INSTANCES], decode_item[2];
+        bwd_item[OR_N_INSTANCES], bwd_sum_item[2], decode_item[2];
     size_t (*bwd_scratch[OR_N_INSTANCES])(const or_job *job);   /* REALs per worker */
 } or_kernels;
 

@@ -121,5 +121,6 @@ const or_kernels CAT(or_kernels_, ISA) = {
     .bwd_item = {bwd_item_f, bwd_item_d},
     .bwd_scratch = {bwd_scratch_f, bwd_scratch_d},
 #endif
+    .bwd_sum_item = {bwd_sum_item_f, bwd_sum_item_d},
     .decode_item = {decode_item_f, decode_item_d},
 };

@@ -96,8 +96,8 @@ def test_env_num_threads_rejects_bad(bad):
         % message, r.stderr
 
 
-def _workload(rng, dtype=np.float32):
-    b, h, hkv, nq, nk = 2, 4, 2, 70, 90
+def _workload(rng, dtype=np.float32, nk=90):
+    b, h, hkv, nq = 2, 4, 2, 70
     q = randn(rng, (b, h, nq, 40), dtype)
     k = randn(rng, (b, hkv, nk, 40), dtype)
     v = randn(rng, (b, hkv, nk, 24), dtype)
@@ -126,8 +126,11 @@ KW = [dict(), dict(causal=True, dropout_p=0.2, seed=3, softcap=2.0,
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=["f16", "f32", "f64"])
 @pytest.mark.parametrize("kw", KW, ids=["plain", "features"])
-def test_bit_identical_across_thread_counts(ops, device, rng, restore_threads, dtype, kw):
-    q, k, v, do = _workload(rng, dtype)
+@pytest.mark.parametrize("nk", [90, 2100], ids=["units", "parts"])
+def test_bit_identical_across_thread_counts(ops, device, rng, restore_threads, dtype, kw, nk):
+    """nk 2100: the native backward splits each of the 4 kv units' keys in 2 parts, an item each
+    (native.h OR_BWD_ITEMS), their dQ added in part order whichever threads ran them."""
+    q, k, v, do = _workload(rng, dtype, nk)
     results = {}
     for n in (1, 2, 3, 4, 1):
         ops.set_num_threads(n)
