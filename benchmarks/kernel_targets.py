@@ -126,10 +126,7 @@ def main(argv=None):
     parser.add_argument("--dtypes", nargs="+", default=DTYPES, choices=DTYPES)
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
-    cpu = orchard_ops.devices()[0]
-    print("%s, %d cores, native kernel set %s; torch %s, %d threads; %d rounds"
-          % (cpu["name"], cpu["compute_units"], cpu["kernel_isa"], torch.__version__,
-             torch.get_num_threads(), args.rounds))
+    print(benchmark.against_torch_header(torch, args.rounds))
     print("\n| B,H,N,D | figure | target | measured | at the FMA peak | |\n"
           "| --- | --- | --- | --- | --- | --- |")
     rates = []

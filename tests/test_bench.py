@@ -149,6 +149,31 @@ def test_products_table():
         assert len(row) == 7 and all(float(x) > 0 for x in row[2:]), row
 
 
+def test_few_units_table():
+    """benchmarks/few_units.py prints a row of timings and ratios against torch per shape,
+    grouped-query and causal ones too (values not checked: one round); a shape that is not
+    B,H,HKV,N,D[,causal] with HKV dividing H is refused by argparse."""
+    pytest.importorskip("torch")
+    script = """
+        import sys
+        sys.path.insert(0, %r)
+        import few_units
+        few_units.main(%r)
+    """
+    r = run_python(script % (os.path.join(REPO_ROOT, "benchmarks"),
+                             ["--shapes", "1,4,1,300,32", "1,2,2,200,16,causal", "--rounds", "1"]),
+                   timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = [line.split("|")[1:-1] for line in r.stdout.splitlines() if line.startswith("| 1,")]
+    assert [(row[0].strip(), row[1].strip()) for row in rows] == [
+        ("1,4,1,300,32", "no"), ("1,2,2,200,16", "yes")]
+    for row in rows:
+        assert all(float(x) > 0 for x in row[2:]), row
+    for bad in ("1,4,3,300,32", "1,4,1,300", "1,4,1,300,32,causl"):
+        r = run_python(script % (os.path.join(REPO_ROOT, "benchmarks"), ["--shapes", bad]))
+        assert r.returncode == 2 and "--shapes" in r.stderr and repr(bad) in r.stderr, r.stderr
+
+
 def test_bench_has_no_readme_or_target_flags():
     """Regenerating the README is a benchmark helper, not a flag of the installed command."""
     r = run_python("""

@@ -102,14 +102,16 @@ def orchard_calls(q, k, v, dout, causal, device):
 
 
 def sdpa_calls(q, k, v, dout, causal):
-    """(forward, backward): torch's scaled_dot_product_attention on these torch tensors; the
-    backward is the gradient of one forward graph, kept for every call."""
+    """(forward, backward): torch's scaled_dot_product_attention on these torch tensors (fewer
+    heads in k and v than in q: grouped-query attention); the backward is the gradient of one
+    forward graph, kept for every call."""
     import torch
     import torch.nn.functional as F
     tq, tk, tv = (t.clone().requires_grad_(True) for t in (q, k, v))
-    tout = F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+    gqa = q.shape[-3] != k.shape[-3]
+    tout = F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal, enable_gqa=gqa)
     return (lambda: F.scaled_dot_product_attention(tq.detach(), tk.detach(), tv.detach(),
-                                                   is_causal=causal),
+                                                   is_causal=causal, enable_gqa=gqa),
             lambda: torch.autograd.grad(tout, (tq, tk, tv), dout, retain_graph=True))
 
 
@@ -263,6 +265,15 @@ def training_tokens_per_s(steps=6, batch=8, seq=256, compiled=False):
             steps_of[backend + (" compiled" if compile_it else "")] = step
     times = round_robin(steps_of, steps)
     return {backend: batch * seq / float(np.median(t)) for backend, t in times.items()}
+
+
+def against_torch_header(torch, rounds):
+    """The first line of a comparison with torch on the CPU: the CPU, its cores, orchard's
+    native kernel set, torch's version and threads, the rounds."""
+    cpu = orchard_ops.devices()[0]
+    return ("%s, %d cores, native kernel set %s; torch %s, %d threads; %d rounds"
+            % (cpu["name"], cpu["compute_units"], cpu["kernel_isa"], torch.__version__,
+               torch.get_num_threads(), rounds))
 
 
 def round_robin(calls, rounds, settle=()):
