@@ -46,9 +46,10 @@ static int run_job(or_job *job, or_ssize n_items, or_ssize most_workers, or_task
  * their own (ties in index order), so that a group's keys and values stay in cache while its
  * items run (a causal forward of 32 units of 4,096 keys at D 128 ran 20 % faster than with
  * items ordered by cost alone, which interleaved every unit and read all their keys and
- * values from memory). Every output element still belongs to one item, so the order changes
- * no result. Items of cost -1 (no rows: an empty sequence of a varlen batch, a query block
- * past its unit's queries) have no output element and are left out: *live receives how many
+ * values from memory). Every output element still belongs to one item (or is added from its
+ * parts' buffers in part order: a backward's dQ), so the order changes no result. Items of
+ * cost -1 (no rows: an empty sequence of a varlen batch, a query block past its unit's
+ * queries) have no output element and are left out: *live receives how many
  * the order holds (a batch padded to 4,096 sequences, one of them real, 8 heads: each empty
  * item took 0.2-0.7 us to sort and hand out, 6.7-24 ms a call). NULL when out of memory. */
 typedef struct {
@@ -408,11 +409,13 @@ int or_native_bwd(const or_problem *p)
         parts = job.nk_max / OR_BWD_PART_KEYS;
     if (parts > 1 && parts * part_bytes > (double)OR_BWD_PART_DQ_BYTES)
         parts = (or_ssize)((double)OR_BWD_PART_DQ_BYTES / part_bytes);
+    if (part_bytes == 0)
+        parts = 1;      /* no query rows: nothing for parts to share */
     job.part_keys = parts > 1 ? ((job.nk_max + parts - 1) / parts + bc - 1) / bc * bc : job.nk_max;
     job.parts = parts > 1 ? (job.nk_max + job.part_keys - 1) / job.part_keys : 1;
     job.per_worker = round_up(real * kern->bwd_scratch[in](&job) + (size_t)bc);
-    job.part_dq = job.parts > 1 ? aligned_alloc(64, round_up((size_t)part_bytes * (size_t)job.parts))
-                                : NULL;
+    const size_t dq_bytes = (size_t)part_bytes * (size_t)job.parts;
+    job.part_dq = job.parts > 1 ? aligned_alloc(64, round_up(dq_bytes)) : NULL;
     or_ssize live;
     job.order = job.parts == 1 || job.part_dq != NULL
                     ? costly_first(&job, n_kv * job.parts, job.parts, part_cost, &live) : NULL;

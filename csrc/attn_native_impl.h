@@ -709,13 +709,13 @@ static void f16_split_fwd_item(void *vjob, or_ssize item, int worker)
 }
 #endif
 
-/* Keys per chunk of the backward (a multiple of BC): a unit's keys go in chunks, each through
- * all of the unit's query blocks, so that what a query block reads of the chunk (dK and dV
- * accumulators, keys and values packed: about 3 dp + 2 dvp REALs a key) is still in cache
- * from the block before, not streamed in again for each (native.h OR_BWD_CHUNK_BYTES). One
- * chunk where the unit's keys fit, and on dot products (dots): their products run 3-4x
- * faster, and packing each query block's q and dO for every chunk cost more than the cache
- * saved (AMX, N 4096 D 256: 1.16x the time). */
+/* Keys per chunk of the backward (a multiple of BC): an item's keys (a unit's, or a part's) go
+ * in chunks, each through all of the unit's query blocks, so that what a query block reads of
+ * the chunk (dK and dV accumulators, keys and values packed: about 3 dp + 2 dvp REALs a key)
+ * is still in cache from the block before, not streamed in again for each (native.h
+ * OR_BWD_CHUNK_BYTES). One chunk where the item's keys fit, and on dot products (dots): their
+ * products run 3-4x faster, and packing each query block's q and dO for every chunk cost more
+ * than the cache saved (AMX, N 4096 D 256: 1.16x the time). */
 static or_ssize FN(bwd_chunk)(const or_job *job, const int dots)
 {
     const or_problem *p = job->p;
@@ -750,7 +750,8 @@ static size_t FN(bwd_scratch_of)(const or_job *job, const int dots)
     const size_t n = (size_t)job->part_keys;
     return FN(bwd_dq_rows)(job, dots) * ldq         /* dQ between chunks */
            + (n + MR) * (ldq + ldo)                 /* dk, dv accumulators */
-           + n * ldq + (size_t)or_blocks_size(job->part_keys, BC, sizeof(REAL), p->d + p->dv)  /* k, kt, vt */
+           + n * ldq                                /* k */
+           + (size_t)or_blocks_size(job->part_keys, BC, sizeof(REAL), p->d + p->dv)  /* kt, vt */
            + BR * ldq * 2 + BR * ldo * 2            /* q, dq, dout, o */
            + 3 * (size_t)BR * BC + 2 * BR;          /* s, dp, dcap, lse, di */
 }
@@ -771,9 +772,9 @@ static size_t bf16_bwd_scratch(const or_job *job)
 }
 #endif
 
-/* The backward's tiles in a worker's scratch (bwd_scratch_of's sizes, in that order), for a
- * part of a kv unit's keys, nk from key kb on; keys are indexed from kb in them. With dots the five matrix products run on bfloat16 dot products, their
- * operands pairs of bfloat16 (the forward's layouts, attn_bf16_impl.h; P and dS rounded to
+/* The backward's tiles in a worker's scratch (bwd_scratch_of's sizes, in that order), for an
+ * item's nk keys from key kb on (a unit's, kb 0, or a part's), indexed from kb in them. With
+ * dots the five matrix products run on bfloat16 dot products, their operands pairs of bfloat16 (the forward's layouts, attn_bf16_impl.h; P and dS rounded to
  * bfloat16):
  *   qw, dow   q and dO rows, pairs along d / dv      (S = q K^T, dP = dO V^T)
  *   qr, dor   q and dO, pairs of rows                 (dK += dS^T q, dV += P^T dO)
@@ -783,7 +784,7 @@ static size_t bf16_bwd_scratch(const or_job *job)
  * With AMX tiles dK and dV accumulate transposed, dK^T += q^T dS and dV^T += dO^T P, their
  * left operands q^T and dO^T in qr and dor as rows of BR / 2 words (pairs of query rows):
  *   dkt, dvt  dp x ldt and dvp x ldt floats, ldt = nk rounded up past a multiple of BC,
- *             transposed into dk and dvacc at the end of the unit */
+ *             transposed into dk and dvacc at the end of the item */
 typedef struct {
     int ldq, ldo;                   /* leading dimensions (bwd_ld) of rows of d and of dv */
     or_ssize kb;                    /* the part's first key: row 0 of k, dk, dvacc, ... */
@@ -803,7 +804,8 @@ typedef struct {
     or_ssize u, i0, nq, nk;
     int rows, rows_mr;
     REAL slope;
-    REAL *dq;       /* its dQ: the dq tile, or its rows of the accumulators kept between chunks */
+    REAL *dq;       /* its dQ: the dq tile, its rows of the accumulators kept between chunks,
+                     * or of its part's in part_dq */
 } FN(bwd_rows);
 
 /* Worker `worker`'s tiles for the part of nk keys from key kb on (with dots, its bfloat16 ones

@@ -12,15 +12,18 @@ from conftest import REPO_ROOT
 
 # Feature combinations forward and backward, varlen, and strided inputs on every device, the
 # size limits and injected OpenCL faults, 0-d operands' messages (their dims are NULL); of the
-# backward over chunks of keys (seconds each under ASan) one case per kernel set.
+# backward over chunks of keys and over parts of them (seconds each under ASan) one or two
+# cases per kernel set.
 SANITIZE_SUBSET = ["tests/test_forward.py", "tests/test_backward.py", "tests/test_varlen.py",
                    "tests/test_index_limits.py", "tests/test_faults.py", "tests/test_isa.py",
                    "tests/test_errors.py",
                    "-k", "test_combinations or test_bwd_features or test_varlen_vs_reference or "
                    "0d or "
                    "test_index_limits or recovers or (test_isa and (backward or decode or "
-                   "score_features or bfloat16) and not chunks) or "
-                   "(test_backward_in_chunks_of_keys and gqa and float32)"]
+                   "score_features or bfloat16) and not chunks and not parts) or "
+                   "(test_backward_in_chunks_of_keys and gqa and float32) or "
+                   "(test_backward_in_parts_of_keys and window and float32) or "
+                   "(test_varlen_backward_in_parts_of_keys and bfloat16)"]
 
 
 def libasan():
