@@ -285,12 +285,26 @@ static void pack_item(void *vjob, or_ssize item, int worker)     /* the forward'
     job->pack(job, job->packs[item], worker);
 }
 
+/* Whether or_native_fwd takes the split-KV decode for p: a decode step (orchard.h), but on
+ * bfloat16 dot products only up to the kernel set's decode_bf16_rows query rows a unit. */
+int or_native_decodes(const or_problem *p)
+{
+    const or_kernels *kern = or_native_kernels();
+    const int dbl = or_dtypes[p->view[OR_Q].dtype].compute_size == sizeof(double);
+    if (!or_is_decode(p) || instance(p, kern->fwd_item, dbl, 0) != OR_IN_BF16_DOTS)
+        return or_is_decode(p);
+    for (or_ssize u = 0; u < p->n_units; u++)
+        if (p->nq[u] > kern->decode_bf16_rows)
+            return 0;
+    return 1;
+}
+
 int or_native_fwd(const or_problem *p)
 {
     const int dbl = or_dtypes[p->view[OR_Q].dtype].compute_size == sizeof(double);
     const size_t real = dbl ? sizeof(double) : sizeof(float);
     const or_kernels *kern = or_native_kernels();
-    if (or_is_decode(p))
+    if (or_native_decodes(p))
         return decode_fwd(p, kern, dbl);
     const int in = instance(p, kern->fwd_item, dbl, 0);
     const or_ssize n_kv = p->n_units / p->prm.group;

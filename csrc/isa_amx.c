@@ -13,5 +13,11 @@
 #define SR 32
 #define OR_BF16_DOTS 1
 #define OR_AMX_TILES 1
+/* bfloat16 decode steps of 9-16 query rows a unit go to the forward on tiles: B1 H32 Hkv8 at
+ * 1,024 keys D 128 0.67x torch SDPA on the decode path, 1.06-1.11x there (16 rows; B4 H12 D 64
+ * 0.70 against 1.29-1.42x, 12 rows over 4,096 keys 0.79-0.95 against 0.97-1.16x, 9 rows over
+ * 1,024 0.94 against 0.92x); at 8 rows or fewer the decode path stays ahead (1.0-2.3x torch,
+ * the forward 0.5-0.9x). The avx512bf16 set's forward was no faster there (0.4-0.6x). */
+#define DECODE_BF16_ROWS 8
 #include "native_kernels.h"
 #endif

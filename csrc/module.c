@@ -76,7 +76,8 @@ static PyObject *run(or_call *c, or_module_state *st, int backward)
         return none;
     }
     OR_COUNT(c->ct, fwd_calls, !backward);
-    OR_COUNT(c->ct, decode_calls, !backward && or_is_decode(&c->p));
+    OR_COUNT(c->ct, decode_calls, !backward && (c->device.index == 0 ? or_native_decodes(&c->p)
+                                                                      : or_is_decode(&c->p)));
     OR_COUNT(c->ct, bwd_calls, backward);
 
     if (or_env_flag("ORCHARD_DEBUG_FLASH_ATN")) {

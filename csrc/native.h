@@ -152,6 +152,9 @@ typedef struct {
     const char *name;           /* ORCHARD_ISA's value for this set */
     int width;                  /* bytes: tile rows (d, dv) are padded to a multiple of it */
     int block_keys;             /* BC: keys per block */
+    /* the most query rows a unit of a decode step (orchard.h or_is_decode) on bfloat16 dot
+     * products (OR_IN_BF16_DOTS) may have for the split-KV path; more go to the forward */
+    int decode_bf16_rows;
     or_task transpose_keys_item[OR_N_INSTANCES], fwd_item[OR_N_INSTANCES],
         bwd_item[OR_N_INSTANCES], bwd_sum_item[2], decode_item[2];
     size_t (*bwd_scratch[OR_N_INSTANCES])(const or_job *job);   /* REALs per worker */

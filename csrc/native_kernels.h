@@ -8,8 +8,9 @@
  *   SR      forward rows per strip
  *   KU      (optional, default 1) the micro-kernel's k loop unrolled KU times
  * and, where the target has AVX512-BF16, OR_BF16_DOTS (attn_bf16_impl.h), where it has AMX
- * OR_AMX_TILES too (attn_amx_impl.h, attn_f16_split_impl.h), and the compiler target for the
- * functions below. The kernels themselves are written once,
+ * OR_AMX_TILES too (attn_amx_impl.h, attn_f16_split_impl.h), optionally DECODE_BF16_ROWS
+ * (or_kernels' decode_bf16_rows; default OR_DECODE_MAX_QUERIES), and the compiler target for
+ * the functions below. The kernels themselves are written once,
  * over REAL, in attn_native_impl.h (forward, backward) and attn_decode_impl.h (decoding).
  */
 #include <math.h>
@@ -23,6 +24,9 @@
 
 #ifndef KU
 #define KU 1
+#endif
+#ifndef DECODE_BF16_ROWS
+#define DECODE_BF16_ROWS OR_DECODE_MAX_QUERIES
 #endif
 
 /* tiles are padded to whole micro-kernels: rows to MR, columns to two vectors */
@@ -109,6 +113,7 @@ const or_kernels CAT(or_kernels_, ISA) = {
     .name = OR_STR(ISA),
     .width = 2 * VBYTES,
     .block_keys = BC,
+    .decode_bf16_rows = DECODE_BF16_ROWS,
 #ifdef OR_BF16_DOTS
     .transpose_keys_item = {transpose_keys_item_f, transpose_keys_item_d, bf16_pack_item
                             F16_TILES(f16_split_pack_item)},

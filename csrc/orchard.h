@@ -110,6 +110,7 @@ int or_cl_bwd(int cl_index, const or_problem *p, or_counters *ct, or_error *err)
 
 /* attn_native.c */
 int or_native_fwd(const or_problem *p);
+int or_native_decodes(const or_problem *p);     /* or_native_fwd takes the split-KV path */
 int or_native_bwd(const or_problem *p);
 
 /* threadpool.c: work items 0..n-1 handed out dynamically; worker ids are 0..nworkers-1. */

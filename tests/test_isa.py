@@ -158,6 +158,26 @@ def test_decode_bfloat16(ops, isa, rng, d, dv, h, hkv, nq):
     assert_close(np.asarray(lse), ref_lse, np.float32, "lse", isa)
 
 
+@pytest.mark.parametrize("nq", [8, 9, 16])
+def test_bfloat16_decode_rows(ops, isa, rng, nq):
+    """bfloat16 steps of 9 to 16 query rows a unit go to the forward on the amx set (its tiles
+    are faster there: isa_amx.c DECODE_BF16_ROWS), to the split-KV decode on the others, as do
+    8 rows everywhere; stats() counts only the split-KV ones, and both agree with the float64
+    reference to the rounding of P (2^-8 of max|v|)."""
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.from_numpy(x).to(torch.bfloat16)
+               for x in qkv(rng, np.float32, h=8, hkv=2, nq=nq, nk=1100, d=128))
+    before = ops.stats()["per_device"].get("cpu", {}).get("decode_calls", 0)
+    out, lse = ops.flash_attn_fwd(q, k, v, causal=True)
+    decoded = ops.stats()["per_device"]["cpu"].get("decode_calls", 0) - before
+    assert decoded == (0 if isa == "amx" and nq > 8 else 1), isa
+    q64, k64, v64 = (x.double().numpy() for x in (q, k, v))
+    ref, ref_lse = ref_fwd(q64, k64, v64, causal=True)
+    np.testing.assert_allclose(torch.as_tensor(out).double().numpy(), ref, rtol=2.0 ** -8,
+                               atol=2.0 ** -8 * np.abs(v64).max(), err_msg=isa)
+    assert_close(np.asarray(lse), ref_lse, np.float32, "lse", isa)
+
+
 BF16_CASES = {     # (h, hkv, nq, nk, d, dv), features
     "plain": ((4, 4, 130, 200, 64, 64), {}),
     "causal gqa": ((4, 2, 130, 200, 64, 64), dict(causal=True)),
