@@ -1,7 +1,8 @@
 """A/B timing of two builds of orchard_ops, for changes that must not move speed (or should).
 
     python3 benchmarks/ab_builds.py BEFORE_DIR AFTER_DIR [--pairs 20]
-                                    [--calls d64|d128|d128-long|d256|short|half|few-units|decode] [--devices cpu,opencl:0]
+                                    [--calls d64|d128|d128-long|d256|short|half|few-units|decode]
+                                    [--devices cpu,opencl:0]
                                     [--threads N]
 
 Each DIR holds an orchard_ops extension (e.g. a checkout's python/ after

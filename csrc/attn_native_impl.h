@@ -774,8 +774,8 @@ static size_t bf16_bwd_scratch(const or_job *job)
 
 /* The backward's tiles in a worker's scratch (bwd_scratch_of's sizes, in that order), for an
  * item's nk keys from key kb on (a unit's, kb 0, or a part's), indexed from kb in them. With
- * dots the five matrix products run on bfloat16 dot products, their operands pairs of bfloat16 (the forward's layouts, attn_bf16_impl.h; P and dS rounded to
- * bfloat16):
+ * dots the five matrix products run on bfloat16 dot products, their operands pairs of bfloat16
+ * (the forward's layouts, attn_bf16_impl.h; P and dS rounded to bfloat16):
  *   qw, dow   q and dO rows, pairs along d / dv      (S = q K^T, dP = dO V^T)
  *   qr, dor   q and dO, pairs of rows                 (dK += dS^T q, dV += P^T dO)
  *   prr, dsr  P and dS, pairs of rows, BC words wide  (the A operands of those two)
