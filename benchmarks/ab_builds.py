@@ -17,7 +17,7 @@ method: a call whose code had not changed read 0.84 and 0.97 in two runs, 0.96-1
 backward B1), d128-long (float32 B1 H16 N4096, a backward of several key chunks), d256
 (float32, N 2048 and 256), short (N 256 and 100, many heads), half
 (bfloat16 and float16 forwards, D 64 and 128, float16 at N 256), few-units (backwards of
-fewer kv units than native.h's OR_BWD_ITEMS, whose keys go in parts), decode
+fewer kv units than orchard.h's OR_BWD_ITEMS, whose keys go in parts), decode
 (benchmarks/decode.py's decode steps, one query row against a cache).
 """
 import argparse
@@ -55,7 +55,7 @@ CALLS = {  # (name, B or query heads, H or kv heads, N or cache length, D, causa
               ("fwd N100", 1, 256, 100, 64, False, "float32"),
               ("bwd N100", 1, 256, 100, 64, False, "float32"),
               ("fwd N100 causal", 1, 256, 100, 64, True, "float32")],
-    # fewer kv units than items (native.h OR_BWD_ITEMS): the backward splits units' keys in parts
+    # fewer kv units than items (orchard.h OR_BWD_ITEMS): the backward splits units' keys in parts
     "few-units": [("bwd N4096", 1, 1, 4096, 64, False, "float32"),
                   ("bwd N4096 causal", 1, 1, 4096, 64, True, "float32"),
                   ("bwd N4096 d128", 1, 2, 4096, 128, False, "float32"),

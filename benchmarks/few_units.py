@@ -3,16 +3,18 @@
     python3 benchmarks/few_units.py [--shapes B,H,HKV,N,D[,causal] ...] [--rounds 7]
 
 The native backward splits each kv unit's keys in parts, an item each, where units are fewer
-than native.h's OR_BWD_ITEMS (one sequence, multi-query attention at micro-batch 1); before,
-such a backward ran on as many threads as it had units. Forward and backward of each shape,
-orchard's and torch's calls alternating in rounds (orchard.benchmark.round_robin, torch calls
-followed by a pause, as benchmarks/kernel_targets.py), a ratio being the median of its
-rounds' ratios. Prints a Markdown table.
+than orchard.h's OR_BWD_ITEMS (one sequence, multi-query attention at micro-batch 1), and so
+does the OpenCL tiled family's (a work-group each part); before, such a backward ran on as many
+threads as it had units. Forward and backward of each shape, orchard's and torch's calls
+alternating in rounds (orchard.benchmark.round_robin, torch calls followed by a pause, as
+benchmarks/kernel_targets.py), a ratio being the median of its rounds' ratios; where an OpenCL
+CPU device (PoCL) is listed, its backward too, against the native one. Prints a Markdown table.
 """
 import argparse
 import sys
 
 import numpy as np
+import orchard_ops
 import torch
 
 from orchard import benchmark
@@ -40,9 +42,13 @@ def main(argv=None):
     parser.add_argument("--shapes", nargs="+", type=shape_of, default=[shape_of(s) for s in SHAPES])
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args(argv)
+    opencl = [x["id"] for x in orchard_ops.devices()
+              if x["id"].startswith("opencl") and x["kind"] == "cpu"][:1]
     print(benchmark.against_torch_header(torch, args.rounds) + "\n")
     print("| B,H,HKV,N,D | causal | forward (ms) | torch (ms) | vs torch | backward (ms) "
-          "| torch (ms) | vs torch |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| torch (ms) | vs torch | %s backward (ms) | vs native |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+          % (opencl[0] if opencl else "OpenCL CPU device"))
     gen = torch.Generator().manual_seed(0)
     for b, h, hkv, n, d, causal in args.shapes:
         q, dout = (torch.randn(b, h, n, d, generator=gen) for _ in range(2))
@@ -50,12 +56,16 @@ def main(argv=None):
         calls = {}
         calls["fwd"], calls["bwd"] = benchmark.orchard_calls(q, k, v, dout, causal, "cpu")
         calls["torch_fwd"], calls["torch_bwd"] = benchmark.sdpa_calls(q, k, v, dout, causal)
+        if opencl:
+            calls["cl_bwd"] = benchmark.orchard_calls(q, k, v, dout, causal, opencl[0])[1]
         t = benchmark.round_robin(calls, args.rounds, settle=("torch_fwd", "torch_bwd"))
         ms = {name: 1e3 * float(np.median(times)) for name, times in t.items()}
         vs = lambda name: float(np.median(t["torch_" + name] / t[name]))   # noqa: E731
-        print("| %d,%d,%d,%d,%d | %s | %.1f | %.1f | %.2f | %.1f | %.1f | %.2f |"
+        cl = ("%.1f | %.2f" % (ms["cl_bwd"], np.median(t["bwd"] / t["cl_bwd"])) if opencl
+              else "- | -")
+        print("| %d,%d,%d,%d,%d | %s | %.1f | %.1f | %.2f | %.1f | %.1f | %.2f | %s |"
               % (b, h, hkv, n, d, "yes" if causal else "no", ms["fwd"], ms["torch_fwd"],
-                 vs("fwd"), ms["bwd"], ms["torch_bwd"], vs("bwd")), flush=True)
+                 vs("fwd"), ms["bwd"], ms["torch_bwd"], vs("bwd"), cl), flush=True)
     return 0
 
 

@@ -291,8 +291,10 @@ int or_native_decodes(const or_problem *p)
 {
     const or_kernels *kern = or_native_kernels();
     const int dbl = or_dtypes[p->view[OR_Q].dtype].compute_size == sizeof(double);
-    if (!or_is_decode(p) || instance(p, kern->fwd_item, dbl, 0) != OR_IN_BF16_DOTS)
-        return or_is_decode(p);
+    if (!or_is_decode(p))
+        return 0;
+    if (instance(p, kern->fwd_item, dbl, 0) != OR_IN_BF16_DOTS)
+        return 1;
     for (or_ssize u = 0; u < p->n_units; u++)
         if (p->nq[u] > kern->decode_bf16_rows)
             return 0;
@@ -413,20 +415,13 @@ int or_native_bwd(const or_problem *p)
         return OR_ENOMEM;
     const int in = instance(p, kern->bwd_item, dbl, 1);
     const or_ssize n_kv = p->n_units / p->prm.group, bc = kern->block_keys;
-    /* parts of each unit's keys (native.h OR_BWD_ITEMS), their dQ rows (each query head's
+    /* parts of each unit's keys (orchard.h OR_BWD_ITEMS), their dQ rows (each query head's
      * blocks of BR rows) part_ld REALs apart */
     job.blocks = (job.nq_max + BR - 1) / BR;
     job.part_ld = or_bwd_ld(p->d, kern->width, real, in == OR_IN_BF16_DOTS);
     const double part_bytes = (double)real * job.part_ld * (double)p->n_units * job.blocks * BR;
-    or_ssize parts = n_kv > 0 ? (OR_BWD_ITEMS + n_kv - 1) / n_kv : 1;
-    if (parts > job.nk_max / OR_BWD_PART_KEYS)
-        parts = job.nk_max / OR_BWD_PART_KEYS;
-    if (parts > 1 && parts * part_bytes > (double)OR_BWD_PART_DQ_BYTES)
-        parts = (or_ssize)((double)OR_BWD_PART_DQ_BYTES / part_bytes);
-    if (part_bytes == 0)
-        parts = 1;      /* no query rows: nothing for parts to share */
-    job.part_keys = parts > 1 ? ((job.nk_max + parts - 1) / parts + bc - 1) / bc * bc : job.nk_max;
-    job.parts = parts > 1 ? (job.nk_max + job.part_keys - 1) / job.part_keys : 1;
+    job.parts = or_bwd_parts(n_kv, job.nk_max, bc, part_bytes, (double)OR_BWD_PART_DQ_BYTES,
+                             &job.part_keys);
     job.per_worker = round_up(real * kern->bwd_scratch[in](&job) + (size_t)bc);
     const size_t dq_bytes = (size_t)part_bytes * (size_t)job.parts;
     job.part_dq = job.parts > 1 ? aligned_alloc(64, round_up(dq_bytes)) : NULL;

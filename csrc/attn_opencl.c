@@ -588,7 +588,7 @@ static int row_bwd_kernels(launch_t *L)
     if (rc == OR_OK)
         rc = set_params(L, L->kernel[1], &idx);
     if (rc == OR_OK)
-        rc = kernel_with(L, 2, f->bwd_keys, bwd_args, 6, &idx);
+        rc = kernel_with(L, 2, f->bwd2, bwd_args, 6, &idx);
     if (rc == OR_OK)
         rc = set_mem(L, L->kernel[2], &idx, L->mem[OR_DK]);
     if (rc == OR_OK)
@@ -598,25 +598,51 @@ static int row_bwd_kernels(launch_t *L)
     return rc;
 }
 
-/* The tiled family: a kv unit per work-item, with its dQ accumulator (rows of every unit). */
-static int tiled_bwd_kernel(launch_t *L)
+/* The tiled family: a part of a kv unit's keys per work-item (orchard.h or_bwd_parts), each
+ * part's dQ in an accumulator of the rows of every unit; then flash_bwd_tiled_dq adds the
+ * parts' for each query row. */
+static int tiled_bwd_kernels(launch_t *L, or_ssize nq_max, or_ssize nk_max, or_ssize n_kv)
 {
-    const size_t size = (dbl(L) ? sizeof(double) : sizeof(float))
-                        * (size_t)(L->rows * L->prog.tile_d + 1);
-    void *zeros = calloc(1, size);      /* dQ starts at 0; the kernel adds every key block */
-    if (zeros == NULL)
-        return OR_ENOMEM;
-    int idx, rc = new_buffer(L, "the dq accumulator", CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR,
-                             size, zeros, &L->dqacc);
-    free(zeros);
+    const size_t real = dbl(L) ? sizeof(double) : sizeof(float);
+    /* the parts' dQ in one buffer (and a REAL more), within the device's largest */
+    const double most = L->info->max_alloc > 0 && L->info->max_alloc < OR_BWD_PART_DQ_BYTES
+                            ? (double)(L->info->max_alloc - real) : (double)OR_BWD_PART_DQ_BYTES;
+    or_ssize part_keys;
+    const or_ssize parts = or_bwd_parts(n_kv, nk_max, L->prog.bk,
+                                        (double)real * (double)L->rows * L->prog.tile_d, most,
+                                        &part_keys);
+    const size_t size = real * ((size_t)parts * (size_t)L->rows * (size_t)L->prog.tile_d + 1);
+    int idx, rc = new_buffer(L, "the dq accumulator", CL_MEM_READ_WRITE, size, NULL, &L->dqacc);
     if (rc == OR_OK)
         rc = kernel_with(L, 1, or_cl_families[L->prog.family].bwd, bwd_args, 6, &idx);
-    for (int s = OR_DQ; rc == OR_OK && s <= OR_DV; s++)
+    for (int s = OR_DK; rc == OR_OK && s <= OR_DV; s++)
         rc = set_mem(L, L->kernel[1], &idx, L->mem[s]);
     if (rc == OR_OK)
         rc = set_mem(L, L->kernel[1], &idx, L->dqacc);
     if (rc == OR_OK)
+        rc = set_long(L, L->kernel[1], &idx, part_keys);
+    if (rc == OR_OK)
+        rc = set_long(L, L->kernel[1], &idx, L->rows);
+    if (rc == OR_OK)
         rc = set_params(L, L->kernel[1], &idx);
+    if (rc == OR_OK)
+        rc = kernel_with(L, 2, or_cl_families[L->prog.family].bwd2, NULL, 0, &idx);
+    if (rc == OR_OK)
+        rc = set_mem(L, L->kernel[2], &idx, L->dqacc);
+    if (rc == OR_OK)
+        rc = set_mem(L, L->kernel[2], &idx, L->mem[OR_DQ]);
+    if (rc == OR_OK)
+        rc = set_long(L, L->kernel[2], &idx, parts);
+    if (rc == OR_OK)
+        rc = set_long(L, L->kernel[2], &idx, L->rows);
+    if (rc == OR_OK)
+        rc = set_params(L, L->kernel[2], &idx);
+    const size_t global[3] = {(size_t)parts, (size_t)n_kv, 1}, local[3] = {1, 1, 1},
+                 sum_global[3] = {(size_t)nq_max, (size_t)L->p->n_units, 1};
+    if (rc == OR_OK)
+        rc = enqueue_nd(L, L->kernel[1], global, local);
+    if (rc == OR_OK)
+        rc = enqueue_nd(L, L->kernel[2], sum_global, NULL);
     return rc;
 }
 
@@ -636,19 +662,19 @@ int or_cl_bwd(int i, const or_problem *p, or_counters *ct, or_error *err)
         if (rc == OR_OK)
             rc = set_mem(&L, L.kernel[0], &idx, L.di);
     }
-    const int tiled = L.prog.family == OR_FAMILY_TILED, wg = L.prog.family == OR_FAMILY_WG;
+    const int wg = L.prog.family == OR_FAMILY_WG;
     const or_ssize n_kv = p->n_units / p->prm.group;
     if (rc == OR_OK)
-        rc = tiled ? tiled_bwd_kernel(&L) : row_bwd_kernels(&L);
-    if (rc == OR_OK)
         rc = enqueue(&L, L.kernel[0], nq_max, p->n_units, L.prog.prep_rows, L.prog.prep_rows);
-    if (rc == OR_OK)        /* tiled: one work-item per kv unit */
-        rc = tiled ? enqueue(&L, L.kernel[1], 1, n_kv, 1, 1)
-             : wg  ? enqueue_wg(&L, L.kernel[1], nq_max, p->n_units, L.prog.bq)
-                   : enqueue(&L, L.kernel[1], nq_max, p->n_units, L.prog.bq, L.prog.bq);
-    if (rc == OR_OK && !tiled)
-        rc = wg ? enqueue_wg(&L, L.kernel[2], nk_max, n_kv, L.prog.bq)
-                : enqueue(&L, L.kernel[2], nk_max, n_kv, L.prog.bq, L.prog.bq);
+    if (rc == OR_OK && L.prog.family == OR_FAMILY_TILED)
+        rc = tiled_bwd_kernels(&L, nq_max, nk_max, n_kv);
+    else if (rc == OR_OK && (rc = row_bwd_kernels(&L)) == OR_OK) {
+        rc = wg ? enqueue_wg(&L, L.kernel[1], nq_max, p->n_units, L.prog.bq)
+                : enqueue(&L, L.kernel[1], nq_max, p->n_units, L.prog.bq, L.prog.bq);
+        if (rc == OR_OK)
+            rc = wg ? enqueue_wg(&L, L.kernel[2], nk_max, n_kv, L.prog.bq)
+                    : enqueue(&L, L.kernel[2], nk_max, n_kv, L.prog.bq, L.prog.bq);
+    }
     if (rc == OR_OK)
         rc = finish_outputs(&L);
     release(&L);

@@ -583,11 +583,12 @@ int or_cl_family_of(int i)
 
 /* The smallest CL_KERNEL_WORK_GROUP_SIZE over the kernels that run work-groups of many
  * work-items: flash_bwd_prep, and every kernel of the rows and wg families (tiled kernels run
- * one per group; flash_decode_combine lets the runtime choose its work-groups). */
+ * one per group; flash_decode_combine and flash_bwd_tiled_dq let the runtime choose their
+ * work-groups). */
 static int kernel_limit(device_t *dev, cl_program prog, int family, size_t *limit, or_error *err)
 {
     const or_cl_family *f = &or_cl_families[family];
-    const char *const names[] = {"flash_bwd_prep", f->fwd, f->bwd, f->bwd_keys, f->decode};
+    const char *const names[] = {"flash_bwd_prep", f->fwd, f->bwd, f->bwd2, f->decode};
     *limit = dev->info.max_work_group;
     for (int i = 0; i < (family == OR_FAMILY_TILED ? 1 : 5); i++) {
         cl_int rc;
@@ -835,8 +836,8 @@ const or_cl_family or_cl_families[OR_NFAMILIES] = {
                         "flash_bwd_rows_dkdv", "flash_decode_split", 64, 64,
                         {{32, 32}, {64, 32}, {64, 64}, {128, 32}, {128, 64}}, fit_rows, NULL,
                         NULL, 0},
-    [OR_FAMILY_TILED] = {"tiled", "cpu", "flash_fwd_tiled", "flash_bwd_tiled", NULL,
-                         "flash_decode_split", 96, 96,
+    [OR_FAMILY_TILED] = {"tiled", "cpu", "flash_fwd_tiled", "flash_bwd_tiled",
+                         "flash_bwd_tiled_dq", "flash_decode_split", 96, 96,
                          {{48, 96}, {96, 48}, {96, 96}, {144, 96}, {96, 192}}, fit_tiles,
                          fit_tiles_fwd, fit_tiles_bwd, 1},
     [OR_FAMILY_WG] = {"wg", "gpu", "flash_fwd_wg", "flash_bwd_wg_dq", "flash_bwd_wg_dkdv",

@@ -25,7 +25,8 @@ typedef struct {
     const char *name;               /* ORCHARD_CL_FAMILY, logs, tuned-block records */
     const char *device_kind;        /* chosen for devices of this kind; NULL: all others */
     const char *fwd, *bwd;          /* forward kernel; backward kernel after flash_bwd_prep */
-    const char *bwd_keys;           /* a second backward kernel over key rows, or NULL */
+    const char *bwd2;               /* the backward's second kernel: dK, dV over key rows (rows,
+                                       wg), the key parts' dQ added (tiled) */
     const char *decode;             /* the split-KV forward for decoding (flash_decode.cl),
                                        before flash_decode_combine */
     int bq, bk;                     /* default blocks: rows family (work-group rows, keys per

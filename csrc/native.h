@@ -24,18 +24,6 @@
  * units: N 8192-16384 D 128 0.90x the time, N 4096 D 256 0.87x; 1 MiB left D 256 one block of
  * keys a chunk, its query blocks loaded for each, 1.04-1.06x. */
 #define OR_BWD_CHUNK_BYTES ((size_t)4 << 20)
-/* Backward work items (attn_native.c): where there are fewer kv units than OR_BWD_ITEMS, each
- * unit's keys go in parts, one item each, so that a call of fewer kv units than threads still
- * keeps every thread busy: enough parts for OR_BWD_ITEMS items or more, as long as the longest
- * unit's parts keep OR_BWD_PART_KEYS keys or more (rounded up to whole blocks; its last part
- * and a shorter unit's hold the rest), the part count, and with it every result bit, following
- * from the problem alone, never the thread count. Each
- * part keeps its dQ (of its keys alone, every query row of its unit) in a float buffer of its
- * own, the parts' added in part order after; at most OR_BWD_PART_DQ_BYTES of them. */
-#define OR_BWD_ITEMS 16
-#define OR_BWD_PART_KEYS 1024
-#define OR_BWD_PART_DQ_BYTES ((size_t)256 << 20)
-
 /* Leading dimension of a transposed block of bc keys (load_cols_blocked) of REALs of `real`
  * bytes: a cache line more than bc. Rows 512 bytes apart (bc 128 floats) fall in 8 of the 64
  * L1 sets, and the 128 rows of a column panel at d 128 overflowed their 12 ways. */

@@ -79,6 +79,38 @@ static inline int or_is_decode(const or_problem *p)
     return p->n_units > 0;
 }
 
+/* Backward work items: where there are fewer kv units than OR_BWD_ITEMS, each unit's keys go
+ * in parts, an item each (a task of the native path's threads, a work-group of the OpenCL tiled
+ * family's, which a CPU device runs on its cores), so that a call of fewer kv units than threads
+ * still keeps every thread busy: enough parts for OR_BWD_ITEMS items or more, as long as the
+ * longest unit's parts keep OR_BWD_PART_KEYS keys or more (rounded up to whole blocks; its last
+ * part and a shorter unit's hold the rest), the part count, and with it every result bit,
+ * following from the problem alone, never the thread count. Each part keeps its dQ (of its keys
+ * alone, every query row of its unit) in a buffer of its own, the parts' added in part order
+ * after; at most OR_BWD_PART_DQ_BYTES of them (less where a device's buffers are smaller). */
+#define OR_BWD_ITEMS 16
+#define OR_BWD_PART_KEYS 1024
+#define OR_BWD_PART_DQ_BYTES ((size_t)256 << 20)
+
+/* The parts of a backward of n_kv kv units, the longest of nk_max keys, in blocks of bk keys,
+ * part_bytes the dQ buffer of one part, most_bytes what all may take (OR_BWD_PART_DQ_BYTES or
+ * less): their count, and in *part_keys the keys of each (the last part's rest excepted). */
+static inline or_ssize or_bwd_parts(or_ssize n_kv, or_ssize nk_max, or_ssize bk, double part_bytes,
+                                    double most_bytes, or_ssize *part_keys)
+{
+    or_ssize parts = n_kv > 0 ? (OR_BWD_ITEMS + n_kv - 1) / n_kv : 1;
+    if (parts > nk_max / OR_BWD_PART_KEYS)
+        parts = nk_max / OR_BWD_PART_KEYS;
+    if (parts > 1 && parts * part_bytes > most_bytes)
+        parts = (or_ssize)(most_bytes / part_bytes);
+    if (parts <= 1 || part_bytes == 0) {    /* part_bytes 0: no query rows to share */
+        *part_keys = nk_max;
+        return 1;
+    }
+    *part_keys = ((nk_max + parts - 1) / parts + bk - 1) / bk * bk;
+    return (nk_max + *part_keys - 1) / *part_keys;
+}
+
 /* Status codes of the compute functions (they run without the GIL). */
 enum { OR_OK = 0, OR_ENOMEM = 1, OR_EDEVICE = 2 };
 

@@ -1,12 +1,15 @@
 /* flash_bwd_tiled.cl - attention backward of the tiled family (CPU devices): one work-item per
- * work-group owns a kv unit, as the native path's backward does, and forms every product in
- * register tiles (tiles.cl). D_i comes from flash_bwd_prep (common.cl) first.
+ * work-group owns a part of a kv unit's keys (the whole unit unless the call has few:
+ * orchard.h or_bwd_parts), as the native path's backward does, and forms every product in
+ * register tiles (tiles.cl). D_i comes from flash_bwd_prep (common.cl) first; the parts' dQ
+ * are added by flash_bwd_tiled_dq after.
  *
  *   q, dout, dq (unit, Nq, ...)  k, v, dk, dv (kv unit, Nk, ...)  lse (unit, Nq)
  *   di    (rows)                 D_i = rowsum(dO_i * O_i), a unit's from its OR_UNIT_ROW0
- *   dqacc (rows, DT)             dQ summed over key blocks (zeroed by the host), scaled on store
+ *   dqacc (parts, rows, DT)      each part's dQ summed over its key blocks (zeroed first),
+ *                                total_rows (those of every unit) a part
  *
- * For each BK block of keys (its dK, dV accumulated in local tiles) and each BQ block
+ * For each BK block of the part's keys (its dK, dV accumulated in local tiles) and each BQ block
  * of the query rows of the unit's GQA group that may see it (BQ x BK the backward's blocks:
  * cl_runtime.c fit_tiles_bwd, twice the family's keys where they fit):
  *   S = q K^T, P = exp(S - lse), dP = dO V^T, dS = P (dP~ - D) dcap,
@@ -25,18 +28,29 @@ __kernel __attribute__((reqd_work_group_size(1, 1, 1)))
 void flash_bwd_tiled(__global const storage_t *q, __global const storage_t *k,
                      __global const storage_t *v, __global const storage_t *dout,
                      __global const real *lse, __global const real *di,
-                     __global storage_t *dq, __global storage_t *dk, __global storage_t *dv,
-                     __global real *dqacc, __global const long *meta,
-                     __global const real *slopes, const or_params params)
+                     __global storage_t *dk, __global storage_t *dv, __global real *dqacc, const long part_keys, const long total_rows,
+                     __global const long *meta, __global const real *slopes,
+                     const or_params params)
 {
     const or_params p = params;     /* a private copy: its fields stay in registers */
     OR_TILED_BWD_TILES(LOCAL_TILE, HEAD_D, HEAD_DV, DT, DVT, BQ, BK)
-    const long w = get_group_id(1);
+    /* parts 0, n-1, 1, n-2, ... in work-group order: a causal unit's first parts cost the
+     * most (every later row sees their keys), and PoCL 3.1 on two threads ran them as if each
+     * thread took half of the run in order (causal B1 H1 N4096 0.67x the time of part order) */
+    const long at = get_group_id(0), parts = get_num_groups(0), w = get_group_id(1),
+               part = at % 2 ? parts - 1 - at / 2 : at / 2;
     __global const long *kvunit = UNIT(meta, w * p.group);
-    const long nk = kvunit[OR_UNIT_NK];
+    const long nk = kvunit[OR_UNIT_NK], jhi = min(nk, (part + 1) * part_keys);
 
-    for (long j0 = 0; j0 < nk; j0 += BK) {
-        const int cols = (int)min((long)BK, nk - j0), cols_tm = (cols + TM - 1) / TM * TM,
+    for (int g = 0; g < p.group; g++) {         /* the part's dQ sums of the group's rows */
+        __global const long *unit = UNIT(meta, w * p.group + g);
+        __global real *dqu = dqacc + (part * total_rows + unit[OR_UNIT_ROW0]) * DT;
+        for (long e = 0; e < unit[OR_UNIT_NQ] * DT; e += VW)
+            CAT(vstore, VW)((realv)0, 0, dqu + e);
+    }
+
+    for (long j0 = part * part_keys; j0 < jhi; j0 += BK) {
+        const int cols = (int)min((long)BK, jhi - j0), cols_tm = (cols + TM - 1) / TM * TM,
                   cols_tn = (cols + TN - 1) / TN * TN;
         load_block(kt, BK, 1, k, meta, kvunit, OR_K, j0, cols, BK, HEAD_D, 1);
         load_block(vt, BK, 1, v, meta, kvunit, OR_V, j0, cols, BK, HEAD_DV, 1);
@@ -51,7 +65,7 @@ void flash_bwd_tiled(__global const storage_t *q, __global const storage_t *k,
             __global const long *unit = UNIT(meta, u);
             const long nq = unit[OR_UNIT_NQ], off = nk - nq;
             const real slope = p.has_alibi ? slopes[u] : 0;
-            __global real *dqu = dqacc + unit[OR_UNIT_ROW0] * DT;
+            __global real *dqu = dqacc + (part * total_rows + unit[OR_UNIT_ROW0]) * DT;
             long ilo, ihi;
             or_query_range(p.left, p.right, nq, nk, j0, j0 + cols, &ilo, &ihi);
             for (long i0 = ilo; i0 < ihi; i0 += BQ) {
@@ -138,14 +152,25 @@ void flash_bwd_tiled(__global const storage_t *q, __global const storage_t *k,
                 STORE(dv, kvunit[OR_DV] + (j0 + c) * meta[OR_DV] + x, dva[c * DVT + x]);
         }
     }
+}
 
-    for (int g = 0; g < p.group; g++) {         /* s = scale * q.k, so dQ = scale * dS K */
-        const long u = w * p.group + g;
-        __global const long *unit = UNIT(meta, u);
-        __global const real *dqu = dqacc + unit[OR_UNIT_ROW0] * DT;
-        for (long i = 0; i < unit[OR_UNIT_NQ]; i++)
-            for (int x = 0; x < HEAD_D; x++)
-                STORE(dq, unit[OR_DQ] + i * meta[OR_DQ] + x, dqu[i * DT + x] * p.scale);
+/* dQ of query row i of unit u (a work-item each): the parts' sums added in part order, times
+ * the scale (s = scale * q.k, so dQ = scale * dS K). */
+__kernel void flash_bwd_tiled_dq(__global const real *dqacc, __global storage_t *dq,
+                                 const long parts, const long total_rows,
+                                 __global const long *meta,
+                                 __global const real *slopes, const or_params params)
+{
+    const long i = get_global_id(0), u = get_global_id(1);
+    __global const long *unit = UNIT(meta, u);
+    if (i >= unit[OR_UNIT_NQ])
+        return;
+    __global const real *acc = dqacc + (unit[OR_UNIT_ROW0] + i) * DT;
+    for (int x = 0; x < HEAD_D; x++) {
+        real sum = acc[x];
+        for (long t = 1; t < parts; t++)
+            sum += acc[t * total_rows * DT + x];
+        STORE(dq, unit[OR_DQ] + i * meta[OR_DQ] + x, sum * params.scale);
     }
 }
 #endif

@@ -58,6 +58,20 @@ OPENCL_IDS = [d for d in DEVICE_IDS if isinstance(d, str) and d.startswith("open
 CPU_OPENCL_IDS = [d["id"] for d in (_ops.devices() if OPENCL_IDS else ())
                   if d["id"] in OPENCL_IDS and d["kind"] == "cpu"]
 
+# Backwards whose few kv units (fewer than orchard.h OR_BWD_ITEMS, 16) split their keys in parts
+# of at least OR_BWD_PART_KEYS (1024), rounded up to whole blocks (test_isa.py on the native
+# path, test_opencl.py on the tiled family): (b, h, hkv, nq, nk, d), features
+BACKWARD_PARTS = {
+    "one unit": ((1, 1, 1, 300, 2100, 64), {}),                         # 2 parts
+    "causal mqa": ((1, 4, 1, 700, 3100, 64), dict(causal=True)),        # 3 parts
+    "window": ((1, 2, 2, 500, 3100, 64), dict(window=(300, 10))),       # part 0 seen by no row
+    "more queries": ((1, 1, 1, 2600, 2100, 64), dict(causal=True)),     # rows that see no key
+    "chunks in parts": ((1, 1, 1, 200, 2100, 256), dict(causal=True)),  # native: 768-key chunks
+    "dropout softcap alibi": ((2, 2, 1, 150, 2100, 48),
+                              dict(dropout_p=0.2, seed=3, softcap=4.0,
+                                   alibi_slopes=np.array([0.5, 0.25]))),
+}
+
 # ORCHARD_FAULT, ORCHARD_AUTO_ANY_OPENCL and ORCHARD_CL_TRANSFERS take effect only in a build
 # made with ORCHARD_TEST_HOOKS=1 (setup.py); the tests that set them skip elsewhere.
 TEST_HOOKS = _ops is not None and _ops.build_info()["test_hooks"]
@@ -311,3 +325,27 @@ def check_backward(ops, device, q, k, v, dout, what="", **kw):
         assert g.shape == x.shape, "%s: %s shape %s, expected %s" % (what, name, g.shape, x.shape)
         assert_close(g, r, x.dtype, "grad", "%s %s" % (what, name), floor=floor, cond=cond)
     return dq, dk, dv
+
+
+def check_varlen_backward_in_parts(ops, device, rng, dtype, what=""):
+    """A causal varlen backward whose longest sequence's keys go in parts (BACKWARD_PARTS), its
+    others with fewer keys than the parts cover, one with no keys, one with no queries, against
+    the float64 reference; dtype "float32" or "bfloat16" (torch tensors)."""
+    torch = pytest.importorskip("torch")
+    from orchard.reference import ref_varlen_bwd
+    lq, lk, h, d = [300, 5, 0, 40], [2500, 0, 700, 1100], 2, 64
+    cq, ck = (torch.tensor(np.concatenate([[0], np.cumsum(n)]), dtype=torch.int32)
+              for n in (lq, lk))
+    q, do = (torch.from_numpy(randn(rng, (sum(lq), h, d), np.float32)) for _ in range(2))
+    k, v = (torch.from_numpy(randn(rng, (sum(lk), 1, d), np.float32)) for _ in range(2))
+    q, k, v, do = (x.to(getattr(torch, dtype)) for x in (q, k, v, do))
+    out, lse = ops.flash_attn_varlen_fwd(q, k, v, cq, ck, causal=True, device=device)
+    grads = ops.flash_attn_varlen_bwd(do, q, k, v, out, lse, cq, ck, causal=True, device=device)
+    wide = [x.double().numpy() for x in (do, q, k, v)]
+    refs = ref_varlen_bwd(*wide, cq.numpy(), ck.numpy(), causal=True)
+    floor = grad_floor(wide[0], torch.as_tensor(out).double().numpy(), wide[1], wide[2], None,
+                       300 / 2500)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, refs):
+        assert_close(torch.as_tensor(g).double().numpy(), r, np.float32, "grad",
+                     "%s %s" % (what, name), t=2.0 ** -6 if dtype == "bfloat16" else None,
+                     floor=floor)

@@ -4,6 +4,7 @@ import json
 import os
 import threading
 
+import orchard_ops
 import pytest
 
 from conftest import REPO_ROOT, run_python
@@ -151,7 +152,8 @@ def test_products_table():
 
 def test_few_units_table():
     """benchmarks/few_units.py prints a row of timings and ratios against torch per shape,
-    grouped-query and causal ones too (values not checked: one round); a shape that is not
+    grouped-query and causal ones too, and the OpenCL CPU device's backward against the native
+    one where there is that device (values not checked: one round); a shape that is not
     B,H,HKV,N,D[,causal] with HKV dividing H is refused by argparse."""
     pytest.importorskip("torch")
     script = """
@@ -167,8 +169,12 @@ def test_few_units_table():
     rows = [line.split("|")[1:-1] for line in r.stdout.splitlines() if line.startswith("| 1,")]
     assert [(row[0].strip(), row[1].strip()) for row in rows] == [
         ("1,4,1,300,32", "no"), ("1,2,2,200,16", "yes")]
-    for row in rows:
-        assert all(float(x) > 0 for x in row[2:]), row
+    cpu_opencl = any(d["id"].startswith("opencl") and d["kind"] == "cpu"
+                     for d in orchard_ops.devices())
+    for row in rows:      # the OpenCL CPU device's backward where there is one, else "-"
+        assert all(float(x) > 0 for x in row[2:8]), row
+        assert [x.strip() != "-" for x in row[8:]] == [cpu_opencl] * 2, row
+        assert all(float(x) > 0 for x in row[8:] if cpu_opencl), row
     for bad in ("1,4,3,300,32", "1,4,1,300", "1,4,1,300,32,causl"):
         r = run_python(script % (os.path.join(REPO_ROOT, "benchmarks"), ["--shapes", bad]))
         assert r.returncode == 2 and "--shapes" in r.stderr and repr(bad) in r.stderr, r.stderr

@@ -91,15 +91,18 @@ CASES = [
 ]
 CASES = [(fault, dict(ROWS, **env), exc, code) for fault, env, exc, code in CASES]
 # The register-tiled kernels (ORCHARD_CL_FAMILY=tiled): the work-group limit of flash_bwd_prep only,
-# then the forward kernel (the 2nd kernel made); backward makes prep and flash_bwd_tiled (the
-# 4th), its dQ accumulator as the 14th buffer of the call (22nd in all), and enqueues 2 kernels.
+# then the forward kernel (the 2nd kernel made); backward makes prep, flash_bwd_tiled (the
+# 4th) and flash_bwd_tiled_dq (5th), its dQ accumulator as the 14th buffer of the call (22nd in
+# all), and enqueues 3 kernels.
 TILED = {"ORCHARD_CL_FAMILY": "tiled"}
 CASES += [
     ("clGetKernelWorkGroupInfo:1", TILED, OOM, "CL_OUT_OF_RESOURCES"),
     ("clCreateKernel:2", TILED, OOM, "CL_OUT_OF_RESOURCES"),
     ("clCreateKernel:4", TILED, OOM, "CL_OUT_OF_RESOURCES"),
+    ("clCreateKernel:5", TILED, OOM, "CL_OUT_OF_RESOURCES"),
     ("clCreateBuffer:22", TILED, OOM, "CL_MEM_OBJECT_ALLOCATION_FAILURE"),
     ("clEnqueueNDRangeKernel:3", TILED, OOM, "CL_OUT_OF_RESOURCES"),
+    ("clEnqueueNDRangeKernel:4", TILED, OOM, "CL_OUT_OF_RESOURCES"),
 ]
 # The split-KV decode (DECODE=1), in both families: after the 8 buffers of every forward, the
 # partial outputs (9th) and their max and sum (10th); flash_decode_split then

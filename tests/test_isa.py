@@ -4,8 +4,8 @@ float64 reference; how a set is chosen (widest at import, ORCHARD_ISA, set_nativ
 import numpy as np
 import pytest
 
-from conftest import (assert_close, check_backward, check_forward, grad_floor, randn,
-                      run_python, score_cond)
+from conftest import (BACKWARD_PARTS, assert_close, check_backward, check_forward,
+                      check_varlen_backward_in_parts, grad_floor, randn, run_python, score_cond)
 from orchard.reference import ref_bwd, ref_fwd, ref_varlen_bwd
 
 try:
@@ -77,26 +77,13 @@ def test_backward_in_chunks_of_keys(ops, isa, rng, dtype, case):
                    **kw)
 
 
-PARTS = {     # (b, h, hkv, nq, nk, d), features: fewer kv units than native.h OR_BWD_ITEMS (16)
-    # split their keys in parts of at least OR_BWD_PART_KEYS (1024), rounded up to BC keys
-    "one unit": ((1, 1, 1, 300, 2100, 64), {}),                         # 2 parts
-    "causal mqa": ((1, 4, 1, 700, 3100, 64), dict(causal=True)),        # 3 parts
-    "window": ((1, 2, 2, 500, 3100, 64), dict(window=(300, 10))),       # part 0 seen by no row
-    "more queries": ((1, 1, 1, 2600, 2100, 64), dict(causal=True)),     # rows that see no key
-    "chunks in parts": ((1, 1, 1, 200, 2100, 256), dict(causal=True)),  # 768 keys a chunk
-    "dropout softcap alibi": ((2, 2, 1, 150, 2100, 48),
-                              dict(dropout_p=0.2, seed=3, softcap=4.0,
-                                   alibi_slopes=np.array([0.5, 0.25]))),
-}
-
-
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=str)
-@pytest.mark.parametrize("case", sorted(PARTS))
+@pytest.mark.parametrize("case", sorted(BACKWARD_PARTS))
 def test_backward_in_parts_of_keys(ops, isa, rng, dtype, case):
     """A backward of few kv units gives each part of a unit's keys to a work item, its dQ in a
     buffer of its own, the parts' added after (attn_native.c): keys split across parts, parts
     that some query blocks, or every one, cannot see."""
-    (b, h, hkv, nq, nk, d), kw = PARTS[case]
+    (b, h, hkv, nq, nk, d), kw = BACKWARD_PARTS[case]
     q, k, v = (randn(rng, (b, h, nq, d), dtype), randn(rng, (b, hkv, nk, d), dtype),
                randn(rng, (b, hkv, nk, d), dtype))
     check_backward(ops, "cpu", q, k, v, randn(rng, q.shape, dtype), what="%s %s" % (isa, case),
@@ -107,23 +94,7 @@ def test_backward_in_parts_of_keys(ops, isa, rng, dtype, case):
 def test_varlen_backward_in_parts_of_keys(ops, isa, rng, dtype):
     """Sequences of a varlen batch with fewer parts than the longest (the part count is the
     longest's), one with no keys, one with no queries, against the float64 reference."""
-    torch = pytest.importorskip("torch")
-    lq, lk, h, d = [300, 5, 0, 40], [2500, 0, 700, 1100], 2, 64
-    cq, ck = (torch.tensor(np.concatenate([[0], np.cumsum(n)]), dtype=torch.int32)
-              for n in (lq, lk))
-    q, do = (torch.from_numpy(randn(rng, (sum(lq), h, d), np.float32)) for _ in range(2))
-    k, v = (torch.from_numpy(randn(rng, (sum(lk), 1, d), np.float32)) for _ in range(2))
-    q, k, v, do = (x.to(getattr(torch, dtype)) for x in (q, k, v, do))
-    out, lse = ops.flash_attn_varlen_fwd(q, k, v, cq, ck, causal=True)
-    grads = ops.flash_attn_varlen_bwd(do, q, k, v, out, lse, cq, ck, causal=True)
-    wide = [x.double().numpy() for x in (do, q, k, v)]
-    refs = ref_varlen_bwd(*wide, cq.numpy(), ck.numpy(), causal=True)
-    floor = grad_floor(wide[0], torch.as_tensor(out).double().numpy(), wide[1], wide[2], None,
-                       300 / 2500)
-    for name, g, r in zip(("dq", "dk", "dv"), grads, refs):
-        assert_close(torch.as_tensor(g).double().numpy(), r, np.float32, "grad",
-                     "%s %s" % (isa, name), t=2.0 ** -6 if dtype == "bfloat16" else None,
-                     floor=floor)
+    check_varlen_backward_in_parts(ops, "cpu", rng, dtype, isa)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=str)

@@ -56,6 +56,9 @@ cases = [
     (np.float64, (1, 1, 1, 7, 3, 4, 4), dict(causal=True)),     # rows that see no key
     (np.float32, (1, 1, 1, 5, 0, 4, 4), dict()),                # no keys at all
     (np.float32, (1, 2, 2, 70, 100, 8, 20), dict(window=(9, 3))),  # several blocks both ways
+    # one kv unit's 2100 keys: two parts of the tiled family's backward (orchard.h
+    # or_bwd_parts), the first partly outside every row's window
+    (np.float32, (1, 2, 1, 6, 2100, 8, 4), dict(causal=True, window=(1500, 0))),
     # split-KV decode (nq <= 16; the cases above with few rows take it too): two key splits
     # each (the simulator has 1 compute unit), GQA groups in one row block or a unit's rows
     # over several

@@ -20,7 +20,8 @@ import numpy as np
 import orchard_ops
 import pytest
 
-from conftest import CPU_OPENCL_IDS, OPENCL_IDS, REPO_ROOT, needs_test_hooks, randn, run_python
+from conftest import (BACKWARD_PARTS, CPU_OPENCL_IDS, OPENCL_IDS, REPO_ROOT, check_backward,
+                      check_varlen_backward_in_parts, needs_test_hooks, randn, run_python)
 
 needs_opencl = pytest.mark.skipif(not OPENCL_IDS, reason="no OpenCL device listed")
 
@@ -317,6 +318,26 @@ def test_kernel_families(family, vector):
     checked = child(FAMILY_RUN % ((dev,) * 7), ORCHARD_CL_FAMILY=family, ORCHARD_CL_BLOCK_Q=30,
                     ORCHARD_CL_BLOCK_K=20, ORCHARD_CL_VECTOR=vector or None)
     assert checked == 5 * 5 + 5 + 5 + 2 * 5     # out, lse, dq, dk, dv of every case
+
+
+@pytest.mark.skipif(not CPU_OPENCL_IDS, reason="no OpenCL CPU device listed")
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=str)
+@pytest.mark.parametrize("case", sorted(BACKWARD_PARTS))
+def test_tiled_backward_in_parts_of_keys(ops, rng, dtype, case):
+    """The tiled family's backward of few kv units gives each part of a unit's keys a
+    work-group (orchard.h or_bwd_parts, as the native path), their dQ added by
+    flash_bwd_tiled_dq: keys split across parts, parts some rows or every row cannot see."""
+    (b, h, hkv, nq, nk, d), kw = BACKWARD_PARTS[case]
+    q, k, v = (randn(rng, (b, h, nq, d), dtype), randn(rng, (b, hkv, nk, d), dtype),
+               randn(rng, (b, hkv, nk, d), dtype))
+    check_backward(ops, CPU_OPENCL_IDS[0], q, k, v, randn(rng, q.shape, dtype), what=case, **kw)
+
+
+@pytest.mark.skipif(not CPU_OPENCL_IDS, reason="no OpenCL CPU device listed")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tiled_varlen_backward_in_parts_of_keys(ops, rng, dtype):
+    """Sequences shorter than the parts of the longest: their later parts have no keys."""
+    check_varlen_backward_in_parts(ops, CPU_OPENCL_IDS[0], rng, dtype, CPU_OPENCL_IDS[0])
 
 
 DECODE_RUN = """

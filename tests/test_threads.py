@@ -129,7 +129,7 @@ KW = [dict(), dict(causal=True, dropout_p=0.2, seed=3, softcap=2.0,
 @pytest.mark.parametrize("nk", [90, 2100], ids=["units", "parts"])
 def test_bit_identical_across_thread_counts(ops, device, rng, restore_threads, dtype, kw, nk):
     """nk 2100: the native backward splits each of the 4 kv units' keys in 2 parts, an item each
-    (native.h OR_BWD_ITEMS), their dQ added in part order whichever threads ran them."""
+    (orchard.h OR_BWD_ITEMS), their dQ added in part order whichever threads ran them."""
     q, k, v, do = _workload(rng, dtype, nk)
     results = {}
     for n in (1, 2, 3, 4, 1):
