@@ -28,9 +28,9 @@ __kernel __attribute__((reqd_work_group_size(1, 1, 1)))
 void flash_bwd_tiled(__global const storage_t *q, __global const storage_t *k,
                      __global const storage_t *v, __global const storage_t *dout,
                      __global const real *lse, __global const real *di,
-                     __global storage_t *dk, __global storage_t *dv, __global real *dqacc, const long part_keys, const long total_rows,
-                     __global const long *meta, __global const real *slopes,
-                     const or_params params)
+                     __global storage_t *dk, __global storage_t *dv, __global real *dqacc,
+                     const long part_keys, const long total_rows, __global const long *meta,
+                     __global const real *slopes, const or_params params)
 {
     const or_params p = params;     /* a private copy: its fields stay in registers */
     OR_TILED_BWD_TILES(LOCAL_TILE, HEAD_D, HEAD_DV, DT, DVT, BQ, BK)
@@ -155,7 +155,8 @@ void flash_bwd_tiled(__global const storage_t *q, __global const storage_t *k,
 }
 
 /* dQ of query row i of unit u (a work-item each): the parts' sums added in part order, times
- * the scale (s = scale * q.k, so dQ = scale * dS K). */
+ * the scale (s = scale * q.k, so dQ = scale * dS K). Its last three arguments are every
+ * kernel's (attn_opencl.c set_params); it reads no slopes. */
 __kernel void flash_bwd_tiled_dq(__global const real *dqacc, __global storage_t *dq,
                                  const long parts, const long total_rows,
                                  __global const long *meta,

@@ -6,7 +6,7 @@ import pytest
 
 from conftest import (BACKWARD_PARTS, assert_close, check_backward, check_forward,
                       check_varlen_backward_in_parts, grad_floor, randn, run_python, score_cond)
-from orchard.reference import ref_bwd, ref_fwd, ref_varlen_bwd
+from orchard.reference import ref_bwd, ref_fwd
 
 try:
     import orchard_ops
