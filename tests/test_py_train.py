@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 
+import orchard_ops
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -336,6 +337,26 @@ def test_ctrl_c_prints_the_command_that_resumes_the_same_schedule(run_files, tmp
     assert [m["step"] for m in got] == list(range(1, 11))
     assert [m["lr"] for m in got] == [m["lr"] for m in want]
     assert [m["loss"] for m in got] == [m["loss"] for m in want]
+
+
+@pytest.mark.skipif(not any(d["id"] == "opencl:0" and not d["fp16"]
+                            for d in orchard_ops.devices()),
+                    reason="needs an OpenCL device without fp16 (PoCL's CPU device)")
+def test_fp16_loss_scale_survives_a_resume_on_a_device_without_fp16(run_files, tmp_path):
+    """Resumed on a device that trains the fp16 run in fp32, the checkpoint it writes keeps the
+    loss scale it was given (it had saved an empty one, so that a later resume in fp16 began
+    scaling from scratch), and a resume in fp16 again picks it up."""
+    assert train_cli(run_files, tmp_path, "--fp16", "--max-steps", 3) == 0
+    scale = load_checkpoint(str(tmp_path))["scaler"]
+    assert scale and scale["scale"] > 0
+    assert train_cli(run_files, tmp_path, "--resume", tmp_path, "--max-steps", 5,
+                     "--device", "opencl:0") == 0
+    state = load_checkpoint(str(tmp_path))
+    assert state["step"] == 5 and state["scaler"] == scale
+    assert train_cli(run_files, tmp_path, "--resume", tmp_path, "--max-steps", 6) == 0
+    got = load_checkpoint(str(tmp_path))["scaler"]     # one more step: grown, or halved
+    assert (got["scale"], got["_growth_tracker"]) in (
+        (scale["scale"], scale["_growth_tracker"] + 1), (scale["scale"] / 2, 0))
 
 
 def test_resume_command_keeps_paths_that_start_with_a_dash():

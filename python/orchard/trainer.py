@@ -94,6 +94,9 @@ class Trainer:
         self.optimizer = self._make_optimizer()
         self.dtype = train["dtype"]
         self.scaler = torch.amp.GradScaler("cpu", enabled=self.dtype == "fp16")
+        # a resumed fp16 run's loss scale, where this device trains in another dtype: saved
+        # again, so that a later resume in fp16 starts from it rather than from scratch
+        self.idle_scaler_state = {}
         self.step = 0
         self.history = []
         self.metrics_whole = False      # metrics.jsonl holds the history: append to it
@@ -128,7 +131,8 @@ class Trainer:
             "format": FORMAT,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict(),
+            "scaler": (self.scaler.state_dict() if self.scaler.is_enabled()
+                       else self.idle_scaler_state),
             "step": self.step,
             "schedule_steps": self.schedule_steps,
             "seed": self.seed,
@@ -147,6 +151,8 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler.is_enabled() and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+        elif state.get("scaler"):
+            self.idle_scaler_state = state["scaler"]
         self.step = state["step"]
         self.schedule_steps = state.get("schedule_steps")
         self.history = list(state["metrics"])
