@@ -238,11 +238,14 @@ int or_check_scale(or_call *c, const or_opts *o)
     if (c->p.prm.softcap > max)
         return number_error(c, "softcap", "must be finite in float32, the kernels' type for "
                             "these operands", c->p.prm.softcap);
-    /* where it rounds to 0, OpenCL read no softcap and the native path a cap of 0 */
-    if (max == FLT_MAX && c->p.prm.softcap > 0 && (float)c->p.prm.softcap == 0)
-        return number_error(c, "softcap", "rounds to 0 (no softcap) in float32, the kernels' "
-                            "type for these operands: pass 0 or at least 1e-45",
-                            c->p.prm.softcap);
+    /* The native kernels multiply by 1 / softcap: where that overflows, a score of 0 became
+     * 0 * inf, NaN (and where the cap rounds to 0, OpenCL read no softcap) */
+    if (c->p.prm.softcap > 0 && 1.0 / c->p.prm.softcap > max)
+        return number_error(c, "softcap", max == FLT_MAX
+                            ? "is too small for float32, the kernels' type for these operands "
+                              "(1 / softcap overflows): pass 0 or at least 2.94e-39"
+                            : "is too small for float64 (1 / softcap overflows): pass 0 or at "
+                              "least 5.57e-309", c->p.prm.softcap);
     if (o->scale == Py_None) {
         c->p.prm.scale = 1.0 / sqrt((double)c->p.d);
         return 0;

@@ -187,7 +187,12 @@ CASES = [
     ("scale_past_float32", "", "fwd(q, k, v, scale=1e39)", [VE], ["scale"]),
     ("softcap_past_float32", "", "fwd(q, k, v, softcap=1e39)", [VE], ["softcap"]),
     ("softcap_zero_in_float32", "", "fwd(q, k, v, softcap=1e-300)", [VE],
-     ["softcap", "rounds to 0"]),
+     ["softcap", "too small for float32"]),
+    # 1 / softcap overflows float32 (it multiplied a score of 0 into NaN)
+    ("softcap_tiny_in_float32", "", "fwd(q, k, v, softcap=2.9e-39)", [VE],
+     ["softcap", "too small for float32", "2.94e-39"]),
+    ("softcap_tiny_in_float64", "q, k, v = (x.astype(np.float64) for x in (q, k, v))",
+     "fwd(q, k, v, softcap=5e-309)", [VE], ["softcap", "too small for float64"]),
     ("alibi_past_float32", "", "fwd(q, k, v, alibi_slopes=np.array([1.0, -1e39]))", [VE],
      ["alibi_slopes"]),
     ("scale_int_past_double", "", "fwd(q, k, v, scale=10**400)", [VE], ["scale"]),

@@ -861,7 +861,7 @@ def test_bad_kvcache_input_names_the_argument_and_writes_nothing():
         (ValueError, "'softcap'", dict(kw, softcap=float("nan"))),
         (ValueError, "'softmax_scale' must be finite in float32", dict(kw, softmax_scale=1e39)),
         (ValueError, "'softcap' must be finite in float32", dict(kw, softcap=1e39)),
-        (ValueError, "'softcap' rounds to 0 .no softcap. in float32", dict(kw, softcap=1e-300)),
+        (ValueError, "'softcap' is too small for float32", dict(kw, softcap=1e-300)),
         (ValueError, "'alibi_slopes' must be finite in float32",
          dict(kw, alibi_slopes=torch.tensor([0.5, 1e39, 1, 1], dtype=float))),
         *[(ValueError, "with_kvcache: 'alibi_slopes' must be finite",
