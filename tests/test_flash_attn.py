@@ -702,6 +702,11 @@ def test_bad_dense_input_names_the_argument():
          lambda: flash_attn_func(q, k, v, softcap=1e39)),
         (ValueError, "flash_attn_func: 'softmax_scale' must be finite in float32",
          lambda: flash_attn_func(q, k, v, softmax_scale=-1e39)),
+        # 1 / softcap overflows the kernels' type (a score of 0 had become NaN)
+        (ValueError, "flash_attn_func: 'softcap' is too small in float32.*2.94e-39",
+         lambda: flash_attn_func(q, k, v, softcap=2.9e-39)),
+        (ValueError, "flash_attn_func: 'softcap' is too small for float64.*5.57e-309",
+         lambda: flash_attn_func(q.double(), k.double(), v.double(), softcap=5e-309)),
         (ValueError, "flash_attn_func: 'alibi_slopes' must be finite in float32",
          lambda: flash_attn_func(q, k, v, alibi_slopes=torch.tensor([1e39, 1], dtype=float))),
         *[(ValueError, "flash_attn_func: 'alibi_slopes' must be finite", lambda dtype=dtype:

@@ -155,9 +155,10 @@ def _checked_options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_s
     softcap = _number(fn, "softcap", softcap)
     if not softcap <= bound:     # NaN too
         _fail(fn, "softcap", "must be finite%s (<= 0: no softcap), got %r" % (in_type, softcap))
-    if 0 < softcap <= 2.0 ** -150 and dtype != torch.float64:   # which round to 0 in float32
-        _fail(fn, "softcap", "rounds to 0 (no softcap)%s: pass 0 or at least 1e-45, got %r"
-              % (in_type, softcap))
+    if 0 < softcap and 1.0 / softcap > bound:    # the native kernels multiply by 1 / softcap
+        least = "5.57e-309" if dtype == torch.float64 else "2.94e-39"
+        _fail(fn, "softcap", "is too small%s (1 / softcap overflows): pass 0 or at least %s, "
+              "got %r" % (in_type or " for float64", least, softcap))
     softcap = max(softcap, 0.0)     # as FlashAttention-2: only a positive softcap caps
     try:
         left, right = (operator.index(w) for w in window_size)
