@@ -112,6 +112,14 @@ def test_a_number_in_quotes_gets_a_hint(tmp_path):
         with pytest.raises(ConfigError) as info:
             load_config(write(tmp_path, "training:\n  batch_size: %s\n" % text))
         assert "without them" not in str(info.value)
+    # nor text where a key also takes text (it had said so of dtype's 'float32', no number)
+    for text in ("training:\n  dtype: float32\n", "training:\n  micro_batch: big\n",
+                 "device:\n  num_threads: all\n"):
+        with pytest.raises(ConfigError) as info:
+            load_config(write(tmp_path, text))
+        assert "without them" not in str(info.value)
+    with pytest.raises(ConfigError, match=r"got '8' \(a number in quotes is text"):
+        load_config(write(tmp_path, "training:\n  micro_batch: '8'\n"))
 
 
 def test_an_int_where_a_real_is_expected_is_read_as_a_float(tmp_path):

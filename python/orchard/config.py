@@ -121,7 +121,9 @@ def _text_hint(value, types):
         loaded = yaml.load(value, _config_loader(yaml)) if isinstance(value, str) else None
     except (ValueError, yaml.YAMLError):    # (an int of 4,300+ digits: int() refuses it)
         return ""
-    if isinstance(loaded, bool) or not isinstance(loaded, types):
+    # a number (a key that also takes text, dtype's, had said so of 'float32')
+    if isinstance(loaded, bool) or not isinstance(loaded, (int, float)) \
+            or not isinstance(loaded, types):
         return ""
     return " (a number in quotes is text: write it without them)"
 
