@@ -138,6 +138,10 @@ def expected_cases(f):
         ("generate", ["--checkpoint", "x", "--temperature", "-1"], {},
          ["--temperature", ">= 0", "'-1'"]),
         ("generate", ["--checkpoint", "x", "--temperature", "inf"], {}, ["--temperature", "'inf'"]),
+        # written as the config files' reals: float() took these (1_0 as 10.0)
+        *[("generate", ["--checkpoint", "x", "--temperature", t], {},
+           ["--temperature", "must be a number", repr(t)])
+          for t in ("1_0", " 0.5 ", "\u0660.\u0665")],
         ("generate", ["--checkpoint", "x", "--top-k", "-1"], {}, ["--top-k", "'-1'"]),
         ("generate", ["--checkpoint", "x", "--max-new-tokens", "-5"], {}, ["--max-new-tokens"]),
         ("bench", ["--repeats", "0"], {}, ["--repeats", ">= 3", "'0'"]),
@@ -191,6 +195,7 @@ def expected_cases(f):
         ("tune", ["--repeats", "0"], {}, ["--repeats", "'0'"]),
         ("tune", ["--timeout", "0.5"], {}, ["--timeout", ">= 1", "'0.5'"]),
         ("tune", ["--timeout", "inf"], {}, ["--timeout", "finite", "'inf'"]),
+        ("tune", ["--timeout", "1_0"], {}, ["--timeout", "must be a number", "'1_0'"]),
         ("tune", ["--timeout", "3e6"], {}, ["--timeout", "<= 1e+06", "'3e6'"]),
         ("prepare", [str(f["dir"]), "-o", "x.json", "--ext", ""], {},
          ["argument --ext:", "got ''"]),

@@ -201,6 +201,10 @@ shown = _REPR.repr
 # An integer as YAML 1.2's core schema writes it (and the console scripts' flags): decimal
 # ASCII digits, a sign allowed. Python's int() takes `1_000` and other scripts' digits too.
 DECIMAL_INT = re.compile(r"[-+]?[0-9]+\Z")
+# A real number so (a point and an exponent allowed); float() takes `1_0`, spaces and other
+# scripts' digits too.
+_REAL = r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?"
+DECIMAL_REAL = re.compile(_REAL + r"\Z")
 
 
 def _config_loader(yaml):
@@ -231,8 +235,7 @@ def _config_loader(yaml):
         boolean, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
     ConfigLoader.add_implicit_resolver(numbers[0], DECIMAL_INT, list("-+0123456789"))
     ConfigLoader.add_implicit_resolver(
-        numbers[1], re.compile(r"^(?:[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?"
-                               r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+        numbers[1], re.compile(r"^(?:" + _REAL + r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
         list("-+0123456789."))
     ConfigLoader.add_constructor(numbers[0],
                                  lambda loader, node: int(loader.construct_scalar(node)))

@@ -216,14 +216,18 @@ def integer(minimum=None, maximum=INT_MAX):
 
 
 def number(minimum=None, maximum=None):
-    """An argparse type: a finite float >= minimum and <= maximum."""
+    """An argparse type: a finite float >= minimum and <= maximum, written as the config
+    files' reals (config.DECIMAL_REAL)."""
     def parse(text):
+        from ..config import DECIMAL_REAL
         try:
             value = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError("must be a number (got %r)" % text) from None
-        if not math.isfinite(value):
+            value = None
+        if value is not None and not math.isfinite(value):
             raise argparse.ArgumentTypeError("must be a finite number (got %r)" % text)
+        if value is None or not DECIMAL_REAL.match(text):   # as the config files' reals
+            raise argparse.ArgumentTypeError("must be a number (got %r)" % text)
         if minimum is not None and value < minimum:
             raise argparse.ArgumentTypeError("must be >= %g (got %r)" % (minimum, text))
         if maximum is not None and value > maximum:
