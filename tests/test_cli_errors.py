@@ -215,6 +215,14 @@ def expected_cases(f):
         # torchrun's process counts (int() had raised a traceback; a LOCAL_WORLD_SIZE alone
         # had planned memory for processes that were not started)
         ("train", [], {"WORLD_SIZE": "x"}, ["environment variable WORLD_SIZE", "'x'"]),
+        # and the rest of its rendezvous (a WORLD_SIZE alone ended in a traceback, a RANK
+        # past it waited forever)
+        ("train", [], {"WORLD_SIZE": "2"}, ["environment variable RANK is not set"]),
+        ("train", [], {"WORLD_SIZE": "2", "RANK": "1"}, ["MASTER_ADDR is not set"]),
+        ("train", [], {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1"},
+         ["MASTER_PORT is not set"]),
+        ("train", [], {"WORLD_SIZE": "2", "RANK": "5", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29500"}, ["RANK", "0 to 1", "'5'"]),
         ("devices", [], {"LOCAL_WORLD_SIZE": "0"}, ["LOCAL_WORLD_SIZE", "count", "'0'"]),
         ("generate", ["--checkpoint", "x"], {"LOCAL_WORLD_SIZE": "3"},
          ["LOCAL_WORLD_SIZE is 3, more processes than WORLD_SIZE's 1"]),

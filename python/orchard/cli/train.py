@@ -428,6 +428,22 @@ def build_trainer(args):
                                                  hf_path + ": ", exc)) from None
 
 
+def check_rendezvous(world):
+    """UsageError unless torchrun's RANK (0 to WORLD_SIZE - 1), MASTER_ADDR and MASTER_PORT,
+    which init_process_group reads beside WORLD_SIZE, are set: a WORLD_SIZE alone had ended in
+    a traceback, and a RANK past it waited for ranks that never come."""
+    from ..config import DECIMAL_INT, shown
+    for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        if not os.environ.get(name):
+            raise UsageError("environment variable %s is not set, which WORLD_SIZE %d needs "
+                             "(torchrun sets it)" % (name, world))
+    rank = os.environ["RANK"]
+    if not DECIMAL_INT.match(rank) or len(rank.lstrip("+-0")) > 9 or not 0 <= int(rank) < world:
+        raise UsageError("environment variable RANK must be this process's rank, an integer "
+                         "from 0 to %d as WORLD_SIZE is %d (got %s)" % (world - 1, world,
+                                                                       shown(rank)))
+
+
 @console_script("orchard-train")
 def main(argv=None):
     args = parse_args(argv)
@@ -435,8 +451,10 @@ def main(argv=None):
     import torch.distributed as dist
 
     from ..device_backend import process_count
-    distributed = process_count("WORLD_SIZE") > 1     # (checked by console_script)
+    world = process_count("WORLD_SIZE")     # (checked by console_script)
+    distributed = world > 1
     if distributed:
+        check_rendezvous(world)
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
     setup_logging(rank, args.quiet)
