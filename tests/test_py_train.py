@@ -634,6 +634,40 @@ def test_damaged_checkpoint_contents_are_one_line_errors(run_files, tmp_path, ca
             assert name != "layers" or "values its weights hold" in err[-1], err
 
 
+def test_an_edited_optimizer_state_is_a_one_line_error(run_files, tmp_path, capsys):
+    """torch's load_state_dict checks only how many parameters each group holds: a moment of
+    another shape, betas past 1 or a step that is no count had ended --resume's first step in a
+    traceback, leaving a metrics.jsonl that then refused a retry in the same --output."""
+    out = tmp_path / "run"
+    assert train_cli(run_files, out, "--max-steps", 1) == 0
+    state = load_checkpoint(str(out))
+    opt = state["optimizer"]
+
+    def edited(group=None, **moments):
+        first = dict(opt["state"][0], **moments)
+        groups = [dict(opt["param_groups"][0], **(group or {}))] + opt["param_groups"][1:]
+        return dict(state, optimizer=dict(opt, state={**opt["state"], 0: first},
+                                          param_groups=groups))
+
+    damaged = {"shape": (edited(exp_avg=torch.zeros(3)), "exp_avg of shape (3,), torch.float32, for"),
+               "betas": (edited({"betas": (2.0, 5.0)}), "betas are (2.0, 5.0)"),
+               "lr": (edited({"lr": "x"}), "lr is 'x'"),
+               "step": (edited(step=torch.tensor(float("nan"))), "a step count of"),
+               "moment": (edited(exp_avg_sq="x"), "exp_avg_sq of str for")}
+    capsys.readouterr()
+    for name, (bad, why) in damaged.items():
+        path = str(tmp_path / (name + ".pt"))
+        torch.save(bad, path)
+        again = tmp_path / ("r_" + name)
+        assert train_cli(run_files, again, "--resume", path) == 2, name
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("orchard-train: error: argument --resume: %s: its "
+                                  "optimizer state holds " % path), (name, err)
+        assert why in err[-1], (name, err)
+        assert not again.exists() or not os.listdir(again), name
+    assert train_cli(run_files, tmp_path / "r_shape", "--resume", out, "--max-steps", 2) == 0
+
+
 def test_a_python_without_its_stdlib_sources_needs_sequences(run_files, tmp_path, capsys,
                                                             monkeypatch):
     """Without --sequences the run trains on the standard library's .py files; a Python that

@@ -149,6 +149,46 @@ def check_model_size(model_cfg, weights, source, hf_config=None):
                               % (source, what, wanted, held))
 
 
+def _optimizer_problem(optimizer):
+    """What in the AdamW state loaded into optimizer does not fit it, or None."""
+    def real(x, least=0.0):
+        if isinstance(x, torch.Tensor) and x.numel() == 1 and not x.is_complex():
+            x = x.item()    # (AdamW keeps its step count as a one-element tensor)
+        return (isinstance(x, numbers.Real) and not isinstance(x, bool)
+                and least <= x < float("inf"))
+
+    for g, group in enumerate(optimizer.param_groups):
+        betas = group.get("betas")
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2
+                and all(real(b) and b < 1 for b in betas)):
+            return "group %d's betas are %r, not two numbers in [0, 1)" % (g, betas)
+        for key in ("lr", "eps", "weight_decay"):
+            if not real(group.get(key)):
+                return "group %d's %s is %r, not a number >= 0" % (g, key, group.get(key))
+        for p in group["params"]:
+            for name, value in optimizer.state.get(p, {}).items():
+                if name == "step":
+                    if not real(value):
+                        return "a step count of %r" % (value,)
+                elif not (isinstance(value, torch.Tensor) and value.shape == p.shape
+                          and value.dtype.is_floating_point):
+                    return "%s of %s for a parameter of shape %s" % (
+                        name, "shape %s, %s," % (tuple(value.shape), value.dtype)
+                        if isinstance(value, torch.Tensor) else type(value).__name__,
+                        tuple(p.shape))
+    return None
+
+
+def check_optimizer_state(optimizer, source):
+    """CheckpointError where the AdamW state a checkpoint gave optimizer does not fit it (torch's
+    load_state_dict checks only how many parameters each group holds): edited so, a moment of
+    another shape or betas past 1 ended the first step in a traceback."""
+    problem = _optimizer_problem(optimizer)
+    if problem:
+        raise CheckpointError("%s: its optimizer state holds %s: an edited or damaged "
+                              "checkpoint" % (source, problem))
+
+
 @contextlib.contextmanager
 def checkpoint_contents(path):
     """What a checkpoint's contents raise while a model is built and loaded from them (weights

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .atomic import write_atomically
-from .checkpoint import FORMAT, checkpoint_contents, save_checkpoint
+from .checkpoint import FORMAT, check_optimizer_state, checkpoint_contents, save_checkpoint
 from .config import AUTO, ConfigError, get_dtype_from_string, is_out_of_memory
 from .data import DataError
 from .hf_causal_lm import build_model
@@ -105,6 +105,7 @@ class Trainer:
         if resume_state is not None:
             with checkpoint_contents(resume_from):
                 self._restore(resume_state)
+            check_optimizer_state(self.optimizer, resume_from)
         else:
             # Ranks draw different dropout masks; the model above was initialised alike.
             torch.manual_seed(seed + self.rank)
