@@ -126,14 +126,15 @@ def debug_requested(argv):
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Keeps the epilog's examples as written and adds each default once, to arguments whose
-    help does not already say it."""
+    help does not already say it ("Default: ..."; a help that only says the word, as
+    generate --device's "orchard's default device", had gone without)."""
 
     def _get_help_string(self, action):
         text = action.help or ""
         default = action.default
         # `is`, not `in`: a default of 0 equals False but is worth saying
         if (default is not None and default is not False and default is not argparse.SUPPRESS
-                and action.option_strings and "default" not in text.lower()):
+                and action.option_strings and "default:" not in text.lower()):
             text += " Default: %(default)s."
         return text
 

@@ -57,7 +57,8 @@ def parse_args(argv):
     parser.add_argument("--max-steps", type=integer(1), metavar="N",
                         help="Stop after N optimizer steps in all, resumed steps included, "
                              "over as many passes over the data as they take (with --epochs: "
-                             "whichever comes first); the learning-rate schedule spans them.")
+                             "whichever comes first); the learning-rate schedule spans them. "
+                             "Default: none, --epochs alone decides.")
     parser.add_argument("--device", type=device, default="auto",
                         help="The device: auto, cpu, opencl, opencl:N or opencl:NAME.")
     parser.add_argument("--resume", type=path("a checkpoint or a run's folder"), metavar="CKPT",
