@@ -78,6 +78,11 @@ int or_new_output(or_call *c, int slot, int nd, const npy_intp *shape, or_dtype 
     int order[NPY_MAXDIMS];     /* memory order: outermost axis first */
     for (int i = 0; i < nd; i++)
         order[i] = i;
+    /* an expanded operand (an axis of stride 0) overlaps itself: torch's empty_like gives C
+     * order for it, where sorting its strides put the expanded axis innermost but for the last */
+    for (int i = 0; like != NULL && i < nd - 1; i++)
+        if (PyArray_STRIDE(like, i) == 0 && PyArray_DIM(like, i) > 1)
+            like = NULL;
     for (int i = 1; like != NULL && i < nd - 1; i++)    /* insertion sort, by stride, stable */
         for (int j = i; j > 0; j--) {
             const npy_intp a = PyArray_STRIDE(like, order[j - 1]), b = PyArray_STRIDE(like, order[j]);

@@ -280,6 +280,25 @@ def test_strided_tensor_views_in_place(ops):
     assert torch.equal(out, expected)
 
 
+def test_expanded_operands_give_results_in_c_order(ops):
+    """An expanded operand (a batch axis of stride 0) overlaps itself: its results are in C
+    order, as torch's empty_like gives (sorting its strides had put the batch axis innermost
+    but for the last, so that out.view(3, -1) failed), in orchard_ops and in the torch layer's
+    traced layout (attention_op._layout_order) alike."""
+    from orchard.attention_op import _layout_order
+
+    q = torch.randn(1, 4, 7, 8).expand(3, 4, 7, 8)
+    k = torch.randn(1, 4, 9, 8).expand(3, 4, 9, 8)
+    out, lse = ops.flash_attn_fwd(q, k, k, device="cpu")
+    assert out.stride() == torch.empty_like(q).stride() and lse.is_contiguous()
+    dq, dk, dv = ops.flash_attn_bwd(out, q, k, k, out, lse, device="cpu")
+    assert dq.stride() == torch.empty_like(q).stride()
+    assert dk.stride() == dv.stride() == torch.empty_like(k).stride()
+    assert _layout_order(q) == _layout_order(k) == [0, 1, 2, 3]
+    assert torch.equal(out, ops.flash_attn_fwd(q.contiguous(), k.contiguous(), k.contiguous(),
+                                               device="cpu")[0])
+
+
 def test_dlpack_errors(ops):
     """Device memory, unsupported dtypes, mixed dtypes and a NumPy uint16 array are refused,
     naming the argument."""

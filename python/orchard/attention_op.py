@@ -171,9 +171,11 @@ def _layout_order(like):
     """The memory order of like's axes, outermost first, that orchard_ops gives an output laid
     out as like: the leading axes by decreasing stride (ties in axis order), the last innermost;
     C order where like's last axis is not contiguous (orchard_ops reads a C-order copy of it,
-    and lays the output out as that copy)."""
+    and lays the output out as that copy) or like is expanded (a leading axis of stride 0: as
+    empty_like, which gives an operand that overlaps itself C order)."""
     n = like.dim()
-    if like.shape[-1] > 1 and like.stride(-1) != 1:
+    if like.shape[-1] > 1 and like.stride(-1) != 1 or any(
+            like.stride(i) == 0 and like.shape[i] > 1 for i in range(n - 1)):
         return list(range(n))
     return sorted(range(n - 1), key=lambda i: -abs(like.stride(i))) + [n - 1]
 
