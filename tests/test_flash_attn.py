@@ -686,6 +686,10 @@ def test_bad_dense_input_names_the_argument():
         (ValueError, "'q' is a nested", lambda: flash_attn_func(
             torch.nested.nested_tensor([q[0], q[0, :3]]), k, v)),
         (TypeError, "'window_size'", lambda: flash_attn_func(q, k, v, window_size=(0.5, 0))),
+        # a bool is no bound, as orchard_ops says (True had read as 1), checked once or cached
+        *[(TypeError, "'window_size' must be a pair of ints, got \\(True, 1\\)",
+           lambda: flash_attn_func(q, k, v, window_size=(True, 1))) for _ in range(2)],
+        (TypeError, "'window_size'", lambda: flash_attn_func(q, k, v, window_size=(1, np.True_))),
         (TypeError, "'window_size'", lambda: flash_attn_func(q, k, v, window_size=3)),
         (ValueError, "'dropout_p'", lambda: flash_attn_func(q, k, v, dropout_p=1.0)),
         (ValueError, "'alibi_slopes'",
@@ -703,7 +707,7 @@ def test_bad_dense_input_names_the_argument():
         (ValueError, "flash_attn_func: 'softmax_scale' must be finite in float32",
          lambda: flash_attn_func(q, k, v, softmax_scale=-1e39)),
         # 1 / softcap overflows the kernels' type (a score of 0 had become NaN)
-        (ValueError, "flash_attn_func: 'softcap' is too small in float32.*2.94e-39",
+        (ValueError, "flash_attn_func: 'softcap' is too small for float32.*2.94e-39",
          lambda: flash_attn_func(q, k, v, softcap=2.9e-39)),
         (ValueError, "flash_attn_func: 'softcap' is too small for float64.*5.57e-309",
          lambda: flash_attn_func(q.double(), k.double(), v.double(), softcap=5e-309)),

@@ -104,6 +104,14 @@ def _cu_seqlens(fn, name, t, total):
     return cu
 
 
+def _window_bound(w):
+    """A window bound as an int; TypeError for what is none, a bool included (orchard_ops
+    refuses it too: True had read as 1)."""
+    if isinstance(w, (bool, np.bool_)):
+        raise TypeError("a bool is no window bound")
+    return operator.index(w)
+
+
 def _options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
              alibi_slopes, batch, device, seqlen_first=False, **varlen):
     """Every option checked, under the names the caller used, before anything is computed or
@@ -116,7 +124,7 @@ def _options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_size, sof
         # a model's other operations. A window's bounds depend on seqlen_k, nothing else does.
         try:
             left, right = window_size
-            window = operator.index(left), operator.index(right)    # typed keys: ints alone
+            window = _window_bound(left), _window_bound(right)      # typed keys: ints alone
             return _plain_options(fn, seqlen_k if window != (-1, -1) else 0, softmax_scale,
                                   causal, window, softcap, device, seqlen_first, q.dtype)
         except (TypeError, ValueError):     # unhashable, or refused: said below
@@ -156,12 +164,13 @@ def _checked_options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_s
     if not softcap <= bound:     # NaN too
         _fail(fn, "softcap", "must be finite%s (<= 0: no softcap), got %r" % (in_type, softcap))
     if 0 < softcap and 1.0 / softcap > bound:    # the native kernels multiply by 1 / softcap
-        least = "5.57e-309" if dtype == torch.float64 else "2.94e-39"
-        _fail(fn, "softcap", "is too small%s (1 / softcap overflows): pass 0 or at least %s, "
-              "got %r" % (in_type or " for float64", least, softcap))
+        kind, least = (("float64", "5.57e-309") if dtype == torch.float64 else
+                       ("float32, the kernels' type for these inputs", "2.94e-39"))
+        _fail(fn, "softcap", "is too small for %s (1 / softcap overflows): pass 0 or at least "
+              "%s, got %r" % (kind, least, softcap))
     softcap = max(softcap, 0.0)     # as FlashAttention-2: only a positive softcap caps
     try:
-        left, right = (operator.index(w) for w in window_size)
+        left, right = (_window_bound(w) for w in window_size)
     except (TypeError, ValueError):
         _fail(fn, "window_size", "must be a pair of ints, got %r" % (window_size,), TypeError)
     # As FlashAttention-2: a negative bound (-1 by convention) or one reaching past every key
