@@ -65,9 +65,9 @@ static PyArrayObject *load_rows(or_call *c, PyObject *obj, int slot, or_ssize *n
     const char *name = names[slot - OR_K];
     or_dtype dt;
     int copied;
-    /* (NumPy would read it as an object; a resident call's DeviceArray cache is refused by
-     * check_cache, saying so) */
-    if (!c->resident && or_device_array_index(c->st, obj) >= 0) {
+    /* (NumPy would read it as an object, in a resident call too: a DeviceArray cache is
+     * refused by check_cache, after the new rows are read) */
+    if (or_device_array_index(c->st, obj) >= 0) {
         PyErr_Format(PyExc_TypeError, "%s(): argument '%s' is a DeviceArray: new rows go into "
                      "a host cache, from a host array or tensor (.numpy() brings it back)",
                      c->func, name);

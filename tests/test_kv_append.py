@@ -263,6 +263,11 @@ def test_device_arrays_are_refused(ops, rng):
         with pytest.raises(TypeError, match="argument '%s' is a DeviceArray: new rows go into "
                            "a host cache" % name):
             ops.flash_attn_fwd(k[:, :, :1], k.copy(), k.copy(), **new)
+    # all on the device: the same words (were "..., got orchard_ops.DeviceArray, read as an
+    # array of object")
+    with pytest.raises(TypeError, match="argument 'k_new' is a DeviceArray: new rows go into "
+                       "a host cache"):
+        ops.flash_attn_fwd(dq, dk, dk, k_new=dk, v_new=dk)
 
 
 def test_backward_and_varlen_backward_take_no_new_rows(ops):
