@@ -756,7 +756,10 @@ def test_overflowing_weights_are_a_one_line_error_for_generate(run_files, tmp_pa
     for temperature in ("0.8", "0"):
         assert generate.main(["--checkpoint", path, "--max-new-tokens", "2",
                               "--temperature", temperature]) == 2
-        err = capsys.readouterr().err.strip().splitlines()
+        said = capsys.readouterr()
+        err = said.err.strip().splitlines()
+        # one line, nothing before it: the training note and the prompt had been printed
+        assert len(err) == 1 and said.out == "", (err, said.out)
         assert err[-1].startswith("orchard-generate: error: argument --checkpoint: " + path), err
         assert "logits at token 1 are not finite" in err[-1], err
 

@@ -9,7 +9,8 @@ ids (orchard.generation). The model (the built-in GPT or a transformers model tr
 --hf-config/--hf-model) keeps a KV cache: the prompt is prefilled once, then one decode step
 per token, each token printed as it is sampled (Ctrl-C keeps what was printed). Before the
 sample, a line on stderr says how far the checkpoint was trained and what that means for the
-sample.
+sample; it and the prompt are printed once the first token is sampled, so that a checkpoint
+whose logits are not finite is one error line.
 """
 import signal
 import sys
@@ -72,11 +73,18 @@ def main(argv=None):
     if bad:
         raise UsageError("argument --prompt: token id %d is out of range for the model's "
                          "vocabulary of %d (got %r)" % (bad[0], vocab, args.prompt))
-    if not args.quiet:
-        print(describe_training(state), file=sys.stderr)
-    # the text is written as it is sampled, so that what came before an interrupt stays
+    # the text is written as it is sampled, so that what came before an interrupt stays; the
+    # note and the prompt once the first token is: a checkpoint whose logits are not finite is
+    # one error line, with nothing printed before it
     text = Detokenizer(byte_level)
-    sys.stdout.write(text(ids))
+    shown = []
+
+    def begin():
+        if not shown:
+            shown.append(True)
+            if not args.quiet:
+                print(describe_training(state), file=sys.stderr)
+            sys.stdout.write(text(ids))
     # Ctrl-C ends the sample after the token in flight. A KeyboardInterrupt raised wherever
     # the signal lands could land inside torch (a function mode's __exit__), leave its state
     # broken and end in a RuntimeError, or be lost there while sampling went on.
@@ -94,17 +102,20 @@ def main(argv=None):
     try:
         for token in stream(model, ids, args.max_new_tokens, args.temperature, args.top_k,
                             args.seed):
+            begin()
             sys.stdout.write(text([token]))
             sys.stdout.flush()
             if stop:
                 break
+        begin()
     except NonFiniteLogits as exc:
         raise UsageError("argument --checkpoint: %s: %s"
                          % (checkpoint_path(args.checkpoint), exc)) from None
     finally:
         if watch:
             signal.signal(signal.SIGINT, previous)
-        print(text([], final=True))
+        if shown:
+            print(text([], final=True))
     if stop:
         raise KeyboardInterrupt     # console_script: "interrupted", status 130
     return 0
