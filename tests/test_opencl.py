@@ -934,6 +934,17 @@ def test_tuned_blocks_errors(ops, tmp_path):
     """ % OPENCL_IDS[0], timeout=600, ORCHARD_CACHE_DIR="/proc/orchard-cache")
     assert r.returncode == 0 and "not stored: the cache folder /proc/orchard-cache cannot be " \
         "made or written" in r.stdout, (r.stdout, r.stderr)
+    # one that others may write to (the cache is off there): that reason too, not only "cannot
+    # be made or written"
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    r = run_python("""
+        from orchard.cli import tune
+        raise SystemExit(tune.main(["--device", "%s", "--shape", "1,2,64,16", "--repeats", "1",
+                                    "--candidates", "96x96", "--quiet"]))
+    """ % OPENCL_IDS[0], timeout=600, ORCHARD_CACHE_DIR=shared)
+    assert r.returncode == 0 and "writable by others" in r.stdout, (r.stdout, r.stderr)
     # build options no program builds with: one error naming them, before any candidate runs
     # (each candidate's failure was a line of its own)
     r = run_python("""

@@ -133,5 +133,7 @@ def tune(device, shape=(1, 8, 1024, 64), candidates=None, repeats=3, report=prin
                               if options else ""))
     stored = orchard_ops.save_tuned_blocks(device, *min(times, key=times.get))
     if not stored:
-        report("the OpenCL cache is off (ORCHARD_NO_CACHE) or not writable: nothing stored")
+        report("the OpenCL cache is off (ORCHARD_NO_CACHE), or its folder cannot be made or "
+               "written or is not the user's own (another user's, or writable by others): "
+               "nothing stored")
     return times, stored

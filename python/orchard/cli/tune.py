@@ -89,8 +89,8 @@ def main(argv=None):
     elif env_flag("ORCHARD_NO_CACHE"):
         print("chosen: %d x %d; not stored: the OpenCL cache is off (ORCHARD_NO_CACHE)" % best)
     else:
-        print("chosen: %d x %d; not stored: the cache folder %s cannot be made or written "
-              "(ORCHARD_CACHE_DIR chooses another)"
+        print("chosen: %d x %d; not stored: the cache folder %s cannot be made or written, "
+              "or is another user's or writable by others (ORCHARD_CACHE_DIR chooses another)"
               % (best + (os.environ.get("ORCHARD_CACHE_DIR") or "(ORCHARD_CACHE_DIR, "
                          "$XDG_CACHE_HOME/orchard or ~/.cache/orchard)",)))
     return 0
