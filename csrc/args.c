@@ -240,7 +240,8 @@ int or_check_scale(or_call *c, const or_opts *o)
                             "these operands", c->p.prm.softcap);
     /* The native kernels multiply by 1 / softcap: where that overflows, a score of 0 became
      * 0 * inf, NaN (and where the cap rounds to 0, OpenCL read no softcap) */
-    if (c->p.prm.softcap > 0 && 1.0 / c->p.prm.softcap > max)
+    const double cap = max == FLT_MAX ? (double)(float)c->p.prm.softcap : c->p.prm.softcap;
+    if (c->p.prm.softcap > 0 && 1.0 / cap > max)     /* (a cap that rounds to 0: inf) */
         return number_error(c, "softcap", max == FLT_MAX
                             ? "is too small for float32, the kernels' type for these operands "
                               "(1 / softcap overflows): pass 0 or at least 2.94e-39"

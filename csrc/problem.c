@@ -60,6 +60,20 @@ void or_out_shapes(or_call *c, npy_intp *oshape, npy_intp *lshape, int *ond, int
     }
 }
 
+/* Whether axis bx of a goes inside axis ax (1), outside (-1), or either (0: a stride of 0, or
+ * equal strides and sizes), as torch's infer_dense_strides compares them. */
+static int inner_first(PyArrayObject *a, int ax, int bx)
+{
+    npy_intp sa = PyArray_STRIDE(a, ax), sb = PyArray_STRIDE(a, bx);
+    sa = sa < 0 ? -sa : sa;
+    sb = sb < 0 ? -sb : sb;
+    if (sa == 0 || sb == 0)
+        return 0;
+    if (sa != sb)
+        return sa < sb ? -1 : 1;
+    return PyArray_DIM(a, ax) > PyArray_DIM(a, bx);
+}
+
 /* Outputs are aligned for the device, so that kernels can write them in place, and laid out
  * in memory in the axis order of `like` (an operand of the same rank, or NULL for C order),
  * as torch's empty_like: for a (B, N, H, D) tensor seen as (B, H, N, D), the output is the
@@ -78,20 +92,31 @@ int or_new_output(or_call *c, int slot, int nd, const npy_intp *shape, or_dtype 
     int order[NPY_MAXDIMS];     /* memory order: outermost axis first */
     for (int i = 0; i < nd; i++)
         order[i] = i;
-    /* an expanded operand (an axis of stride 0) overlaps itself: torch's empty_like gives C
-     * order for it, where sorting its strides put the expanded axis innermost but for the last */
-    for (int i = 0; like != NULL && i < nd - 1; i++)
-        if (PyArray_STRIDE(like, i) == 0 && PyArray_DIM(like, i) > 1)
-            like = NULL;
-    for (int i = 1; like != NULL && i < nd - 1; i++)    /* insertion sort, by stride, stable */
-        for (int j = i; j > 0; j--) {
-            const npy_intp a = PyArray_STRIDE(like, order[j - 1]), b = PyArray_STRIDE(like, order[j]);
-            if ((a < 0 ? -a : a) >= (b < 0 ? -b : b))
-                break;
-            const int t = order[j];
-            order[j] = order[j - 1];
-            order[j - 1] = t;
-        }
+    if (like != NULL) {
+        /* the leading axes as torch's empty_like orders a tensor's (infer_dense_strides'
+         * insertion sort, innermost first): an axis goes inward past those of larger
+         * |stride|, or of equal stride and larger size, and stops at one of smaller stride; an
+         * axis of stride 0 (expanded) is passed over, compared with none, so that it keeps its
+         * place among the others (sorted outermost by stride 0, it had come innermost) */
+        const int n = nd - 1;
+        int inward[NPY_MAXDIMS];
+        for (int i = 0; i < n; i++)
+            inward[i] = n - 1 - i;
+        for (int i = 1; i < n; i++)
+            for (int d1 = i, d0 = i - 1; d0 >= 0; d0--) {
+                const int c = inner_first(like, inward[d0], inward[d1]);
+                if (c < 0)
+                    break;
+                if (c > 0) {
+                    const int t = inward[d0];
+                    inward[d0] = inward[d1];
+                    inward[d1] = t;
+                    d1 = d0;
+                }
+            }
+        for (int i = 0; i < n; i++)
+            order[i] = inward[n - 1 - i];
+    }
     for (int i = 0; i < nd; i++)
         dims[i] = shape[order[i]];
     PyArrayObject *mem = or_new_aligned(nd, dims, or_dtypes[dt].typenum,

@@ -280,23 +280,28 @@ def test_strided_tensor_views_in_place(ops):
     assert torch.equal(out, expected)
 
 
-def test_expanded_operands_give_results_in_c_order(ops):
-    """An expanded operand (a batch axis of stride 0) overlaps itself: its results are in C
-    order, as torch's empty_like gives (sorting its strides had put the batch axis innermost
-    but for the last, so that out.view(3, -1) failed), in orchard_ops and in the torch layer's
-    traced layout (attention_op._layout_order) alike."""
+@pytest.mark.parametrize("sizes", [(3, 4, 7), (1, 4, 7), (2, 2, 2)])
+def test_results_are_laid_out_as_torch_empty_like(ops, sizes):
+    """out and the gradients have the strides torch's empty_like gives their operand, for
+    every order of the leading axes and every set of them expanded (stride 0: sorted
+    outermost by stride, an expanded batch axis had come innermost but for the last, so that
+    out.view(3, -1) failed), in orchard_ops and in the torch layer's traced layout
+    (attention_op._layout_order) alike."""
+    import itertools
+
     from orchard.attention_op import _layout_order
 
-    q = torch.randn(1, 4, 7, 8).expand(3, 4, 7, 8)
-    k = torch.randn(1, 4, 9, 8).expand(3, 4, 9, 8)
-    out, lse = ops.flash_attn_fwd(q, k, k, device="cpu")
-    assert out.stride() == torch.empty_like(q).stride() and lse.is_contiguous()
-    dq, dk, dv = ops.flash_attn_bwd(out, q, k, k, out, lse, device="cpu")
-    assert dq.stride() == torch.empty_like(q).stride()
-    assert dk.stride() == dv.stride() == torch.empty_like(k).stride()
-    assert _layout_order(q) == _layout_order(k) == [0, 1, 2, 3]
-    assert torch.equal(out, ops.flash_attn_fwd(q.contiguous(), k.contiguous(), k.contiguous(),
-                                               device="cpu")[0])
+    for perm in itertools.permutations(range(3)):
+        for expanded in itertools.product((False, True), repeat=3):
+            x = torch.randn(*[sizes[p] for p in perm], 8).permute(
+                *[perm.index(i) for i in range(3)], 3)
+            q = x[tuple(slice(0, 1) if e else slice(None) for e in expanded)].expand(x.shape)
+            want = torch.empty_like(q).stride()
+            out, lse = ops.flash_attn_fwd(q, q, q, device="cpu")
+            dq = ops.flash_attn_bwd(out, q, q, q, out, lse, device="cpu")[0]
+            assert out.stride() == dq.stride() == want, (perm, expanded, q.stride())
+            assert torch.empty_permuted(q.shape, _layout_order(q)).stride() == want
+            assert torch.equal(out, ops.flash_attn_fwd(*[q.contiguous()] * 3, device="cpu")[0])
 
 
 def test_dlpack_errors(ops):

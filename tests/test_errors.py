@@ -191,6 +191,9 @@ CASES = [
     # 1 / softcap overflows float32 (it multiplied a score of 0 into NaN)
     ("softcap_tiny_in_float32", "", "fwd(q, k, v, softcap=2.9e-39)", [VE],
      ["softcap", "too small for float32", "2.94e-39"]),
+    # above 1 / FLT_MAX as a double, under it once rounded to the kernels' float
+    ("softcap_tiny_once_float32", "", "fwd(q, k, v, softcap=2.9387361e-39)", [VE],
+     ["softcap", "too small for float32"]),
     ("softcap_tiny_in_float64", "q, k, v = (x.astype(np.float64) for x in (q, k, v))",
      "fwd(q, k, v, softcap=5e-309)", [VE], ["softcap", "too small for float64"]),
     ("alibi_past_float32", "", "fwd(q, k, v, alibi_slopes=np.array([1.0, -1e39]))", [VE],

@@ -169,15 +169,31 @@ def _op_arguments(opts):
 
 def _layout_order(like):
     """The memory order of like's axes, outermost first, that orchard_ops gives an output laid
-    out as like: the leading axes by decreasing stride (ties in axis order), the last innermost;
-    C order where like's last axis is not contiguous (orchard_ops reads a C-order copy of it,
-    and lays the output out as that copy) or like is expanded (a leading axis of stride 0: as
-    empty_like, which gives an operand that overlaps itself C order)."""
+    out as like (csrc/problem.c or_new_output): the leading axes as torch's empty_like orders
+    them (by stride, a smaller size inner at equal strides, an axis of stride 0 kept in place),
+    the last innermost; C order where like's last axis is not contiguous (orchard_ops reads a
+    C-order copy of it, and lays the output out as that copy)."""
     n = like.dim()
-    if like.shape[-1] > 1 and like.stride(-1) != 1 or any(
-            like.stride(i) == 0 and like.shape[i] > 1 for i in range(n - 1)):
+    if like.shape[-1] > 1 and like.stride(-1) != 1:
         return list(range(n))
-    return sorted(range(n - 1), key=lambda i: -abs(like.stride(i))) + [n - 1]
+
+    def inner_first(a, b):      # 1: b goes inside a; -1: outside; 0: either
+        sa, sb = abs(like.stride(a)), abs(like.stride(b))
+        if sa == 0 or sb == 0:
+            return 0
+        return (sa > sb) - (sa < sb) if sa != sb else int(like.shape[a] > like.shape[b])
+
+    inward = list(range(n - 2, -1, -1))
+    for i in range(1, n - 1):
+        d1 = i
+        for d0 in range(i - 1, -1, -1):
+            c = inner_first(inward[d0], inward[d1])
+            if c < 0:
+                break
+            if c > 0:
+                inward[d0], inward[d1] = inward[d1], inward[d0]
+                d1 = d0
+    return inward[::-1] + [n - 1]
 
 
 def _empty_like_layout(shape, like, dtype):

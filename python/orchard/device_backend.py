@@ -365,15 +365,21 @@ class DeviceBackend:
         return patch_model(model, device=self.device)
 
 
-def process_count(name):
-    """The count of processes torchrun's environment variable name (WORLD_SIZE,
-    LOCAL_WORLD_SIZE) gives, 1 where it is not set; ValueError naming it otherwise."""
-    text = os.environ.get(name, "1")
+def env_integer(name, what, least, most, unset):
+    """The integer torchrun's environment variable name gives (unset: its text where it is
+    not set); ValueError naming it and what it must be otherwise."""
+    text = os.environ.get(name, unset)
     if (not DECIMAL_INT.match(text) or len(text.lstrip("+-0")) > 9
-            or not 1 <= int(text) <= MAX_PROCESSES):
-        raise ValueError("environment variable %s must be a count of processes, an integer "
-                         "from 1 to %d (got %s)" % (name, MAX_PROCESSES, shown(text)))
+            or not least <= int(text) <= most):
+        raise ValueError("environment variable %s must be %s, an integer from %d to %d (got %s)"
+                         % (name, what, least, most, shown(text)))
     return int(text)
+
+
+def process_count(name):
+    """The count of processes torchrun's WORLD_SIZE or LOCAL_WORLD_SIZE gives, 1 where it is
+    not set; ValueError naming it otherwise."""
+    return env_integer(name, "a count of processes", 1, MAX_PROCESSES, "1")
 
 
 def get_device_backend(device=None, verbose=False):

@@ -107,7 +107,7 @@ def _cu_seqlens(fn, name, t, total):
 def _window_bound(w):
     """A window bound as an int; TypeError for what is none, a bool included (orchard_ops
     refuses it too: True had read as 1)."""
-    if isinstance(w, (bool, np.bool_)):
+    if isinstance(w, bool):
         raise TypeError("a bool is no window bound")
     return operator.index(w)
 
@@ -152,7 +152,8 @@ def _checked_options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_s
     """dtype: the operands' (None: q's), whose kernels' type bounds the numbers."""
     dtype = q.dtype if dtype is None else dtype
     bound = _largest_option(dtype)
-    in_type = "" if dtype == torch.float64 else " in float32, the kernels' type for these inputs"
+    kind = "float64" if dtype == torch.float64 else "float32, the kernels' type for these inputs"
+    in_type = "" if dtype == torch.float64 else " in " + kind
     dropout_p = _number(fn, "dropout_p", dropout_p)
     if not 0.0 <= dropout_p < 1.0:
         _fail(fn, "dropout_p", "must be in [0, 1), got %r" % (dropout_p,))
@@ -163,11 +164,12 @@ def _checked_options(fn, q, seqlen_k, dropout_p, softmax_scale, causal, window_s
     softcap = _number(fn, "softcap", softcap)
     if not softcap <= bound:     # NaN too
         _fail(fn, "softcap", "must be finite%s (<= 0: no softcap), got %r" % (in_type, softcap))
-    if 0 < softcap and 1.0 / softcap > bound:    # the native kernels multiply by 1 / softcap
-        kind, least = (("float64", "5.57e-309") if dtype == torch.float64 else
-                       ("float32, the kernels' type for these inputs", "2.94e-39"))
+    # the native kernels multiply by 1 / softcap, in float32 but for float64 inputs
+    cap = softcap if dtype == torch.float64 else float(np.float32(softcap))
+    if 0 < softcap and (cap == 0 or 1.0 / cap > bound):
         _fail(fn, "softcap", "is too small for %s (1 / softcap overflows): pass 0 or at least "
-              "%s, got %r" % (kind, least, softcap))
+              "%s, got %r" % (kind, "5.57e-309" if dtype == torch.float64 else "2.94e-39",
+                              softcap))
     softcap = max(softcap, 0.0)     # as FlashAttention-2: only a positive softcap caps
     try:
         left, right = (_window_bound(w) for w in window_size)

@@ -433,16 +433,15 @@ def check_rendezvous(world):
     """UsageError unless torchrun's RANK (0 to WORLD_SIZE - 1), MASTER_ADDR and MASTER_PORT,
     which init_process_group reads beside WORLD_SIZE, are set: a WORLD_SIZE alone had ended in
     a traceback, and a RANK past it waited for ranks that never come."""
-    from ..config import DECIMAL_INT, shown
+    from ..device_backend import env_integer
     for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
         if not os.environ.get(name):
             raise UsageError("environment variable %s is not set, which WORLD_SIZE %d needs "
                              "(torchrun sets it)" % (name, world))
-    rank = os.environ["RANK"]
-    if not DECIMAL_INT.match(rank) or len(rank.lstrip("+-0")) > 9 or not 0 <= int(rank) < world:
-        raise UsageError("environment variable RANK must be this process's rank, an integer "
-                         "from 0 to %d as WORLD_SIZE is %d (got %s)" % (world - 1, world,
-                                                                       shown(rank)))
+    try:
+        env_integer("RANK", "this process's rank in WORLD_SIZE's", 0, world - 1, None)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 @console_script("orchard-train")
