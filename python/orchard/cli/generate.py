@@ -85,6 +85,7 @@ def main(argv=None):
             if not args.quiet:
                 print(describe_training(state), file=sys.stderr)
             sys.stdout.write(text(ids))
+
     # Ctrl-C ends the sample after the token in flight. A KeyboardInterrupt raised wherever
     # the signal lands could land inside torch (a function mode's __exit__), leave its state
     # broken and end in a RuntimeError, or be lost there while sampling went on.

@@ -439,7 +439,7 @@ def check_rendezvous(world):
             raise UsageError("environment variable %s is not set, which WORLD_SIZE %d needs "
                              "(torchrun sets it)" % (name, world))
     try:
-        env_integer("RANK", "this process's rank in WORLD_SIZE's", 0, world - 1, None)
+        env_integer("RANK", "this process's rank", 0, world - 1, None)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
