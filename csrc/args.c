@@ -786,8 +786,9 @@ static PyArrayObject *int64_array(or_call *c, PyObject *obj, const char *name, i
     if (!PyArray_ISINTEGER(raw) || PyArray_NDIM(raw) != nd || PyArray_DIM(raw, 0) != n) {
         PyObject *got = or_values_str(raw, obj);
         if (got != NULL)
-            PyErr_Format(PyExc_ValueError, "%s(): '%s' must be an integer array %s, got %U",
-                         c->func, name, layout, got);
+            PyErr_Format(PyExc_ValueError, "%s(): '%s' must be an integer array %s: batch_size "
+                         "%zd here, the sequences of the call; got %U", c->func, name, layout,
+                         n, got);
         Py_XDECREF(got);
         Py_DECREF(raw);
         return NULL;

@@ -33,7 +33,20 @@
 #include "cl_runtime.h"
 #include "orchard.h"
 
-/* The cache directory (created), or 0 when caching is off or impossible. */
+/* Caching off for a reason the user did not ask for: said once in the log, so that a process
+ * that rebuilds every program shows why (an unset HOME had turned it off without a word). */
+static int cache_off(const char *fmt, const char *dir, const char *why)
+{
+    static int warned;
+    if (!__atomic_exchange_n(&warned, 1, __ATOMIC_RELAXED)) {
+        char line[4400];
+        snprintf(line, sizeof(line), fmt, dir, why);
+        or_log("orchard: the OpenCL program cache is off: %s", line);
+    }
+    return 0;
+}
+
+/* The cache directory (created), or 0 when caching is off (ORCHARD_NO_CACHE) or impossible. */
 int or_cache_dir(char *out, size_t size)
 {
     if (or_env_flag("ORCHARD_NO_CACHE"))
@@ -48,9 +61,10 @@ int or_cache_dir(char *out, size_t size)
     else if (home != NULL && home[0] != '\0')
         n = snprintf(out, size, "%s/.cache/orchard", home);
     else
-        return 0;
+        return cache_off("%s%s", "", "no folder is named (ORCHARD_CACHE_DIR, an absolute "
+                         "XDG_CACHE_HOME or HOME)");
     if (n <= 0 || (size_t)n >= size)
-        return 0;
+        return cache_off("its folder's name is %s%s", "", "too long");
     for (char *p = out + 1; *p; p++) {          /* mkdir -p, private to the user */
         if (*p != '/')
             continue;
@@ -58,22 +72,21 @@ int or_cache_dir(char *out, size_t size)
         int rc = mkdir(out, 0700);
         *p = '/';
         if (rc != 0 && errno != EEXIST)
-            return 0;
+            return cache_off("%s cannot be made (%s)", out, strerror(errno));
     }
     struct stat st;     /* EEXIST: it may be a file */
     if (mkdir(out, 0700) == 0)
         return 1;
-    if (errno != EEXIST || stat(out, &st) != 0 || !S_ISDIR(st.st_mode))
-        return 0;
+    if (errno != EEXIST)
+        return cache_off("%s cannot be made (%s)", out, strerror(errno));
+    if (stat(out, &st) != 0 || !S_ISDIR(st.st_mode))
+        return cache_off("%s is %s", out, "not a folder");
     /* its binaries are loaded and run (native code on PoCL): only from a folder that no one
      * else owns or may write to */
     if (st.st_uid == geteuid() && !(st.st_mode & (S_IWGRP | S_IWOTH)))
         return 1;
-    static int warned;
-    if (!__atomic_exchange_n(&warned, 1, __ATOMIC_RELAXED))
-        or_log("orchard: the OpenCL program cache is off: %s is %s", out,
-               st.st_uid != geteuid() ? "another user's" : "writable by others");
-    return 0;
+    return cache_off("%s is %s", out, st.st_uid != geteuid() ? "another user's"
+                                                             : "writable by others");
 }
 
 #ifdef ORCHARD_HAVE_OPENCL

@@ -127,6 +127,31 @@ def test_cache_dir(ops, tmp_path, monkeypatch):
     assert ops.cache_dir() is None
 
 
+
+def test_cache_off_says_why_once(tmp_path):
+    """A cache that cannot be had is one log line, naming why, however often it is asked for
+    (with HOME unset it was off without a word); one turned off by ORCHARD_NO_CACHE says
+    nothing."""
+    (tmp_path / "file").write_text("x")
+    code = "import orchard_ops as o; print(o.cache_dir(), o.cache_dir())"
+    cases = [({"HOME": None}, "no folder is named (ORCHARD_CACHE_DIR, an absolute "
+                              "XDG_CACHE_HOME or HOME)"),
+             ({"ORCHARD_CACHE_DIR": tmp_path / "file"}, "%s is not a folder" % (tmp_path / "file")),
+             ({"ORCHARD_CACHE_DIR": tmp_path / "file" / "sub"},
+              "%s cannot be made (Not a directory)" % (tmp_path / "file" / "sub")),
+             ({"ORCHARD_CACHE_DIR": "/proc/orchard-cache"}, "/proc/orchard-cache cannot be made")]
+    for env, why in cases:
+        env = dict(dict.fromkeys(("ORCHARD_CACHE_DIR", "XDG_CACHE_HOME", "ORCHARD_NO_CACHE",
+                                  "ORCHARD_LOG")), **env)
+        r = run_python(code, **env)
+        assert r.returncode == 0 and r.stdout.split() == ["None", "None"], r.stdout + r.stderr
+        assert r.stderr.splitlines() and r.stderr.splitlines()[0].startswith(
+            "orchard: the OpenCL program cache is off: " + why), (env, r.stderr)
+        assert r.stderr.count("cache is off") == 1, r.stderr
+    r = run_python(code, ORCHARD_NO_CACHE=1, HOME=None, ORCHARD_CACHE_DIR=None,
+                   XDG_CACHE_HOME=None, ORCHARD_LOG=None)
+    assert r.returncode == 0 and r.stdout.split() == ["None", "None"] and r.stderr == "", r.stderr
+
 def test_default_device_used_for_none(ops, rng):
     """device=None runs on default_device(): its per-device counters move."""
     q, k, v = (randn(rng, (1, 2, 5, 8), np.float32) for _ in range(3))

@@ -275,10 +275,15 @@ def test_index_and_slope_messages_say_what_was_given(ops):
         (ValueError, r"'seqused_k' must be a 1-D integer array of 1 key counts \(one per "
                      r"sequence\), got an array of dtype float64 and shape \(1,\)",
          lambda: ops.flash_attn_fwd(q, q, q, seqused_k=np.array([3.0]))),
-        (ValueError, r"'block_table' must be an integer array .*, got an array of dtype "
+        (ValueError, r"'block_table' must be an integer array .*; got an array of dtype "
                      r"float64 and shape \(2, 2\)",
          lambda: ops.flash_attn_varlen_fwd(qp, pages, pages, cq, ck, block_table=np.zeros((2, 2)),
                                            device="cpu")),
+        # an integer table of the wrong row count: the count it needed is named
+        (ValueError, r"'block_table' must be an integer array .*: batch_size 2 here, the "
+                     r"sequences of the call; got an array of dtype int32 and shape \(1, 1\)",
+         lambda: ops.flash_attn_varlen_fwd(qp, pages, pages, cq, ck,
+                                           block_table=np.zeros((1, 1), np.int32), device="cpu")),
         (ValueError, r"'cu_seqlens_q' must be a 1-D integer array of B \+ 1 offsets, got an "
                      r"array of dtype float32 and shape \(3,\)",
          lambda: ops.flash_attn_varlen_fwd(qp, qp, qp, cq.astype(np.float32), cq)),
