@@ -77,6 +77,19 @@ def test_a_link_is_written_through(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["data", "tokens.json"]
 
 
+
+def test_a_link_to_a_missing_folder_fails_as_a_shells_redirection(tmp_path):
+    """Written through as by `>`: to a folder that is not there, ENOENT and nothing made (the
+    folder had been made, wherever the link led); the link's own folder is made as for a
+    file."""
+    link = tmp_path / "tokens.json"
+    link.symlink_to(tmp_path / "gone" / "deeper" / "tokens.json")
+    with pytest.raises(FileNotFoundError):
+        write_atomically(str(link), lambda f: f.write(b"new"))
+    assert link.is_symlink() and os.listdir(tmp_path) == ["tokens.json"]
+    write_atomically(str(tmp_path / "made" / "x.json"), lambda f: f.write(b"x"))
+    assert (tmp_path / "made" / "x.json").read_bytes() == b"x"
+
 def test_a_link_that_loops_is_not_replaced(tmp_path):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.symlink_to(b)

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import pickle
+import re
 import shutil
 
 import orchard_ops
@@ -96,6 +97,11 @@ def files(tmp_path_factory):
     torch.save(dict({k: 0 for k in KEYS}, format=1, step=-5), str(folder / "negative.pt"))
     torch.save(dict({k: 0 for k in KEYS}, format=1, seed=2**70), str(folder / "seed.pt"))
     (folder / "u3" / "metrics.jsonl").mkdir(parents=True)
+    # a run's files as links: to a folder that is not there (which had been made), to a file
+    (folder / "u4").mkdir()
+    (folder / "u4" / "checkpoint.pt").symlink_to(folder / "gone" / "x.pt")
+    (folder / "u5").mkdir()
+    (folder / "u5" / "metrics.jsonl").symlink_to(folder / "kept.json" / "m.jsonl")
     (folder / "bert.json").write_text(json.dumps({
         "model_type": "bert", "hidden_size": 32, "num_attention_heads": 2,
         "num_hidden_layers": 1, "intermediate_size": 64, "vocab_size": 300}))
@@ -397,6 +403,12 @@ def expected_cases(f):
          ["--output", "tiny.yaml is a file"]),
         ("train", tiny + ["--output", str(f["dir"] / "u3")], {},
          ["--output", "metrics.jsonl", "folder"]),
+        ("train", tiny + ["--output", str(f["dir"] / "u4")], {},
+         ["--output", "checkpoint.pt there links to", "gone/x.pt", "which cannot be written",
+          "gone is not there"]),
+        ("train", tiny + ["--output", str(f["dir"] / "u5")], {},
+         ["--output", "metrics.jsonl there links to", "kept.json/m.jsonl",
+          "kept.json is not there"]),
         ("train", tiny + ["--output", str(f["dir"] / "dangling")], {},
          ["--output", "dangling is a symbolic link whose target cannot be reached"]),
         # "--option=--", which argparse gives no value unchecked: "--" is the value
@@ -443,6 +455,7 @@ def test_bad_input_to_every_script_gives_one_line_and_status_2(files):
     assert not (files["dir"] / "out_short").exists()
     assert not os.path.exists(os.path.join(str(files["dir"]), "x.json"))
     assert os.path.islink(files["dir"] / "loop.json")
+    assert not (files["dir"] / "gone").exists()     # a link's folder is not made
 
 
 def test_an_opencl_orchard_device_without_opencl_says_why():
@@ -596,6 +609,33 @@ def test_resuming_on_data_beyond_the_models_vocabulary_names_the_file(files, tmp
         "the checkpoint %s has a vocabulary of %d" % (wide, vocab + 49, out / "checkpoint.pt",
                                                       vocab)), r
 
+
+
+def test_resuming_a_run_whose_metrics_cannot_be_written_is_refused_first(tmp_path, monkeypatch):
+    """A resumed run appends to metrics.jsonl: one this user may not write is refused before
+    any step, naming the file (it failed at the first log line, naming the folder); with
+    --overwrite it is replaced, so taken."""
+    import argparse
+    from orchard.cli import train
+    from orchard.cli.args import UsageError
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoint.pt").write_bytes(b"a checkpoint")
+    metrics = run / "metrics.jsonl"
+    metrics.write_text('{"step": 1}\n')
+    metrics.chmod(0o444)
+    if os.access(metrics, os.W_OK):     # root: the bits do not bind it; as a user meets them
+        access = os.access
+        monkeypatch.setattr(os, "access", lambda path, mode, **kw: (
+            not mode & os.W_OK and access(path, mode, **kw) if os.fspath(path) == str(metrics)
+            else access(path, mode, **kw)))
+    args = argparse.Namespace(output=str(run), output_given=False, overwrite=False,
+                              resume=str(run / "checkpoint.pt"))
+    with pytest.raises(UsageError, match=r"^argument --output: its metrics \(%s\) cannot be "
+                       r"written: permission denied" % re.escape(str(metrics))):
+        train.check_output(args)
+    args.overwrite = True
+    train.check_output(args)
 
 def test_resuming_into_another_runs_folder_does_not_replace_its_checkpoint(files, tmp_path):
     """--resume A --output B continues A in B: refused where B holds another run's

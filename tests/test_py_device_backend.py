@@ -119,7 +119,8 @@ def test_a_model_whose_weights_alone_do_not_fit_is_refused():
     cfg = default_config()
     cfg["model"]["vocab_size"] = 10 ** 9
     with pytest.raises(ConfigError, match="weights, gradients and optimizer state need.*"
-                       "vocab_size 1000000000: the data's largest token id"):
+                       r"model.vocab_size 1000000000: the config's, or the data's vocabulary "
+                       r"where larger\)"):
         adapt(HOST, cfg)
 
 
@@ -193,6 +194,18 @@ def test_estimate_grows_linearly_and_checkpointing_saves():
         with pytest.raises(ValueError, match="'dtype' must be one of fp32, auto, fp16, bf16 "
                                              r"\(got %r\)" % (dtype,)):
             backend.estimate_memory(m, 1, 256, dtype)
+    # a batch or context that is no count is refused (a negative one made a total smaller
+    # than the weights alone), as a config that is not whole is by adapt_config (a KeyError)
+    for args in ((-1, 16), (1.5, 16), (True, 16), ("4", 16), (1, -16)):
+        with pytest.raises(ValueError, match=r"estimate_memory\(\): '(batch_size|seq_len)' "
+                                             r"must be an integer >= 0 \(got "):
+            backend.estimate_memory(m, *args)
+    assert backend.estimate_memory(m, 0, 16)["activation_bytes"] == 0
+    for cfg, missing in (({"training": {"batch_size": 4}}, "'model' or 'device'"),
+                         ({}, "'model' or 'training' or 'device'"), (None, "'model' or")):
+        with pytest.raises(ValueError, match=r"adapt_config\(\): 'cfg' must be a whole config.*"
+                                             r": no section %s" % missing):
+            backend.adapt_config(cfg)
 
 
 def test_orchard_device_auto_is_not_the_reason(monkeypatch):

@@ -120,6 +120,18 @@ def test_byte_level_text_skips_ids_past_the_bytes():
     assert decode([104, 300], byte_level=False) == "104 300"
 
 
+
+def test_a_byte_level_prompt_takes_the_bytes_the_command_line_held():
+    """Bytes of a command line that are not UTF-8 reach Python as surrogate escapes: a
+    byte-level model takes the bytes themselves (it refused them with Python's "surrogates
+    not allowed"); a lone surrogate with no byte behind it is no text."""
+    import os
+    from orchard.generation import encode
+    assert encode(os.fsdecode(b"a\xffb"), byte_level=True) == [0x61, 0xFF, 0x62]
+    assert encode("é", byte_level=True) == [0xC3, 0xA9]
+    with pytest.raises(ValueError, match="not valid text \\(a lone surrogate"):
+        encode("a\ud83db", byte_level=True)
+
 def test_text_streamed_token_by_token():
     """orchard-generate prints each token as it comes: a character whose UTF-8 bytes are
     separate tokens appears once whole, ids are separated by spaces across pieces, and the

@@ -8,8 +8,10 @@ import pickle
 import re
 import shlex
 import signal
+import stat
 import subprocess
 import sys
+import time
 
 import orchard_ops
 import pytest
@@ -198,6 +200,42 @@ def test_sigterm_saves_a_checkpoint_and_exits_143(run_files, tmp_path, monkeypat
                            sig=signal.SIGTERM) == 143
     assert load_checkpoint(str(out))["step"] == 3
 
+
+
+def test_sigterm_ends_a_wait_for_the_reader_of_a_metrics_fifo(run_files, tmp_path, monkeypatch,
+                                                             caplog):
+    """metrics.jsonl as a FIFO that no process reads holds the run in open() at its first log
+    line: SIGTERM, which has no second signal to end what the first left waiting, ends the
+    wait there, and the run stops with its checkpoint (it waited for ever)."""
+    import threading
+
+    from orchard import trainer as trainer_module
+
+    out = tmp_path / "run"
+    out.mkdir()
+    fifo = out / "metrics.jsonl"
+    os.mkfifo(fifo)
+    found = trainer_module.written_in_place
+
+    def signalled_once_waiting(path):
+        waits = found(path)
+        if waits:   # (the signal lands in open(), or just before it: handled alike)
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        return waits
+
+    # a reader after a minute, so that a failure is a failed test, not a hung one
+    rescue = threading.Timer(60, lambda: open(fifo, "rb").read())
+    rescue.daemon = True
+    monkeypatch.setattr(trainer_module, "written_in_place", signalled_once_waiting)
+    start = time.monotonic()
+    rescue.start()
+    try:
+        assert train_cli(run_files, out, "--max-steps", 8, "--overwrite") == 143
+    finally:
+        rescue.cancel()
+    assert time.monotonic() - start < 50
+    assert load_checkpoint(str(out))["step"] == 1 and stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert "stopped while %s waited for a reader" % fifo in caplog.text
 
 def test_interrupted_run_resumes_exactly(run_files, tmp_path, monkeypatch):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
@@ -500,6 +538,19 @@ def test_torchrun_two_processes_agree(run_files, tmp_path):
         lock.release()
     assert result.returncode != 0
     assert result.stderr.count("another orchard-train (process %d)" % os.getpid()) == 2
+    # a batch the processes do not divide: the error names the config it came from
+    import yaml
+    odd = tmp_path / "odd_batch.yaml"
+    cfg = json.loads(json.dumps(TINY_CONFIG))
+    cfg["training"]["batch_size"] = 3
+    odd.write_text(yaml.safe_dump(cfg))
+    result = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                         "-m", "orchard.cli.train", "--config", str(odd), "--sequences",
+                         sequences, "--output", str(tmp_path / "odd"), "--max-steps", "1",
+                         "--device", "cpu"], timeout=120, OMP_NUM_THREADS="1")
+    assert result.returncode != 0
+    assert result.stderr.count("orchard-train: error: argument --config: %s: training.batch_size "
+                               "must be a multiple of the 2 processes" % odd) == 2, result.stderr
 
 
 DDP_STOP_AT = r"""
@@ -704,6 +755,21 @@ def test_a_file_that_is_no_zip_archive_is_refused_as_that(tmp_path, content):
             load_checkpoint(str(path))
     assert not said, [str(w.message) for w in said]
 
+
+
+def test_a_checkpoint_cut_short_is_said_to_be(run_files, tmp_path):
+    """A checkpoint cut short is refused as cut short or damaged, wherever the cut lands
+    (torch.load's OSError for one cut late had read "cannot read the checkpoint: Invalid
+    argument", as if the file could not be opened)."""
+    out = tmp_path / "run"
+    assert train_cli(run_files, out, "--max-steps", 1) == 0
+    data = (out / "checkpoint.pt").read_bytes()
+    for size in (len(data) // 2, len(data) - 10, 100):
+        path = tmp_path / "cut.pt"
+        path.write_bytes(data[:size])
+        with pytest.raises(CheckpointError, match=r"cut.pt: not a readable orchard checkpoint, "
+                                                  r"cut short or damaged \(torch.load raised "):
+            load_checkpoint(str(path))
 
 def test_a_flipped_bit_is_a_damaged_checkpoint(run_files, tmp_path, capsys):
     """torch.load does not check the CRC-32 of a checkpoint's parts; orchard does, so a bit

@@ -122,9 +122,11 @@ def write_atomically(path, write):
         with open(path, "wb") as f:
             write(f)
         return
+    # the folder named is made, not a link's target's: a shell's `>` through a link to a
+    # folder that is not there fails, and it had been made, wherever the link pointed
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     path = replaced_file(path)
     folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, _temporary(os.path.basename(path), secrets.token_hex(8)))
     with _terminate_cleans_up():
         # os.open applies the umask to 0o666, as open() does (tempfile.mkstemp makes 0o600

@@ -63,17 +63,19 @@ def load_checkpoint(path):
         # plain pickle are a KeyError and warnings
         with open(path, "rb") as f:
             zipped = f.read(4) == b"PK\x03\x04"
-        if zipped:
-            # weights_only: a checkpoint is data (tensors, numbers, strings), never code
-            state = torch.load(path, map_location="cpu", weights_only=True)
     except OSError as exc:
         raise CheckpointError("%s: cannot read the checkpoint: %s" % (path, exc.strerror)) from None
-    except Exception as exc:  # torch reports a damaged file with many types and long advice
-        raise CheckpointError("%s: not a readable orchard checkpoint (torch.load raised %s)"
-                              % (path, type(exc).__name__)) from None
     if not zipped:
         raise CheckpointError("%s: not a readable orchard checkpoint (not a zip archive, as "
                               "torch.save writes checkpoints)" % path)
+    try:
+        # weights_only: a checkpoint is data (tensors, numbers, strings), never code
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch reports a damaged file with many types and long advice
+        # (an archive cut short is an OSError, EINVAL, read as the file's: "cannot read the
+        # checkpoint: Invalid argument")
+        raise CheckpointError("%s: not a readable orchard checkpoint, cut short or damaged "
+                              "(torch.load raised %s)" % (path, type(exc).__name__)) from None
     problem = _problem(state)
     if problem:
         raise CheckpointError("%s: not an orchard checkpoint of format %d (an orchard-train "

@@ -155,6 +155,11 @@ class DeviceBackend:
         """Bytes a training step needs, by the formula of the module docstring, itemised:
         {"parameter_bytes", "gradient_bytes", "optimizer_bytes", "activation_bytes",
         "total_bytes"}, each a count of bytes (the parameters' count is count_parameters)."""
+        for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+            # (a negative one had made a total smaller than the weights alone)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError("estimate_memory(): %r must be an integer >= 0 (got %r)"
+                                 % (name, value))
         C, L, V = model_cfg["n_embd"], model_cfg["n_layer"], model_cfg["vocab_size"]
         c_kv = model_cfg["n_kv_head"] * C // model_cfg["n_head"]
         params = self.count_parameters(model_cfg)
@@ -197,6 +202,12 @@ class DeviceBackend:
         have no entry. fixed_model keeps the model section as it is (a resumed checkpoint
         fixes it), so the context is never shortened.
         """
+        missing = [name for name in ("model", "training", "device")
+                   if not isinstance(cfg, dict) or not isinstance(cfg.get(name), dict)]
+        if missing:     # (a KeyError had named the section and nothing else)
+            raise ValueError("adapt_config(): 'cfg' must be a whole config, as load_config() "
+                             "or orchard.config.validate() return one: no section %s"
+                             % " or ".join(repr(m) for m in missing))
         new = copy.deepcopy(cfg)
         reasons = {}
         model, train, dev = new["model"], new["training"], new["device"]
@@ -245,7 +256,7 @@ class DeviceBackend:
                 "the model's weights, gradients and optimizer state need %.3g GiB, more than "
                 "the memory budget of %.3g GiB (device.memory_fraction %g of %.3g GiB): choose "
                 "a smaller model (model.n_layer %d, model.n_embd %d, model.context %d, "
-                "vocab_size %d: the data's largest token id + 1, or its vocab_size)"
+                "model.vocab_size %d: the config's, or the data's vocabulary where larger)"
                 % (fixed / GiB, budget / GiB, dev["memory_fraction"],
                    min(self.info["global_mem_bytes"], self.host["global_mem_bytes"]) / GiB,
                    model["n_layer"], model["n_embd"], model["context"], model["vocab_size"]))

@@ -88,9 +88,12 @@ def encode(prompt, byte_level):
     """Token ids of a prompt; ValueError if it is empty or not token ids."""
     if byte_level:
         try:
-            ids = list(prompt.encode("utf-8"))
-        except UnicodeEncodeError as exc:   # lone surrogates: bytes the terminal could not decode
-            raise ValueError("not valid text (%s), got %r" % (exc.reason, prompt)) from None
+            # the bytes themselves where the command line held some that are not UTF-8 (in
+            # the str as surrogate escapes, os.fsdecode's): bytes are this model's tokens
+            ids = list(prompt.encode("utf-8", "surrogateescape"))
+        except UnicodeEncodeError:      # other lone surrogates: no bytes stand behind them
+            raise ValueError("not valid text (a lone surrogate, which is no character), got %r"
+                             % prompt) from None
     else:
         # ASCII digits only: int() also reads "1_000" and other scripts' digits
         words = prompt.split()

@@ -23,7 +23,7 @@ import orchard_ops
 import torch
 import torch.distributed as dist
 
-from .atomic import write_atomically
+from .atomic import write_atomically, written_in_place
 from .checkpoint import FORMAT, check_optimizer_state, checkpoint_contents, save_checkpoint
 from .config import AUTO, ConfigError, get_dtype_from_string, is_out_of_memory
 from .data import DataError
@@ -35,6 +35,10 @@ log = logging.getLogger("orchard")
 CHECKPOINT_NAME = "checkpoint.pt"
 METRICS_NAME = "metrics.jsonl"
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class _MetricsReaderAbsent(Exception):
+    """A stop signal that came while metrics.jsonl, a FIFO or device, waited for its reader."""
 
 
 def strict_json(record):
@@ -100,6 +104,8 @@ class Trainer:
         self.step = 0
         self.history = []
         self.metrics_whole = False      # metrics.jsonl holds the history: append to it
+        self.metrics_waiting = False    # a write to a FIFO is under way: a stop ends it
+        self.metrics_given_up = False   # ... and ended it: the run writes no more metrics
         self.losses = []    # of the steps since the last log line
         self.schedule_steps = None  # the stopping point a resumed run keeps (see run)
         if resume_state is not None:
@@ -315,6 +321,10 @@ class Trainer:
         # A second Ctrl-C interrupts at once (unless ignored, as the process started).
         if signal.getsignal(signal.SIGINT) != signal.SIG_IGN:
             signal.signal(signal.SIGINT, signal.default_int_handler)
+        # A FIFO that no process reads holds the run in open() or write() for ever, where
+        # SIGTERM, unlike Ctrl-C, has no second signal to end it: no step is in flight there
+        if self.metrics_waiting:
+            raise _MetricsReaderAbsent()
 
     def _should_stop(self):
         if not self.distributed:
@@ -342,7 +352,7 @@ class Trainer:
         if self.rank == 0:
             os.makedirs(self.output_dir, exist_ok=True)
             text = "".join(json.dumps(strict_json(r), allow_nan=False) + "\n" for r in self.history).encode()
-            write_atomically(os.path.join(self.output_dir, METRICS_NAME), lambda f: f.write(text))
+            self._metrics_io(lambda path: write_atomically(path, lambda f: f.write(text)))
             self.metrics_whole = True
 
     def _write_metrics(self, record):
@@ -351,19 +361,38 @@ class Trainer:
             self._save_metrics()
             return
         line = (json.dumps(strict_json(record), allow_nan=False) + "\n").encode()
-        try:    # one write of the whole line, synced as the whole file is
-            fd = os.open(os.path.join(self.output_dir, METRICS_NAME),
-                         os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+
+        def append(path):   # one write of the whole line, synced as the whole file is
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            try:
+                view = memoryview(line)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+        try:
+            self._metrics_io(append)
         except FileNotFoundError:       # removed under the run: written whole again
             self._save_metrics()
+
+    def _metrics_io(self, write):
+        """write(path of metrics.jsonl); where that is a FIFO or device, one that a stop signal
+        may end (_request_stop), after which the run writes it no more."""
+        path = os.path.join(self.output_dir, METRICS_NAME)
+        if self.metrics_given_up:
             return
+        self.metrics_waiting = written_in_place(path)
         try:
-            view = memoryview(line)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
+            write(path)
+        except _MetricsReaderAbsent:
+            self.metrics_given_up = True
+            log.warning("stopped while %s waited for a reader: the run's metrics from step %d "
+                        "on are not written there (the checkpoint holds them)", path,
+                        self.history[-1]["step"] if self.history else self.step)
         finally:
-            os.close(fd)
+            self.metrics_waiting = False
 
     def stopping_point(self, epochs=None, max_steps=None):
         """The step count the run ends at and its learning-rate schedule spans: `epochs`

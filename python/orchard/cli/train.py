@@ -118,9 +118,24 @@ def check_output(args):
         raise UsageError("argument --output: cannot be made or written, %s (got %r)"
                          % (problem, args.output))
     for name in ("checkpoint.pt", "metrics.jsonl"):
-        if os.path.isdir(os.path.join(args.output, name)):
+        path = os.path.join(args.output, name)
+        if os.path.isdir(path):
             raise UsageError("argument --output: %s there is a folder, not a file (got %r)"
                              % (name, args.output))
+        if os.path.islink(path):    # written through, as by a shell's `>`: where it leads
+            target = os.path.realpath(path)
+            problem = (folder_problem(os.path.dirname(target), os.path.basename(target))
+                       if os.path.isdir(os.path.dirname(target))
+                       else "its folder %s is not there" % os.path.dirname(target))
+            if problem:
+                raise UsageError("argument --output: %s there links to %s, which cannot be "
+                                 "written: %s (got %r)" % (name, target, problem, args.output))
+    metrics = os.path.join(args.output, "metrics.jsonl")
+    # a resumed run appends to its metrics a line at a time: a file this user may not write
+    # failed at the first log line, after the steps before it
+    if not args.overwrite and os.path.isfile(metrics) and not os.access(metrics, os.W_OK):
+        raise UsageError("argument --output: its metrics (%s) cannot be written: permission "
+                         "denied (got %r)" % (metrics, args.output))
     path = os.path.join(args.output, "checkpoint.pt")
     if continues_its_own_run(args) or args.overwrite:
         return
@@ -136,7 +151,6 @@ def check_output(args):
         raise UsageError("argument --output: already holds a checkpoint (%s); %spass "
                          "--overwrite to replace it, or choose another folder (got %r)"
                          % (path, advice, args.output))
-    metrics = os.path.join(args.output, "metrics.jsonl")
     if os.path.exists(metrics):
         raise UsageError("argument --output: already holds the metrics (%s) of a run without a "
                          "checkpoint; pass --overwrite to replace them, or choose another "
@@ -419,6 +433,12 @@ def build_trainer(args):
             raise DataError("%s: %s" % (data_info["source"], exc)) from None
     except CheckpointError as exc:      # contents that do not make the model (checkpoint_contents)
         raise UsageError("argument --resume: %s" % exc) from None
+    except ConfigError as exc:  # a batch torchrun's processes do not divide: whose it is
+        if state is not None:
+            raise UsageError("argument --resume: checkpoint %s: %s"
+                             % (checkpoint_path(args.resume), exc)) from None
+        with reading("--config", args.config):
+            raise ConfigError("%s: %s" % (args.config, exc) if args.config else str(exc)) from None
     except HFModelError as exc:
         if state is not None:   # the checkpoint's hf_config: the message names the file
             raise UsageError("argument --resume: %s" % exc) from None
