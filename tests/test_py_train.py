@@ -1,5 +1,6 @@
 """orchard-train end to end: falling loss, metrics, the validation split, resume, the
 out-of-memory policy, crash-safe checkpoints, data parallelism, and --help of every command."""
+import contextlib
 import json
 import logging
 import math
@@ -201,6 +202,33 @@ def test_sigterm_saves_a_checkpoint_and_exits_143(run_files, tmp_path, monkeypat
     assert load_checkpoint(str(out))["step"] == 3
 
 
+
+
+def test_a_metrics_fifo_gets_every_line(run_files, tmp_path):
+    """metrics.jsonl as a FIFO (written in place) that a reader keeps opening takes every log
+    line (the second failed: fsync of a pipe is EINVAL, "cannot write ...: Invalid
+    argument")."""
+    import threading
+
+    out = tmp_path / "run"
+    out.mkdir()
+    fifo = out / "metrics.jsonl"
+    os.mkfifo(fifo)
+    got, done = [], threading.Event()
+
+    def read():     # each line is a write of its own, between an open and a close
+        while not done.is_set():
+            with open(fifo, "rb") as f:
+                got.append(f.read())
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert train_cli(run_files, out, "--max-steps", 3, "--overwrite") == 0
+    done.set()
+    with contextlib.suppress(OSError):  # the reader, in open() again, lets go
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    reader.join(10)
+    assert [json.loads(line)["step"] for line in b"".join(got).splitlines()] == [1, 2, 3]
 
 def test_sigterm_ends_a_wait_for_the_reader_of_a_metrics_fifo(run_files, tmp_path, monkeypatch,
                                                              caplog):

@@ -16,6 +16,7 @@ import math
 import os
 import random
 import signal
+import stat
 import threading
 import time
 
@@ -368,7 +369,8 @@ class Trainer:
                 view = memoryview(line)
                 while view:
                     view = view[os.write(fd, view):]
-                os.fsync(fd)
+                if stat.S_ISREG(os.fstat(fd).st_mode):  # (a FIFO's fsync is EINVAL: an error)
+                    os.fsync(fd)
             finally:
                 os.close(fd)
 
