@@ -90,6 +90,7 @@ def test_a_link_to_a_missing_folder_fails_as_a_shells_redirection(tmp_path):
     write_atomically(str(tmp_path / "made" / "x.json"), lambda f: f.write(b"x"))
     assert (tmp_path / "made" / "x.json").read_bytes() == b"x"
 
+
 def test_a_link_that_loops_is_not_replaced(tmp_path):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.symlink_to(b)

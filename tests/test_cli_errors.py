@@ -90,6 +90,7 @@ def files(tmp_path_factory):
     (folder / "dangling").symlink_to(folder / "nowhere")       # an --output to nothing
     (folder / "loop.json").symlink_to(folder / "loop.json")    # a link to itself
     (folder / "no_proc.json").symlink_to("/proc/nowhere/x.json")    # to where none is made
+    (folder / "proc_self.json").symlink_to("/proc/self/x.json")     # a folder that takes none
     import torch
     torch.save({"w": torch.zeros(2)}, str(folder / "statedict.pt"))     # a model's state dict
     torch.save(torch.zeros(3), str(folder / "tensor.pt"))
@@ -337,13 +338,16 @@ def expected_cases(f):
          ["no text files", "empty_src"]),
         ("prepare", [str(f["dir"]), "-o", str(f["dir"])], {}, ["--output", "folder"]),
         # links: one that loops was replaced by the output; one to a folder that takes no
-        # files was refused after the work
+        # files was refused after the work; one to no folder had it made
         ("prepare", [str(f["dir"]), "-o", str(f["dir"] / "loop.json")], {},
          ["--output", "a symbolic link that loops", "loop.json"]),
         ("bench", ["--quick", "--json", str(f["dir"] / "loop.json")], {},
          ["--json", "a symbolic link that loops", "loop.json"]),
         ("prepare", [str(f["dir"]), "-o", str(f["dir"] / "no_proc.json")], {},
-         ["--output", "cannot be made or written, /proc takes no new files", "no_proc.json"]),
+         ["--output", "is a symbolic link to /proc/nowhere/x.json, and /proc/nowhere is no "
+          "folder", "no_proc.json"]),
+        ("prepare", [str(f["dir"]), "-o", str(f["dir"] / "proc_self.json")], {},
+         ["--output", "takes no new files", "proc_self.json"]),
         ("prepare", [str(f["dir"]), "-o", str(f["dir"] / "kept.json")], {},
          ["--output", "exists", "--overwrite", "kept.json"]),
         ("bench", ["--quick", "--plot", str(f["dir"] / "x.txt")], {}, ["--plot", "x.txt"]),
@@ -404,11 +408,17 @@ def expected_cases(f):
         ("train", tiny + ["--output", str(f["dir"] / "u3")], {},
          ["--output", "metrics.jsonl", "folder"]),
         ("train", tiny + ["--output", str(f["dir"] / "u4")], {},
-         ["--output", "checkpoint.pt there links to", "gone/x.pt", "which cannot be written",
-          "gone is not there"]),
+         ["--output", "checkpoint.pt there cannot be written: is a symbolic link to",
+          "gone/x.pt, and %s is no folder" % (f["dir"] / "gone")]),
         ("train", tiny + ["--output", str(f["dir"] / "u5")], {},
-         ["--output", "metrics.jsonl there links to", "kept.json/m.jsonl",
-          "kept.json is not there"]),
+         ["--output", "metrics.jsonl there cannot be written: is a symbolic link to",
+          "kept.json/m.jsonl, and %s is no folder" % (f["dir"] / "kept.json")]),
+        ("prepare", [str(f["dir"]), "-o", str(f["dir"] / "u4" / "checkpoint.pt")], {},
+         ["--output", "is a symbolic link to", "gone/x.pt, and %s is no folder"
+          % (f["dir"] / "gone")]),
+        ("bench", ["--quick", "--json", str(f["dir"] / "u4" / "checkpoint.pt")], {},
+         ["--json", "is a symbolic link to", "gone/x.pt, and %s is no folder"
+          % (f["dir"] / "gone")]),
         ("train", tiny + ["--output", str(f["dir"] / "dangling")], {},
          ["--output", "dangling is a symbolic link whose target cannot be reached"]),
         # "--option=--", which argparse gives no value unchecked: "--" is the value
@@ -612,9 +622,9 @@ def test_resuming_on_data_beyond_the_models_vocabulary_names_the_file(files, tmp
 
 
 def test_resuming_a_run_whose_metrics_cannot_be_written_is_refused_first(tmp_path, monkeypatch):
-    """A resumed run appends to metrics.jsonl: one this user may not write is refused before
-    any step, naming the file (it failed at the first log line, naming the folder); with
-    --overwrite it is replaced, so taken."""
+    """A run that continues its own appends to metrics.jsonl, --overwrite or not: one this
+    user may not write is refused before any step, naming the file (it failed at the first log
+    line, naming the folder); resumed into another folder, --overwrite removes it."""
     import argparse
     from orchard.cli import train
     from orchard.cli.args import UsageError
@@ -631,11 +641,17 @@ def test_resuming_a_run_whose_metrics_cannot_be_written_is_refused_first(tmp_pat
             else access(path, mode, **kw)))
     args = argparse.Namespace(output=str(run), output_given=False, overwrite=False,
                               resume=str(run / "checkpoint.pt"))
-    with pytest.raises(UsageError, match=r"^argument --output: its metrics \(%s\) cannot be "
-                       r"written: permission denied" % re.escape(str(metrics))):
-        train.check_output(args)
-    args.overwrite = True
+    for overwrite in (False, True):
+        args.overwrite = overwrite
+        with pytest.raises(UsageError, match=r"^argument --output: its metrics \(%s\) cannot "
+                           r"be written: permission denied" % re.escape(str(metrics))):
+            train.check_output(args)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "checkpoint.pt").write_bytes(b"another run's")
+    args.resume = str(other / "checkpoint.pt")
     train.check_output(args)
+
 
 def test_resuming_into_another_runs_folder_does_not_replace_its_checkpoint(files, tmp_path):
     """--resume A --output B continues A in B: refused where B holds another run's

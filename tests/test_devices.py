@@ -152,6 +152,7 @@ def test_cache_off_says_why_once(tmp_path):
                    XDG_CACHE_HOME=None, ORCHARD_LOG=None)
     assert r.returncode == 0 and r.stdout.split() == ["None", "None"] and r.stderr == "", r.stderr
 
+
 def test_default_device_used_for_none(ops, rng):
     """device=None runs on default_device(): its per-device counters move."""
     q, k, v = (randn(rng, (1, 2, 5, 8), np.float32) for _ in range(3))

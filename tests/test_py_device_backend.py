@@ -201,6 +201,9 @@ def test_estimate_grows_linearly_and_checkpointing_saves():
                                              r"must be an integer >= 0 \(got "):
             backend.estimate_memory(m, *args)
     assert backend.estimate_memory(m, 0, 16)["activation_bytes"] == 0
+    import numpy as np
+    assert backend.estimate_memory(m, np.int64(4), np.uint16(256)) == \
+        backend.estimate_memory(m, 4, 256)
     for cfg, missing in (({"training": {"batch_size": 4}}, "'model' or 'device'"),
                          ({}, "'model' or 'training' or 'device'"), (None, "'model' or")):
         with pytest.raises(ValueError, match=r"adapt_config\(\): 'cfg' must be a whole config.*"

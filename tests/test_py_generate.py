@@ -132,6 +132,7 @@ def test_a_byte_level_prompt_takes_the_bytes_the_command_line_held():
     with pytest.raises(ValueError, match="not valid text \\(a lone surrogate"):
         encode("a\ud83db", byte_level=True)
 
+
 def test_text_streamed_token_by_token():
     """orchard-generate prints each token as it comes: a character whose UTF-8 bytes are
     separate tokens appears once whole, ids are separated by spaces across pieces, and the

@@ -28,6 +28,7 @@ measured peak memory of CPU training steps within 25 %.
 import copy
 import logging
 import math
+import operator
 import os
 import sys
 
@@ -156,8 +157,13 @@ class DeviceBackend:
         {"parameter_bytes", "gradient_bytes", "optimizer_bytes", "activation_bytes",
         "total_bytes"}, each a count of bytes (the parameters' count is count_parameters)."""
         for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
-            # (a negative one had made a total smaller than the weights alone)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            # (a negative one had made a total smaller than the weights alone); NumPy's and
+            # torch's integers are integers too
+            try:
+                count = operator.index(value)
+            except TypeError:
+                count = None
+            if count is None or isinstance(value, bool) or count < 0:
                 raise ValueError("estimate_memory(): %r must be an integer >= 0 (got %r)"
                                  % (name, value))
         C, L, V = model_cfg["n_embd"], model_cfg["n_layer"], model_cfg["vocab_size"]
@@ -206,8 +212,8 @@ class DeviceBackend:
                    if not isinstance(cfg, dict) or not isinstance(cfg.get(name), dict)]
         if missing:     # (a KeyError had named the section and nothing else)
             raise ValueError("adapt_config(): 'cfg' must be a whole config, as load_config() "
-                             "or orchard.config.validate() return one: no section %s"
-                             % " or ".join(repr(m) for m in missing))
+                             "or orchard.config.validate() return one: no section %s (a "
+                             "mapping)" % " or ".join(repr(m) for m in missing))
         new = copy.deepcopy(cfg)
         reasons = {}
         model, train, dev = new["model"], new["training"], new["device"]

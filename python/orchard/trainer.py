@@ -325,6 +325,7 @@ class Trainer:
         # A FIFO that no process reads holds the run in open() or write() for ever, where
         # SIGTERM, unlike Ctrl-C, has no second signal to end it: no step is in flight there
         if self.metrics_waiting:
+            self.metrics_waiting = False    # once: a second signal finds the run stopping
             raise _MetricsReaderAbsent()
 
     def _should_stop(self):
@@ -385,13 +386,14 @@ class Trainer:
         path = os.path.join(self.output_dir, METRICS_NAME)
         if self.metrics_given_up:
             return
-        self.metrics_waiting = written_in_place(path)
         try:
+            self.metrics_waiting = written_in_place(path)
             write(path)
         except _MetricsReaderAbsent:
             self.metrics_given_up = True
-            log.warning("stopped while %s waited for a reader: the run's metrics from step %d "
-                        "on are not written there (the checkpoint holds them)", path,
+            log.warning("stopped while writing to %s, a FIFO or device, which waits for its "
+                        "reader: the run's metrics from step %d on are not written there (the "
+                        "checkpoint holds them)", path,
                         self.history[-1]["step"] if self.history else self.step)
         finally:
             self.metrics_waiting = False

@@ -309,13 +309,18 @@ def output_file(text):
 
 def written_where(text):
     """(folder, name) of the file write_atomically makes for the path text: a link's target.
-    ArgumentTypeError for a link that loops: the link itself would be replaced, where the
-    checks for an existing file had not seen one."""
+    ArgumentTypeError for a link that loops (the link itself would be replaced, where the
+    checks for an existing file had not seen one) or that leads into no folder: like a
+    shell's `>`, write_atomically makes none there."""
     try:
         target = replaced_file(text) or text
     except OSError:
         raise argparse.ArgumentTypeError("is a symbolic link that loops (got %r)" % text)
-    return os.path.dirname(os.path.abspath(target)), os.path.basename(target)
+    folder = os.path.dirname(os.path.abspath(target))
+    if os.path.islink(text) and not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError("is a symbolic link to %s, and %s is no folder (got %r)"
+                                         % (target, folder, text))
+    return folder, os.path.basename(target)
 
 
 def folder_problem(folder, name=None):

@@ -11,6 +11,7 @@ decision). --hf-config / --hf-model train a transformers causal LM instead of th
 GPT (orchard.hf_causal_lm). Data parallel: `torchrun --nproc-per-node 2 -m orchard.cli.train
 ...` (gloo); rank 0 writes the checkpoint and metrics.
 """
+import argparse
 import contextlib
 import copy
 import gc
@@ -24,7 +25,7 @@ import tempfile
 
 from .args import (INT_MAX, Parser, UsageError, console_script, debug_requested, device,
                    dotdot_problem, folder_problem, integer, logs_held_until_checked, path,
-                   reading, writing)
+                   reading, writing, written_where)
 
 log = logging.getLogger("orchard")
 
@@ -123,17 +124,18 @@ def check_output(args):
             raise UsageError("argument --output: %s there is a folder, not a file (got %r)"
                              % (name, args.output))
         if os.path.islink(path):    # written through, as by a shell's `>`: where it leads
-            target = os.path.realpath(path)
-            problem = (folder_problem(os.path.dirname(target), os.path.basename(target))
-                       if os.path.isdir(os.path.dirname(target))
-                       else "its folder %s is not there" % os.path.dirname(target))
+            try:
+                problem = folder_problem(*written_where(path))
+            except argparse.ArgumentTypeError as exc:
+                problem = str(exc)
             if problem:
-                raise UsageError("argument --output: %s there links to %s, which cannot be "
-                                 "written: %s (got %r)" % (name, target, problem, args.output))
+                raise UsageError("argument --output: %s there cannot be written: %s"
+                                 % (name, problem))
     metrics = os.path.join(args.output, "metrics.jsonl")
-    # a resumed run appends to its metrics a line at a time: a file this user may not write
-    # failed at the first log line, after the steps before it
-    if not args.overwrite and os.path.isfile(metrics) and not os.access(metrics, os.W_OK):
+    # continuing its own run, orchard-train appends to its metrics (--overwrite keeps them
+    # then): a file this user may not write failed at the first log line
+    if continues_its_own_run(args) and os.path.isfile(metrics) and not os.access(metrics,
+                                                                                 os.W_OK):
         raise UsageError("argument --output: its metrics (%s) cannot be written: permission "
                          "denied (got %r)" % (metrics, args.output))
     path = os.path.join(args.output, "checkpoint.pt")
