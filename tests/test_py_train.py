@@ -853,8 +853,9 @@ def test_overflowing_weights_are_a_one_line_error_for_generate(run_files, tmp_pa
 
 
 def test_generate_prompts_that_cannot_be_encoded(run_files, tmp_path, capsys):
-    """A model of token ids has no default prompt, and text that is not valid Unicode (lone
-    surrogates, from bytes the terminal could not decode) is one error line naming it."""
+    """A model of token ids has no default prompt, and text that is not valid Unicode (a lone
+    surrogate that no byte of the command line stands behind) is one error line naming it;
+    bytes that are not UTF-8 (surrogate escapes) go to a byte-level model as they are."""
     from orchard.cli import generate
 
     ids = tmp_path / "ids.json"
@@ -869,12 +870,14 @@ def test_generate_prompts_that_cannot_be_encoded(run_files, tmp_path, capsys):
                              # int() reads these, but they are no token ids
                              (out, ["--prompt", "17_0 4"], ["--prompt", "token ids", "'17_0 4'"]),
                              (out, ["--prompt", "\u0663"], ["--prompt", "token ids"]),
-                             (text_run, ["--prompt", "ab\udcff"], ["--prompt", "'ab\\udcff'"])):
+                             (text_run, ["--prompt", "ab\ud83d"], ["--prompt", "'ab\\ud83d'"])):
         assert generate.main(["--checkpoint", str(run), "--max-new-tokens", "2"] + argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and all(w in err[0] for w in words), err
     assert generate.main(["--checkpoint", str(out), "--prompt", "1 2", "--max-new-tokens",
                           "2"]) == 0
+    assert generate.main(["--checkpoint", str(text_run), "--prompt", "ab\udcff",
+                          "--max-new-tokens", "2"]) == 0
 
 
 def test_max_steps_past_one_epoch_and_large_seeds(run_files, tmp_path, caplog):

@@ -435,12 +435,6 @@ def build_trainer(args):
             raise DataError("%s: %s" % (data_info["source"], exc)) from None
     except CheckpointError as exc:      # contents that do not make the model (checkpoint_contents)
         raise UsageError("argument --resume: %s" % exc) from None
-    except ConfigError as exc:  # a batch torchrun's processes do not divide: whose it is
-        if state is not None:
-            raise UsageError("argument --resume: checkpoint %s: %s"
-                             % (checkpoint_path(args.resume), exc)) from None
-        with reading("--config", args.config):
-            raise ConfigError("%s: %s" % (args.config, exc) if args.config else str(exc)) from None
     except HFModelError as exc:
         if state is not None:   # the checkpoint's hf_config: the message names the file
             raise UsageError("argument --resume: %s" % exc) from None
@@ -449,6 +443,14 @@ def build_trainer(args):
         # a pretrained folder's messages name it; a config file's are named here
         raise UsageError("argument %s: %s%s" % (hf_flag, "" if args.hf_model else
                                                  hf_path + ": ", exc)) from None
+    except ConfigError as exc:
+        # (after HFModelError, which is one) a batch torchrun's processes do not divide:
+        # the file it came from
+        if state is not None:
+            raise UsageError("argument --resume: checkpoint %s: %s"
+                             % (checkpoint_path(args.resume), exc)) from None
+        with reading("--config", args.config):
+            raise ConfigError("%s: %s" % (args.config, exc) if args.config else str(exc)) from None
 
 
 def check_rendezvous(world):
