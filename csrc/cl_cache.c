@@ -22,6 +22,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -35,12 +36,15 @@
 
 /* Caching off for a reason the user did not ask for: said once in the log, so that a process
  * that rebuilds every program shows why (an unset HOME had turned it off without a word). */
-static int cache_off(const char *fmt, const char *dir, const char *why)
+static __attribute__((format(printf, 1, 2))) int cache_off(const char *fmt, ...)
 {
     static int warned;
     if (!__atomic_exchange_n(&warned, 1, __ATOMIC_RELAXED)) {
         char line[4400];
-        snprintf(line, sizeof(line), fmt, dir, why);
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(line, sizeof(line), fmt, ap);
+        va_end(ap);
         or_log("orchard: the OpenCL program cache is off: %s", line);
     }
     return 0;
@@ -61,10 +65,10 @@ int or_cache_dir(char *out, size_t size)
     else if (home != NULL && home[0] != '\0')
         n = snprintf(out, size, "%s/.cache/orchard", home);
     else
-        return cache_off("%s%s", "", "no folder is named (ORCHARD_CACHE_DIR, an absolute "
-                         "XDG_CACHE_HOME or HOME)");
+        return cache_off("no folder is named (ORCHARD_CACHE_DIR, an absolute XDG_CACHE_HOME "
+                         "or HOME)");
     if (n <= 0 || (size_t)n >= size)
-        return cache_off("its folder's name is %s%s", "", "too long");
+        return cache_off("its folder's name is too long");
     for (char *p = out + 1; *p; p++) {          /* mkdir -p, private to the user */
         if (*p != '/')
             continue;
@@ -80,7 +84,7 @@ int or_cache_dir(char *out, size_t size)
     if (errno != EEXIST)
         return cache_off("%s cannot be made (%s)", out, strerror(errno));
     if (stat(out, &st) != 0 || !S_ISDIR(st.st_mode))
-        return cache_off("%s is %s", out, "not a folder");
+        return cache_off("%s is not a folder", out);
     /* its binaries are loaded and run (native code on PoCL): only from a folder that no one
      * else owns or may write to */
     if (st.st_uid == geteuid() && !(st.st_mode & (S_IWGRP | S_IWOTH)))
